@@ -1,0 +1,31 @@
+# One entry point for a fresh machine: `make demo` and `make test` create .venv themselves.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Without a GPU, take the CPU build of torch (a local file on these machines), never a CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/embcache demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-slow: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m slow --timeout=3600
+
+bench: setup
+	$(VENV)/bin/embcache bench store
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
