@@ -1,0 +1,33 @@
+"""lightning_embcache: trainable per-sample embedding rows for datasets larger than RAM."""
+
+from lightning_embcache.store import (
+    CorruptStoreError,
+    DiskFullError,
+    EmbeddingStore,
+    ForkedWriterError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    ReadOnlyError,
+    StoreClosedError,
+    StoreError,
+    StoreLockedError,
+    StoreStats,
+    VersionNotFoundError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CorruptStoreError",
+    "DiskFullError",
+    "EmbeddingStore",
+    "ForkedWriterError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "ReadOnlyError",
+    "StoreClosedError",
+    "StoreError",
+    "StoreLockedError",
+    "StoreStats",
+    "VersionNotFoundError",
+]

@@ -1,0 +1,318 @@
+"""Cold tier: the on-disk, log-structured layout (see docs/store-format.md).
+
+    META                     immutable table description (rows, schema, chunking, init)
+    manifest-<version>       one per retained version: chunk map generation + segment list
+    chunkmap-<gen>           per chunk, the generation of its base file (0 = never written)
+    chunks/c<chunk>-g<gen>   immutable base chunk (raw or LZ4)
+    segments/s<seq>          immutable delta segment: the rows one flush (or one write-back) wrote
+    PINS                     versions that must never be reclaimed (checkpoints)
+    LOCK                     the writer's flock
+
+A flush writes one segment (O(dirty rows)) and one small manifest; background compaction folds
+segments into new base chunk files. Every file is checksummed; every replacement is atomic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lz4.block
+import numpy as np
+
+from .errors import CorruptStoreError, VersionNotFoundError
+from .fileio import HEADER_SIZE, crc32, pack, parse_header, read_file, write_file, write_parts
+from .warm import MIN_RATIO
+
+_SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows
+_CHUNK_HEAD = struct.Struct("<QQQB")  # chunk, rows, raw length, compressed flag
+MANIFEST_RE = re.compile(r"^manifest-(\d{12})$")
+SEGMENT_RE = re.compile(r"^s(\d{12})$")
+CHUNK_RE = re.compile(r"^c(\d+)-g(\d+)$")
+
+
+@dataclass
+class Segment:
+    """An immutable delta segment: sorted unique ids and their records, indexed by chunk."""
+
+    seq: int
+    path: Path
+    ids: np.ndarray  # int64, sorted
+    idx_chunk: np.ndarray  # int64 chunk of each index entry
+    idx_start: np.ndarray  # first row position in the segment
+    idx_count: np.ndarray
+    idx_crc: np.ndarray
+    records_offset: int
+    row_bytes: int
+    nbytes: int = 0
+    _fd: int | None = field(default=None, repr=False)
+
+    def rows_of_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids, records) this segment holds for ``chunk``, checksum-verified; None if none."""
+        i = int(np.searchsorted(self.idx_chunk, chunk))
+        if i >= len(self.idx_chunk) or self.idx_chunk[i] != chunk:
+            return None
+        start, count = int(self.idx_start[i]), int(self.idx_count[i])
+        data = self._read(self.records_offset + start * self.row_bytes, count * self.row_bytes)
+        if crc32(data) != int(self.idx_crc[i]):
+            raise CorruptStoreError(self.path, f"records of chunk {chunk} fail their checksum")
+        return self.ids[start : start + count], np.frombuffer(data, np.uint8).reshape(count, self.row_bytes)
+
+    def read_all(self) -> np.ndarray:
+        recs = np.empty((len(self.ids), self.row_bytes), np.uint8)
+        for i in range(len(self.idx_chunk)):
+            got = self.rows_of_chunk(int(self.idx_chunk[i]))
+            assert got is not None
+            s = int(self.idx_start[i])
+            recs[s : s + len(got[0])] = got[1]
+        return recs
+
+    def _read(self, offset: int, n: int) -> bytes:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        data = os.pread(self._fd, n, offset)
+        if len(data) != n:
+            raise CorruptStoreError(self.path, f"truncated: wanted {n} bytes at offset {offset}, got {len(data)}")
+        return data
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass
+class Manifest:
+    version: int
+    chunkmap: int  # generation of the chunkmap file; 0 = every chunk unwritten
+    segments: list[int]  # segment seqs, oldest first
+    parent: int = 0
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {"version": self.version, "chunkmap": self.chunkmap, "segments": self.segments,
+             "parent": self.parent, "time": time.time()}
+        ).encode()
+
+
+class Disk:
+    """Reads and writes the files of one store directory. Not thread-safe: the store serialises."""
+
+    def __init__(self, root: Path, num_rows: int, chunk_rows: int, row_bytes: int) -> None:
+        self.root = root
+        self.num_rows = num_rows
+        self.chunk_rows = chunk_rows
+        self.row_bytes = row_bytes
+        self.num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    # ---- paths -------------------------------------------------------------------------------
+    def manifest_path(self, version: int) -> Path:
+        return self.root / f"manifest-{version:012d}"
+
+    def segment_path(self, seq: int) -> Path:
+        return self.root / "segments" / f"s{seq:012d}"
+
+    def chunk_path(self, chunk: int, gen: int) -> Path:
+        return self.root / "chunks" / f"c{chunk:08d}-g{gen:08d}"
+
+    def chunkmap_path(self, gen: int) -> Path:
+        return self.root / f"chunkmap-{gen:08d}"
+
+    # ---- meta, pins --------------------------------------------------------------------------
+    @staticmethod
+    def write_meta(root: Path, meta: dict) -> None:
+        (root / "segments").mkdir(parents=True, exist_ok=True)
+        (root / "chunks").mkdir(exist_ok=True)
+        write_file(root / "META", b"meta", json.dumps(meta).encode())
+
+    @staticmethod
+    def read_meta(root: Path) -> dict:
+        return json.loads(read_file(root / "META", b"meta"))
+
+    def read_pins(self) -> set[int]:
+        p = self.root / "PINS"
+        if not p.exists():
+            return set()
+        return set(json.loads(read_file(p, b"pins"))["pinned"])
+
+    def write_pins(self, pins: set[int]) -> None:
+        self.bytes_written += write_file(self.root / "PINS", b"pins", json.dumps({"pinned": sorted(pins)}).encode())
+
+    # ---- manifests ---------------------------------------------------------------------------
+    def list_versions(self) -> list[int]:
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := MANIFEST_RE.match(p.name)))
+
+    def read_manifest(self, version: int) -> Manifest:
+        path = self.manifest_path(version)
+        if not path.exists():
+            have = self.list_versions()
+            raise VersionNotFoundError(
+                f"version={version} of store {self.root} is not retained; retained versions: {have}"
+            )
+        obj = json.loads(read_file(path, b"manifest"))
+        if obj["version"] != version:
+            raise CorruptStoreError(path, f"names version {obj['version']}, expected {version}")
+        return Manifest(obj["version"], obj["chunkmap"], list(obj["segments"]), obj.get("parent", 0))
+
+    def manifest_checksum(self, version: int) -> str:
+        path = self.manifest_path(version)
+        head = path.read_bytes()[:HEADER_SIZE] if path.exists() else b""
+        if not head:
+            raise VersionNotFoundError(f"version={version} of store {self.root} is not retained")
+        _, pcrc = parse_header(path, head, b"manifest")
+        return f"{pcrc:08x}"
+
+    def write_manifest(self, m: Manifest) -> None:
+        self.bytes_written += write_file(self.manifest_path(m.version), b"manifest", m.to_bytes())
+
+    # ---- chunk map ---------------------------------------------------------------------------
+    def read_chunkmap(self, gen: int) -> np.ndarray:
+        if gen == 0:
+            return np.zeros(self.num_chunks, np.int32)
+        data = read_file(self.chunkmap_path(gen), b"chunkmap")
+        arr = np.frombuffer(data, np.int32).copy()
+        if len(arr) != self.num_chunks:
+            raise CorruptStoreError(self.chunkmap_path(gen), f"has {len(arr)} chunks, expected {self.num_chunks}")
+        return arr
+
+    def write_chunkmap(self, gen: int, cmap: np.ndarray) -> None:
+        self.bytes_written += write_file(self.chunkmap_path(gen), b"chunkmap", cmap.astype(np.int32).tobytes())
+
+    # ---- base chunks -------------------------------------------------------------------------
+    def chunk_rows_of(self, chunk: int) -> int:
+        return min(self.chunk_rows, self.num_rows - chunk * self.chunk_rows)
+
+    def read_chunk(self, chunk: int, gen: int) -> np.ndarray:
+        path = self.chunk_path(chunk, gen)
+        payload = read_file(path, b"chunk")
+        c, rows, raw_len, compressed = _CHUNK_HEAD.unpack_from(payload)
+        body = memoryview(payload)[_CHUNK_HEAD.size :]
+        if c != chunk or rows != self.chunk_rows_of(chunk) or raw_len != rows * self.row_bytes:
+            raise CorruptStoreError(path, f"describes chunk {c} with {rows} rows; expected chunk {chunk}")
+        raw = lz4.block.decompress(body, uncompressed_size=raw_len) if compressed else bytes(body)
+        self.bytes_read += len(payload) + HEADER_SIZE
+        return np.frombuffer(bytearray(raw), np.uint8).reshape(rows, self.row_bytes)
+
+    def write_chunk(self, chunk: int, gen: int, records: np.ndarray, compress: bool) -> None:
+        raw = records.tobytes()
+        body, flag = raw, 0
+        if compress:
+            packed = lz4.block.compress(raw, store_size=False)
+            if len(raw) >= MIN_RATIO * len(packed):
+                body, flag = packed, 1
+        head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), flag)
+        self.bytes_written += write_file(self.chunk_path(chunk, gen), b"chunk", head + body)
+
+    # ---- segments ----------------------------------------------------------------------------
+    def write_segment(self, seq: int, ids: np.ndarray, records: np.ndarray) -> Segment:
+        """Write sorted unique ``ids`` and their ``records`` as segment ``seq``, durably."""
+        chunks = ids // self.chunk_rows
+        starts = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1]]) if len(ids) else np.zeros(0, np.int64)
+        counts = np.diff(np.r_[starts, len(ids)])
+        flat = records.reshape(-1) if len(ids) else np.zeros(0, np.uint8)
+        rb = self.row_bytes
+        crcs = np.array([crc32(flat[s * rb : (s + n) * rb]) for s, n in zip(starts.tolist(), counts.tolist())], np.int64)
+        index = np.stack([chunks[starts], starts, counts, crcs]).astype(np.int64) if len(ids) else np.zeros((4, 0), np.int64)
+        directory = _SEG_HEAD.pack(len(ids), rb, index.shape[1], self.chunk_rows) + ids.astype(np.int64).tobytes() + index.tobytes()
+        path = self.segment_path(seq)
+        parts = pack(b"segment", directory) + [np.ascontiguousarray(records).reshape(-1)]
+        n = write_parts(path, parts)
+        self.bytes_written += n
+        return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
+                       HEADER_SIZE + len(directory), rb, n)
+
+    def open_segment(self, seq: int) -> Segment:
+        path = self.segment_path(seq)
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(HEADER_SIZE)
+                length, pcrc = parse_header(path, head, b"segment")
+                directory = f.read(length)
+        except FileNotFoundError:
+            raise CorruptStoreError(path, "missing: a manifest lists it but it is gone") from None
+        if len(directory) != length or crc32(directory) != pcrc:
+            raise CorruptStoreError(path, "segment directory is truncated or fails its checksum")
+        n, rb, entries, chunk_rows = _SEG_HEAD.unpack_from(directory)
+        if rb != self.row_bytes or chunk_rows != self.chunk_rows:
+            raise CorruptStoreError(path, f"row size {rb}/chunk rows {chunk_rows} do not match the store")
+        off = _SEG_HEAD.size
+        ids = np.frombuffer(directory, np.int64, n, off)
+        index = np.frombuffer(directory, np.int64, 4 * entries, off + 8 * n).reshape(4, entries)
+        records_offset = HEADER_SIZE + length
+        if size != records_offset + n * rb:
+            raise CorruptStoreError(path, f"truncated: {size} bytes, expected {records_offset + n * rb}")
+        self.bytes_read += records_offset
+        return Segment(seq, path, ids.copy(), index[0].copy(), index[1].copy(), index[2].copy(), index[3].copy(),
+                       records_offset, rb, size)
+
+    # ---- garbage -----------------------------------------------------------------------------
+    def referenced(self, versions: list[int]) -> tuple[set[int], set[int], set[tuple[int, int]]]:
+        """(segments, chunkmap generations, (chunk, gen) base files) used by ``versions``."""
+        segs: set[int] = set()
+        gens: set[int] = set()
+        files: set[tuple[int, int]] = set()
+        for v in versions:
+            try:
+                m = self.read_manifest(v)
+            except VersionNotFoundError:
+                continue
+            segs.update(m.segments)
+            if m.chunkmap not in gens:
+                gens.add(m.chunkmap)
+                cmap = self.read_chunkmap(m.chunkmap)
+                nz = np.flatnonzero(cmap)
+                files.update(zip(nz.tolist(), cmap[nz].tolist()))
+        return segs, gens, files
+
+    def collect_garbage(self, keep_versions: list[int], keep_segments: set[int], keep_gens: set[int]) -> int:
+        """Delete files no kept version uses (crash leftovers, compacted deltas); return bytes freed."""
+        segs, gens, files = self.referenced(keep_versions)
+        segs |= keep_segments
+        gens |= keep_gens
+        freed = 0
+
+        def drop(p: Path) -> None:
+            nonlocal freed
+            try:
+                freed += p.stat().st_size
+                p.unlink()
+            except FileNotFoundError:  # tolerate a concurrent delete
+                pass
+
+        for p in self.root.iterdir():
+            if p.name.startswith(".") and ".tmp" in p.name:
+                drop(p)
+            elif p.name.startswith("chunkmap-") and int(p.name.split("-")[1]) not in gens:
+                drop(p)
+        for p in (self.root / "segments").iterdir():
+            m = SEGMENT_RE.match(p.name)
+            if (m and int(m.group(1)) not in segs) or (p.name.startswith(".") and ".tmp" in p.name):
+                drop(p)
+        for p in (self.root / "chunks").iterdir():
+            m = CHUNK_RE.match(p.name)
+            if (m and (int(m.group(1)), int(m.group(2))) not in files) or (p.name.startswith(".") and ".tmp" in p.name):
+                drop(p)
+        return freed
+
+    def disk_bytes(self) -> int:
+        total = 0
+        for d in (self.root, self.root / "segments", self.root / "chunks"):
+            with os.scandir(d) as it:
+                for e in it:
+                    if e.is_file():
+                        total += e.stat().st_size
+        return total
+
+    def max_seq_and_gen(self) -> tuple[int, int]:
+        seq = max((int(m.group(1)) for p in (self.root / "segments").iterdir() if (m := SEGMENT_RE.match(p.name))), default=0)
+        gen = max((int(p.name.split("-")[1]) for p in self.root.iterdir() if p.name.startswith("chunkmap-")), default=0)
+        cgen = max((int(m.group(2)) for p in (self.root / "chunks").iterdir() if (m := CHUNK_RE.match(p.name))), default=0)
+        return seq, max(gen, cgen)

@@ -1,0 +1,137 @@
+"""Hot tier: uncompressed records in RAM on huge pages, within a byte budget.
+
+Two layouts share one interface. *Resident* (``hot_bytes=None``): slot == id, the whole table is
+one flat buffer and a lookup is a single gather. *Cached*: a fixed pool of slots, an id -> slot
+map and CLOCK eviction, all vectorised in numpy so a batch costs a handful of array operations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .memory import PageBuffer, zeros
+
+# Per-slot bookkeeping of the cached layout: id (8) + reference bit (1) + dirty (1) + in-flight (1).
+SLOT_OVERHEAD = 11
+
+
+class HotTier:
+    def __init__(self, num_rows: int, row_bytes: int, chunk_rows: int, capacity: int | None) -> None:
+        self.num_rows = num_rows
+        self.row_bytes = row_bytes
+        self.chunk_rows = chunk_rows
+        self.resident = capacity is None
+        self.capacity = num_rows if capacity is None else int(capacity)
+        self.limit = self.capacity  # usable slots (set_budget can lower it without reallocating)
+        self.buffer = PageBuffer(self.capacity * row_bytes)
+        self.pool = self.buffer.tensor(self.capacity, row_bytes)  # uint8 (capacity, row_bytes)
+        self.pool_np = self.pool.numpy()
+        self.dirty = zeros(self.capacity, np.bool_)
+        self.inflight = zeros(self.capacity, np.bool_)
+        if self.resident:
+            num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
+            self.loaded = zeros(num_chunks, np.bool_)
+        else:
+            self.slot_of = zeros(num_rows, np.int32)  # slot + 1; 0 = not resident
+            self.id_of = np.full(self.capacity, -1, np.int64)
+            self.ref = zeros(self.capacity, np.uint8)
+            self.free = list(range(self.capacity - 1, -1, -1))
+            self.hand = 0
+        self.used = 0
+
+    # ---- lookup ------------------------------------------------------------------------------
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Slots of ``ids``; -1 where not resident. Marks hits as recently used."""
+        if self.resident:
+            c = ids // self.chunk_rows
+            ok = self.loaded[c]
+            return ids if ok.all() else np.where(ok, ids, -1)
+        s = self.slot_of[ids].astype(np.int64) - 1
+        hit = s[s >= 0]
+        self.ref[hit] = 1
+        return s
+
+    def nbytes(self) -> int:
+        """Bytes of records held now (what the budget bounds)."""
+        if self.resident:
+            return int(self.loaded.sum()) * self.chunk_rows * self.row_bytes
+        return self.used * (self.row_bytes + SLOT_OVERHEAD)
+
+    def budget_bytes(self) -> int:
+        return self.limit * (self.row_bytes + (0 if self.resident else SLOT_OVERHEAD))
+
+    # ---- cached layout: allocation and eviction ----------------------------------------------
+    def victims(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
+        """Choose ``n`` occupied slots to evict by CLOCK (skipping in-flight and protected)."""
+        out: list[np.ndarray] = []
+        need = n
+        scanned = 0
+        cap = self.limit
+        while need > 0 and scanned < 3 * cap:
+            w = min(max(4 * need, 1024), cap)
+            idx = (np.arange(self.hand, self.hand + w) % cap)
+            occupied = self.id_of[idx] >= 0
+            cand = occupied & (self.ref[idx] == 0) & ~self.inflight[idx]
+            if protect is not None and len(protect):
+                cand &= ~np.isin(idx, protect)
+            picked = idx[cand][:need]
+            # Second chance: clear reference bits of what the hand passed over.
+            stop = w if len(picked) < need else int(np.flatnonzero(cand)[need - 1]) + 1
+            self.ref[idx[:stop]] = 0
+            self.hand = (self.hand + stop) % cap
+            scanned += stop
+            out.append(picked)
+            need -= len(picked)
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def take_free(self, n: int) -> np.ndarray:
+        k = min(n, len(self.free))
+        got = [self.free.pop() for _ in range(k)]
+        return np.asarray(got, np.int64)
+
+    def install(self, ids: np.ndarray, slots: np.ndarray, records: np.ndarray | torch.Tensor) -> None:
+        self.pool_np[slots] = records
+        self.slot_of[ids] = (slots + 1).astype(np.int32)
+        self.id_of[slots] = ids
+        self.ref[slots] = 1
+        self.used += len(slots)
+
+    def drop(self, slots: np.ndarray) -> None:
+        """Forget the rows in ``slots`` (already written back if dirty)."""
+        ids = self.id_of[slots]
+        self.slot_of[ids] = 0
+        self.id_of[slots] = -1
+        self.dirty[slots] = False
+        self.ref[slots] = 0
+        self.free.extend(slots.tolist())
+        self.used -= len(slots)
+
+    def set_limit(self, slots: int) -> None:
+        """Usable slot count (<= capacity); the caller has already emptied slots >= slots."""
+        self.limit = max(1, min(int(slots), self.capacity))
+        self.free = [s for s in self.free if s < self.limit]
+        if self.hand >= self.limit:
+            self.hand = 0
+        self.buffer.release(self.limit * self.row_bytes, (self.capacity - self.limit) * self.row_bytes)
+
+    def grow_limit(self, slots: int) -> None:
+        old = self.limit
+        self.limit = max(1, min(int(slots), self.capacity))
+        self.free.extend(range(self.limit - 1, old - 1, -1))
+
+    # ---- resident layout ---------------------------------------------------------------------
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        lo = chunk * self.chunk_rows
+        return lo, min(lo + self.chunk_rows, self.num_rows)
+
+    def unload_chunk(self, chunk: int) -> None:
+        lo, hi = self.chunk_range(chunk)
+        self.loaded[chunk] = False
+        self.dirty[lo:hi] = False
+        self.buffer.release(lo * self.row_bytes, (hi - lo) * self.row_bytes)
+
+    def close(self) -> None:
+        self.pool = None  # type: ignore[assignment]
+        self.pool_np = None  # type: ignore[assignment]
+        self.buffer.close()

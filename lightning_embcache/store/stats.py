@@ -1,0 +1,55 @@
+"""StoreStats: what the store did, for logs, the profiler and the memory-pressure callback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class StoreStats:
+    """A snapshot; counters are cumulative since the store was opened.
+
+    ``io_wait_seconds`` is the wall time callers spent inside get/update/flush/prefetch: the
+    share of a training step the StepProfiler reports as ``store_io``.
+    """
+
+    hot_bytes: int = 0
+    warm_bytes: int = 0
+    hot_budget_bytes: int = 0
+    warm_budget_bytes: int = 0
+    disk_bytes: int = 0
+    hot_hits: int = 0
+    hot_misses: int = 0
+    warm_hits: int = 0
+    warm_misses: int = 0
+    cold_reads: int = 0
+    dirty_rows: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    flushes: int = 0
+    flushed_rows: int = 0
+    compactions: int = 0
+    compression_ratio: float = 1.0
+    io_wait_seconds: float = 0.0
+    version: int = 0
+    prefetched_rows: int = 0
+    evicted_bytes: int = 0
+    gets: int = 0
+    updates: int = 0
+    segments: int = 0
+    pending_segments: int = 0
+
+    _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions",
+                 "prefetched_rows", "evicted_bytes", "gets", "updates")
+
+    @classmethod
+    def counter_fields(cls) -> tuple[str, ...]:
+        return cls._COUNTERS
+
+    @property
+    def hot_hit_rate(self) -> float:
+        total = self.hot_hits + self.hot_misses
+        return self.hot_hits / total if total else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
