@@ -14,6 +14,7 @@ from lightning_embcache.store import (
     StoreStats,
     VersionNotFoundError,
 )
+from lightning_embcache.profiling import StepProfiler
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "StoreClosedError",
     "StoreError",
     "StoreLockedError",
+    "StepProfiler",
     "StoreStats",
     "VersionNotFoundError",
 ]

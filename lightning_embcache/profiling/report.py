@@ -1,0 +1,91 @@
+"""The fit-end table and the optional stacked-bar chart of the phase breakdown per epoch."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Union
+
+from lightning_embcache.profiling.timeline import PHASES
+
+log = logging.getLogger(__name__)
+
+
+def overall(epochs: list[dict]) -> Optional[dict]:
+    """Batch-weighted means over all epochs of a summary (same keys as one epoch's dict)."""
+    batches = sum(e["batches"] for e in epochs)
+    if not batches:
+        return None
+    wall = sum(e["epoch_seconds"] for e in epochs)
+    phases = {p: sum(e["phases_ms"][p] * e["batches"] for e in epochs) / batches for p in PHASES}
+    maxima = {p: max(e["phases_max_ms"][p] for e in epochs if e["batches"]) for p in PHASES}
+    steady_n = sum(e["steady_batches"] for e in epochs)
+    steady = (sum(e["steady_batch_ms"] * e["steady_batches"] for e in epochs) / steady_n
+              if steady_n else None)
+    return {"batches": batches, "epoch_seconds": wall, "avg_batch_ms": 1e3 * wall / batches,
+            "steady_batch_ms": steady, "phases_ms": phases, "phases_max_ms": maxima,
+            "world_size": epochs[-1]["world_size"], "timeline": epochs[-1]["timeline"],
+            "slowest_rank": epochs[-1]["slowest_rank"],
+            "rank_spread_pct": max(e["rank_spread_pct"] for e in epochs)}
+
+
+def format_table(epochs: list[dict]) -> str:
+    """The table printed at fit end: phase, ms/step, % of step, per-rank max."""
+    tot = overall(epochs)
+    if tot is None:
+        return "StepProfiler: no training batches were profiled."
+    step = sum(tot["phases_ms"].values())
+    lines = [
+        f"StepProfiler: {tot['batches']} batches in {len(epochs)} epoch(s), "
+        f"{tot['epoch_seconds']:.3f} s of training, timeline: {tot['timeline']}, ranks: {tot['world_size']}",
+        f"{'phase':<12}{'ms/step':>11}{'% of step':>11}{'rank max':>11}",
+    ]
+    for p in PHASES:
+        ms = tot["phases_ms"][p]
+        pct = 100.0 * ms / step if step > 0 else 0.0
+        lines.append(f"{p:<12}{ms:>11.3f}{pct:>10.1f}%{tot['phases_max_ms'][p]:>11.3f}")
+    lines.append(f"{'step':<12}{step:>11.3f}{100.0:>10.1f}%")
+    steady = tot["steady_batch_ms"]
+    lines.append(f"true average batch: {tot['avg_batch_ms']:.3f} ms (wall / batches, warm-up included); "
+                 f"steady: {'n/a' if steady is None else f'{steady:.3f} ms'}")
+    last = epochs[-1]
+    if last.get("samples_per_sec") is not None:
+        lines.append(f"throughput (last epoch): {last['samples_per_sec']:.1f} samples/s")
+    if last.get("predicted_epoch_seconds") is not None:
+        lines.append(f"predicted epoch time ({last['epoch_batches']} batches): "
+                     f"{last['predicted_epoch_seconds']:.1f} s")
+    if tot["world_size"] > 1:
+        lines.append(f"slowest rank (last epoch): {tot['slowest_rank']}; "
+                     f"spread of batch time across ranks: {tot['rank_spread_pct']:.1f}%")
+    dominant = max(PHASES, key=lambda p: tot["phases_ms"][p])
+    lines.append(f"dominant phase: {dominant} (see docs/profiler.md for what to do about it)")
+    return "\n".join(lines)
+
+
+def save_plot(epochs: list[dict], path: Union[str, Path]) -> bool:
+    """Stacked bars of ms/step per phase, one bar per epoch. False (and a warning) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("StepProfiler(plot=%r): matplotlib is not installed, so no chart was saved "
+                    "(pip install 'lightning_embcache[plot]').", str(path))
+        return False
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(epochs) + 2.0), 4.0))
+    xs = [str(e["epoch"]) for e in epochs]
+    bottom = [0.0] * len(epochs)
+    for p in PHASES:
+        heights = [e["phases_ms"][p] for e in epochs]
+        ax.bar(xs, heights, bottom=bottom, label=p)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("ms per training step")
+    ax.set_title("StepProfiler: where each step's time goes")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True

@@ -1,0 +1,68 @@
+"""A pass-through wrapper around the Trainer's profiler that reports chosen actions to a callback.
+
+Lightning brackets the loader's ``next()`` with ``profiler.start/stop("[_TrainingEpochLoop].
+train_dataloader_next")``, the host-to-device transfer with ``[Strategy]<name>.batch_to_device``
+and the optimizer step with ``[LightningModule]<name>.optimizer_step`` (automatic optimization) or
+``optimizer_step`` (manual optimization). Wrapping the profiler is the public way to see those
+boundaries; every call still reaches the user's own profiler unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from lightning.pytorch.profilers import PassThroughProfiler, Profiler
+
+
+class ProfilerTap(Profiler):
+    """Forwards everything to ``inner``; calls ``on_start[action]()`` / ``on_stop[action]()`` first."""
+
+    def __init__(self, inner: Profiler, on_start: dict[str, Callable[[], None]],
+                 on_stop: dict[str, Callable[[], None]]) -> None:
+        # Profiler.__init__ is deliberately not called: its attributes belong to `inner`, and
+        # __getattr__ forwards them there.
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "_on_start", on_start)
+        object.__setattr__(self, "_on_stop", on_stop)
+        passthrough = type(inner) is PassThroughProfiler
+        object.__setattr__(self, "_inner_start", None if passthrough else inner.start)
+        object.__setattr__(self, "_inner_stop", None if passthrough else inner.stop)
+
+    def start(self, action_name: str) -> None:
+        hook = self._on_start.get(action_name)
+        if hook is not None:
+            hook()
+        if self._inner_start is not None:
+            self._inner_start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        if self._inner_stop is not None:
+            self._inner_stop(action_name)
+        hook = self._on_stop.get(action_name)
+        if hook is not None:
+            hook()
+
+    # everything else is the inner profiler's business
+    def summary(self) -> str:
+        return self.inner.summary()
+
+    def describe(self) -> None:
+        self.inner.describe()
+
+    def setup(self, stage: str, local_rank: Optional[int] = None, log_dir: Optional[str] = None) -> None:
+        self.inner.setup(stage, local_rank=local_rank, log_dir=log_dir)
+
+    def teardown(self, stage: Optional[str]) -> None:
+        self.inner.teardown(stage)
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for attributes not found on the tap itself
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.inner, name, value)
+
+    def __del__(self) -> None:
+        pass  # the inner profiler tears itself down
