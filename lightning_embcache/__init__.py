@@ -15,16 +15,20 @@ from lightning_embcache.store import (
     VersionNotFoundError,
 )
 from lightning_embcache.profiling import StepProfiler
+from lightning_embcache.lightning import DeferredSync, EmbeddingStoreMixin, MemoryPressure
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CorruptStoreError",
+    "DeferredSync",
     "DiskFullError",
     "EmbeddingStore",
+    "EmbeddingStoreMixin",
     "ForkedWriterError",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "MemoryPressure",
     "ReadOnlyError",
     "StoreClosedError",
     "StoreError",

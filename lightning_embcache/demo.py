@@ -1,0 +1,291 @@
+"""`embcache demo`: train an auto-decoder whose per-sample latent codes live in a disk store.
+
+Each of N samples has a target vector generated on the fly from its id; the model learns one
+latent code per sample (rows of an `EmbeddingStore`, updated directly) and a small decoder
+(ordinary parameters, Adam). The table is larger than the store's RAM budget, so rows stream
+between RAM and disk while DeferredSync, MemoryPressure, ModelCheckpoint and (if present)
+StepProfiler run. The report gives epoch times, store figures and memory.
+
+    embcache demo                          # 1M samples x 64-dim codes, 1 epoch
+    embcache demo --samples 20000 --max-steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import lightning as L
+import psutil
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_embcache.lightning import DeferredSync, EmbeddingStoreMixin, MemoryPressure
+
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------- data
+class SyntheticTargets:
+    """Sample i's target: ``tanh(W sin(f * i + p))``, computed from the id, so any N costs no memory."""
+
+    def __init__(self, num_samples: int, out_dim: int = 32, true_dim: int = 8, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.num_samples = num_samples
+        self.freq = torch.rand(true_dim, generator=g, dtype=torch.float64) * 3.0 + 0.01
+        self.phase = torch.rand(true_dim, generator=g, dtype=torch.float64) * 6.283
+        self.proj = torch.randn(true_dim, out_dim, generator=g) / math.sqrt(true_dim)
+
+    def __getitem__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        true = torch.sin(ids.double()[:, None] * self.freq + self.phase).float()
+        return ids, torch.tanh(true @ self.proj)
+
+
+class EpochBatches:
+    """Shuffled batches of ids, the same order for an epoch however often it is replayed."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int = 0) -> None:
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:  # called by Lightning before each epoch
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_samples, generator=g)
+        skip, self.skip = self.skip, 0
+        yield from order.split(self.batch_size)[skip:]
+
+
+class ResumableLoader:
+    """A DataLoader over `EpochBatches` that Lightning can checkpoint mid-epoch (state_dict/load_state_dict).
+
+    Resuming replays the rest of the interrupted epoch in the same order, which is what makes a
+    resumed run equal an uninterrupted one.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, out_dim: int, seed: int, num_workers: int) -> None:
+        self.sampler = EpochBatches(num_samples, batch_size, seed)
+        self.loader = DataLoader(SyntheticTargets(num_samples, out_dim, seed=seed), sampler=self.sampler,
+                                 batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
+        self._consumed = 0
+        self._resume: dict[str, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        resume, self._resume = self._resume, None
+        self._consumed = 0
+        if resume is not None and resume["epoch"] == self.sampler.epoch:
+            self._consumed = self.sampler.skip = resume["consumed"]
+        for batch in self.loader:
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "consumed": self._consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state)
+
+
+# ---------------------------------------------------------------------- model
+class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
+    """Learns a latent code per sample (store rows, updated by hand) and a decoder (Adam).
+
+    Args:
+        num_samples: samples, i.e. rows of the latent table.
+        code_dim: size of a latent code.
+        store_path: where the table lives; None keeps it in memory.
+        hot_bytes: RAM budget of the table's hot tier; None keeps it all in RAM.
+        warm_bytes: RAM budget of LZ4-compressed chunks.
+        batch_size, num_workers: data loading.
+        lr: Adam learning rate of the decoder.
+        latent_lr: SGD learning rate of the per-sample codes.
+        seed: data order, targets and initial codes.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 1_000_000,
+        code_dim: int = 64,
+        out_dim: int = 32,
+        hidden: int = 128,
+        store_path: str | None = "runs/demo/latents",
+        hot_bytes: int | None = 64 * MiB,
+        warm_bytes: int = 0,
+        batch_size: int = 1024,
+        num_workers: int = 0,
+        lr: float = 1e-3,
+        latent_lr: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.latents = self.add_embedding_store(
+            "latents", num_samples, code_dim, path=store_path, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
+            init="normal", init_std=0.01, seed=seed,
+        )
+        self.decoder = nn.Sequential(nn.Linear(code_dim, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, x = batch
+        z = self.latents.get(ids).requires_grad_()
+        loss = F.mse_loss(self.decoder(z), x)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        with torch.no_grad():  # per-sample SGD: the mean loss scales each code's gradient by 1/len(ids)
+            self.latents.update(ids, z - self.hparams.latent_lr * len(ids) * z.grad)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.decoder.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self) -> ResumableLoader:
+        h = self.hparams
+        return ResumableLoader(h.num_samples, h.batch_size, h.out_dim, h.seed, h.num_workers)
+
+
+# ---------------------------------------------------------------------- report
+class EpochClock(Callback):
+    """Wall time and steps of each training epoch, and the peak RSS seen at epoch ends."""
+
+    def __init__(self) -> None:
+        self.epochs: list[dict[str, float]] = []
+        self.peak_rss = 0
+        self.store_stats: dict[str, Any] = {}
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start, self._step = time.perf_counter(), trainer.global_step
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seconds = time.perf_counter() - self._start
+        steps = trainer.global_step - self._step
+        loss = trainer.callback_metrics.get("loss")
+        self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
+        self.epochs.append({"seconds": seconds, "steps": steps, "loss": float(loss) if loss is not None else math.nan})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Before teardown closes the stores: the counters of this run.
+        self.store_stats = {name: h.stats() for name, h in pl_module.embedding_stores.items()}
+        self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="embcache demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=1_000_000, help="rows of the latent table (default 1M)")
+    p.add_argument("--dim", type=int, default=64, help="latent code size (default 64)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (-1: no limit)")
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--hot-mib", type=float, default=None,
+                   help="hot-tier budget in MiB (default: a quarter of the table)")
+    p.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
+    p.add_argument("--sync-every", type=int, default=100, help="DeferredSync every N steps (default 100)")
+    p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps (default 250)")
+    p.add_argument("--root", default="runs/demo", help="run folder, emptied first (default runs/demo)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
+    return p.parse_args(list(argv))
+
+
+def _optional_profiler() -> list[Callback]:
+    try:
+        from lightning_embcache import StepProfiler
+    except ImportError:
+        return []
+    return [StepProfiler(log_every_n_steps=50, warmup_steps=5, report=False)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    warnings.filterwarnings("ignore", message=".*manual optimization and every_n_train_steps.*")
+    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+    root = Path(args.root)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    table_bytes = args.samples * args.dim * 4
+    hot = int(args.hot_mib * MiB) if args.hot_mib is not None else max(table_bytes // 4, 1 * MiB)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    L.seed_everything(args.seed, verbose=False)
+    model = AutoDecoder(num_samples=args.samples, code_dim=args.dim, store_path=str(root / "latents"),
+                        hot_bytes=hot, batch_size=args.batch_size, num_workers=args.workers, seed=args.seed)
+    clock = EpochClock()
+    sync = DeferredSync(every_n_steps=args.sync_every, every_n_epochs=1)
+    pressure = MemoryPressure(check_every_n_steps=50)
+    ckpt = ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=args.ckpt_every, save_top_k=2,
+                           monitor="step", mode="max", save_last=True)
+    profilers = _optional_profiler()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=args.epochs, max_steps=args.max_steps,
+        callbacks=[clock, sync, pressure, ckpt, *profilers], logger=False,
+        enable_progress_bar=args.progress, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    print(f"embcache demo: {args.samples:,} samples x {args.dim}-dim codes = {table_bytes / MiB:.0f} MiB table, "
+          f"hot budget {hot / MiB:.0f} MiB, store at {root / 'latents'}", flush=True)
+    started = time.perf_counter()
+    trainer.fit(model)
+    total = time.perf_counter() - started
+    _report(model, trainer, clock, sync, pressure, ckpt, profilers, total)
+    return 0
+
+
+def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: DeferredSync,
+            pressure: MemoryPressure, ckpt: ModelCheckpoint, profilers: list[Callback], total: float) -> None:
+    print(f"\ntrained {trainer.global_step} steps in {total:.1f} s")
+    for i, e in enumerate(clock.epochs):
+        rate = e["steps"] / e["seconds"] if e["seconds"] else 0.0
+        print(f"  epoch {i}: {e['seconds']:.1f} s, {e['steps']} steps ({rate:.0f} steps/s), loss {e['loss']:.4f}")
+    if not clock.epochs:
+        print("  (stopped inside the first epoch)")
+    store = model.latents.store
+    s = clock.store_stats.get("latents") or model.latents.stats()
+    print("store 'latents':")
+    print(f"  version {store.version}, versions on disk {store.versions()}, pinned by checkpoints {store.pinned()}")
+    print(f"  hot tier {s.hot_bytes / MiB:.1f} of {s.hot_budget_bytes / MiB:.1f} MiB, hit rate {s.hot_hit_rate:.1%}, "
+          f"cold reads {s.cold_reads:,}; read {s.bytes_read / MiB:.1f} MiB, wrote {s.bytes_written / MiB:.1f} MiB; "
+          f"disk {s.disk_bytes / MiB:.1f} MiB; waited {s.io_wait_seconds:.1f} s in store calls")
+    print(f"  DeferredSync: {sync.syncs} flushes ({sync.coalesced} coalesced), "
+          f"last {sync.last_metrics.get('embcache/sync_seconds', 0.0) * 1e3:.1f} ms")
+    checkpoints = sorted(p.name for p in Path(ckpt.dirpath).glob("*.ckpt"))
+    print(f"  checkpoints kept: {checkpoints}")
+    r = pressure.last_reading
+    rss = psutil.Process().memory_info().rss
+    print("memory:")
+    print(f"  RSS now {rss / MiB:.0f} MiB, peak seen {clock.peak_rss / MiB:.0f} MiB")
+    if r is not None:
+        cg = f", cgroup limit {r.cgroup_limit / MiB:.0f} MiB" if r.cgroup_limit else ""
+        print(f"  used {r.used_fraction:.0%} of {r.limit_bytes / MiB:.0f} MiB{cg}; "
+              f"evicted under pressure: {pressure.evicted_bytes_total / MiB:.0f} MiB")
+    for prof in profilers:
+        for epoch in getattr(prof, "summary", lambda: [])():
+            phases = epoch.get("phases_ms", {})
+            if phases:
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                print(f"step profile (ms per batch): {parts}")
+                break
+    model.latents._release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Which checkpoint files refer to which store versions, so versions stay pinned exactly that long.
+
+A Lightning checkpoint holds only a reference to a store version. The version is pinned in the
+store when the checkpoint is saved and unpinned once no checkpoint file that refers to it exists.
+Removals are seen two ways: `PinningCheckpointIO` sees `ModelCheckpoint`'s removals as they
+happen (``strategy.remove_checkpoint``), and every save sweeps for files deleted any other way.
+
+The table of version -> files is kept beside the store, in ``<store path>.checkpoints.json``,
+so a resumed process can release versions pinned by the process before it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+log = logging.getLogger(__name__)
+
+REGISTRY_SUFFIX = ".checkpoints.json"
+CHECKPOINT_KEY = "embedding_stores"
+
+
+def registry_path(store_path: Path) -> Path:
+    return store_path.with_name(store_path.name + REGISTRY_SUFFIX)
+
+
+class CheckpointPins:
+    """version -> checkpoint files for one store, persisted as JSON (atomic replace)."""
+
+    def __init__(self, store_path: Path) -> None:
+        self.file = registry_path(store_path)
+        self.versions: dict[int, list[str]] = {}
+        self._fresh: set[int] = set()  # pinned by a save whose file is not written yet
+        if self.file.exists():
+            data = json.loads(self.file.read_text())
+            self.versions = {int(v): list(files) for v, files in data.get("versions", {}).items()}
+
+    def save(self) -> None:
+        tmp = self.file.with_name(self.file.name + ".tmp")
+        payload = {"format": 1, "versions": {str(v): files for v, files in sorted(self.versions.items())}}
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, self.file)
+
+    def pin(self, store: Any, version: int) -> None:
+        """Pin `version` for a checkpoint about to be written."""
+        if version not in self.versions:
+            store.pin(version)
+            self.versions[version] = []
+        self._fresh.add(version)
+        self.save()
+
+    def attach(self, version: int, file: str) -> None:
+        """The checkpoint for `version` is now at `file` (a file written again refers only to its new version)."""
+        for files in self.versions.values():
+            if file in files:
+                files.remove(file)
+        self.versions.setdefault(version, []).append(file)
+        self._fresh.discard(version)
+
+    def detach(self, file: str) -> None:
+        for files in self.versions.values():
+            if file in files:
+                files.remove(file)
+
+    def sweep(self, store: Any) -> list[int]:
+        """Unpin versions that no existing checkpoint file refers to; returns them."""
+        released = []
+        for version, files in list(self.versions.items()):
+            files[:] = [f for f in files if os.path.exists(f)]
+            if files or version in self._fresh:
+                continue
+            try:
+                store.unpin(version)
+            except Exception as exc:  # already reclaimed or never pinned: nothing to release
+                log.debug("unpin(%s) of %s: %s", version, self.file, exc)
+            del self.versions[version]
+            released.append(version)
+        self.save()
+        return released
+
+
+class PinningCheckpointIO(_WrappingCheckpointIO):
+    """Wraps the strategy's CheckpointIO to learn where each checkpoint file goes and when it is removed."""
+
+    def __init__(
+        self,
+        checkpoint_io: Any,
+        on_saved: Callable[[dict, str], None],
+        on_removed: Callable[[str], None],
+    ) -> None:
+        super().__init__(checkpoint_io)
+        self._on_saved = on_saved
+        self._on_removed = on_removed
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        assert self.checkpoint_io is not None
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        self._on_saved(checkpoint, os.path.abspath(os.fspath(path)))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        assert self.checkpoint_io is not None
+        self.checkpoint_io.remove_checkpoint(path)
+        self._on_removed(os.path.abspath(os.fspath(path)))
+
+    def teardown(self) -> None:
+        if self.checkpoint_io is not None:
+            self.checkpoint_io.teardown()

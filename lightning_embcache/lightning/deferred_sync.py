@@ -1,0 +1,174 @@
+"""`DeferredSync`: flush embedding stores at intervals, in the background, and before every checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from lightning_embcache.lightning.flush_worker import CoalescingWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    seconds: float
+    synced_rows: int
+
+
+def _flush_stores(pl_module: LightningModule) -> SyncResult:
+    """Flush every store of the module; dirty rows are counted just before their flush starts."""
+    start = time.perf_counter()
+    rows = 0
+    for handle in getattr(pl_module, "embedding_stores", {}).values():
+        rows += handle.stats().dirty_rows
+        handle.flush()
+    return SyncResult(time.perf_counter() - start, rows)
+
+
+def _dirty_rows(pl_module: LightningModule) -> int:
+    return sum(h.stats().dirty_rows for h in getattr(pl_module, "embedding_stores", {}).values())
+
+
+class DeferredSync(Callback):
+    """Makes store updates durable every few steps or epochs without making the step wait.
+
+    Example::
+
+        trainer = Trainer(callbacks=[DeferredSync(every_n_steps=200)])
+
+    Notes:
+        - Works on the stores of an :class:`EmbeddingStoreMixin` module (``pl_module.embedding_stores``).
+        - With ``background=True`` a flush runs in one worker thread while training goes on (the
+          store's flush is thread-safe). A flush that falls due while one is still running is
+          coalesced: at most one more runs after it, requests never queue up.
+        - Before a checkpoint is written (``on_checkpoint=True``) and when ``fit`` ends, it waits
+          for a running flush and flushes on the training thread, so the checkpoint names a
+          version that holds every update so far. The mixin flushes for checkpoints in any case
+          (a checkpoint must name a durable version); ``on_checkpoint=False`` only leaves that
+          flush out of this callback's figures and does not wait for a background flush.
+        - Logged (to ``trainer.loggers``, rank 0): ``embcache/sync_seconds`` (wall time of the last
+          flush), ``embcache/synced_rows`` (rows flushed since the last log),
+          ``embcache/dirty_rows`` (rows not yet durable when a flush was requested).
+
+    Args:
+        every_n_steps: flush every N optimizer steps (``trainer.global_step``); ``None`` = never.
+        every_n_epochs: flush at the end of every N training epochs; ``None`` = never.
+        on_checkpoint: flush before each checkpoint is written.
+        background: flush in a worker thread (``False``: on the training thread, in the hook).
+
+    Raises:
+        ValueError: for an interval below 1.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        every_n_epochs: int | None = 1,
+        on_checkpoint: bool = True,
+        background: bool = True,
+    ) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"Invalid value for every_n_steps={every_n_steps}. Must be >= 1 or None")
+        if every_n_epochs is not None and every_n_epochs < 1:
+            raise ValueError(f"Invalid value for every_n_epochs={every_n_epochs}. Must be >= 1 or None")
+        self.every_n_steps = every_n_steps
+        self.every_n_epochs = every_n_epochs
+        self.on_checkpoint = on_checkpoint
+        self.background = background
+        self._worker: CoalescingWorker[SyncResult] | None = None
+        self._last_step_synced = -1
+        self.syncs = 0  # flushes completed (background and foreground)
+        self._coalesced_before = 0  # by workers of earlier fits
+        self.last_metrics: dict[str, float] = {}
+
+    @property
+    def coalesced(self) -> int:
+        """Flush requests merged into a pending one so far."""
+        return self._coalesced_before + (self._worker.coalesced if self._worker is not None else 0)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.background and self._worker is None:
+            self._worker = CoalescingWorker(lambda: _flush_stores(pl_module))
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._report(trainer, self._drain())
+        step = trainer.global_step
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and step != self._last_step_synced:
+            self._last_step_synced = step  # several batches per optimizer step: one flush
+            self._request(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._request(trainer, pl_module)
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.on_checkpoint:
+            self._flush_now(trainer, pl_module)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush_now(trainer, pl_module)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop()
+
+    # ------------------------------------------------------------------ private
+    def _request(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        dirty = _dirty_rows(pl_module)
+        self._log(trainer, {"embcache/dirty_rows": float(dirty)})
+        if self._worker is not None:
+            self._worker.request()
+        else:
+            self._report(trainer, [_flush_stores(pl_module)])
+
+    def _flush_now(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        results = self._drain(wait=True)
+        dirty = _dirty_rows(pl_module)
+        self._log(trainer, {"embcache/dirty_rows": float(dirty)})
+        results.append(_flush_stores(pl_module))
+        self._report(trainer, results)
+
+    def _drain(self, wait: bool = False) -> list[SyncResult]:
+        if self._worker is None:
+            return []
+        if wait:
+            self._worker.wait_idle()
+        return self._worker.drain()
+
+    def _report(self, trainer: Trainer, results: list[SyncResult]) -> None:
+        if not results:
+            return
+        self.syncs += len(results)
+        self._log(trainer, {
+            "embcache/sync_seconds": results[-1].seconds,
+            "embcache/synced_rows": float(sum(r.synced_rows for r in results)),
+        })
+
+    @rank_zero_only
+    def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self.last_metrics.update(metrics)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _stop(self) -> None:
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            worker.stop()
+            self._coalesced_before += worker.coalesced

@@ -1,0 +1,253 @@
+"""`EmbeddingStoreHandle`: a module's view of one store, rows in and rows out on the module's device."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from lightning_embcache.lightning.staging import PinnedStaging
+
+if TYPE_CHECKING:
+    from lightning_embcache.store import EmbeddingStore, StoreStats
+
+log = logging.getLogger(__name__)
+
+
+def _store_class() -> Any:
+    # Imported late so that this module (and its unit tests with a fake store) loads on its own.
+    from lightning_embcache.store import EmbeddingStore
+
+    return EmbeddingStore
+
+
+def _store_errors() -> Any:
+    from lightning_embcache.store import errors
+
+    return errors
+
+
+def store_exists(path: Path) -> bool:
+    """True when `path` already holds something (the store decides whether it is a store)."""
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+class EmbeddingStoreHandle:
+    """A per-sample table owned by a LightningModule.
+
+    Made by :meth:`EmbeddingStoreMixin.add_embedding_store`. The store behind it is opened when
+    training sets up (created if absent) and whenever a method needs it, so the handle also works
+    before and after ``fit``. It is a plain object, not an ``nn.Module``: Lightning never moves it,
+    never puts it in ``state_dict`` and never all-reduces it.
+
+    Example::
+
+        z = self.latents.get(ids)           # (len(ids), dim) on the module's device, store dtype
+        self.latents.update(ids, z_new)     # direct write, any device, cast to the store dtype
+
+    Notes:
+        - ``get`` returns a fresh tensor. On a CUDA module it is staged through a pinned host buffer
+          and copied with ``non_blocking=True``; two buffers alternate, each guarded by a CUDA event,
+          so a copy in flight is never overwritten.
+        - ``update`` detaches ``values``; these rows are not trained by autograd (``lookup`` is).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_rows: int,
+        dim: int,
+        *,
+        path: Path | None,
+        create_options: dict[str, Any],
+        open_options: dict[str, Any],
+        optim_config: dict[str, Any],
+        module: torch.nn.Module | None = None,
+    ) -> None:
+        self.name = name
+        self.num_rows = num_rows
+        self.dim = dim
+        self.path = path
+        self.dtype: torch.dtype = create_options.get("dtype", torch.float32)
+        self.optim_config = optim_config
+        self._create_options = create_options
+        self._open_options = open_options
+        self._store: EmbeddingStore | None = None
+        # Version to open next (set by a checkpoint being loaded); None = the latest flush.
+        self._target_version: int | None = None
+        self._target_checksum: str | None = None
+        self._target_from_checkpoint = False
+        # Serialises open/flush/close; get/update never take it, so a background flush does not
+        # stall the training thread.
+        self._lifecycle = threading.RLock()
+        self._staging = PinnedStaging()
+        self._module_ref: Callable[[], torch.nn.Module | None] = lambda: None
+        if module is not None:
+            self._bind(module)
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def store(self) -> EmbeddingStore:
+        """The open `EmbeddingStore` (opened writable if needed), for anything the handle does not wrap."""
+        return self._ensure_open(writable=True)
+
+    def get(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for `ids` as a fresh tensor on the module's device, in the store dtype."""
+        store = self._ensure_open(writable=False)
+        rows = store.get(ids.cpu() if ids.device.type != "cpu" else ids)
+        device = self._device()
+        if device.type == "cpu":
+            return rows
+        return self._staging.to_device(rows, device)
+
+    def update(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `values` (any device, detached, cast to the store dtype) to rows `ids`."""
+        store = self._ensure_open(writable=True)
+        if ids.device.type != "cpu":
+            ids = ids.cpu()
+        values = values.detach()
+        if values.device.type != "cpu" or values.dtype != self.dtype:
+            values = values.to("cpu", self.dtype)
+        store.update(ids, values)
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Non-blocking hint: bring rows `ids` into the hot tier before they are needed."""
+        self._ensure_open(writable=False).prefetch(ids.cpu() if ids.device.type != "cpu" else ids)
+
+    def flush(self) -> int:
+        """Make all updates durable; returns the store version. Safe to call from another thread."""
+        with self._lifecycle:
+            version = self._ensure_open(writable=True).flush()
+            self._target_version, self._target_checksum = None, None
+            self._target_from_checkpoint = False
+            return version
+
+    def stats(self) -> StoreStats:
+        """The store's `StoreStats` (bytes per tier, hits, dirty rows, flushes, ...)."""
+        return self._ensure_open(writable=False).stats()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for `ids` that autograd trains through a sparse optimizer (not available yet)."""
+        raise NotImplementedError(
+            f"lookup() on embedding store {self.name!r}: trainable rows need the sparse optimizers of "
+            "lightning_embcache.optim, which the Lightning layer does not wire up yet; use get()/update()"
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._store is None or self._store.closed else "open"
+        return (
+            f"EmbeddingStoreHandle(name={self.name!r}, num_rows={self.num_rows}, dim={self.dim}, "
+            f"path={str(self.path) if self.path else None!r}, {state})"
+        )
+
+    # ------------------------------------------------------------------ lifecycle (used by the mixin)
+    def _bind(self, module: torch.nn.Module) -> None:
+        self._module_ref = weakref.ref(module)
+
+    def _device(self) -> torch.device:
+        module = self._module_ref()
+        device = getattr(module, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
+
+    def _is_open(self) -> bool:
+        return self._store is not None and not self._store.closed
+
+    def _ensure_open(self, *, writable: bool) -> EmbeddingStore:
+        store = self._store
+        if store is not None and not store.closed and (not writable or not store.readonly):
+            return store
+        with self._lifecycle:
+            store = self._store
+            if store is not None and not store.closed and (not writable or not store.readonly):
+                return store
+            return self._open(readonly=not writable)
+
+    def _open(self, *, readonly: bool, version: int | None = None, checksum: str | None = None) -> EmbeddingStore:
+        """(Re)open the store: at `version`, else at a version a loaded checkpoint named, else the latest."""
+        with self._lifecycle:
+            if version is not None:
+                self._target_version, self._target_checksum = version, checksum
+                self._target_from_checkpoint = True
+            self._close()
+            cls = _store_class()
+            if self.path is None:
+                if self._target_version is not None:
+                    raise _store_errors().VersionNotFoundError(
+                        f"embedding store {self.name!r} is in memory (path=None): version "
+                        f"{self._target_version} cannot be reopened; give it a path to checkpoint it"
+                    )
+                self._store = cls.create(None, self.num_rows, self.dim, **self._create_options)
+            elif self._target_version is None and not store_exists(self.path):
+                if readonly:  # nothing written yet: a read sees the initial rows
+                    self._store = cls.create(None, self.num_rows, self.dim, **self._create_options)
+                else:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._store = cls.create(self.path, self.num_rows, self.dim, **self._create_options)
+            else:
+                self._store = self._open_existing(cls, readonly)
+            return self._store
+
+    def _open_existing(self, cls: Any, readonly: bool) -> EmbeddingStore:
+        errors = _store_errors()
+        version = self._target_version
+        try:
+            store = cls.open(self.path, version=version, readonly=readonly, **self._open_options)
+        except errors.VersionNotFoundError as exc:
+            if not self._target_from_checkpoint:  # the version this handle last had: take the latest
+                self._target_version = None
+                return cls.open(self.path, readonly=readonly, **self._open_options)
+            raise errors.VersionNotFoundError(
+                f"embedding store {self.name!r} at {self.path}: version {version} named by the checkpoint "
+                f"is gone ({exc}); it was reclaimed after its checkpoint file was removed, or the store "
+                "was recreated. Resume from a checkpoint whose version still exists."
+            ) from exc
+        try:
+            if (store.num_rows, store.dim) != (self.num_rows, self.dim):
+                raise errors.InvalidArgumentError(
+                    f"embedding store {self.name!r} at {self.path} holds {store.num_rows} x {store.dim} rows; "
+                    f"add_embedding_store asked for num_rows={self.num_rows}, dim={self.dim}"
+                )
+            if version is not None and self._target_checksum is not None:
+                found = store.manifest_checksum(version)
+                if found != self._target_checksum:
+                    raise errors.CorruptStoreError(
+                        self.path,
+                        f"version {version} has manifest checksum {found}, the checkpoint recorded "
+                        f"{self._target_checksum}: the store at this path is not the one the checkpoint saw",
+                    )
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def _close(self) -> None:
+        with self._lifecycle:
+            store, self._store = self._store, None
+            if store is not None and not store.closed:
+                store.close()
+
+    def _release(self) -> None:
+        """Free resources after training. In-memory stores stay open: closing would lose their rows."""
+        if self.path is None:
+            return
+        with self._lifecycle:
+            if self._is_open() and not self._target_from_checkpoint:
+                # Reopen what this module last had, even if a flush with nothing dirty made no version.
+                self._target_version, self._target_checksum = self._store.version, None
+            self._close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled with its module (deepcopy, spawn): the open store, locks and buffers stay behind.
+        state = self.__dict__.copy()
+        state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lifecycle = threading.RLock()
+        self._staging = PinnedStaging()
+        self._module_ref = lambda: None

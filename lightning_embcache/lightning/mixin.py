@@ -1,0 +1,272 @@
+"""`EmbeddingStoreMixin`: per-sample tables for a LightningModule, checkpointed by version."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
+from lightning_embcache.lightning.handle import EmbeddingStoreHandle
+
+log = logging.getLogger(__name__)
+warning_cache = WarningCache()
+
+
+class EmbeddingStoreMixin:
+    """Gives a LightningModule per-sample tables that live in `EmbeddingStore`s, not in its parameters.
+
+    Put it before ``LightningModule`` in the bases and call :meth:`add_embedding_store` in
+    ``__init__``. The store behind each handle opens when training sets up (created if absent),
+    is flushed when ``fit`` ends and when a checkpoint is saved, and is closed on teardown and on
+    an exception; afterwards the handle reopens it on demand, so rows can be read after ``fit``.
+
+    Example::
+
+        class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.latents = self.add_embedding_store("latents", num_rows=N, dim=64,
+                                                        path="runs/latents", hot_bytes=256 << 20)
+
+            def training_step(self, batch, batch_idx):
+                ids, x = batch
+                z = self.latents.get(ids)          # rows on the module's device
+                ...
+                self.latents.update(ids, z_new)    # direct write
+
+    Notes:
+        - Checkpoints are exact: saving one flushes every store and records
+          ``{name: {path, version, manifest_checksum}}`` under ``checkpoint["embedding_stores"]``;
+          that version stays pinned while a checkpoint file naming it exists. ``fit(ckpt_path=...)``
+          and ``load_from_checkpoint`` reopen each store at its recorded version.
+        - The mixin's hooks (``on_save_checkpoint``, ``on_load_checkpoint``, ``configure_callbacks``)
+          call ``super()``; if you override them, call ``super()`` too.
+        - A store with ``path=None`` lives in memory: fast, but not part of checkpoints.
+
+    Raises:
+        ValueError: a store name that is not an identifier or is already used.
+        TypeError: keyword arguments that are neither store options nor optimizer options.
+    """
+
+    # ------------------------------------------------------------------ public API
+    def add_embedding_store(
+        self,
+        name: str,
+        num_rows: int,
+        dim: int,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        hot_bytes: int | None = None,
+        warm_bytes: int = 0,
+        dtype: torch.dtype = torch.float32,
+        chunk_rows: int = 1024,
+        compression: str | None = None,
+        init: str | Callable[[torch.Tensor], torch.Tensor] = "zeros",
+        seed: int = 0,
+        init_std: float = 1.0,
+        check_finite: bool = True,
+        fields: Mapping[str, tuple[torch.dtype, int]] | None = None,
+        optimizer: str | None = None,
+        lr: float | None = None,
+        **optim_kwargs: Any,
+    ) -> EmbeddingStoreHandle:
+        """Declare a table of `num_rows` x `dim` rows; returns its handle (the store opens at setup).
+
+        Args:
+            name: key in ``self.embedding_stores`` and in checkpoints; a Python identifier.
+            num_rows, dim: table shape.
+            path: store directory; ``None`` keeps the table in memory (not checkpointed).
+            hot_bytes: RAM budget of uncompressed rows; ``None`` keeps the whole table resident.
+            warm_bytes, dtype, chunk_rows, compression, init, seed, init_std, check_finite, fields:
+                passed to ``EmbeddingStore.create`` (``warm_bytes``, ``hot_bytes`` and
+                ``check_finite`` also to ``EmbeddingStore.open``).
+            optimizer, lr, optim_kwargs: trainable rows through :meth:`EmbeddingStoreHandle.lookup`;
+                recorded, not implemented yet.
+        """
+        stores = self._embcache_stores()
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"Invalid value for name={name!r}. Must be a Python identifier")
+        if name in stores:
+            raise ValueError(f"Invalid value for name={name!r}. An embedding store of that name already exists")
+        if optim_kwargs and optimizer is None:
+            raise TypeError(
+                f"add_embedding_store() got unexpected keyword arguments {sorted(optim_kwargs)}; store options "
+                "are path, hot_bytes, warm_bytes, dtype, chunk_rows, compression, init, seed, init_std, check_finite, "
+                "fields (optimizer options need optimizer=...)"
+            )
+        create_options: dict[str, Any] = dict(
+            dtype=dtype, chunk_rows=chunk_rows, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
+            compression=compression, init=init, seed=seed, init_std=init_std, check_finite=check_finite,
+        )
+        if fields:
+            create_options["fields"] = dict(fields)
+        open_options: dict[str, Any] = dict(hot_bytes=hot_bytes, warm_bytes=warm_bytes, check_finite=check_finite)
+        if callable(init):
+            open_options["init"] = init
+        handle = EmbeddingStoreHandle(
+            name, num_rows, dim,
+            path=Path(path).absolute() if path is not None else None,
+            create_options=create_options,
+            open_options=open_options,
+            optim_config=dict(optimizer=optimizer, lr=lr, **optim_kwargs),
+            module=self,  # type: ignore[arg-type]
+        )
+        stores[name] = handle
+        return handle
+
+    @property
+    def embedding_stores(self) -> Mapping[str, EmbeddingStoreHandle]:
+        """Handles by name, in the order they were added."""
+        return dict(self._embcache_stores())
+
+    # ------------------------------------------------------------------ LightningModule hooks
+    def configure_callbacks(self) -> Any:
+        callbacks = super().configure_callbacks()  # type: ignore[misc]
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        return [*callbacks, _StoreLifecycle()]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
+        refs: dict[str, dict[str, Any]] = {}
+        for name, handle in self._embcache_stores().items():
+            if handle.path is None:
+                warning_cache.warn(
+                    f"Embedding store {name!r} has path=None: it lives in memory and is not part of checkpoints."
+                )
+                refs[name] = {"path": None, "version": None, "manifest_checksum": None}
+                continue
+            version = handle.flush()
+            store = handle.store
+            self._embcache_pins(handle).pin(store, version)
+            refs[name] = {"path": str(handle.path), "version": version,
+                          "manifest_checksum": store.manifest_checksum(version)}
+        checkpoint[CHECKPOINT_KEY] = refs
+        self._embcache_install_io()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+        stores = self._embcache_stores()
+        refs = checkpoint.get(CHECKPOINT_KEY)
+        if refs is None:
+            if any(h.path is not None for h in stores.values()):
+                warning_cache.warn(
+                    "The checkpoint names no embedding store versions (saved without EmbeddingStoreMixin, or an "
+                    "on_save_checkpoint override skipped super()); stores open at their latest version."
+                )
+            return
+        trainer = getattr(self, "_trainer", None)
+        writable = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        for name, ref in refs.items():
+            handle = stores.get(name)
+            if handle is None:
+                warning_cache.warn(f"The checkpoint names embedding store {name!r}, which this module does not add.")
+                continue
+            if ref.get("version") is None:
+                continue
+            if handle.path is None or Path(ref["path"]) != handle.path:
+                warning_cache.warn(
+                    f"Embedding store {name!r} was at {ref['path']} when checkpointed and is at {handle.path} now; "
+                    f"opening version {ref['version']} there (its manifest checksum is verified)."
+                )
+            handle._open(readonly=not writable, version=int(ref["version"]), checksum=ref.get("manifest_checksum"))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        for handle in self._embcache_stores().values():
+            handle._bind(self)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ private
+    def _embcache_stores(self) -> dict[str, EmbeddingStoreHandle]:
+        # Plain dict in __dict__ (not a Module/Parameter): invisible to .to(), state_dict() and DDP.
+        return self.__dict__.setdefault("_embedding_stores", {})
+
+    def _embcache_pins(self, handle: EmbeddingStoreHandle) -> CheckpointPins:
+        pins = self.__dict__.setdefault("_embedding_store_pins", {})
+        if handle.name not in pins:
+            assert handle.path is not None
+            pins[handle.name] = CheckpointPins(handle.path)
+        return pins[handle.name]
+
+    def _embcache_install_io(self) -> None:
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None:
+            return
+        strategy = trainer.strategy
+        io = strategy.checkpoint_io
+        if not isinstance(io, PinningCheckpointIO):
+            strategy.checkpoint_io = PinningCheckpointIO(io, self._embcache_saved, self._embcache_removed)
+
+    def _embcache_uninstall_io(self, trainer: Any) -> None:
+        io = getattr(trainer.strategy, "_checkpoint_io", None)
+        if isinstance(io, PinningCheckpointIO):
+            trainer.strategy.checkpoint_io = io.checkpoint_io
+
+    def _embcache_saved(self, checkpoint: dict[str, Any], file: str) -> None:
+        refs = checkpoint.get(CHECKPOINT_KEY)
+        stores = self._embcache_stores()
+        if refs is None:
+            if any(h.path is not None for h in stores.values()):
+                warning_cache.warn(
+                    f"Checkpoint {file} names no embedding store versions: an on_save_checkpoint override in "
+                    f"{type(self).__name__} does not call super(); resuming from it will not restore the stores."
+                )
+            return
+        for name, ref in refs.items():
+            handle = stores.get(name)
+            if handle is None or ref.get("version") is None:
+                continue
+            pins = self._embcache_pins(handle)
+            pins.attach(int(ref["version"]), file)
+            pins.sweep(handle.store)
+
+    def _embcache_removed(self, file: str) -> None:
+        for handle in self._embcache_stores().values():
+            if handle.path is None:
+                continue
+            pins = self._embcache_pins(handle)
+            pins.detach(file)
+            pins.sweep(handle.store)
+
+    def _embcache_setup(self, stage: str) -> None:
+        for handle in self._embcache_stores().values():
+            handle._ensure_open(writable=stage == TrainerFn.FITTING.value)
+
+    def _embcache_flush_all(self) -> None:
+        for handle in self._embcache_stores().values():
+            handle.flush()
+
+    def _embcache_release(self, trainer: Any) -> None:
+        self._embcache_uninstall_io(trainer)
+        for handle in self._embcache_stores().values():
+            handle._release()
+
+
+class _StoreLifecycle(Callback):
+    """Opens, flushes and releases the module's stores; added by `EmbeddingStoreMixin.configure_callbacks`.
+
+    A callback rather than module hooks because only callbacks see ``on_exception``, and because a
+    module's own ``setup``/``teardown`` overrides rarely call ``super()``.
+    """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if isinstance(pl_module, EmbeddingStoreMixin):
+            pl_module._embcache_setup(stage)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if isinstance(pl_module, EmbeddingStoreMixin):
+            pl_module._embcache_flush_all()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if isinstance(pl_module, EmbeddingStoreMixin):
+            pl_module._embcache_release(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if isinstance(pl_module, EmbeddingStoreMixin):
+            pl_module._embcache_release(trainer)
