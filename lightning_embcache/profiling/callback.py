@@ -26,6 +26,15 @@ warning_cache = WarningCache()
 _STATE_VERSION = 1
 
 
+def _batch_size(batch: Any) -> int:
+    """Lightning's ``extract_batch_size`` (about 10 us) with a fast path for the common layouts."""
+    if isinstance(batch, torch.Tensor):
+        return batch.size(0) if batch.ndim else 1
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
+        return batch[0].size(0)
+    return extract_batch_size(batch)
+
+
 class StepProfiler(Callback):
     r"""Measures, for every training step, how long it waited for data, ran forward, backward and
     the optimizer, waited on embedding stores, and spent elsewhere; the phases add up to the
@@ -122,6 +131,11 @@ class StepProfiler(Callback):
         self._manual = False
         self._stores: Optional[dict] = None
         self._data_resume = OTHER
+        self._batch_ended = False
+        self._next_log = log_every_n_steps
+        self._trainer: Optional[Trainer] = None
+        # per epoch, per rank: [phase seconds..., batches]; a resumed epoch replaces its entry
+        self._rank_rows: dict[int, list[list[float]]] = {}
         self._val_resume = OTHER
 
     # ------------------------------------------------------------------ public API
@@ -134,13 +148,15 @@ class StepProfiler(Callback):
     def state_dict(self) -> dict[str, Any]:
         open_state = None
         if self._open is not None:
+            if self._batch_ended:  # checkpoint saved in on_train_batch_end: that batch is done
+                self._close_step(None, log=False)
             if self._timeline is not None:
                 self._timeline.drain(block=True)  # a checkpoint synchronizes anyway
             open_state = {"epoch": self._open_epoch, "steps": self._step_in_epoch,
                           "totals": self._open.to_dict()}
         return {"version": _STATE_VERSION, "summaries": [dict(s) for s in self._summaries],
                 "raw": {e: t.to_dict() for e, t in self._raw.items()}, "open": open_state,
-                "batches_seen": self._batches_seen}
+                "batches_seen": self._batches_seen, "rank_rows": self._rank_rows}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -150,6 +166,8 @@ class StepProfiler(Callback):
         self._raw = {int(e): Totals.from_dict(t) for e, t in state_dict["raw"].items()}
         self._resume = state_dict["open"]
         self._batches_seen = state_dict.get("batches_seen", 0)
+        self._next_log = (self._batches_seen // self.log_every_n_steps + 1) * self.log_every_n_steps
+        self._rank_rows = {int(e): [list(r) for r in rows] for e, rows in state_dict.get("rank_rows", {}).items()}
 
     # ------------------------------------------------------------------ set-up / tear-down
 
@@ -161,7 +179,7 @@ class StepProfiler(Callback):
         strategy = type(trainer.strategy).__name__
         module = type(trainer.lightning_module).__name__
         on_start = {
-            f"[{loop_name}].train_dataloader_next": self._data_start,
+            f"[{loop_name}].train_dataloader_next": self._fetch_start,
             f"[Strategy]{strategy}.batch_to_device": self._data_start,
             "optimizer_step": self._manual_step_start,
         }
@@ -179,14 +197,26 @@ class StepProfiler(Callback):
         if self._tap is not None and trainer.profiler is self._tap:
             trainer.profiler = self._tap.inner
         self._tap = None
+        self._trainer = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._device = trainer.strategy.root_device
+        self._trainer = trainer
         self._manual = not pl_module.automatic_optimization
         self._stores = getattr(pl_module, "embedding_stores", None)
         store_io = self._store_io if self._stores is not None else None
         self._timeline = StepTimeline(self._on_step_done, self._device, store_io)
+
+    def _fit_rank_rows(self) -> list[list[float]]:
+        """Per rank, phase seconds and batches summed over the epochs (ranks as in the last epoch)."""
+        out: list[list[float]] = []
+        for rows in self._rank_rows.values():
+            if len(rows) != len(out):
+                out = [list(r) for r in rows]
+            else:
+                out = [[a + b for a, b in zip(x, y)] for x, y in zip(out, rows)]
+        return out
 
     def _store_io(self) -> float:
         return sum(h.stats().io_wait_seconds for h in self._stores.values())
@@ -195,11 +225,17 @@ class StepProfiler(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start_epoch(trainer, pl_module)
+
+    def _start_epoch(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # also reached lazily from the first fetch: Lightning skips on_train_epoch_start when it
+        # resumes inside an epoch
         epoch = trainer.current_epoch
         if self._stores is None and getattr(pl_module, "embedding_stores", None) is not None:
             self._stores = pl_module.embedding_stores  # created after on_train_start
             self._timeline.store_io = self._store_io
         self._step_in_epoch = 0
+        self._batch_ended = False
         self._open = Totals()
         resume, self._resume = self._resume, None
         if resume is not None and resume["epoch"] == epoch:
@@ -223,8 +259,17 @@ class StepProfiler(Callback):
         tl = self._timeline
         if tl is None or not tl.active:
             return
-        tl.end_epoch(self._open_epoch)
+        # the last batch's step runs to here: everything after its end (validation aside) is its "other"
+        last = None
+        if self._batch_ended:
+            self._batch_ended = False
+            last = (self._samples, self._step_in_epoch >= self.warmup_steps)
+            self._step_in_epoch += 1
+            self._batches_seen += 1
+        tl.end_epoch(self._open_epoch, last)
         tl.drain(block=True)  # once per epoch, outside any step
+        if last is not None and self._batches_seen >= self._next_log:
+            self._log_interval(trainer)
         self._finish_epoch(trainer)
 
     @override
@@ -248,7 +293,7 @@ class StepProfiler(Callback):
         if not trainer.is_global_zero:
             return
         if self.report and self._summaries:
-            rank_zero_info(report.format_table(self._summaries))
+            rank_zero_info(report.format_table(self._summaries, self._fit_rank_rows()))
         if self.plot is not None and self._summaries:
             report.save_plot(self._summaries, self.plot)
 
@@ -256,11 +301,15 @@ class StepProfiler(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._timeline.active:
+            self._start_epoch(trainer, pl_module)
+        if self._batch_ended:
+            self._close_step(trainer)
         self._timeline.switch(FORWARD)
         if self._samples_known:
             try:
                 self._samples = int(self.batch_size_fn(batch) if self.batch_size_fn is not None
-                                    else extract_batch_size(batch))
+                                    else _batch_size(batch))
             except Exception as err:  # an opaque batch: report no samples/s rather than fail training
                 self._samples_known = False
                 self._samples = 0
@@ -283,24 +332,38 @@ class StepProfiler(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        tl = self._timeline
-        tl.end_step(self._open_epoch, self._samples, self._step_in_epoch >= self.warmup_steps)
+        # A step runs from its fetch to the next fetch: what Lightning and other callbacks do after
+        # this batch (logging, checkpoints, progress bar) is this step's "other".
+        self._timeline.switch(OTHER)
+        self._batch_ended = True
+
+    def _close_step(self, trainer: Optional[Trainer], log: bool = True) -> None:
+        self._batch_ended = False
+        self._timeline.end_step(self._open_epoch, self._samples, self._step_in_epoch >= self.warmup_steps)
         self._step_in_epoch += 1
         self._batches_seen += 1
-        if self._batches_seen % self.log_every_n_steps == 0:
+        if log and self._batches_seen >= self._next_log:
             self._log_interval(trainer)
 
     # tap callbacks: the trainer's profiler saw one of the actions that bound a phase
+    def _fetch_start(self) -> None:
+        tl = self._timeline
+        if tl is not None and not tl.active and self._trainer is not None:
+            self._start_epoch(self._trainer, self._trainer.lightning_module)
+        self._data_start()
+
     def _data_start(self) -> None:
         tl = self._timeline
-        if tl is not None and tl.active:
+        if tl is not None and tl.active and tl.phase != VALIDATION:  # validation moves batches too
+            if self._batch_ended:
+                self._close_step(self._trainer)
             # the first fetch of an epoch is already in DATA (since the epoch started)
             self._data_resume = tl.phase if tl.phase != DATA else OTHER
             tl.switch(DATA)
 
     def _data_stop(self) -> None:
         tl = self._timeline
-        if tl is not None and tl.active:
+        if tl is not None and tl.active and tl.phase == DATA:
             tl.switch(self._data_resume)
 
     def _auto_step_stop(self) -> None:
@@ -331,6 +394,7 @@ class StepProfiler(Callback):
         return [*t.phase_s, t.wall_s, float(t.batches), float(t.samples)]
 
     def _log_interval(self, trainer: Trainer) -> None:
+        self._next_log = (self._batches_seen // self.log_every_n_steps + 1) * self.log_every_n_steps
         tl = self._timeline
         if tl._cuda:
             tl.drain()
@@ -361,17 +425,17 @@ class StepProfiler(Callback):
         if batches <= 0:
             return
         metrics = {f"profile/{p}_ms": 1e3 * sum(r[i] for r in rows) / batches for i, p in enumerate(PHASES)}
-        per_rank = [[1e3 * r[NUM_PHASES] / r[NUM_PHASES + 1] if r[NUM_PHASES + 1] else 0.0] for r in rows]
-        hi, slowest, pct = ranks.spread(per_rank, 0)
+        _, slowest, pct = ranks.spread(rows, NUM_PHASES, NUM_PHASES + 1, BACKWARD)
         metrics["profile/step_ms"] = 1e3 * sum(r[NUM_PHASES] for r in rows) / batches
-        metrics["profile/step_max_ms"] = hi
+        metrics["profile/step_max_ms"] = max(1e3 * r[NUM_PHASES] / r[NUM_PHASES + 1] if r[NUM_PHASES + 1] else 0.0
+                                             for r in rows)
         metrics["profile/slowest_rank"] = float(slowest)
         metrics["profile/rank_spread_pct"] = pct
         wall = sum(r[NUM_PHASES] for r in rows) / len(rows)
         if self._samples_known and wall > 0:
             metrics["profile/samples_per_sec"] = sum(r[NUM_PHASES + 2] for r in rows) / wall
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics=metrics, step=step)
 
     # ------------------------------------------------------------------ epoch summary
 
@@ -385,6 +449,7 @@ class StepProfiler(Callback):
              float(t.steady_batches), t.val_s], self._device)
         n = len(rows)
         k = 2 * NUM_PHASES
+        self._rank_rows[epoch] = [[*r[:NUM_PHASES], r[k + 1]] for r in rows]
         wall_s = sum(r[k] for r in rows) / n
         batches = round(sum(r[k + 1] for r in rows) / n)
         samples = sum(r[k + 2] for r in rows)
@@ -398,8 +463,7 @@ class StepProfiler(Callback):
         def max_ms(col: int) -> float:
             return max(1e3 * r[col] / r[k + 1] if r[k + 1] else 0.0 for r in rows)
 
-        per_rank_batch = [[1e3 * r[k] / r[k + 1] if r[k + 1] else 0.0] for r in rows]
-        _, slowest, pct = ranks.spread(per_rank_batch, 0)
+        _, slowest, pct = ranks.spread(rows, k, k + 1, BACKWARD)
         epoch_batches = self.epoch_batches
         if epoch_batches is None and math.isfinite(trainer.num_training_batches):
             epoch_batches = int(trainer.num_training_batches)

@@ -66,9 +66,14 @@ class PendingRows:
         return self._out.view(*self._shape).tolist()
 
 
-def spread(rows: list[list[float]], col: int) -> tuple[float, int, float]:
-    """(max, argmax rank, spread in % of the mean) of column ``col`` across ranks."""
-    vals = [r[col] for r in rows]
+def spread(rows: list[list[float]], wall_col: int, batches_col: int, wait_col: int) -> tuple[float, int, float]:
+    """Which rank is the straggler: (max ms/step, that rank, spread in % of the mean).
+
+    Ranks are compared on their time per step *outside* column ``wait_col`` (backward), because
+    DDP's gradient all-reduce makes every fast rank wait there for the slowest one; compared on
+    whole steps, all ranks of a synchronous job look alike.
+    """
+    vals = [1e3 * (r[wall_col] - r[wait_col]) / r[batches_col] if r[batches_col] else 0.0 for r in rows]
     hi = max(vals)
     mean = sum(vals) / len(vals)
     pct = 100.0 * (hi - min(vals)) / mean if mean > 0 else 0.0

@@ -11,14 +11,20 @@ from lightning_embcache.profiling.timeline import PHASES
 log = logging.getLogger(__name__)
 
 
-def overall(epochs: list[dict]) -> Optional[dict]:
-    """Batch-weighted means over all epochs of a summary (same keys as one epoch's dict)."""
+def overall(epochs: list[dict], rank_rows: Optional[list[list[float]]] = None) -> Optional[dict]:
+    """Batch-weighted means over all epochs of a summary (same keys as one epoch's dict).
+
+    ``rank_rows``: per rank, ``[seconds of each phase..., batches]`` summed over the fit; gives the
+    per-rank maximum of each phase's mean (without it, the largest per-epoch maximum)."""
     batches = sum(e["batches"] for e in epochs)
     if not batches:
         return None
     wall = sum(e["epoch_seconds"] for e in epochs)
     phases = {p: sum(e["phases_ms"][p] * e["batches"] for e in epochs) / batches for p in PHASES}
-    maxima = {p: max(e["phases_max_ms"][p] for e in epochs if e["batches"]) for p in PHASES}
+    if rank_rows:
+        maxima = {p: max(1e3 * r[i] / r[-1] if r[-1] else 0.0 for r in rank_rows) for i, p in enumerate(PHASES)}
+    else:
+        maxima = {p: max(e["phases_max_ms"][p] for e in epochs if e["batches"]) for p in PHASES}
     steady_n = sum(e["steady_batches"] for e in epochs)
     steady = (sum(e["steady_batch_ms"] * e["steady_batches"] for e in epochs) / steady_n
               if steady_n else None)
@@ -29,9 +35,9 @@ def overall(epochs: list[dict]) -> Optional[dict]:
             "rank_spread_pct": max(e["rank_spread_pct"] for e in epochs)}
 
 
-def format_table(epochs: list[dict]) -> str:
+def format_table(epochs: list[dict], rank_rows: Optional[list[list[float]]] = None) -> str:
     """The table printed at fit end: phase, ms/step, % of step, per-rank max."""
-    tot = overall(epochs)
+    tot = overall(epochs, rank_rows)
     if tot is None:
         return "StepProfiler: no training batches were profiled."
     step = sum(tot["phases_ms"].values())

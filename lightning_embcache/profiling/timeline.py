@@ -47,13 +47,9 @@ class Totals:
         self.wall_s += wall
         self.val_s += host[VALIDATION]
         self.samples += samples
-        hp = self.host_phase_s
-        for i in range(NUM_PHASES):
-            hp[i] += host[i]
+        self.host_phase_s = [a + b for a, b in zip(self.host_phase_s, host)]
         if device is not None:
-            dp = self.phase_s
-            for i in range(NUM_PHASES):
-                dp[i] += device[i]
+            self.phase_s = [a + b for a, b in zip(self.phase_s, device)]
         if steady and batches:
             self.steady_batches += batches
             self.steady_wall_s += wall
@@ -144,10 +140,14 @@ class StepTimeline:
         self.switch(OTHER)
         self._close(epoch, 1, samples, steady)
 
-    def end_epoch(self, epoch: int) -> None:
-        """Close the tail between the last step and the epoch's end; the chain stops."""
+    def end_epoch(self, epoch: int, last_step: Optional[tuple[int, bool]] = None) -> None:
+        """Stop the chain at the epoch's end. ``last_step=(samples, steady)`` closes a still-open
+        step with the time up to here; otherwise that time is kept as a 0-batch tail."""
         self.switch(OTHER)
-        self._close(epoch, 0, 0, False)
+        if last_step is not None:
+            self._close(epoch, 1, last_step[0], last_step[1])
+        else:
+            self._close(epoch, 0, 0, False)
         self.active = False
         if self._cuda:
             self._events = []

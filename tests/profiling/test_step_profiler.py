@@ -1,0 +1,267 @@
+"""StepProfiler against references: a fake clock whose every phase costs a known amount, and
+real wall time measured by an independent callback."""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+from lightning.pytorch.profilers import SimpleProfiler
+
+from _profiling_helpers import (
+    MS, BatchDataset, CostModel, Cost, EpochWall, FakeClock, LoopOverhead, loader, trainer,
+)
+from lightning_embcache import StepProfiler
+from lightning_embcache.profiling import PHASES
+from lightning_embcache.profiling.tap import ProfilerTap
+
+DATA, FWD, BWD, OPT, OTHER = 2 * MS, 5 * MS, 7 * MS, 4 * MS, 1 * MS
+LOGGED_KEYS = {f"profile/{p}_ms" for p in PHASES} | {
+    "profile/step_ms", "profile/step_max_ms", "profile/slowest_rank", "profile/rank_spread_pct",
+    "profile/samples_per_sec"}
+
+
+def _fit_fake(sp: StepProfiler, batches: int = 4, epochs: int = 1, store_s: float = 0.0,
+              manual: bool = False, tail_s: float = 0.0, val_s: float = 0.0, ckpt_path=None, model=None,
+              clock=None, **trainer_kw):
+    clock = clock or FakeClock()
+    cost = Cost(clock)
+    with mock.patch("time.perf_counter", clock):
+        model = model or CostModel(cost, FWD, BWD, OPT, store_s=store_s, manual=manual, tail_s=tail_s,
+                                   val_s=val_s)
+        model.cost = cost
+        ds = BatchDataset(batches, cost, DATA)
+        kw = dict(max_epochs=epochs, callbacks=[sp, LoopOverhead(cost, OTHER)])
+        kw.update(trainer_kw)
+        t = trainer(**kw)
+        val = loader(BatchDataset(2, cost, 0.0)) if val_s else None
+        t.fit(model, loader(ds), val, ckpt_path=ckpt_path)
+    return t, model, clock
+
+
+def _approx(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_phases_match_the_costs_exactly_under_a_fake_clock():
+    p = StepProfiler(report=False)
+    _fit_fake(p, batches=4, epochs=2)
+    s = p.summary()
+    assert [e["epoch"] for e in s] == [0, 1]
+    for e in s:
+        ph = e["phases_ms"]
+        assert _approx(ph["data_wait"], 2.0), ph
+        assert _approx(ph["forward"], 5.0), ph
+        assert _approx(ph["backward"], 7.0), ph
+        assert _approx(ph["optimizer"], 4.0), ph
+        assert _approx(ph["store_io"], 0.0), ph
+        assert _approx(ph["other"], 1.0), ph
+        assert e["batches"] == 4
+        assert _approx(e["epoch_seconds"], 4 * 19 * MS)
+        assert _approx(e["avg_batch_ms"], 19.0)
+        assert _approx(sum(ph.values()), e["avg_batch_ms"])
+        assert e["samples"] == 16 and _approx(e["samples_per_sec"], 16 / (4 * 19 * MS))
+        assert e["timeline"] == "host-clock" and e["world_size"] == 1
+
+
+def test_loader_time_is_kept_apart_from_loop_overhead():
+    # a profiler that calls the whole gap between batches "data" would report 2 + 1 ms here
+    p = StepProfiler(report=False)
+    clock = FakeClock()
+    cost = Cost(clock)
+    with mock.patch("time.perf_counter", clock):
+        heavy_loop = LoopOverhead(cost, 9 * MS)
+        model = CostModel(cost, FWD, BWD, OPT)
+        t = trainer(max_epochs=1, callbacks=[p, heavy_loop])
+        t.fit(model, loader(BatchDataset(5, cost, DATA)))
+    ph = p.summary()[0]["phases_ms"]
+    assert _approx(ph["data_wait"], 2.0) and _approx(ph["other"], 9.0), ph
+
+
+def test_warmup_is_excluded_from_steady_but_not_from_the_true_average():
+    clock = FakeClock()
+    cost = Cost(clock)
+
+    class SlowStart(LoopOverhead):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.cost(50 * MS if batch_idx < 2 else 0.0)
+
+    p = StepProfiler(report=False, warmup_steps=2, epoch_batches=100)
+    with mock.patch("time.perf_counter", clock):
+        t = trainer(max_epochs=1, callbacks=[p, SlowStart(cost, 0)])
+        t.fit(CostModel(cost, FWD, BWD, OPT), loader(BatchDataset(6, cost, DATA)))
+    e = p.summary()[0]
+    # batch wall: 18 ms; the first two batches also pay 50 ms of loop overhead
+    assert _approx(e["avg_batch_ms"], (6 * 18 + 100) / 6)
+    assert _approx(e["steady_batch_ms"], 18.0)
+    assert e["steady_batches"] == 4
+    assert _approx(e["predicted_epoch_seconds"], e["epoch_seconds"] + 94 * 18 * MS)
+
+
+def test_logger_receives_the_exact_keys_every_n_steps(tmp_path):
+    logger = mock.Mock()
+    logger.save_dir = str(tmp_path)
+    logger.log_dir = str(tmp_path)
+    logger.name = "mock"
+    logger.version = 0
+    p = StepProfiler(log_every_n_steps=2, report=False)
+    _fit_fake(p, batches=4, logger=logger)
+    calls = [c for c in logger.log_metrics.call_args_list
+             if any(k.startswith("profile/") for k in c.kwargs["metrics"])]
+    assert len(calls) == 2
+    for c, step in zip(calls, (2, 4)):
+        m = c.kwargs["metrics"]
+        assert set(m) == LOGGED_KEYS
+        assert c.kwargs["step"] == step
+        assert _approx(m["profile/data_wait_ms"], 2.0) and _approx(m["profile/backward_ms"], 7.0)
+        assert _approx(m["profile/step_ms"], 19.0) and _approx(m["profile/step_max_ms"], 19.0)
+        assert m["profile/slowest_rank"] == 0 and m["profile/rank_spread_pct"] == 0
+        assert _approx(m["profile/samples_per_sec"], 8 / (2 * 19 * MS))
+
+
+def test_gradient_accumulation_charges_the_optimizer_only_on_stepping_batches():
+    p = StepProfiler(report=False)
+    _fit_fake(p, batches=6, accumulate_grad_batches=3)
+    ph = p.summary()[0]["phases_ms"]
+    assert _approx(ph["optimizer"], 4.0 / 3), ph
+    assert _approx(ph["backward"], 7.0) and _approx(ph["forward"], 5.0), ph
+    assert _approx(sum(ph.values()), p.summary()[0]["avg_batch_ms"])
+
+
+def test_manual_optimization():
+    p = StepProfiler(report=False)
+    _fit_fake(p, batches=4, manual=True, tail_s=1.5 * MS)
+    ph = p.summary()[0]["phases_ms"]
+    # user code after opt.step() is training_step code: forward
+    assert _approx(ph["forward"], 6.5), ph
+    assert _approx(ph["backward"], 7.0) and _approx(ph["optimizer"], 4.0), ph
+    assert _approx(ph["data_wait"], 2.0) and _approx(ph["other"], 1.0), ph
+
+
+def test_store_io_is_taken_out_of_the_phase_it_happened_in():
+    p = StepProfiler(report=False)
+    _fit_fake(p, batches=3, store_s=3 * MS)
+    ph = p.summary()[0]["phases_ms"]
+    assert _approx(ph["store_io"], 3.0) and _approx(ph["forward"], 5.0), ph
+    assert _approx(p.summary()[0]["avg_batch_ms"], 22.0)
+
+
+def test_validation_inside_the_epoch_is_not_charged_to_steps():
+    p = StepProfiler(report=False)
+    _fit_fake(p, batches=4, val_s=30 * MS, val_check_interval=2)
+    e = p.summary()[0]
+    assert _approx(e["avg_batch_ms"], 19.0), e
+    assert _approx(e["val_seconds"], 2 * 2 * 30 * MS), e
+
+
+def test_resume_continues_the_epoch_totals(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    p1 = StepProfiler(report=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    _, _, clock = _fit_fake(p1, batches=6, callbacks=[p1, LoopOverhead(Cost(None), 0), ckpt],
+                            enable_checkpointing=True)
+    mid = tmp_path / "epoch=0-step=3.ckpt"
+    assert mid.exists(), sorted(tmp_path.iterdir())
+    assert p1.summary()[0]["batches"] == 6
+    p2 = StepProfiler(report=False)
+    _fit_fake(p2, batches=6, ckpt_path=str(mid), clock=clock)
+    s = p2.summary()
+    assert len(s) == 1 and s[0]["epoch"] == 0 and s[0]["batches"] == 6
+    assert _approx(s[0]["epoch_seconds"], 6 * 18 * MS + 3 * OTHER)
+    assert _approx(s[0]["phases_ms"]["optimizer"], 4.0)
+
+
+def test_state_dict_round_trip_mid_epoch():
+    p = StepProfiler(report=False)
+    _fit_fake(p, batches=4, epochs=1)
+    state = p.state_dict()
+    q = StepProfiler(report=False)
+    q.load_state_dict(state)
+    assert q.summary() == p.summary()
+    with pytest.raises(ValueError, match="version"):
+        q.load_state_dict({**state, "version": 99})
+
+
+def test_users_profiler_still_sees_every_action_and_is_restored():
+    simple = SimpleProfiler()
+    p = StepProfiler(report=False)
+    t, _, _ = _fit_fake(p, batches=4, profiler=simple)
+    assert t.profiler is simple and not isinstance(t.profiler, ProfilerTap)
+    names = set(simple.recorded_durations)
+    assert "[_TrainingEpochLoop].train_dataloader_next" in names
+    assert len(simple.recorded_durations["[_TrainingEpochLoop].train_dataloader_next"]) == 4
+    assert p.summary()[0]["batches"] == 4
+
+
+def test_report_table_is_printed(capsys, caplog):
+    p = StepProfiler()
+    with caplog.at_level("INFO"):
+        _fit_fake(p, batches=2)
+    text = caplog.text + capsys.readouterr().out
+    assert "ms/step" in text and "data_wait" in text and "dominant phase: backward" in text
+
+
+def test_plot_without_matplotlib_warns_and_skips(tmp_path, caplog, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    p = StepProfiler(report=False, plot=tmp_path / "phases.png")
+    with caplog.at_level("WARNING"):
+        _fit_fake(p, batches=2)
+    assert not (tmp_path / "phases.png").exists()
+    assert "matplotlib is not installed" in caplog.text
+
+
+def test_plot_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = StepProfiler(report=False, plot=tmp_path / "phases.png")
+    _fit_fake(p, batches=2, epochs=2)
+    assert (tmp_path / "phases.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(log_every_n_steps=0), "log_every_n_steps=0"),
+    (dict(warmup_steps=-1), "warmup_steps=-1"),
+    (dict(epoch_batches=0), "epoch_batches=0"),
+])
+def test_invalid_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StepProfiler(**kw)
+    with pytest.raises(TypeError, match="batch_size_fn"):
+        StepProfiler(batch_size_fn=3)
+
+
+def test_batch_size_fn_and_opaque_batches():
+    p = StepProfiler(report=False, batch_size_fn=lambda b: 10)
+    _fit_fake(p, batches=2)
+    assert p.summary()[0]["samples"] == 20
+
+
+def test_real_clock_matches_independent_wall_and_loader_time():
+    """Real sleeps: loader 4 ms (measured inside the dataset), step work, 3 ms of loop overhead."""
+    cost = Cost()
+    ds = BatchDataset(25, cost, 4 * MS)
+    wall = EpochWall()
+    p = StepProfiler(report=False)
+    t = trainer(max_epochs=1, callbacks=[wall, p, LoopOverhead(cost, 3 * MS)])
+    t.fit(CostModel(cost, 2 * MS, 1 * MS, 1 * MS), loader(ds))
+    e = p.summary()[0]
+    ref_wall = wall.epochs[0]
+    assert abs(e["epoch_seconds"] - ref_wall) / ref_wall < 0.01, (e["epoch_seconds"], ref_wall)
+    assert abs(sum(e["phases_ms"].values()) - e["avg_batch_ms"]) < 1e-6
+    loader_ms = 1e3 * ds.loaded_s / 25
+    ph = e["phases_ms"]
+    # the loader's own time, not the gap between batches (which also holds the 3 ms of overhead)
+    assert loader_ms <= ph["data_wait"] < loader_ms + 1.0, (ph, loader_ms)
+    assert ph["other"] >= 3.0, ph
+    assert ph["forward"] >= 2.0 and ph["backward"] >= 1.0 and ph["optimizer"] >= 1.0, ph
