@@ -310,6 +310,7 @@ def aggregate(cfg: dict, runs: dict) -> dict:
                 else:
                     entry["flush"] = None
                 entry["update_wchar_per_updated_byte"] = _med([w["update_io"]["wchar_per_updated_byte"] for w in wls])
+                entry["flush_errors"] = [e for w in wls for e in w.get("flush_errors", [])]
                 entry["rss_isolated"] = all(r.get("rss_isolated", True) for r in good)
                 entry["peak_rss_mib"] = _med([r["peak_rss_mib"] for r in good])
                 entry["peak_rss_mib_max"] = max(r["peak_rss_mib"] for r in good)
@@ -442,6 +443,9 @@ def table_lines(cfg: dict, results: dict) -> list[str]:
                     f"{_f(e['get_update'].get('ratio_vs_fastest_in_memory'), '{:.2f}x')} | "
                     f"{_f(e['update'].get('ratio_vs_fastest_in_memory'), '{:.2f}x')} | {fs} | {fw} | "
                     f"{_f(e.get('peak_rss_mib'), '{:.0f}')} |")
+            ferr = cell.get("store", {}).get("flush_errors")
+            if ferr:
+                lines.append(f"store: {len(ferr)} flush() call(s) raised and were retried; first: {ferr[0][:200]}")
             thp = cell.get("torch_thp", {}).get("thp")
             if thp:
                 lines.append(f"torch_thp: madvise ok={thp.get('madvise_hugepage')}, AnonHugePages "

@@ -241,6 +241,23 @@ def _warm_pass(sys_obj, cfg: dict) -> float:
     return time.perf_counter() - t0
 
 
+def _flush(sys_obj, errors: list) -> bool:
+    """flush(); on an exception record it and retry (up to 3 tries). Returns whether it retried.
+
+    A failed store flush leaves its rows dirty, so a retry is a correct continuation; the errors
+    are reported in the results (``flush_errors``), never hidden."""
+    for attempt in range(3):
+        try:
+            sys_obj.flush()
+            return attempt > 0
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            if attempt == 2:
+                raise
+            time.sleep(0.05)
+    return True
+
+
 def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
     import torch
 
@@ -249,6 +266,8 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
     is_np = cfg["system"] in ("numpy", "memmap")
     vals = vals_np if is_np else vals_t
     out: dict = {}
+    flush_errors: list = []
+    out["flush_errors"] = flush_errors
     clock = time.perf_counter_ns
 
     # warm-up: the same get+update steps, untimed
@@ -263,7 +282,7 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
     out["warmup_s"] = time.perf_counter() - t_w
     if sys_obj.durable and cfg["system"] != "naive":
         t0 = time.perf_counter()
-        sys_obj.flush()
+        _flush(sys_obj, flush_errors)
         out["flush_after_warmup_s"] = time.perf_counter() - t0
 
     profiler = None
@@ -332,7 +351,7 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
         before = sys_obj.stats().get("dirty_rows") if cfg["system"] == "store" else None
         io_a = _io()
         t0 = time.perf_counter()
-        sys_obj.flush()
+        _flush(sys_obj, flush_errors)
         out["flush_after_loop"] = {
             "seconds": time.perf_counter() - t0,
             "dirty_rows_before": before,
@@ -350,7 +369,7 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
         dirty_rows = int(torch.unique(torch.cat(touched)).numel())
         io_b = _io()
         t0 = time.perf_counter()
-        sys_obj.flush()
+        retried = _flush(sys_obj, flush_errors)
         secs = time.perf_counter() - t0
         io_c = _io()
         st1 = sys_obj.stats() if cfg["system"] == "store" else {}
@@ -362,6 +381,7 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
             "wchar": win["wchar"],
             "write_bytes": win["write_bytes"],
             "flush_only_wchar": _io_delta(io_b, io_c)["wchar"],
+            "retried_after_error": retried,
         }
         if cfg["system"] == "store" and "bytes_written" in st0 and "bytes_written" in st1:
             rec["store_bytes_written"] = st1["bytes_written"] - st0["bytes_written"]
