@@ -12,8 +12,8 @@ import torch
 
 from .memory import PageBuffer, zeros
 
-# Per-slot bookkeeping of the cached layout: id (8) + reference bit (1) + dirty (1) + in-flight (1).
-SLOT_OVERHEAD = 11
+# Per-slot bookkeeping of the cached layout: id (8) + reference bit (1) + dirty stamp (4) + in-flight (1).
+SLOT_OVERHEAD = 14
 
 
 class HotTier:
@@ -27,11 +27,12 @@ class HotTier:
         self.buffer = PageBuffer(self.capacity * row_bytes)
         self.pool = self.buffer.tensor(self.capacity, row_bytes)  # uint8 (capacity, row_bytes)
         self.pool_np = self.pool.numpy()
-        self.dirty = zeros(self.capacity, np.bool_)
+        self.dirty = zeros(self.capacity, np.int32)  # 0 = clean, else last batch position written
         self.inflight = zeros(self.capacity, np.bool_)
         if self.resident:
             num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
             self.loaded = zeros(num_chunks, np.bool_)
+            self.all_loaded = False  # steady state of memory mode: lookups skip the chunk check
         else:
             self.slot_of = zeros(num_rows, np.int32)  # slot + 1; 0 = not resident
             self.id_of = np.full(self.capacity, -1, np.int64)
@@ -44,6 +45,8 @@ class HotTier:
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slots of ``ids``; -1 where not resident. Marks hits as recently used."""
         if self.resident:
+            if self.all_loaded:
+                return ids
             c = ids // self.chunk_rows
             ok = self.loaded[c]
             return ids if ok.all() else np.where(ok, ids, -1)
@@ -83,7 +86,8 @@ class HotTier:
             scanned += stop
             out.append(picked)
             need -= len(picked)
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
+        # A second lap of the hand can meet slots picked on the first: never hand one out twice.
+        return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
 
     def take_free(self, n: int) -> np.ndarray:
         k = min(n, len(self.free))
@@ -102,7 +106,7 @@ class HotTier:
         ids = self.id_of[slots]
         self.slot_of[ids] = 0
         self.id_of[slots] = -1
-        self.dirty[slots] = False
+        self.dirty[slots] = 0
         self.ref[slots] = 0
         self.free.extend(slots.tolist())
         self.used -= len(slots)
@@ -128,7 +132,8 @@ class HotTier:
     def unload_chunk(self, chunk: int) -> None:
         lo, hi = self.chunk_range(chunk)
         self.loaded[chunk] = False
-        self.dirty[lo:hi] = False
+        self.all_loaded = False
+        self.dirty[lo:hi] = 0
         self.buffer.release(lo * self.row_bytes, (hi - lo) * self.row_bytes)
 
     def close(self) -> None:

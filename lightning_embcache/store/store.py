@@ -241,6 +241,9 @@ class EmbeddingStore:
         self._hot_budget = hot_bytes
         self._hot = HotTier(self._num_rows, self._row_bytes, self._chunk_rows, capacity)
         self._warm = WarmTier(warm_bytes if root is not None else 0)
+        if root is None and self._init_kind == "zeros" and not any(f.fill for f in self._schema.fields.values()):
+            self._hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
+            self._hot.all_loaded = True
         self._np_views = {n: self._field_np(n) for n in self._schema.names}
         self._closed = False
         _LIVE.add(self)
@@ -304,9 +307,7 @@ class EmbeddingStore:
             with self._lock:
                 slots = self._resolve(idx, load=not full, for_write=True, values=vals)
                 if slots is not None:
-                    for n, v in vals.items():
-                        self._np_views[n][slots] = _to_np(v)
-                    self._hot.dirty[slots] = True
+                    self._scatter(slots, vals)
         self._stats.updates += 1
         self._io_wait += time.perf_counter() - t0
 
@@ -343,6 +344,25 @@ class EmbeddingStore:
         t = torch.from_numpy(rec)
         return {n: self._schema.view(t, n).clone() for n in names}
 
+    def _scatter(self, slots: np.ndarray, vals: dict[str, torch.Tensor]) -> None:
+        """Write rows into hot slots and mark them dirty; of duplicate slots the last write wins.
+
+        index_copy_ is the fastest scatter but leaves duplicates undefined, so the dirty array
+        doubles as a stamp: each slot records the last batch position written to it, and only
+        those positions are copied (a second pass only when the batch has duplicates).
+        """
+        dirty = self._hot.dirty
+        pos = np.arange(1, len(slots) + 1, dtype=np.int32)
+        dirty[slots] = pos
+        last = dirty[slots] == pos
+        if not last.all():
+            keep = torch.from_numpy(np.flatnonzero(last))
+            slots = slots[last]
+            vals = {n: v.index_select(0, keep) for n, v in vals.items()}
+        s = torch.from_numpy(slots)
+        for n, v in vals.items():
+            self._schema.view(self._hot.pool, n).index_copy_(0, s, v)
+
     def _resolve(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
                  values: dict[str, torch.Tensor] | None = None) -> np.ndarray | None:
         """Slots holding ``idx``, filling misses from below. Caller holds the lock.
@@ -358,6 +378,7 @@ class EmbeddingStore:
             miss = idx[slots < 0]
             for c in np.unique(miss // self._chunk_rows).tolist():
                 self._load_chunk_resident(c)
+            hot.all_loaded = bool(hot.loaded.all())
             self._stats.hot_misses += len(miss)
             self._stats.hot_hits += len(idx) - len(miss)
             return idx
@@ -401,7 +422,7 @@ class EmbeddingStore:
 
     def _evict_slots(self, slots: np.ndarray) -> None:
         hot = self._hot
-        d = slots[hot.dirty[slots]]
+        d = slots[hot.dirty[slots] != 0]
         if len(d):
             self._write_back(hot.id_of[d], hot.pool_np[d])
         self._stats.evicted_bytes += len(slots) * self._row_bytes
@@ -427,7 +448,7 @@ class EmbeddingStore:
         if res.any():
             for n, v in values.items():
                 self._np_views[n][slots[res]] = _to_np(v[torch.from_numpy(np.flatnonzero(res))])
-            hot.dirty[slots[res]] = True
+            hot.dirty[slots[res]] = 1
         rest = np.flatnonzero(~res)
         rid = idx[rest]
         # last occurrence of each id wins
@@ -529,7 +550,7 @@ class EmbeddingStore:
         if self._disk is None:  # ephemeral memory store: nothing to make durable
             with self._lock:
                 if self._hot.dirty.any():
-                    self._hot.dirty[:] = False
+                    self._hot.dirty[:] = 0
                     self._version += 1
                 return self._version
         with self._flush_lock:
@@ -542,7 +563,7 @@ class EmbeddingStore:
                 order = np.argsort(ids, kind="stable")
                 ids, slots = ids[order], slots[order]
                 records = hot.pool_np[slots]
-                hot.dirty[slots] = False
+                hot.dirty[slots] = 0
                 hot.inflight[slots] = True
                 seq = self._next_seq
                 self._next_seq += 1
@@ -556,7 +577,7 @@ class EmbeddingStore:
                 self._disk.write_manifest(m)
             except BaseException:
                 with self._lock:
-                    hot.dirty[slots] = True
+                    hot.dirty[slots] = 1
                     hot.inflight[slots] = False
                 raise
             with self._lock:
@@ -811,7 +832,7 @@ class EmbeddingStore:
             s.warm_bytes = self._warm.nbytes
             s.warm_budget_bytes = self._warm.budget
             s.warm_hits, s.warm_misses = self._warm.hits, self._warm.misses
-            s.dirty_rows = int(self._hot.dirty.sum()) if not self._closed else 0
+            s.dirty_rows = int(np.count_nonzero(self._hot.dirty)) if not self._closed else 0
             s.compression_ratio = self._warm.compression_ratio
             s.bytes_read = self._disk.bytes_read if self._disk else 0
             s.bytes_written = self._disk.bytes_written if self._disk else 0
