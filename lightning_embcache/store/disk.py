@@ -211,8 +211,12 @@ class Disk:
         self.bytes_written += write_file(self.chunk_path(chunk, gen), b"chunk", head + body)
 
     # ---- segments ----------------------------------------------------------------------------
-    def write_segment(self, seq: int, ids: np.ndarray, records: np.ndarray) -> Segment:
-        """Write sorted unique ``ids`` and their ``records`` as segment ``seq``, durably."""
+    def write_segment(self, seq: int, ids: np.ndarray, records: np.ndarray, *, durable: bool = True) -> Segment:
+        """Write sorted unique ``ids`` and their ``records`` as segment ``seq``.
+
+        ``durable=False`` (write-back of evicted rows) skips the fsync; the flush that first lists
+        the segment in a manifest syncs it (``sync_segment``) before publishing.
+        """
         chunks = ids // self.chunk_rows
         starts = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1]]) if len(ids) else np.zeros(0, np.int64)
         counts = np.diff(np.r_[starts, len(ids)])
@@ -223,10 +227,17 @@ class Disk:
         directory = _SEG_HEAD.pack(len(ids), rb, index.shape[1], self.chunk_rows) + ids.astype(np.int64).tobytes() + index.tobytes()
         path = self.segment_path(seq)
         parts = pack(b"segment", directory) + [np.ascontiguousarray(records).reshape(-1)]
-        n = write_parts(path, parts)
+        n = write_parts(path, parts, durable=durable)
         self.bytes_written += n
         return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
                        HEADER_SIZE + len(directory), rb, n)
+
+    def sync_segment(self, seg: Segment) -> None:
+        fd = os.open(seg.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def open_segment(self, seq: int) -> Segment:
         path = self.segment_path(seq)
@@ -272,8 +283,13 @@ class Disk:
                 files.update(zip(nz.tolist(), cmap[nz].tolist()))
         return segs, gens, files
 
-    def collect_garbage(self, keep_versions: list[int], keep_segments: set[int], keep_gens: set[int]) -> int:
-        """Delete files no kept version uses (crash leftovers, compacted deltas); return bytes freed."""
+    def collect_garbage(self, keep_versions: list[int], keep_segments: set[int], keep_gens: set[int],
+                        new_seq: int, new_gen: int, *, remove_temp: bool) -> int:
+        """Delete files no kept version uses (crash leftovers, compacted deltas); return bytes freed.
+
+        ``keep_segments``/``keep_gens`` protect what the live store uses or is writing right now;
+        temporary files are only removed when no write of this process can be in progress.
+        """
         segs, gens, files = self.referenced(keep_versions)
         segs |= keep_segments
         gens |= keep_gens
@@ -287,19 +303,28 @@ class Disk:
             except FileNotFoundError:  # tolerate a concurrent delete
                 pass
 
-        for p in self.root.iterdir():
-            if p.name.startswith(".") and ".tmp" in p.name:
-                drop(p)
-            elif p.name.startswith("chunkmap-") and int(p.name.split("-")[1]) not in gens:
-                drop(p)
-        for p in (self.root / "segments").iterdir():
-            m = SEGMENT_RE.match(p.name)
-            if (m and int(m.group(1)) not in segs) or (p.name.startswith(".") and ".tmp" in p.name):
-                drop(p)
-        for p in (self.root / "chunks").iterdir():
-            m = CHUNK_RE.match(p.name)
-            if (m and (int(m.group(1)), int(m.group(2))) not in files) or (p.name.startswith(".") and ".tmp" in p.name):
-                drop(p)
+        def is_temp(name: str) -> bool:
+            return name.startswith(".") and ".tmp" in name
+
+        for d in (self.root, self.root / "segments", self.root / "chunks"):
+            for p in d.iterdir():
+                name = p.name
+                if is_temp(name):
+                    if remove_temp:
+                        drop(p)
+                elif d.name == "segments":
+                    m = SEGMENT_RE.match(name)
+                    if m and int(m.group(1)) < new_seq and int(m.group(1)) not in segs:
+                        drop(p)
+                elif d.name == "chunks":
+                    m = CHUNK_RE.match(name)
+                    gen = int(m.group(2)) if m else new_gen
+                    if gen < new_gen and gen not in gens and (int(m.group(1)), gen) not in files:
+                        drop(p)
+                elif name.startswith("chunkmap-"):
+                    gen = int(name.split("-")[1])
+                    if gen < new_gen and gen not in gens:
+                        drop(p)
         return freed
 
     def disk_bytes(self) -> int:

@@ -220,6 +220,8 @@ class EmbeddingStore:
         self._prefetcher: ThreadPoolExecutor | None = None
         self._bg_future: Future | None = None
         self._bg_error: BaseException | None = None
+        self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
+        self._writing_gens: set[int] = set()  # compaction generations being written
         num_chunks = (self._num_rows + self._chunk_rows - 1) // self._chunk_rows
         if root is not None:
             if not readonly:
@@ -434,7 +436,7 @@ class EmbeddingStore:
         order = np.argsort(ids, kind="stable")
         seq = self._next_seq
         self._next_seq += 1
-        seg = self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]))
+        seg = self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]), durable=False)
         self._pending.append(seg)
         self._warm.discard_many(ids // self._chunk_rows)
         self._epoch += 1
@@ -567,10 +569,13 @@ class EmbeddingStore:
                 hot.inflight[slots] = True
                 seq = self._next_seq
                 self._next_seq += 1
+                self._writing_seqs.add(seq)
                 pending = list(self._pending)
                 version = self._max_version + 1
                 segs = [s.seq for s in self._committed] + [p.seq for p in pending]
             try:
+                for p in pending:
+                    self._disk.sync_segment(p)
                 new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
                 m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
                 self._parent = self._version
@@ -579,9 +584,11 @@ class EmbeddingStore:
                 with self._lock:
                     hot.dirty[slots] = 1
                     hot.inflight[slots] = False
+                    self._writing_seqs.discard(seq)
                 raise
             with self._lock:
                 hot.inflight[slots] = False
+                self._writing_seqs.discard(seq)
                 self._committed += pending + new
                 self._pending = [p for p in self._pending if p not in pending]
                 self._version = self._max_version = version
@@ -666,7 +673,7 @@ class EmbeddingStore:
         self._next_gen = gen + 1
         if not self._readonly:
             # Leftovers of a crash (unreferenced segments, temp files) are removed by the writer.
-            self._collect_garbage()
+            self._collect_garbage(at_open=True)
 
     # ------------------------------------------------------------------ compaction and GC
     def _segment_bytes(self) -> int:
@@ -715,6 +722,16 @@ class EmbeddingStore:
             cmap = self._cmap.copy()
             gen = self._next_gen
             self._next_gen += 1
+            self._writing_gens.add(gen)
+        try:
+            self._compact_into(segs, cmap, gen)
+        finally:
+            with self._lock:
+                self._writing_gens.discard(gen)
+
+    def _compact_into(self, segs: list[Segment], cmap: np.ndarray, gen: int) -> None:
+        disk = self._disk
+        assert disk is not None
         if not segs:
             return
         touched = np.unique(np.concatenate([s.idx_chunk for s in segs]))
@@ -744,15 +761,16 @@ class EmbeddingStore:
         for s in segs:
             s.close()
 
-    def _collect_garbage(self) -> None:
+    def _collect_garbage(self, at_open: bool = False) -> None:
         disk = self._disk
         if disk is None or self._readonly:
             return
         with self._lock:
-            live_segs = {s.seq for s in self._committed + self._pending}
-            gens = {self._cmap_gen}
-        versions = disk.list_versions()
-        disk.collect_garbage(versions, live_segs, gens)
+            live_segs = {s.seq for s in self._committed + self._pending} | self._writing_seqs
+            gens = {self._cmap_gen} | self._writing_gens
+            # Anything numbered from here on is written after this snapshot: never garbage.
+            new_seq, new_gen = self._next_seq, self._next_gen
+        disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open)
 
     def _wait_bg(self) -> None:
         fut = self._bg_future
