@@ -34,13 +34,14 @@ class StoreStats:
     version: int = 0
     prefetched_rows: int = 0
     evicted_bytes: int = 0
+    cleaned_rows: int = 0
     gets: int = 0
     updates: int = 0
     segments: int = 0
     pending_segments: int = 0
 
     _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions",
-                 "prefetched_rows", "evicted_bytes", "gets", "updates")
+                 "prefetched_rows", "evicted_bytes", "cleaned_rows", "gets", "updates")
 
     @classmethod
     def counter_fields(cls) -> tuple[str, ...]:

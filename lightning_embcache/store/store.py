@@ -218,8 +218,9 @@ class EmbeddingStore:
         self._next_gen = 1
         self._bg: ThreadPoolExecutor | None = None
         self._prefetcher: ThreadPoolExecutor | None = None
-        self._bg_future: Future | None = None
+        self._bg_futures: dict[str, Future] = {}
         self._bg_error: BaseException | None = None
+        self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
         self._writing_gens: set[int] = set()  # compaction generations being written
         num_chunks = (self._num_rows + self._chunk_rows - 1) // self._chunk_rows
@@ -310,6 +311,13 @@ class EmbeddingStore:
                 slots = self._resolve(idx, load=not full, for_write=True, values=vals)
                 if slots is not None:
                     self._scatter(slots, vals)
+                if not self._hot.resident:
+                    # Keep evictions cheap for the training thread: once about half the hot slots
+                    # may be dirty, write the cold ones back in the background.
+                    self._dirty_estimate += len(idx)
+                    if self._dirty_estimate > self._hot.limit // 2:
+                        self._dirty_estimate = 0
+                        self._submit_bg(self._clean)
         self._stats.updates += 1
         self._io_wait += time.perf_counter() - t0
 
@@ -438,8 +446,52 @@ class EmbeddingStore:
         self._next_seq += 1
         seg = self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]), durable=False)
         self._pending.append(seg)
+        self._pending.sort(key=lambda g: g.seq)
         self._warm.discard_many(ids // self._chunk_rows)
         self._epoch += 1
+
+    def _clean(self) -> None:
+        """Background write-back: turn dirty hot rows that are not recently used into clean ones.
+
+        The rows stay resident; their values go to a pending segment (part of the next flush), so
+        a later eviction of them is free. Holds the flush lock so no flush can publish a version
+        while cleaned rows are neither dirty nor in a published segment.
+        """
+        with self._flush_lock:
+            with self._lock:
+                hot = self._hot
+                if self._closed or hot.resident or self._disk is None:
+                    return
+                slots = np.flatnonzero(hot.dirty[: hot.limit])
+                cold = slots[hot.ref[slots] == 0]
+                take = cold if len(cold) >= len(slots) // 2 else slots
+                if len(take) < max(1, hot.limit // 8):
+                    return
+                ids = hot.id_of[take]
+                order = np.argsort(ids, kind="stable")
+                ids, take = ids[order], take[order]
+                records = hot.pool_np[take]
+                hot.dirty[take] = 0
+                hot.inflight[take] = True
+                seq = self._next_seq
+                self._next_seq += 1
+                self._writing_seqs.add(seq)
+            try:
+                seg = self._disk.write_segment(seq, ids, records, durable=False)
+            except BaseException:
+                with self._lock:
+                    hot.dirty[take] = 1
+                    hot.inflight[take] = False
+                    self._writing_seqs.discard(seq)
+                raise
+            with self._lock:
+                hot.inflight[take] = False
+                self._writing_seqs.discard(seq)
+                self._pending.append(seg)
+                self._pending.sort(key=lambda g: g.seq)
+                self._warm.discard_many(ids // self._chunk_rows)
+                self._epoch += 1
+                self._stats.cleaned_rows += len(ids)
 
     def _write_around(self, idx, mids, values, load: bool) -> None:
         """A write too large for the hot tier: merge it with stored rows and write back directly."""
@@ -685,16 +737,17 @@ class EmbeddingStore:
             self._submit_bg(self._compact)
 
     def _submit_bg(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the background I/O thread; a job of the same kind already queued absorbs it."""
         with self._lock:
-            if self._closed and fn is not self._collect_garbage:
+            if self._closed:
                 return
             if self._bg is None:
                 self._bg = ThreadPoolExecutor(1, thread_name_prefix="embcache-bg")
-            if self._bg_future is not None and not self._bg_future.done() and fn == self._compact:
-                return  # coalesce: one compaction at a time
-            fut = self._bg.submit(self._run_bg, fn)
-            if fn == self._compact:
-                self._bg_future = fut
+            key = fn.__name__
+            fut = self._bg_futures.get(key)
+            if fut is not None and not fut.done():
+                return
+            self._bg_futures[key] = self._bg.submit(self._run_bg, fn)
 
     def _run_bg(self, fn: Callable[[], None]) -> None:
         try:
@@ -773,11 +826,8 @@ class EmbeddingStore:
         disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open)
 
     def _wait_bg(self) -> None:
-        fut = self._bg_future
-        if fut is not None:
+        for fut in list(self._bg_futures.values()):
             fut.result()
-        if self._bg is not None:
-            self._bg.submit(lambda: None).result()
 
     # ------------------------------------------------------------------ memory
     def evict(self, nbytes: int) -> int:
@@ -944,7 +994,7 @@ class EmbeddingStore:
         self._flush_lock = threading.Lock()
         self._bg = None
         self._prefetcher = None
-        self._bg_future = None
+        self._bg_futures = {}
 
 
 def _reinit_after_fork() -> None:
