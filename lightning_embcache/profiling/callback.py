@@ -180,12 +180,12 @@ class StepProfiler(Callback):
         module = type(trainer.lightning_module).__name__
         on_start = {
             f"[{loop_name}].train_dataloader_next": self._fetch_start,
-            f"[Strategy]{strategy}.batch_to_device": self._data_start,
+            f"[Strategy]{strategy}.batch_to_device": self._transfer_start,
             "optimizer_step": self._manual_step_start,
         }
         on_stop = {
-            f"[{loop_name}].train_dataloader_next": self._data_stop,
-            f"[Strategy]{strategy}.batch_to_device": self._data_stop,
+            f"[{loop_name}].train_dataloader_next": self._fetch_stop,
+            f"[Strategy]{strategy}.batch_to_device": self._transfer_stop,
             f"[LightningModule]{module}.optimizer_step": self._auto_step_stop,
             "optimizer_step": self._manual_step_stop,
         }
@@ -337,9 +337,10 @@ class StepProfiler(Callback):
         self._timeline.switch(OTHER)
         self._batch_ended = True
 
-    def _close_step(self, trainer: Optional[Trainer], log: bool = True) -> None:
+    def _close_step(self, trainer: Optional[Trainer], log: bool = True, next_phase: int = OTHER) -> None:
         self._batch_ended = False
-        self._timeline.end_step(self._open_epoch, self._samples, self._step_in_epoch >= self.warmup_steps)
+        self._timeline.end_step(self._open_epoch, self._samples, self._step_in_epoch >= self.warmup_steps,
+                                next_phase)
         self._step_in_epoch += 1
         self._batches_seen += 1
         if log and self._batches_seen >= self._next_log:
@@ -348,11 +349,25 @@ class StepProfiler(Callback):
     # tap callbacks: the trainer's profiler saw one of the actions that bound a phase
     def _fetch_start(self) -> None:
         tl = self._timeline
-        if tl is not None and not tl.active and self._trainer is not None:
+        if tl is None:
+            return
+        if not tl.active and self._trainer is not None:
             self._start_epoch(self._trainer, self._trainer.lightning_module)
-        self._data_start()
+        if tl.active and tl.phase != VALIDATION:
+            if self._batch_ended:  # the step closes where the next one's fetch starts
+                self._close_step(self._trainer, next_phase=DATA)
+                self._data_resume = OTHER
+            else:
+                self._data_resume = tl.phase if tl.phase != DATA else OTHER
+                tl.switch(DATA)
 
-    def _data_start(self) -> None:
+    def _fetch_stop(self) -> None:
+        tl = self._timeline
+        if tl is not None and tl.active and tl.phase == DATA:
+            # back to loop code: on CUDA the device segment stays data until the transfer's end
+            tl.switch(self._data_resume, device=self._data_resume != OTHER)
+
+    def _transfer_start(self) -> None:
         tl = self._timeline
         if tl is not None and tl.active and tl.phase != VALIDATION:  # validation moves batches too
             if self._batch_ended:
@@ -361,7 +376,7 @@ class StepProfiler(Callback):
             self._data_resume = tl.phase if tl.phase != DATA else OTHER
             tl.switch(DATA)
 
-    def _data_stop(self) -> None:
+    def _transfer_stop(self) -> None:
         tl = self._timeline
         if tl is not None and tl.active and tl.phase == DATA:
             tl.switch(self._data_resume)

@@ -265,3 +265,36 @@ def test_real_clock_matches_independent_wall_and_loader_time():
     assert loader_ms <= ph["data_wait"] < loader_ms + 1.0, (ph, loader_ms)
     assert ph["other"] >= 3.0, ph
     assert ph["forward"] >= 2.0 and ph["backward"] >= 1.0 and ph["optimizer"] >= 1.0, ph
+
+
+@pytest.mark.slow  # two fresh interpreters import torch+lightning: ~30-40 s on the shared 2-core box
+def test_ddp_two_processes_gloo_reports_the_straggler(tmp_path):
+    """A real Trainer(strategy="ddp", accelerator="cpu", devices=2): one collective per interval,
+    every rank joins, and the slow rank is named."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp.json"
+    script = os.path.join(os.path.dirname(__file__), "_ddp_script.py")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, script, str(out)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    assert [e["epoch"] for e in s] == [0, 1]
+    for e in s:
+        assert e["world_size"] == 2 and e["batches"] == 8
+        assert e["slowest_rank"] == 1, e
+        # rank 1 spends 25 ms more in forward; the mean over ranks is half of that above rank 0
+        assert e["phases_max_ms"]["forward"] >= 25.0, e
+        assert e["phases_max_ms"]["forward"] - e["phases_ms"]["forward"] >= 10.0, e
+        assert e["rank_spread_pct"] > 50.0, e
+        assert abs(sum(e["phases_ms"].values()) - e["avg_batch_ms"]) < 1e-6
+    assert len(res["logged"]) == 4  # 16 batches per rank / log_every_n_steps=4
+    for m in res["logged"]:
+        assert set(m) == LOGGED_KEYS
+        assert m["profile/slowest_rank"] == 1.0
+    assert "slowest rank (last epoch): 1" in proc.stdout + proc.stderr

@@ -1,0 +1,469 @@
+"""`embcache bench profiler`: StepProfiler against Lightning's profilers, interleaved in one run.
+
+For a small model (~1 ms steps) and a larger one (~20-50 ms), with a loader whose per-batch cost
+is known (a sleep, measured inside the dataset) and num_workers 0 and 2, each repetition runs the
+same short fit once per configuration, in rotated order:
+none, SimpleProfiler, AdvancedProfiler, PyTorchProfiler, ThroughputMonitor, StepProfiler.
+
+An independent reference callback (present in every configuration, so its cost cancels) records
+the epoch's wall time and each batch's start and end. Reported per (model, workers):
+- overhead of each configuration: steady ms/batch (after warm-up) over the same repetition's
+  no-profiler run, median and range over repetitions;
+- StepProfiler's true average batch time against the reference epoch wall / batches;
+- StepProfiler's phases summed against the reference wall;
+- StepProfiler's data_wait against the loader's own measured time and against the whole gap
+  between batches (what a profiler that calls the gap "data" would report).
+
+``--device cuda`` adds the GPU checks: no added synchronization inside steady-state steps
+(``torch.cuda.set_sync_debug_mode("error")``) and the phases against a ``torch.profiler`` trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.profilers import AdvancedProfiler, PyTorchProfiler, SimpleProfiler
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_embcache.profiling import PHASES, StepProfiler
+
+CONFIGS = ("none", "simple", "advanced", "pytorch", "throughput", "step")
+# name -> (width, depth, batch size, batches per fit, loader ms per batch)
+MODELS = {
+    "small": (64, 2, 32, 300, 0.3),
+    "large": (512, 2, 128, 30, 5.0),
+    # GPU: launch-bound small steps and GPU-bound large ones; no loader cost
+    "gpu_small": (256, 2, 256, 200, 0.0),
+    "gpu_large": (4096, 4, 2048, 40, 0.0),
+}
+
+
+class SleepyBatches(Dataset):
+    """Whole batches (use batch_size=None) that each cost `load_ms` to produce, measured."""
+
+    def __init__(self, n: int, batch: int, width: int, load_ms: float, device: str = "cpu") -> None:
+        self.n, self.batch, self.width, self.load_s, self.device = n, batch, width, load_ms / 1e3, device
+        self.loaded_s = 0.0
+        self.x = torch.randn(batch, width)
+        self.y = torch.randn(batch, 1)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        t0 = time.perf_counter()
+        # a CPU-bound cost (decode, augment): a spin is exact where sleep() overshoots on a busy host
+        while time.perf_counter() - t0 < self.load_s:
+            pass
+        out = (self.x.clone(), self.y.clone())
+        self.loaded_s += time.perf_counter() - t0
+        return out
+
+
+class MLP(L.LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Reference(L.Callback):
+    """Independent timestamps: epoch start/end, each batch's start and end."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []  # main-thread CPU time: robust to other processes on the host
+        self.epoch: tuple[float, float] = (0.0, 0.0)
+
+    def on_train_epoch_start(self, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.thread_time())
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self.epoch = (self._t0, time.perf_counter())
+
+
+def _profiler_and_callbacks(config: str, tmp: str, warmup: int, batch: int):
+    if config == "none":
+        return None, []
+    if config == "simple":
+        return SimpleProfiler(), []
+    if config == "advanced":
+        return AdvancedProfiler(dirpath=tmp, filename="advanced"), []
+    if config == "pytorch":
+        return PyTorchProfiler(dirpath=tmp, filename="pytorch"), []
+    if config == "throughput":
+        return None, [ThroughputMonitor(batch_size_fn=lambda b: batch)]
+    if config == "step":
+        return None, [StepProfiler(report=False, warmup_steps=warmup)]
+    raise ValueError(f"config must be one of {CONFIGS}; got {config!r}")
+
+
+def run_one(model_name: str, workers: int, config: str, warmup: int, device: str = "cpu",
+            batches: Optional[int] = None) -> dict:
+    width, depth, batch, n, load_ms = MODELS[model_name]
+    n = batches or n
+    torch.manual_seed(0)
+    model = MLP(width, depth)
+    ds = SleepyBatches(n, batch, width, load_ms)
+    dl = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=(device == "cuda"))
+    ref = Reference()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        profiler, callbacks = _profiler_and_callbacks(config, tmp, warmup, batch)
+        trainer = L.Trainer(accelerator=device, devices=1, max_epochs=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, profiler=profiler,
+                            callbacks=[ref, *callbacks], default_root_dir=tmp)
+        t0 = time.perf_counter()
+        trainer.fit(model, dl)
+        fit_s = time.perf_counter() - t0
+    steady = (ref.ends[-1] - ref.ends[warmup - 1]) / (n - warmup) * 1e3
+    steady_cpu = (ref.cpu_ends[-1] - ref.cpu_ends[warmup - 1]) / (n - warmup) * 1e3
+    gaps = [ref.starts[i + 1] - ref.ends[i] for i in range(warmup, n - 1)]
+    out = {
+        "model": model_name, "workers": workers, "config": config, "batches": n,
+        "fit_seconds": fit_s,
+        "ref_epoch_seconds": ref.epoch[1] - ref.epoch[0],
+        "ref_avg_batch_ms": 1e3 * (ref.epoch[1] - ref.epoch[0]) / n,
+        "ref_steady_batch_ms": steady,
+        "ref_steady_batch_cpu_ms": steady_cpu,
+        "ref_gap_ms": 1e3 * statistics.fmean(gaps) if gaps else None,
+        "loader_own_ms": 1e3 * ds.loaded_s / n if workers == 0 else None,
+    }
+    if config == "step":
+        s = callbacks[0].summary()[0]
+        out["step_summary"] = s
+    return out
+
+
+def _aggregate(runs: list[dict], reps: int) -> dict:
+    agg: dict[str, Any] = {}
+    keys = sorted({(r["model"], r["workers"]) for r in runs})
+    for model, workers in keys:
+        mine = [r for r in runs if r["model"] == model and r["workers"] == workers]
+        base = {r["rep"]: r["ref_steady_batch_ms"] for r in mine if r["config"] == "none"}
+        base_cpu = {r["rep"]: r["ref_steady_batch_cpu_ms"] for r in mine if r["config"] == "none"}
+        entry: dict[str, Any] = {"no_profiler_steady_batch_ms": statistics.median(base.values()),
+                                 "no_profiler_steady_batch_cpu_ms": statistics.median(base_cpu.values())}
+        for cfg in CONFIGS:
+            for tag, col, ref in (("", "ref_steady_batch_ms", base), ("cpu_", "ref_steady_batch_cpu_ms", base_cpu)):
+                ratios = [r[col] / ref[r["rep"]] - 1 for r in mine if r["config"] == cfg and r["rep"] in ref]
+                if ratios:
+                    entry[f"overhead_{tag}{cfg}_pct"] = {"median": 100 * statistics.median(ratios),
+                                                         "min": 100 * min(ratios), "max": 100 * max(ratios)}
+        steps = [r for r in mine if r["config"] == "step"]
+        if steps:
+            avg_err = [abs(r["step_summary"]["avg_batch_ms"] / r["ref_avg_batch_ms"] - 1) for r in steps]
+            sum_err = [abs(sum(r["step_summary"]["phases_ms"].values()) / r["ref_avg_batch_ms"] - 1)
+                       for r in steps]
+            entry["true_avg_vs_ref_wall_err_pct_max"] = 100 * max(avg_err)
+            entry["phase_sum_vs_ref_wall_err_pct_max"] = 100 * max(sum_err)
+            entry["phases_ms_median"] = {p: statistics.median(r["step_summary"]["phases_ms"][p] for r in steps)
+                                         for p in PHASES}
+            entry["avg_batch_ms_median"] = statistics.median(r["step_summary"]["avg_batch_ms"] for r in steps)
+            entry["steady_batch_ms_median"] = statistics.median(r["step_summary"]["steady_batch_ms"] for r in steps)
+            entry["gap_between_batches_ms_median"] = statistics.median(r["ref_gap_ms"] for r in steps)
+            own = [r["loader_own_ms"] for r in steps if r["loader_own_ms"] is not None]
+            if own:
+                entry["loader_own_ms_median"] = statistics.median(own)
+        agg[f"{model}/workers={workers}"] = entry
+    return agg
+
+
+def _print_table(agg: dict) -> None:
+    for key, e in agg.items():
+        print(f"\n== {key}: no-profiler steady batch {e['no_profiler_steady_batch_ms']:.3f} ms wall, "
+              f"{e['no_profiler_steady_batch_cpu_ms']:.3f} ms main-thread CPU")
+        for cfg in CONFIGS[1:]:
+            o, c = e.get(f"overhead_{cfg}_pct"), e.get(f"overhead_cpu_{cfg}_pct")
+            if o:
+                print(f"  {cfg:<11} overhead wall {o['median']:+7.2f}% (range {o['min']:+.2f} .. {o['max']:+.2f}); "
+                      f"CPU {c['median']:+7.2f}% (range {c['min']:+.2f} .. {c['max']:+.2f})")
+        if "phases_ms_median" in e:
+            ph = " ".join(f"{p}={v:.3f}" for p, v in e["phases_ms_median"].items())
+            print(f"  StepProfiler phases (ms): {ph}")
+            print(f"  true avg {e['avg_batch_ms_median']:.3f} ms, steady {e['steady_batch_ms_median']:.3f} ms; "
+                  f"vs ref wall: avg err <= {e['true_avg_vs_ref_wall_err_pct_max']:.3f}%, "
+                  f"phase sum err <= {e['phase_sum_vs_ref_wall_err_pct_max']:.3f}%")
+            own = e.get("loader_own_ms_median")
+            print(f"  data_wait {e['phases_ms_median']['data_wait']:.3f} ms; loader's own time "
+                  f"{'n/a (workers)' if own is None else f'{own:.3f} ms'}; whole gap between batches "
+                  f"{e['gap_between_batches_ms_median']:.3f} ms")
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+class _ListLogger(Logger):
+    """Keeps logged metrics in memory (exercises StepProfiler's logging path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    @property
+    def name(self) -> str:
+        return "list"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
+class _SyncGuard(L.Callback):
+    """torch.cuda.set_sync_debug_mode("error") from batch `first` to batch `last` (inclusive),
+    boundaries and the fetches between batches included: any synchronization there raises."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.steps_guarded = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.first:
+            torch.cuda.set_sync_debug_mode("error")
+        if self.first <= batch_idx <= self.last:
+            self.steps_guarded += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.last + 1 or batch_idx == trainer.num_training_batches - 1:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _gpu_fit(model_name: str, callbacks: list, epochs: int = 1, batches: Optional[int] = None,
+             logger: Any = False, profiler: Any = None) -> None:
+    width, depth, batch, n, load_ms = MODELS[model_name]
+    torch.manual_seed(0)
+    dl = DataLoader(SleepyBatches(batches or n, batch, width, load_ms), batch_size=None, pin_memory=True)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(accelerator="cuda", devices=1, max_epochs=epochs, logger=logger, profiler=profiler,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=tmp).fit(MLP(width, depth), dl)
+
+
+def sync_check(batches: int, warmup: int) -> dict:
+    """Steady-state steps run under sync-debug "error", with and without StepProfiler."""
+    out = {}
+    for name in ("none", "step"):
+        guard = _SyncGuard(warmup, batches - 5)
+        cbs: list = [guard]
+        prof = None
+        if name == "step":
+            prof = StepProfiler(log_every_n_steps=5, report=False, warmup_steps=warmup)
+            cbs.append(prof)
+        logger = _ListLogger()
+        try:
+            _gpu_fit("gpu_small", cbs, batches=batches, logger=logger)
+            err = None
+        except RuntimeError as e:  # what sync-debug "error" raises
+            err = str(e).splitlines()[0][:300]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out[name] = {"error": err, "steps_guarded": guard.steps_guarded,
+                     "profile_log_calls": sum(1 for _, m in logger.rows if "profile/step_ms" in m)}
+        if prof is not None and prof.summary():
+            out[name]["summary"] = prof.summary()[0]
+    return out
+
+
+class _Annotate(L.Callback):
+    """torch.profiler ranges over the same windows StepProfiler uses for forward/backward/optimizer,
+    and the profiler itself running over epoch 1 only (epoch 0 is warm-up)."""
+
+    def __init__(self, prof) -> None:
+        self.prof, self.open = prof, None
+
+    def _enter(self, name: Optional[str]) -> None:
+        if self.open is not None:
+            self.open.__exit__(None, None, None)
+            self.open = None
+        if name is not None and self.prof is not None:
+            self.open = torch.profiler.record_function(name)
+            self.open.__enter__()
+
+    def on_train_epoch_start(self, trainer, *args: Any) -> None:
+        if trainer.current_epoch == 1:
+            self.prof.start()
+
+    def on_train_epoch_end(self, trainer, *args: Any) -> None:
+        self._enter(None)
+        if trainer.current_epoch == 1:
+            self.prof.stop()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._enter("sp::forward")
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._enter("sp::backward")
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._enter("sp::optimizer")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._enter(None)
+
+
+def trace_check(model_name: str = "gpu_large", batches: int = 30) -> dict:
+    """Device time of the kernels launched in each window (torch.profiler trace) against
+    StepProfiler's CUDA-event phases, over the same epoch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    sp = StepProfiler(report=False)
+    ann = _Annotate(prof)
+    _gpu_fit(model_name, [sp, ann], epochs=2, batches=batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        trace = json.loads(Path(path).read_text())
+    events = trace.get("traceEvents", trace)
+    windows = {"forward": [], "backward": [], "optimizer": []}
+    launches: dict[Any, float] = {}
+    device_ops = []
+    for ev in events:
+        cat = ev.get("cat", "")
+        name = ev.get("name", "")
+        if cat == "user_annotation" and name.startswith("sp::"):
+            windows[name[4:]].append((ev["ts"], ev["ts"] + ev.get("dur", 0)))
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in ev.get("args", {}):
+            launches[ev["args"]["correlation"]] = ev["ts"]
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            device_ops.append(ev)
+    kernel_ms = {k: 0.0 for k in windows}
+    for ev in device_ops:
+        t = launches.get(ev.get("args", {}).get("correlation"))
+        if t is None:
+            continue
+        for phase, spans in windows.items():
+            if any(a <= t <= b for a, b in spans):
+                kernel_ms[phase] += ev.get("dur", 0) / 1e3
+                break
+    summary = sp.summary()[1]
+    n = summary["batches"]
+    trace_per_step = {k: v / n for k, v in kernel_ms.items()}
+    cmp = {}
+    for k in windows:
+        ev_ms = summary["phases_ms"][k]
+        cmp[k] = {"step_profiler_cuda_events_ms": ev_ms, "trace_kernels_ms": trace_per_step[k],
+                  "host_clock_ms": summary["host_phases_ms"][k],
+                  "diff_pct": 100 * (ev_ms / trace_per_step[k] - 1) if trace_per_step[k] else None}
+    return {"model": model_name, "batches_in_epoch": n, "phases": cmp, "summary_epoch1": summary}
+
+
+def overhead_check(batches: int, warmup: int, reps: int) -> dict:
+    runs = []
+    for rep in range(reps):
+        for cfg in ("none", "step", "throughput", "simple"):
+            r = run_one("gpu_small", 0, cfg, warmup, device="cuda", batches=batches)
+            r["rep"] = rep
+            runs.append(r)
+    return {"runs": runs, "aggregate": _aggregate(runs, reps)}
+
+
+def gpu_checks(out: dict) -> None:
+    """Zero added syncs in steady steps, and phases against a torch.profiler trace (CUDA only)."""
+    out["gpu"] = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    out["gpu"]["sync"] = sync_check(batches=60, warmup=10)
+    out["gpu"]["trace"] = trace_check()
+    out["gpu"]["overhead"] = overhead_check(batches=200, warmup=20, reps=3)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="embcache bench profiler", description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
+    ap.add_argument("--models", default="small,large", help="comma list of: " + ",".join(MODELS))
+    ap.add_argument("--workers", default="0,2", help="comma list of num_workers values")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ",".join(CONFIGS))
+    ap.add_argument("--batches", type=int, default=None, help="batches per fit (default: per model)")
+    ap.add_argument("--warmup", type=int, default=10, help="batches left out of steady figures")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--out", default=None, help="JSON path (default bench-results/profiler-<date>.json)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    configs = args.configs.split(",")
+    for c in configs:
+        if c not in CONFIGS:
+            ap.error(f"--configs: {c!r} is not one of {CONFIGS}")
+    if "none" not in configs:
+        configs.insert(0, "none")
+    models = args.models.split(",")
+    workers = [int(w) for w in args.workers.split(",")]
+    result: dict[str, Any] = {
+        "command": "embcache bench profiler " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                 "lightning": L.__version__, "threads": args.threads,
+                 "loadavg_start": os.getloadavg()},
+        "models": {m: dict(zip(("width", "depth", "batch", "batches", "load_ms"), MODELS[m])) for m in models},
+        "runs": [],
+    }
+    t_start = time.perf_counter()
+    if args.device == "cpu":
+        for model in models:
+            for w in workers:
+                for rep in range(args.reps):
+                    order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+                    for cfg in order:
+                        r = run_one(model, w, cfg, args.warmup, batches=args.batches)
+                        r["rep"] = rep
+                        result["runs"].append(r)
+                        print(f"{model} workers={w} rep={rep} {cfg:<10} steady {r['ref_steady_batch_ms']:.3f} ms/batch",
+                              flush=True)
+        result["aggregate"] = _aggregate(result["runs"], args.reps)
+        _print_table(result["aggregate"])
+    else:
+        gpu_checks(result)
+        print(json.dumps(result["gpu"], indent=1))
+    result["host"]["loadavg_end"] = os.getloadavg()
+    result["elapsed_seconds"] = time.perf_counter() - t_start
+    out = Path(args.out or f"bench-results/profiler-{_dt.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""StepProfiler on a CUDA device: CUDA-event phases, no synchronization added inside steps."""
+
+import pytest
+import torch
+
+from lightning_embcache import StepProfiler
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+def test_cuda_phases_with_sync_debug_error_around_steady_steps():
+    from lightning_embcache.bench.profiler import _gpu_fit, _ListLogger, _SyncGuard
+
+    guard = _SyncGuard(10, 50)  # any synchronization in batches 10..51 raises
+    sp = StepProfiler(log_every_n_steps=5, report=False, warmup_steps=10)
+    logger = _ListLogger()
+    _gpu_fit("gpu_small", [guard, sp], batches=60, logger=logger)
+    assert guard.steps_guarded == 41
+    e = sp.summary()[0]
+    assert e["timeline"] == "cuda-events" and e["batches"] == 60
+    assert all(v >= 0 for v in e["phases_ms"].values()), e
+    # the device timeline spans the same epoch as the host wall, give or take the GPU's lag at its ends
+    assert abs(sum(e["phases_ms"].values()) / e["avg_batch_ms"] - 1) < 0.05, e
+    logged = [m for _, m in logger.rows if "profile/step_ms" in m]
+    assert 10 <= len(logged) <= 12  # an interval whose steps the GPU has not finished yet logs nothing
+
+
+def test_cuda_forward_is_device_time_not_launch_time():
+    from lightning_embcache.bench.profiler import _gpu_fit
+
+    sp = StepProfiler(report=False)
+    _gpu_fit("gpu_large", [sp], batches=12)
+    e = sp.summary()[0]
+    # big matmuls: the host returns from launching long before the GPU finishes
+    assert e["phases_ms"]["backward"] > 2 * e["host_phases_ms"]["backward"] or \
+        e["phases_ms"]["forward"] > 2 * e["host_phases_ms"]["forward"], e
