@@ -1,0 +1,60 @@
+"""Shared helpers of the store tests: bitwise comparison, snapshots, inline background work."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret as integers, so comparisons are bit-for-bit (-0.0 != 0.0, NaN == same NaN)."""
+    t = t.contiguous()
+    if t.dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        return t
+    return t.view(_BITS[t.element_size()])
+
+
+def assert_bitwise_equal(got: torch.Tensor, want: torch.Tensor, what: str = "rows") -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, expected {want.dtype}"
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    g, w = bits(got), bits(want)
+    if not torch.equal(g, w):
+        bad = (g != w).reshape(len(g), -1).any(dim=1).nonzero().flatten()[:5].tolist() if len(g) else []
+        raise AssertionError(f"{what} differ at positions {bad}: got {got[bad].tolist()}, expected {want[bad].tolist()}")
+
+
+def snapshot(store) -> dict[str, torch.Tensor]:
+    """Every field of every row, read through the public API."""
+    ids = torch.arange(store.num_rows)
+    return {k: v.clone() for k, v in store.get_fields(ids, store.field_names).items()}
+
+
+def assert_snapshot_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str = "store") -> None:
+    assert set(got) == set(want), f"{what}: fields {sorted(got)}, expected {sorted(want)}"
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], f"{what} field {name!r}")
+
+
+class InlineExecutor:
+    """A ThreadPoolExecutor stand-in that runs each task when it is submitted.
+
+    The state machines use it so a failing sequence replays exactly (hypothesis needs that to
+    shrink); the real background threads are exercised by the concurrency and crash tests.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self, wait: bool = True, **kwargs) -> None:
+        pass
