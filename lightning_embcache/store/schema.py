@@ -26,7 +26,7 @@ WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def dtype_name(dtype: torch.dtype, arg: str = "dtype") -> str:
     if dtype not in DTYPE_NAMES:
-        raise InvalidTypeError(f"{arg} must be one of {sorted(DTYPE_NAMES)}; got {dtype}")
+        raise InvalidTypeError(f"{arg} must be one of {sorted(DTYPES)}; got {dtype}")
     return DTYPE_NAMES[dtype]
 
 

@@ -60,11 +60,15 @@ def as_values(
         values = values.to("cpu")
     if values.requires_grad:
         values = values.detach()
-    if check_finite and n and vdtype.is_floating_point and not _all_finite(values):
-        bad = int((~torch.isfinite(values)).any(dim=1).nonzero()[0, 0])
-        raise InvalidArgumentError(f"{arg} must be finite (check_finite=True); row {bad} holds NaN or Inf")
     if vdtype != dtype:
         values = values.to(dtype)
+    # Checked after the cast: a finite float64 beyond float32's range would be stored as inf.
+    if check_finite and n and dtype.is_floating_point and not _all_finite(values):
+        bad = int((~torch.isfinite(values)).any(dim=1).nonzero()[0, 0])
+        raise InvalidArgumentError(
+            f"{arg} must be finite in the store dtype {dtype} (check_finite=True); row {bad} holds NaN or "
+            f"Inf{' after the cast from ' + str(vdtype) if vdtype != dtype else ''}"
+        )
     return values if values.is_contiguous() else values.contiguous()
 
 
