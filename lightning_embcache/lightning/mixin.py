@@ -235,8 +235,11 @@ class EmbeddingStoreMixin:
             pins.sweep(handle.store)
 
     def _embcache_setup(self, stage: str) -> None:
+        fitting = stage == TrainerFn.FITTING.value
         for handle in self._embcache_stores().values():
-            handle._ensure_open(writable=stage == TrainerFn.FITTING.value)
+            handle._ensure_open(writable=fitting)
+        if fitting:
+            self._embcache_install_io()
 
     def _embcache_flush_all(self) -> None:
         for handle in self._embcache_stores().values():
