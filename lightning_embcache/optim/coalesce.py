@@ -11,9 +11,12 @@ one device-to-host sync per call is unavoidable for an exact-size result (`torch
 nothing waits.
 
 Determinism: `index_add_` on CUDA adds with atomics, so the order of the additions (and the
-float result) can change between runs. On CUDA `coalesce` therefore sorts the rows by id (stable)
-and sums each run of equal ids with `torch.segment_reduce`, which adds in a fixed order. On CPU
-`index_add_` is sequential and deterministic; it is also the fastest there.
+float result) can change between runs. `coalesce` therefore sorts the rows by id (stable) and sums
+each run of equal ids with `torch.segment_reduce` on CUDA, which adds in a fixed order (on CPU
+`index_add_` over the sorted rows, a sequential loop).
+On CPU it first checks for duplicates (a free host-side test there) and, when there are none (the
+usual case for a few thousand ids out of millions), only reorders the rows: a sort and one gather,
+about 40 us for 512 x 128 against 130 us for `unique` + `index_add_`.
 """
 
 from __future__ import annotations
@@ -59,29 +62,34 @@ def coalesce(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
         grads = grads.float()
     if ids.numel() == 0:
         return ids, grads
-    if ids.is_cuda:
-        return _coalesce_sorted(ids, grads)
-    return _coalesce_index_add(ids, grads)
-
-
-def _coalesce_index_add(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-    unique_ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    if unique_ids.numel() == ids.numel():       # no duplicates: just reorder
-        out = torch.empty_like(grads)
-        out.index_copy_(0, inverse, grads)
-        return unique_ids, out
-    out = torch.zeros(unique_ids.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
-    out.index_add_(0, inverse, grads)
-    return unique_ids, out
+    return _coalesce_sorted(ids, grads)
 
 
 def _coalesce_sorted(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
     sorted_ids, order = torch.sort(ids, stable=True)
-    unique_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # the one sync
     rows = grads.index_select(0, order)
+    if not ids.is_cuda and not bool((sorted_ids[1:] == sorted_ids[:-1]).any()):
+        return sorted_ids, rows                 # CPU, no duplicates: reordering is all
+    unique_ids, inverse, counts = torch.unique_consecutive(   # the CUDA sync
+        sorted_ids, return_inverse=True, return_counts=True)
     if unique_ids.numel() == ids.numel():
         return unique_ids, rows
-    return unique_ids, torch.segment_reduce(rows, "sum", lengths=counts, axis=0)
+    if ids.is_cuda:
+        return unique_ids, torch.segment_reduce(rows, "sum", lengths=counts, axis=0)
+    # CPU index_add_ is a sequential loop, so deterministic, and 10x faster than segment_reduce
+    out = torch.zeros(unique_ids.numel(), rows.shape[1], dtype=rows.dtype)
+    return unique_ids, out.index_add_(0, inverse, rows)
+
+
+def _coalesce_index_add(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """`unique` + `index_add_`: the textbook version, kept as the tests' second opinion.
+
+    Not used on CUDA: `index_add_` there adds duplicates with atomics, in no fixed order.
+    """
+    unique_ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    out = torch.zeros(unique_ids.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
+    out.index_add_(0, inverse, grads)
+    return unique_ids, out
 
 
 class RowGradBuffer:

@@ -17,14 +17,22 @@ from torch import Tensor
 
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.optim.coalesce import coalesce
+from lightning_embcache.optim.fused import fused_adam_step_rows, fused_available
+from lightning_embcache.store.errors import InvalidArgumentError
 
 HUGE_PAGE = 2 << 20
+
+
+#: rows per gather-update-scatter pass on CPU: the gathered rows, moments and temporaries of one
+#: pass (about 10 x chunk x dim x 4 bytes) stay in L2, and the scatter writes lines still cached
+CPU_CHUNK_ROWS = 512
 
 
 @torch.no_grad()
 def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor], ids: Tensor,
               grads: Tensor, *, step: int, lr: float | None = None,
-              coalesced: bool = False) -> Tensor:
+              coalesced: bool = False, chunk_rows: int | None = None,
+              fused: bool | None = None) -> None:
     """Update rows `ids` of `weight` (Tensor[N, dim]) and of each `state[name]` (Tensor[N, cols]).
 
     Args:
@@ -32,18 +40,32 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
         ids, grads: gradient rows, duplicates allowed (they are summed) unless `coalesced=True`
             promises each id once.
         step, lr: as `RowOptimizer.step`.
-
-    Returns the unique ids that were updated.
+        chunk_rows: rows per pass (the update is row-independent, so any split gives the same
+            result). Default: `CPU_CHUNK_ROWS` on CPU, all rows at once on CUDA.
+        fused: use the fused Triton kernel of `lightning_embcache.optim.fused` (Adam/AdamW with the
+            global step, float32 CUDA tables): one launch, no host sync. None (default) uses it
+            where it applies; False never; True requires it.
     """
+    if fused is not False and fused_available(weight):
+        if fused_adam_step_rows(optimizer, weight, state, ids, grads, step=step,
+                                lr=optimizer.lr if lr is None else lr):
+            return
+    if fused:
+        raise InvalidArgumentError(
+            "fused=True needs Triton, CUDA float32 tables and Adam/AdamW without per_row_step; "
+            f"got {type(optimizer).__name__} on {weight.device} {weight.dtype}")
     if not coalesced:
         ids, grads = coalesce(ids, grads)
-    w = weight.index_select(0, ids)
-    rows = {name: t.index_select(0, ids) for name, t in state.items()}
-    optimizer.step(w, rows, grads, step=step, lr=lr)
-    weight.index_copy_(0, ids, w)
-    for name, t in state.items():
-        t.index_copy_(0, ids, rows[name])
-    return ids
+    if chunk_rows is None:
+        chunk_rows = ids.numel() if ids.is_cuda else CPU_CHUNK_ROWS
+    for start in range(0, ids.numel(), max(chunk_rows, 1)):
+        part = ids[start:start + chunk_rows]
+        w = weight.index_select(0, part)
+        rows = {name: t.index_select(0, part) for name, t in state.items()}
+        optimizer.step(w, rows, grads[start:start + chunk_rows], step=step, lr=lr)
+        weight.index_copy_(0, part, w)
+        for name, t in state.items():
+            t.index_copy_(0, part, rows[name])
 
 
 def empty_hugepage(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
