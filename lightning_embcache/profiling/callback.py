@@ -200,6 +200,10 @@ class StepProfiler(Callback):
         self._trainer = None
 
     @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # give the Trainer its own profiler back
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._device = trainer.strategy.root_device
         self._trainer = trainer

@@ -9,9 +9,40 @@ boundaries; every call still reaches the user's own profiler unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler
+
+
+class _NoAction:
+    """What ``profile()`` returns for an action nobody records: no generator, no frames."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+_NO_ACTION = _NoAction()
+
+
+class _Action:
+    __slots__ = ("tap", "name")
+
+    def __init__(self, tap: "ProfilerTap", name: str) -> None:
+        self.tap, self.name = tap, name
+
+    def __enter__(self) -> str:
+        self.tap.start(self.name)
+        return self.name
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.tap.stop(self.name)
+        return False
 
 
 class ProfilerTap(Profiler):
@@ -27,6 +58,8 @@ class ProfilerTap(Profiler):
         passthrough = type(inner) is PassThroughProfiler
         object.__setattr__(self, "_inner_start", None if passthrough else inner.start)
         object.__setattr__(self, "_inner_stop", None if passthrough else inner.stop)
+        object.__setattr__(self, "_tracked", frozenset(on_start) | frozenset(on_stop))
+        object.__setattr__(self, "_custom_profile", type(inner).profile is not Profiler.profile)
 
     def start(self, action_name: str) -> None:
         hook = self._on_start.get(action_name)
@@ -41,6 +74,32 @@ class ProfilerTap(Profiler):
         hook = self._on_stop.get(action_name)
         if hook is not None:
             hook()
+
+    def profile(self, action_name: str) -> Any:
+        """Lightning wraps every hook call in ``profiler.profile(name)`` (dozens per step).
+
+        Behind the default PassThroughProfiler, actions we do not track get a shared no-op context
+        (cheaper than the base class's generator, so wrapping costs the loop nothing there);
+        tracked ones call the hooks; a profiler with its own ``profile()`` keeps it.
+        """
+        if self._custom_profile:
+            return self._chained(action_name)
+        if self._inner_start is None and action_name not in self._tracked:
+            return _NO_ACTION
+        return _Action(self, action_name)
+
+    @contextmanager
+    def _chained(self, action_name: str) -> Iterator[str]:
+        hook = self._on_start.get(action_name)
+        if hook is not None:
+            hook()
+        try:
+            with self.inner.profile(action_name):
+                yield action_name
+        finally:
+            hook = self._on_stop.get(action_name)
+            if hook is not None:
+                hook()
 
     # everything else is the inner profiler's business
     def summary(self) -> str:

@@ -298,3 +298,35 @@ def test_ddp_two_processes_gloo_reports_the_straggler(tmp_path):
         assert set(m) == LOGGED_KEYS
         assert m["profile/slowest_rank"] == 1.0
     assert "slowest rank (last epoch): 1" in proc.stdout + proc.stderr
+
+
+def test_a_profiler_with_its_own_profile_method_keeps_it():
+    from contextlib import contextmanager
+
+    from lightning.pytorch.profilers import Profiler
+
+    class Recording(Profiler):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def start(self, action_name):
+            self.seen.append(("start", action_name))
+
+        def stop(self, action_name):
+            self.seen.append(("stop", action_name))
+
+        @contextmanager
+        def profile(self, action_name):
+            self.seen.append(("enter", action_name))
+            yield action_name
+            self.seen.append(("exit", action_name))
+
+    rec = Recording()
+    p = StepProfiler(report=False)
+    t, _, _ = _fit_fake(p, batches=3, profiler=rec)
+    assert t.profiler is rec
+    assert ("enter", "[Callback]StepProfiler.on_train_batch_start") in rec.seen
+    assert rec.seen.count(("start", "[_TrainingEpochLoop].train_dataloader_next")) == 3
+    ph = p.summary()[0]["phases_ms"]
+    assert _approx(ph["data_wait"], 2.0) and _approx(ph["optimizer"], 4.0), ph
