@@ -76,10 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="untimed warm-up batches (default 50; quick 5)")
     p.add_argument("--time-cap", type=float, help="seconds per workload loop before stopping early "
                    "(slow systems; default 8; quick 1)")
+    p.add_argument("--naive-time-cap", type=float, help="time cap for the naive design's loop (default 3 s; "
+                   "it runs its warm-up batch and at least 2 timed batches regardless)")
+    p.add_argument("--naive-reps", type=int, help="repetitions that include the naive design (default 1: its "
+                   "batches take seconds and it is 1000x away, so one process measures it)")
     p.add_argument("--flush-rounds", type=int, help="flush measurements per workload (default 3; quick 2)")
     p.add_argument("--flush-batches", type=int, help="update batches before each measured flush (default 8; quick 2)")
     p.add_argument("--workdir", help="where the data files go (default: a fresh temp dir, removed after)")
     p.add_argument("--keep", action="store_true", help="keep the workdir")
+    p.add_argument("--reuse-setup", action="store_true", help="with --workdir: reuse data files a previous "
+                   "run left there with the same sizes (they carry that run's updates)")
     p.add_argument("--no-drop-cache", action="store_true", help="do not fadvise(DONTNEED) disk-mode files")
     p.add_argument("--profile", action="store_true", help="cProfile the timed loop of the store (distorts its timings)")
     p.add_argument("--jobs", type=int, help="worker processes at once (default 1; quick 2 -- quick "
@@ -89,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isolate", action="store_true", help="one process per system (the default without --quick)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in the workers (default 1: "
                    "one training thread; the store's background threads get the other core)")
+    p.add_argument("--store-rev", help="benchmark the package as committed at this git revision (extracted "
+                   "with git archive into the workdir) instead of the working tree, e.g. HEAD")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker-timeout", type=float, help="seconds per subprocess (default 400; quick 120)")
     return p
@@ -120,12 +128,16 @@ def resolve(args: argparse.Namespace) -> dict:
         "warmup_batches": d(args.warmup, 50, 5),
         "time_cap_s": d(args.time_cap, 8.0, 1.0),
         "min_batches": 3,
+        "naive_time_cap_s": d(args.naive_time_cap, 3.0, 0.5),
+        "naive_reps": d(args.naive_reps, 1, 1),
         "flush_rounds": d(args.flush_rounds, 3, 2),
         "flush_batches": d(args.flush_batches, 8, 2),
         "drop_cache": not args.no_drop_cache,
         "profile": args.profile,
         "seed": args.seed,
         "jobs": d(args.jobs, 1, 2),
+        "store_rev": args.store_rev,
+        "pkg_dir": None,
         "isolate": args.isolate or (not args.no_isolate and not q),
         "threads": args.threads,
         "worker_timeout_s": d(args.worker_timeout, 400, 120),
@@ -176,7 +188,13 @@ def machine_info() -> dict:
         mem = psutil.virtual_memory().total
     except Exception:  # pragma: no cover
         pass
+    try:
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "lightning_embcache/store"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        dirty = None
     return {
+        "store_uncommitted_changes": dirty,
         "cpus": os.cpu_count(),
         "cpu_model": cpu,
         "mem_total_bytes": mem,
@@ -230,6 +248,7 @@ def _paths(workdir: Path, system: str, mode: str) -> str | None:
 
 
 def _wcfg(cfg: dict, system: str, mode: str, workdir: Path) -> dict:
+    slow = system == "naive"  # ~1-4 s per batch: a few batches measure it well enough
     return {
         "system": system,
         "mode": mode,
@@ -241,14 +260,15 @@ def _wcfg(cfg: dict, system: str, mode: str, workdir: Path) -> dict:
         "warm_bytes": 0 if mode == "ram" else cfg["warm_bytes"],
         "zipf_a": cfg["zipf_a"],
         "batches": cfg["batches"],
-        "warmup_batches": cfg["warmup_batches"],
-        "time_cap_s": cfg["time_cap_s"],
-        "min_batches": cfg["min_batches"],
+        "warmup_batches": min(cfg["warmup_batches"], 1) if slow else cfg["warmup_batches"],
+        "time_cap_s": min(cfg["time_cap_s"], cfg["naive_time_cap_s"]) if slow else cfg["time_cap_s"],
+        "min_batches": 2 if slow else cfg["min_batches"],
         "flush_rounds": cfg["flush_rounds"],
         "flush_batches": cfg["flush_batches"],
         "drop_cache": cfg["drop_cache"],
         "profile": cfg["profile"] and system == "store",
         "threads": cfg["threads"],
+        "pkg_dir": cfg["pkg_dir"],
         "data_seed": cfg["seed"],
         "path": _paths(workdir, system, mode),
     }
@@ -303,6 +323,8 @@ def aggregate(cfg: dict, runs: dict) -> dict:
                         "max_written_per_dirty": max(x["written_per_dirty"] for x in rounds),
                         "worst_excess_bytes": max(x["bytes_written"] - 2 * x["dirty_bytes"] for x in rounds),
                         "median_dirty_mb_per_s": _med([x["dirty_mb_per_s"] for x in rounds]),
+                        "median_process_written_per_dirty": _med([x.get("process_written_per_dirty") for x in rounds]),
+                        "max_process_written_per_dirty": max(x.get("process_written_per_dirty", 0) for x in rounds),
                         "rounds": len(rounds),
                     }
                     entry["flush"]["pass_bound"] = all(
@@ -468,6 +490,18 @@ def main(argv=None) -> int:
     tmp = workdir / "ipc"
     tmp.mkdir(exist_ok=True)
     machine = machine_info()
+    if cfg["store_rev"]:
+        src = workdir / "src"
+        src.mkdir(exist_ok=True)
+        rev = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", cfg["store_rev"]], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        arch = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", rev, "lightning_embcache"],
+                              capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=arch, check=True)
+        cfg["pkg_dir"] = str(src / "lightning_embcache")
+        machine["package_source"] = f"git archive {rev}"
+    else:
+        machine["package_source"] = "working tree"
     _log(f"embcache bench store: {machine['cpus']} cpus, THP {machine['thp_enabled']}, "
          f"torch {machine.get('torch')}, workdir {workdir}")
     _log(f"  ram: {cfg['ram_rows']:,} rows; disk: {cfg['disk_rows']:,} rows vs budget "
@@ -479,10 +513,30 @@ def main(argv=None) -> int:
     try:
         # one-time data files, all in one process (their creation is not timed against anyone)
         items = [_wcfg(cfg, s, mode, workdir) for mode in cfg["modes"] for s in cfg["systems"] if s in DISK_SYSTEMS]
+
+        def marker(i):
+            return Path(i["path"] + ".ready"), json.dumps({k: i[k] for k in ("num_rows", "dim", "chunk_rows",
+                                                                                "hot_bytes", "warm_bytes", "data_seed")})
+
+        if args.reuse_setup:  # a kept --workdir: reuse data files made with the same sizes
+            for i in list(items):
+                mpath, want = marker(i)
+                if mpath.exists() and mpath.read_text() == want:
+                    setups[f"{i['mode']}/{i['system']}"] = {"ok": True, "reused": True, "seconds": 0.0}
+                    items.remove(i)
+        for i in items:  # about to be (re)created
+            mpath, _ = marker(i)
+            mpath.unlink(missing_ok=True)
+            if Path(i["path"]).exists():
+                shutil.rmtree(i["path"]) if Path(i["path"]).is_dir() else os.unlink(i["path"])
         if items:
             res = _worker("setup", {"system": "all", "mode": "all", "items": items}, tmp,
                           cfg["worker_timeout_s"] * 2)
             setups = res.get("items") or {f"{i['mode']}/{i['system']}": res for i in items}
+            for i in items:
+                if setups.get(f"{i['mode']}/{i['system']}", {}).get("ok"):
+                    mpath, want = marker(i)
+                    mpath.write_text(want)
             for key, r in setups.items():
                 _log(f"  setup {key}: " + (f"{r.get('seconds', 0):.1f} s" if r.get("ok") else f"FAILED {r.get('error')}"))
         if "store" in cfg["systems"] and not cfg["quick"]:
@@ -495,11 +549,12 @@ def main(argv=None) -> int:
             k = rep % len(cfg["systems"])
             order = cfg["systems"][k:] + cfg["systems"][:k]
             wls = cfg["workloads"] if rep % 2 == 0 else cfg["workloads"][::-1]
+            rep_systems = [s for s in order if s != "naive" or rep < cfg["naive_reps"]]
             for mode in cfg["modes"]:
                 if cfg["isolate"]:
-                    jobs.extend((rep, mode, [s], wls) for s in order)
+                    jobs.extend((rep, mode, [s], wls) for s in rep_systems)
                 else:
-                    jobs.append((rep, mode, order, wls))
+                    jobs.append((rep, mode, rep_systems, wls))
 
         def one(job):
             rep, mode, systems, wls = job

@@ -30,15 +30,17 @@ MiB = 1 << 20
 _PKG_DIR = Path(__file__).resolve().parents[1]
 
 
-def _bare_package() -> None:
-    """Make ``lightning_embcache.<sub>`` importable without running the package ``__init__``."""
+def _bare_package(pkg_dir: Path = _PKG_DIR) -> None:
+    """Make ``lightning_embcache.<sub>`` importable without running the package ``__init__``.
+
+    ``pkg_dir`` may be another copy of the package (``--store-rev``: a ``git archive`` of a commit)."""
     if "lightning_embcache" in sys.modules:
         return
     import types
 
     pkg = types.ModuleType("lightning_embcache")
-    pkg.__path__ = [str(_PKG_DIR)]
-    pkg.__file__ = str(_PKG_DIR / "__init__.py")
+    pkg.__path__ = [str(pkg_dir)]
+    pkg.__file__ = str(pkg_dir / "__init__.py")
     pkg.__package__ = "lightning_embcache"
     sys.modules["lightning_embcache"] = pkg
 
@@ -69,10 +71,12 @@ def _status_kib(key: str) -> int:
     return -1
 
 
-def _io() -> dict:
+def _io(which: str = "self") -> dict:
+    """/proc/<self|thread-self>/io counters. ``thread-self``: this (the calling) thread only, so a
+    store's background compaction does not count against its flush."""
     out = {}
     try:
-        with open("/proc/self/io") as f:
+        with open(f"/proc/{which}/io") as f:
             for line in f:
                 k, v = line.split(":")
                 out[k.strip()] = int(v)
@@ -360,33 +364,39 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
     flushes = []
     for _ in range(rounds):
         st0 = sys_obj.stats() if cfg["system"] == "store" else {}
-        io_a = _io()
+        io_a, tio_a = _io(), _io("thread-self")
         touched = []
         for _ in range(cfg["flush_batches"]):
             b = src.next()
             sys_obj.update(b, vals)
             touched.append(b.ids)
         dirty_rows = int(torch.unique(torch.cat(touched)).numel())
-        io_b = _io()
+        tio_b = _io("thread-self")
         t0 = time.perf_counter()
         retried = _flush(sys_obj, flush_errors)
         secs = time.perf_counter() - t0
-        io_c = _io()
+        io_c, tio_c = _io(), _io("thread-self")
         st1 = sys_obj.stats() if cfg["system"] == "store" else {}
-        win = _io_delta(io_a, io_c)  # updates + flush: memmap pages are accounted when dirtied
+        # The window is updates + flush, in the calling thread: memmap pages are accounted when
+        # dirtied, and a store's write-back of evicted dirty rows happens during updates.
+        win = _io_delta(tio_a, tio_c)
+        proc = _io_delta(io_a, io_c)
         rec = {
             "seconds": secs,
             "dirty_rows": dirty_rows,
             "dirty_bytes": dirty_rows * row_bytes,
             "wchar": win["wchar"],
             "write_bytes": win["write_bytes"],
-            "flush_only_wchar": _io_delta(io_b, io_c)["wchar"],
+            "flush_only_wchar": _io_delta(tio_b, tio_c)["wchar"],
+            "process_wchar": proc["wchar"],  # all threads: includes background compaction
+            "process_write_bytes": proc["write_bytes"],
             "retried_after_error": retried,
         }
         if cfg["system"] == "store" and "bytes_written" in st0 and "bytes_written" in st1:
-            rec["store_bytes_written"] = st1["bytes_written"] - st0["bytes_written"]
-        rec["bytes_written"] = max(rec["wchar"], rec["write_bytes"], rec.get("store_bytes_written", 0))
+            rec["store_bytes_written"] = st1["bytes_written"] - st0["bytes_written"]  # all threads
+        rec["bytes_written"] = max(rec["wchar"], rec["write_bytes"])
         rec["written_per_dirty"] = rec["bytes_written"] / rec["dirty_bytes"]
+        rec["process_written_per_dirty"] = max(proc["wchar"], proc["write_bytes"]) / rec["dirty_bytes"]
         rec["dirty_mb_per_s"] = rec["dirty_bytes"] / MiB / secs if secs > 0 else None
         flushes.append(rec)
     if flushes:
@@ -494,6 +504,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path[0] = str(_PKG_DIR.parent)  # the repo root, not this folder
-    _bare_package()
+    _cfg = json.loads(Path(sys.argv[2]).read_text()) if len(sys.argv) > 2 else {}
+    _pkg = Path(_cfg.get("pkg_dir") or _PKG_DIR)
+    sys.path[0] = str(_pkg.parent)  # the package's root, not this folder
+    _bare_package(_pkg)
     sys.exit(main(sys.argv[1:]))
