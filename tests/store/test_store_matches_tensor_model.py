@@ -253,9 +253,9 @@ def make_machine(*, path: bool, hot_rows: int | None, warm_chunks: int = 0, comp
     return StoreMachine
 
 
-FAST = settings(max_examples=30, stateful_step_count=30, deadline=None,
+FAST = settings(max_examples=30, stateful_step_count=30, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-SLOW = settings(max_examples=400, stateful_step_count=60, deadline=None,
+SLOW = settings(max_examples=400, stateful_step_count=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 CONFIGS = {
