@@ -330,3 +330,34 @@ def test_a_profiler_with_its_own_profile_method_keeps_it():
     assert rec.seen.count(("start", "[_TrainingEpochLoop].train_dataloader_next")) == 3
     ph = p.summary()[0]["phases_ms"]
     assert _approx(ph["data_wait"], 2.0) and _approx(ph["optimizer"], 4.0), ph
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", pytest.param("16-mixed", marks=pytest.mark.gpu)])
+def test_mixed_precision_keeps_the_phases(precision):
+    kw = {"precision": precision}
+    if precision == "16-mixed":  # Lightning's 16-mixed (GradScaler) needs CUDA
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        kw["accelerator"] = "cuda"
+    p = StepProfiler(report=False)
+    _fit_fake(p, batches=3, **kw)
+    ph = p.summary()[0]["phases_ms"]
+    if precision == "bf16-mixed":  # host clock: the fake clock's costs exactly
+        assert _approx(ph["forward"], 5.0) and _approx(ph["backward"], 7.0), ph
+        assert _approx(ph["optimizer"], 4.0), ph
+    else:  # CUDA events: device time, no fake clock there
+        assert p.summary()[0]["timeline"] == "cuda-events" and p.summary()[0]["batches"] == 3
+
+
+@pytest.mark.slow  # inductor compiles the model: tens of seconds on a small CPU
+def test_torch_compile_keeps_the_phases():
+    cost = Cost()
+    model = torch.compile(CostModel(cost, 0.0, 0.0, 0.0))
+    wall = EpochWall()
+    p = StepProfiler(report=False, warmup_steps=3)
+    t = trainer(max_epochs=1, callbacks=[wall, p])
+    t.fit(model, loader(BatchDataset(12, cost, 2 * MS)))
+    e = p.summary()[0]
+    assert e["batches"] == 12
+    assert abs(e["epoch_seconds"] / wall.epochs[0] - 1) < 0.01
+    assert e["phases_ms"]["data_wait"] >= 2.0
