@@ -10,8 +10,9 @@ row per id, and ends when the rows and both moments are updated in the table:
 * ``rows_thp`` (CPU): the same on tables allocated with `mmap` + `madvise(MADV_HUGEPAGE)`.
 * ``rows_packed`` (CPU: on huge pages): one table `[N, 3 * dim]` holding weight | exp_avg |
   exp_avg_sq side by side, so a row and its moments are one gather and one scatter of 1.5 KiB.
-* ``rows_fused`` (CUDA): `step_rows(..., fused=True)`, the Triton kernel of
-  `lightning_embcache.optim.fused`: a sort and one launch, in place, no host sync.
+* ``rows_fused`` (CUDA): `step_rows(..., fused=True)`, the Triton kernels of
+  `lightning_embcache.optim.fused`: one launch (batches <= 2048 ids) or a sort and one launch,
+  in place, no host sync. ``rows_fused_sort`` forces the sort kernel at every size.
   (``rows`` runs with `fused=False`: plain torch ops, `coalesce` included.)
 
 The variants run round-robin, one step each, so that load from other processes hits them alike;
@@ -41,12 +42,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from lightning_embcache.optim import make_row_optimizer, step_rows
+from lightning_embcache.optim import fused, make_row_optimizer, step_rows
 from lightning_embcache.optim.table import CPU_CHUNK_ROWS, empty_hugepage, hugepage_bytes
 
-VARIANTS = ("sparse_adam", "rows", "rows_thp", "rows_packed", "rows_fused")
+VARIANTS = ("sparse_adam", "rows", "rows_thp", "rows_packed", "rows_fused", "rows_fused_sort")
 CPU_ONLY = ("rows_thp",)
-CUDA_ONLY = ("rows_fused",)
+CUDA_ONLY = ("rows_fused", "rows_fused_sort")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +129,16 @@ def make_variant(name: str, rows: int, dim: int, device: torch.device):
         return _rows(rows, dim, device, hugepages=True)
     if name == "rows_fused":
         return _rows(rows, dim, device, hugepages=False, fused=True)
+    if name == "rows_fused_sort":       # the sort kernel at every batch size
+        step, table = _rows(rows, dim, device, hugepages=False, fused=True)
+
+        def sorted_step(ids, grads, t):
+            saved, fused.SCAN_MAX_IDS = fused.SCAN_MAX_IDS, 0
+            try:
+                step(ids, grads, t)
+            finally:
+                fused.SCAN_MAX_IDS = saved
+        return sorted_step, table
     if name == "rows_packed":
         return _rows_packed(rows, dim, device, hugepages=cpu)
     raise SystemExit(f"embcache bench optim: --variants must name {list(VARIANTS)}; got {name!r}")
@@ -167,6 +178,7 @@ def run_batch_size(variants: dict, batch: int, args, device: torch.device) -> di
             if i >= args.warmup:
                 samples[name].append(seconds)
                 cpu[name].append(cpu_seconds)
+    pipelined = _pipelined(variants, pool, args, device) if device.type == "cuda" else {}
     base = statistics.median(samples["sparse_adam"]) if "sparse_adam" in samples else None
     base_cpu = statistics.median(cpu["sparse_adam"]) if "sparse_adam" in cpu else None
     out = {}
@@ -179,9 +191,31 @@ def run_batch_size(variants: dict, batch: int, args, device: torch.device) -> di
                      "speedup_vs_sparse_adam": (base / med) if base else None,
                      "cpu_median_ms": med_cpu * 1e3,
                      "cpu_speedup_vs_sparse_adam": (base_cpu / med_cpu) if base_cpu and med_cpu else None,
+                     "pipelined_ms": pipelined.get(name),
+                     "pipelined_speedup_vs_sparse_adam": (pipelined["sparse_adam"] / pipelined[name])
+                     if pipelined.get("sparse_adam") else None,
                      "samples_ms": [x * 1e3 for x in samples[name]],
                      "cpu_samples_ms": [x * 1e3 for x in cpu[name]]}
     return out
+
+
+def _pipelined(variants: dict, pool: list, args, device: torch.device, rounds: int = 5) -> dict:
+    """CUDA: mean time per step over `--steps` steps queued back to back (one event pair), the
+    median over `rounds` rounds. A step that never waits for the GPU overlaps its launch overhead
+    with the previous step's kernels here; SparseAdam waits inside every step (its coalesce)."""
+    out: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, (step, _) in variants.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            for i in range(args.steps):
+                ids, grads = pool[i % len(pool)]
+                step(ids, grads, 1000 + i)
+            end.record()
+            end.synchronize()
+            out[name].append(start.elapsed_time(end) / args.steps)
+    return {name: statistics.median(xs) for name, xs in out.items()}
 
 
 def _environment(device: torch.device) -> dict:
@@ -234,14 +268,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda":
         env["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
 
-    print(f"{'batch':>6} {'variant':<12} {'median ms':>10} {'p10':>8} {'p90':>8} {'x SparseAdam':>13}"
-          f" {'cpu ms':>8} {'x (cpu)':>8}")
+    second = "pipelined" if device.type == "cuda" else "cpu ms"
+    print(f"{'batch':>6} {'variant':<16} {'median ms':>10} {'p10':>8} {'p90':>8} {'x SparseAdam':>13}"
+          f" {second:>10} {'x':>7}")
     for batch, per in results.items():
         for name, r in per.items():
             ratio = f"{r['speedup_vs_sparse_adam']:.2f}" if r["speedup_vs_sparse_adam"] else "-"
-            cpu_ratio = f"{r['cpu_speedup_vs_sparse_adam']:.2f}" if r["cpu_speedup_vs_sparse_adam"] else "-"
-            print(f"{batch:>6} {name:<12} {r['median_ms']:>10.3f} {r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} "
-                  f"{ratio:>13} {r['cpu_median_ms']:>8.3f} {cpu_ratio:>8}")
+            if device.type == "cuda":
+                other, other_ratio = r["pipelined_ms"], r["pipelined_speedup_vs_sparse_adam"]
+            else:
+                other, other_ratio = r["cpu_median_ms"], r["cpu_speedup_vs_sparse_adam"]
+            other_ratio = f"{other_ratio:.2f}" if other_ratio else "-"
+            print(f"{batch:>6} {name:<16} {r['median_ms']:>10.3f} {r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} "
+                  f"{ratio:>13} {other:>10.3f} {other_ratio:>7}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = {"benchmark": "optim", "command": "embcache bench optim " + " ".join(argv or sys.argv[1:]),

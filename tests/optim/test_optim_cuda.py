@@ -48,9 +48,19 @@ def test_step_rows_on_cuda_matches_cpu_over_50_steps(name):
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
-@pytest.mark.parametrize("name,kw", [("adam", {}), ("adam", {"weight_decay": 0.01}),
-                                     ("adamw", {"weight_decay": 0.1})])
-def test_fused_kernel_matches_torch_path_with_duplicates(name, kw):
+@pytest.mark.parametrize("name,kw,scan_max", [("adam", {}, 2048), ("adam", {"weight_decay": 0.01}, 2048),
+                                              ("adamw", {"weight_decay": 0.1}, 2048), ("adam", {}, 0),
+                                              ("adamw", {"weight_decay": 0.1}, 0)])
+def test_fused_kernel_matches_torch_path_with_duplicates(name, kw, scan_max):
+    from lightning_embcache.optim import fused
+    saved, fused.SCAN_MAX_IDS = fused.SCAN_MAX_IDS, scan_max     # 0: the sort kernel
+    try:
+        _fused_vs_torch(name, kw)
+    finally:
+        fused.SCAN_MAX_IDS = saved
+
+
+def _fused_vs_torch(name, kw):
     opt = make_row_optimizer(name, lr=0.01, betas=(0.8, 0.99), **kw)
     rows, dim = 300, 96                               # dim not a power of two: masked columns
     w0 = torch.randn(rows, dim, device="cuda")
@@ -84,6 +94,23 @@ def test_fused_kernel_matches_sparse_adam_on_cuda_and_is_deterministic():
         step_rows(opt, w2, s2, ids, grads, step=t, fused=True)
     torch.testing.assert_close(w, emb.weight.detach(), rtol=1e-5, atol=1e-5)
     assert torch.equal(w, w2)
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+@pytest.mark.parametrize("scan_max", [2048, 0])
+def test_fused_kernel_skips_ids_outside_the_table(scan_max):
+    from lightning_embcache.optim import fused
+    saved, fused.SCAN_MAX_IDS = fused.SCAN_MAX_IDS, scan_max
+    try:
+        opt = make_row_optimizer("adam")
+        w = torch.zeros(4, 8, device="cuda")
+        s = opt.init_state(4, 8, device="cuda")
+        step_rows(opt, w, s, torch.tensor([1, 4, -1, 1000], device="cuda"), torch.ones(4, 8, device="cuda"),
+                  step=1, fused=True)
+        torch.cuda.synchronize()
+        assert torch.count_nonzero(w[1]) == 8 and torch.count_nonzero(w[[0, 2, 3]]) == 0
+    finally:
+        fused.SCAN_MAX_IDS = saved
 
 
 def test_fused_is_refused_where_it_does_not_apply():
