@@ -71,6 +71,19 @@ def _status_kib(key: str) -> int:
     return -1
 
 
+def _mem() -> dict:
+    """RSS split (anon / file), high-water mark and huge pages now, in MiB."""
+    out = {k: _status_kib(k) / 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    out["AnonHugePages"] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
 def _io(which: str = "self") -> dict:
     """/proc/<self|thread-self>/io counters. ``thread-self``: this (the calling) thread only, so a
     store's background compaction does not count against its flush."""
@@ -351,6 +364,7 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
 
     # flush: k dirty rows -> bytes written and seconds
     rounds = cfg["flush_rounds"] if (sys_obj.durable and cfg["system"] != "naive") else 0
+    out["mem_before_flush"] = _mem()
     if sys_obj.durable and cfg["system"] != "naive":
         before = sys_obj.stats().get("dirty_rows") if cfg["system"] == "store" else None
         io_a = _io()
@@ -361,6 +375,7 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
             "dirty_rows_before": before,
             **_io_delta(io_a, _io()),
         }
+        out["mem_after_flush"] = _mem()
     flushes = []
     for _ in range(rounds):
         st0 = sys_obj.stats() if cfg["system"] == "store" else {}
@@ -408,6 +423,7 @@ def _run_workload(sys_obj, cfg: dict, workload: str, vals_t, vals_np) -> dict:
             "median_dirty_bytes": statistics.median(f["dirty_bytes"] for f in flushes),
             "worst_excess_bytes": max(f["bytes_written"] - 2 * f["dirty_bytes"] for f in flushes),
         }
+    out["mem_end"] = _mem()
     out["rss_end_mib"] = _rss_now() / MiB
     out["peak_rss_so_far_mib"] = _rss_peak() / MiB
     if cfg["system"] == "store":
@@ -464,14 +480,19 @@ def run_many(cfg: dict) -> dict:
     """Several systems one after another in this one process (``--quick``: fewer interpreter
     start-ups; peak RSS is then not per system)."""
     out = {}
+    made = setup({"items": cfg.get("setup_items", [])})["items"] if cfg.get("setup_items") else {}
     for item in cfg["items"]:
+        key = f"{item['mode']}/{item['system']}"
+        if key in made and not made[key].get("ok"):
+            out[item["system"]] = {"ok": False, "error": "setup failed: " + str(made[key].get("error"))}
+            continue
         try:
             out[item["system"]] = run(item)
         except Exception as exc:
             out[item["system"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                    "traceback": traceback.format_exc()}
         out[item["system"]]["rss_isolated"] = False
-    return {"ok": True, "items": out}
+    return {"ok": True, "items": out, "setup": made}
 
 
 def import_cost(cfg: dict) -> dict:
