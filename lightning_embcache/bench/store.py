@@ -72,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--chunk-rows", type=int, default=1024)
     p.add_argument("--zipf-a", type=float, default=1.1)
-    p.add_argument("--batches", type=int, help="timed batches per phase per process (default 400; quick 20)")
+    p.add_argument("--batches", type=int, help="timed batches per phase per process (default 300; quick 20)")
     p.add_argument("--warmup", type=int, help="untimed warm-up batches (default 50; quick 5)")
     p.add_argument("--time-cap", type=float, help="seconds per workload loop before stopping early "
-                   "(slow systems; default 8; quick 1)")
+                   "(slow systems; default 6; quick 1)")
     p.add_argument("--naive-time-cap", type=float, help="time cap for the naive design's loop (default 3 s; "
                    "it runs its warm-up batch and at least 2 timed batches regardless)")
     p.add_argument("--naive-reps", type=int, help="repetitions that include the naive design (default 1: its "
@@ -124,9 +124,9 @@ def resolve(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "chunk_rows": args.chunk_rows,
         "zipf_a": args.zipf_a,
-        "batches": d(args.batches, 400, 20),
+        "batches": d(args.batches, 300, 20),
         "warmup_batches": d(args.warmup, 50, 5),
-        "time_cap_s": d(args.time_cap, 8.0, 1.0),
+        "time_cap_s": d(args.time_cap, 6.0, 1.0),
         "min_batches": 3,
         "naive_time_cap_s": d(args.naive_time_cap, 3.0, 0.5),
         "naive_reps": d(args.naive_reps, 1, 1),
@@ -535,8 +535,9 @@ def main(argv=None) -> int:
                 shutil.rmtree(i["path"]) if Path(i["path"]).is_dir() else os.unlink(i["path"])
         deferred_setup = [] if cfg["isolate"] else items  # --no-isolate: each mode's process makes its own
         if items and cfg["isolate"]:
-            res = _worker("setup", {"system": "all", "mode": "all", "items": items}, tmp,
-                          cfg["worker_timeout_s"] * 2)
+            res = _worker("setup", {"system": "all", "mode": "all", "items": items,
+                                    "import_cost": "store" in cfg["systems"]}, tmp, cfg["worker_timeout_s"] * 2)
+            import_cost = res.get("import_cost") or {}
             setups = res.get("items") or {f"{i['mode']}/{i['system']}": res for i in items}
             for i in items:
                 if setups.get(f"{i['mode']}/{i['system']}", {}).get("ok"):
@@ -544,11 +545,11 @@ def main(argv=None) -> int:
                     mpath.write_text(want)
             for key, r in setups.items():
                 _log(f"  setup {key}: " + (f"{r.get('seconds', 0):.1f} s" if r.get("ok") else f"FAILED {r.get('error')}"))
-        if "store" in cfg["systems"] and not cfg["quick"]:
+        if "store" in cfg["systems"] and cfg["isolate"] and not import_cost:
             import_cost = _worker("import-cost", {"system": "import", "mode": "cost"}, tmp, 300)
-            if import_cost.get("ok"):
-                _log(f"  import torch: {import_cost['torch_rss_mib']:.0f} MiB RSS; import lightning_embcache "
-                     f"(facade): {import_cost['facade_rss_mib']:.0f} MiB RSS, +{import_cost['facade_extra_s']:.1f} s")
+        if import_cost.get("ok"):
+            _log(f"  import torch: {import_cost['torch_rss_mib']:.0f} MiB RSS; import lightning_embcache "
+                 f"(facade): {import_cost['facade_rss_mib']:.0f} MiB RSS, +{import_cost['facade_extra_s']:.1f} s")
         jobs = []
         for rep in range(cfg["reps"]):
             k = rep % len(cfg["systems"])

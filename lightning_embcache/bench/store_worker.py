@@ -189,7 +189,15 @@ def make_ids(workload: str, num_rows: int, batch: int, seed: int, zipf_a: float)
 # setup
 # --------------------------------------------------------------------------------------------
 def setup(cfg: dict) -> dict:
-    """Create the data files of every item in ``cfg["items"]`` (one failure does not stop the rest)."""
+    """Create the data files of every item in ``cfg["items"]`` (one failure does not stop the rest).
+
+    With ``cfg["import_cost"]`` first measure the import cost (this process is still fresh)."""
+    cost = None
+    if cfg.get("import_cost"):
+        try:
+            cost = import_cost(cfg)
+        except Exception as exc:
+            cost = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     out = {}
     for item in cfg["items"]:
         key = f"{item['mode']}/{item['system']}"
@@ -197,7 +205,7 @@ def setup(cfg: dict) -> dict:
             out[key] = _setup_one(item)
         except Exception as exc:
             out[key] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    return {"ok": True, "items": out}
+    return {"ok": True, "items": out, "import_cost": cost}
 
 
 def _setup_one(cfg: dict) -> dict:
@@ -458,8 +466,8 @@ def run(cfg: dict) -> dict:
         res["warm_pass_s"] = _warm_pass(sys_obj, cfg)
     try:
         for k, workload in enumerate(cfg["workloads"]):
-            if k > 0 and cfg["system"] == "store":
-                # fresh cache state per workload: close and reopen
+            if k > 0 and cfg["system"] == "store" and cfg["mode"] == "disk":
+                # fresh cache state per workload: close and reopen (in-RAM mode keeps the resident table)
                 sys_obj.close()
                 sys_obj = _open(cfg, None)
                 if cfg["mode"] == "ram":
