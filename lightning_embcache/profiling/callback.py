@@ -15,9 +15,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, WarningCache
 from typing_extensions import override
 
 from lightning_embcache.profiling import ranks, report
+from lightning_embcache.profiling import summary as summaries
 from lightning_embcache.profiling.tap import ProfilerTap
 from lightning_embcache.profiling.timeline import (
-    BACKWARD, DATA, FORWARD, NUM_PHASES, OPTIMIZER, OTHER, PHASES, VALIDATION, StepTimeline, Totals,
+    BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, VALIDATION, StepTimeline, Totals,
 )
 
 log = logging.getLogger(__name__)
@@ -409,16 +410,13 @@ class StepProfiler(Callback):
 
     # ------------------------------------------------------------------ logging
 
-    def _interval_values(self, t: Totals) -> list[float]:
-        return [*t.phase_s, t.wall_s, float(t.batches), float(t.samples)]
-
     def _log_interval(self, trainer: Trainer) -> None:
         self._next_log = (self._batches_seen // self.log_every_n_steps + 1) * self.log_every_n_steps
         tl = self._timeline
         if tl._cuda:
             tl.drain()
         interval, self._interval = self._interval, Totals()
-        values = self._interval_values(interval)
+        values = summaries.interval_row(interval)
         step = trainer.global_step
         if tl._cuda and ranks.world()[1] > 1:
             self._pending_logs.append((step, ranks.PendingRows(values, self._device)))
@@ -440,73 +438,22 @@ class StepProfiler(Callback):
     def _emit(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
         if not trainer.is_global_zero or not trainer.loggers:
             return
-        batches = sum(r[NUM_PHASES + 1] for r in rows)
-        if batches <= 0:
+        metrics = summaries.interval_metrics(rows, self._samples_known)
+        if metrics is None:
             return
-        metrics = {f"profile/{p}_ms": 1e3 * sum(r[i] for r in rows) / batches for i, p in enumerate(PHASES)}
-        _, slowest, pct = ranks.spread(rows, NUM_PHASES, NUM_PHASES + 1, BACKWARD)
-        metrics["profile/step_ms"] = 1e3 * sum(r[NUM_PHASES] for r in rows) / batches
-        metrics["profile/step_max_ms"] = max(1e3 * r[NUM_PHASES] / r[NUM_PHASES + 1] if r[NUM_PHASES + 1] else 0.0
-                                             for r in rows)
-        metrics["profile/slowest_rank"] = float(slowest)
-        metrics["profile/rank_spread_pct"] = pct
-        wall = sum(r[NUM_PHASES] for r in rows) / len(rows)
-        if self._samples_known and wall > 0:
-            metrics["profile/samples_per_sec"] = sum(r[NUM_PHASES + 2] for r in rows) / wall
         for logger in trainer.loggers:
             logger.log_metrics(metrics=metrics, step=step)
 
     # ------------------------------------------------------------------ epoch summary
 
     def _finish_epoch(self, trainer: Trainer) -> None:
-        t = self._open
-        epoch = self._open_epoch
+        t, epoch = self._open, self._open_epoch
         self._open = None
         self._raw[epoch] = t
-        rows = ranks.gather_rows(
-            [*t.phase_s, *t.host_phase_s, t.wall_s, float(t.batches), float(t.samples), t.steady_wall_s,
-             float(t.steady_batches), t.val_s], self._device)
-        n = len(rows)
-        k = 2 * NUM_PHASES
-        self._rank_rows[epoch] = [[*r[:NUM_PHASES], r[k + 1]] for r in rows]
-        wall_s = sum(r[k] for r in rows) / n
-        batches = round(sum(r[k + 1] for r in rows) / n)
-        samples = sum(r[k + 2] for r in rows)
-        steady_b = sum(r[k + 4] for r in rows)
-        steady_ms = 1e3 * sum(r[k + 3] for r in rows) / steady_b if steady_b else None
-        all_b = sum(r[k + 1] for r in rows)
-
-        def mean_ms(col: int) -> float:
-            return 1e3 * sum(r[col] for r in rows) / all_b if all_b else 0.0
-
-        def max_ms(col: int) -> float:
-            return max(1e3 * r[col] / r[k + 1] if r[k + 1] else 0.0 for r in rows)
-
-        _, slowest, pct = ranks.spread(rows, k, k + 1, BACKWARD)
+        rows = ranks.gather_rows(summaries.epoch_row(t), self._device)  # every rank joins
+        self._rank_rows[epoch] = summaries.rank_phase_rows(rows)
         epoch_batches = self.epoch_batches
         if epoch_batches is None and math.isfinite(trainer.num_training_batches):
             epoch_batches = int(trainer.num_training_batches)
-        predicted = None
-        if epoch_batches is not None and batches:
-            rate_ms = steady_ms if steady_ms is not None else 1e3 * wall_s / batches
-            predicted = wall_s + 1e-3 * rate_ms * max(0, epoch_batches - batches)
-        self._summaries.append({
-            "epoch": epoch,
-            "batches": batches,
-            "epoch_seconds": wall_s,
-            "val_seconds": sum(r[k + 5] for r in rows) / n,
-            "avg_batch_ms": 1e3 * wall_s / batches if batches else 0.0,
-            "steady_batches": round(steady_b / n),
-            "steady_batch_ms": steady_ms,
-            "epoch_batches": epoch_batches,
-            "predicted_epoch_seconds": predicted,
-            "samples": int(samples) if self._samples_known else None,
-            "samples_per_sec": samples / wall_s if self._samples_known and wall_s > 0 else None,
-            "phases_ms": {p: mean_ms(i) for i, p in enumerate(PHASES)},
-            "phases_max_ms": {p: max_ms(i) for i, p in enumerate(PHASES)},
-            "host_phases_ms": {p: mean_ms(NUM_PHASES + i) for i, p in enumerate(PHASES)},
-            "slowest_rank": slowest,
-            "rank_spread_pct": pct,
-            "world_size": n,
-            "timeline": "cuda-events" if self._timeline is not None and self._timeline._cuda else "host-clock",
-        })
+        timeline = "cuda-events" if self._timeline is not None and self._timeline._cuda else "host-clock"
+        self._summaries.append(summaries.epoch_summary(epoch, rows, self._samples_known, epoch_batches, timeline))

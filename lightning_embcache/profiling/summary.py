@@ -1,0 +1,92 @@
+"""From per-rank rows of sums to what the user reads: the logged interval metrics and the
+per-epoch summary dict. Pure functions of the rows, so every rank computes the same thing."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning_embcache.profiling import ranks
+from lightning_embcache.profiling.timeline import BACKWARD, NUM_PHASES, PHASES, Totals
+
+# interval row: phase seconds..., wall, batches, samples
+_WALL, _BATCHES, _SAMPLES = NUM_PHASES, NUM_PHASES + 1, NUM_PHASES + 2
+
+
+def interval_row(t: Totals) -> list[float]:
+    return [*t.phase_s, t.wall_s, float(t.batches), float(t.samples)]
+
+
+def interval_metrics(rows: list[list[float]], samples_known: bool) -> Optional[dict[str, float]]:
+    """The ``profile/*`` dict for one log interval (None when no rank finished a step in it)."""
+    batches = sum(r[_BATCHES] for r in rows)
+    if batches <= 0:
+        return None
+    metrics = {f"profile/{p}_ms": 1e3 * sum(r[i] for r in rows) / batches for i, p in enumerate(PHASES)}
+    _, slowest, pct = ranks.spread(rows, _WALL, _BATCHES, BACKWARD)
+    metrics["profile/step_ms"] = 1e3 * sum(r[_WALL] for r in rows) / batches
+    metrics["profile/step_max_ms"] = max(1e3 * r[_WALL] / r[_BATCHES] if r[_BATCHES] else 0.0 for r in rows)
+    metrics["profile/slowest_rank"] = float(slowest)
+    metrics["profile/rank_spread_pct"] = pct
+    wall = sum(r[_WALL] for r in rows) / len(rows)
+    if samples_known and wall > 0:
+        metrics["profile/samples_per_sec"] = sum(r[_SAMPLES] for r in rows) / wall
+    return metrics
+
+
+# epoch row: reported phase seconds..., host phase seconds..., then these
+_K = 2 * NUM_PHASES
+_E_WALL, _E_BATCHES, _E_SAMPLES, _E_STEADY_WALL, _E_STEADY_BATCHES, _E_VAL = range(_K, _K + 6)
+
+
+def epoch_row(t: Totals) -> list[float]:
+    return [*t.phase_s, *t.host_phase_s, t.wall_s, float(t.batches), float(t.samples), t.steady_wall_s,
+            float(t.steady_batches), t.val_s]
+
+
+def rank_phase_rows(rows: list[list[float]]) -> list[list[float]]:
+    """Per rank: reported phase seconds..., batches (for the fit-end table's per-rank maximum)."""
+    return [[*r[:NUM_PHASES], r[_E_BATCHES]] for r in rows]
+
+
+def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoch_batches: Optional[int],
+                  timeline: str) -> dict:
+    """One epoch's dict of ``StepProfiler.summary()`` (keys documented in docs/profiler.md)."""
+    n = len(rows)
+    wall_s = sum(r[_E_WALL] for r in rows) / n
+    batches = round(sum(r[_E_BATCHES] for r in rows) / n)
+    samples = sum(r[_E_SAMPLES] for r in rows)
+    steady_b = sum(r[_E_STEADY_BATCHES] for r in rows)
+    steady_ms = 1e3 * sum(r[_E_STEADY_WALL] for r in rows) / steady_b if steady_b else None
+    all_b = sum(r[_E_BATCHES] for r in rows)
+
+    def mean_ms(col: int) -> float:
+        return 1e3 * sum(r[col] for r in rows) / all_b if all_b else 0.0
+
+    def max_ms(col: int) -> float:
+        return max(1e3 * r[col] / r[_E_BATCHES] if r[_E_BATCHES] else 0.0 for r in rows)
+
+    _, slowest, pct = ranks.spread(rows, _E_WALL, _E_BATCHES, BACKWARD)
+    predicted = None
+    if epoch_batches is not None and batches:
+        rate_ms = steady_ms if steady_ms is not None else 1e3 * wall_s / batches
+        predicted = wall_s + 1e-3 * rate_ms * max(0, epoch_batches - batches)
+    return {
+        "epoch": epoch,
+        "batches": batches,
+        "epoch_seconds": wall_s,
+        "val_seconds": sum(r[_E_VAL] for r in rows) / n,
+        "avg_batch_ms": 1e3 * wall_s / batches if batches else 0.0,
+        "steady_batches": round(steady_b / n),
+        "steady_batch_ms": steady_ms,
+        "epoch_batches": epoch_batches,
+        "predicted_epoch_seconds": predicted,
+        "samples": int(samples) if samples_known else None,
+        "samples_per_sec": samples / wall_s if samples_known and wall_s > 0 else None,
+        "phases_ms": {p: mean_ms(i) for i, p in enumerate(PHASES)},
+        "phases_max_ms": {p: max_ms(i) for i, p in enumerate(PHASES)},
+        "host_phases_ms": {p: mean_ms(NUM_PHASES + i) for i, p in enumerate(PHASES)},
+        "slowest_rank": slowest,
+        "rank_spread_pct": pct,
+        "world_size": n,
+        "timeline": timeline,
+    }
