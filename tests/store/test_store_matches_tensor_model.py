@@ -150,10 +150,17 @@ def make_machine(*, path: bool, hot_rows: int | None, warm_chunks: int = 0, comp
             self._apply(ids, values)
 
         # ---- durability and versions --------------------------------------------------------
+        def _follow_compaction(self):
+            """A compaction may publish its layout as a new version holding the same rows."""
+            now = self.store.version
+            if now != self.version:
+                assert now > max(self.snapshots), f"version moved {self.version} -> {now}, not to a new number"
+                self.snapshots[now] = self.snapshots[self.version]
+                self.version = now
+
         @rule()
         def flush(self):
             v = self.store.flush()
-            assert v == self.store.version
             if self.dirty:
                 assert v > max(self.snapshots), f"flush of new updates returned version {v}, already used"
             else:
@@ -161,6 +168,7 @@ def make_machine(*, path: bool, hot_rows: int | None, warm_chunks: int = 0, comp
             self.snapshots[v] = {k: t.clone() for k, t in self.model.items()}
             self.version = v
             self.dirty = False
+            self._follow_compaction()
 
         def _open(self, version=None, readonly=False):
             return EmbeddingStore.open(self.path, version=version, readonly=readonly, hot_bytes=hot_bytes,
@@ -215,6 +223,7 @@ def make_machine(*, path: bool, hot_rows: int | None, warm_chunks: int = 0, comp
         @rule()
         def compact(self):
             self.store.compact()
+            self._follow_compaction()
 
         @precondition(lambda self: path)
         @rule(data=st.data())
