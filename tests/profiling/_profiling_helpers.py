@@ -110,14 +110,24 @@ class CostModel(L.LightningModule):
     """forward costs `fwd_s`, backward `bwd_s`, optimizer.step `opt_s`, a store get `store_s`."""
 
     def __init__(self, cost: Cost, fwd_s: float, bwd_s: float, opt_s: float, store_s: float = 0.0,
-                 val_s: float = 0.0, manual: bool = False, tail_s: float = 0.0, dim: int = 8) -> None:
+                 val_s: float = 0.0, manual: bool = False, tail_s: float = 0.0, dim: int = 8,
+                 pre_transfer_s: float = 0.0, transfer_s: float = 0.0) -> None:
         super().__init__()
         self.cost, self.fwd_s, self.bwd_s, self.opt_s = cost, fwd_s, bwd_s, opt_s
+        self.pre_transfer_s, self.transfer_s = pre_transfer_s, transfer_s
         self.val_s, self.tail_s = val_s, tail_s
         self.layer = torch.nn.Linear(dim, 1)
         self.automatic_optimization = not manual
         if store_s:
             self.embedding_stores = {"rows": FakeStore(cost, store_s)}
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        self.cost(self.pre_transfer_s)  # loop code between the loader and the transfer: "other"
+        return batch
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.cost(self.transfer_s)  # inside Lightning's batch_to_device: "data_wait"
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def _loss(self, batch):
         x, y = batch

@@ -47,22 +47,24 @@ def _approx(a: float, b: float) -> bool:
 
 def test_phases_match_the_costs_exactly_under_a_fake_clock():
     p = StepProfiler(report=False)
-    _fit_fake(p, batches=4, epochs=2)
+    clock = FakeClock()
+    model = CostModel(Cost(clock), FWD, BWD, OPT, pre_transfer_s=0.5 * MS, transfer_s=0.25 * MS)
+    _fit_fake(p, batches=4, epochs=2, model=model, clock=clock)
     s = p.summary()
     assert [e["epoch"] for e in s] == [0, 1]
     for e in s:
         ph = e["phases_ms"]
-        assert _approx(ph["data_wait"], 2.0), ph
+        assert _approx(ph["data_wait"], 2.25), ph  # the loader and the transfer
         assert _approx(ph["forward"], 5.0), ph
         assert _approx(ph["backward"], 7.0), ph
         assert _approx(ph["optimizer"], 4.0), ph
         assert _approx(ph["store_io"], 0.0), ph
-        assert _approx(ph["other"], 1.0), ph
+        assert _approx(ph["other"], 1.5), ph  # after the batch, and between loader and transfer
         assert e["batches"] == 4
-        assert _approx(e["epoch_seconds"], 4 * 19 * MS)
-        assert _approx(e["avg_batch_ms"], 19.0)
+        assert _approx(e["epoch_seconds"], 4 * 19.75 * MS)
+        assert _approx(e["avg_batch_ms"], 19.75)
         assert _approx(sum(ph.values()), e["avg_batch_ms"])
-        assert e["samples"] == 16 and _approx(e["samples_per_sec"], 16 / (4 * 19 * MS))
+        assert e["samples"] == 16 and _approx(e["samples_per_sec"], 16 / (4 * 19.75 * MS))
         assert e["timeline"] == "host-clock" and e["world_size"] == 1
 
 
