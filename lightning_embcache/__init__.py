@@ -16,10 +16,13 @@ from lightning_embcache.store import (
 )
 from lightning_embcache.profiling import StepProfiler
 from lightning_embcache.lightning import DeferredSync, EmbeddingStoreMixin, MemoryPressure
+from lightning_embcache.optim import RowOptimizer, make_row_optimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "RowOptimizer",
+    "make_row_optimizer",
     "CorruptStoreError",
     "DeferredSync",
     "DiskFullError",
