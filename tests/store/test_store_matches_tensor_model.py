@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import store as store_module
 
 from _store_helpers import InlineExecutor, assert_bitwise_equal
 
@@ -32,8 +31,15 @@ SHM = "/dev/shm" if __import__("os").path.isdir("/dev/shm") else None
 
 @pytest.fixture(autouse=True)
 def _inline_background(monkeypatch):
-    """Background compaction, GC and prefetch run inline, so every example replays exactly."""
-    monkeypatch.setattr(store_module, "ThreadPoolExecutor", InlineExecutor)
+    """Background compaction, GC, write-back and prefetch run inline, so every example replays exactly."""
+    import sys
+
+    patched = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lightning_embcache.store") and hasattr(module, "ThreadPoolExecutor"):
+            monkeypatch.setattr(module, "ThreadPoolExecutor", InlineExecutor)
+            patched += 1
+    assert patched, "the store no longer uses ThreadPoolExecutor: update this fixture"
 
 
 def ramp_init(ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""Pinned versions survive flushes, compactions and reopen bit for bit; unpinned old versions are
+reclaimed; disk use stays near the table's size plus what pinned versions hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_embcache import EmbeddingStore, VersionNotFoundError
+
+from _store_helpers import assert_snapshot_equal, snapshot
+
+N, DIM, CHUNK = 4096, 16, 256  # 256 KiB table, 16 chunks
+ROW_BYTES = DIM * 4
+TABLE = N * ROW_BYTES
+HOT = 512 * (ROW_BYTES + 11)
+
+
+def _cycle(store, rng, rows=300):
+    ids = torch.from_numpy(rng.integers(0, N, rows))
+    store.update(ids, torch.from_numpy(rng.standard_normal((rows, DIM)).astype(np.float32)))
+    return store.flush()
+
+
+def test_pinned_versions_survive_flushes_compactions_and_reopen(shm_path):
+    path = shm_path / "store"
+    rng = np.random.default_rng(1)
+    store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=HOT, fields={"m": (torch.float32, 2)})
+    pinned = {}
+    early = []
+    for i in range(40):
+        v = _cycle(store, rng)
+        if i < 3:
+            early.append(v)
+        if i in (5, 17):
+            store.pin(v)
+            pinned[v] = snapshot(store)
+        if i % 4 == 3:
+            store.compact()
+    assert store.pinned() == sorted(pinned)
+    for v, want in pinned.items():
+        assert v in store.versions()
+        with EmbeddingStore.open(path, version=v, readonly=True) as r:
+            assert r.version == v
+            assert_snapshot_equal(snapshot(r), want, f"pinned version {v} beside the writer")
+        assert len(store.manifest_checksum(v)) == 8
+    # unpinned early versions were reclaimed and say so
+    for v in early:
+        assert v not in store.versions()
+        with pytest.raises(VersionNotFoundError, match=f"version={v}"):
+            EmbeddingStore.open(path, version=v, readonly=True)
+    latest = snapshot(store)
+    store.close()
+
+    with EmbeddingStore.open(path) as s:  # pins are persisted
+        assert s.pinned() == sorted(pinned)
+        assert_snapshot_equal(snapshot(s), latest, "latest version after reopen")
+        for _ in range(10):
+            _cycle(s, rng)
+        s.compact()
+    for v, want in pinned.items():
+        with EmbeddingStore.open(path, version=v) as s:  # writable at an old version, too
+            assert_snapshot_equal(snapshot(s), want, f"pinned version {v} after reopen")
+
+
+def test_unpinned_version_is_reclaimed_and_its_bytes_freed(shm_path):
+    path = shm_path / "store"
+    rng = np.random.default_rng(2)
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=HOT) as s:
+        for _ in range(3):
+            _cycle(s, rng)
+        s.compact()
+        v = s.version
+        s.pin(v)
+        for i in range(12):
+            _cycle(s, rng, rows=1500)  # rewrites most chunks
+            s.compact()
+        held = s.stats().disk_bytes
+        s.unpin(v)
+        _cycle(s, rng)
+        s.compact()
+        assert v not in s.versions()
+        freed = held - s.stats().disk_bytes
+        assert freed > 0.5 * TABLE, f"unpinning a version whose chunks were all rewritten freed only {freed} B"
+    with pytest.raises(VersionNotFoundError):
+        EmbeddingStore.open(path, version=v)
+
+
+@pytest.mark.parametrize("hot_rows", [None, 512], ids=["memory-path", "disk"])
+def test_disk_use_stays_within_two_and_a_half_tables(shm_path, hot_rows):
+    """Flushes of up to 5% of the rows, compaction every third flush: measured after each
+    compaction (when no background work is in flight), disk use stays under 2.5 tables."""
+    path = shm_path / "store"
+    rng = np.random.default_rng(3)
+    hot = None if hot_rows is None else hot_rows * (ROW_BYTES + 11)
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=hot) as s:
+        peak = 0
+        for i in range(90):
+            _cycle(s, rng, rows=int(rng.integers(10, N // 20)))
+            if i % 3 == 2:
+                s.compact()
+                peak = max(peak, s.stats().disk_bytes)
+        assert peak <= 2.5 * TABLE + (64 << 10), f"disk use peaked at {peak} B = {peak / TABLE:.2f} x the table"
+
+        # a pinned version may hold its own copy of every chunk, but no more than that
+        s.compact()
+        s.pin(s.version)
+        pinned_footprint = s.stats().disk_bytes
+        peak = 0
+        for i in range(45):
+            _cycle(s, rng, rows=int(rng.integers(10, N // 20)))
+            if i % 3 == 2:
+                s.compact()
+                peak = max(peak, s.stats().disk_bytes)
+        bound = 2.5 * TABLE + pinned_footprint + (64 << 10)
+        assert peak <= bound, f"with one pinned version ({pinned_footprint} B) disk use peaked at {peak} B > {bound}"
