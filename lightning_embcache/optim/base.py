@@ -50,7 +50,7 @@ class RowOptimizer:
           `"step"` and uses each row's own count (how many times that row was updated) instead; the
           global `step` argument is then ignored.
         * `lr` is a plain attribute read at every `step`; a scheduler can drive it through
-          `as_torch_optimizer()`, see that method.
+          `as_torch_optimizer()`, or `follow()` another optimizer's param group.
         * Rows may be float16/bfloat16: the update is computed in the state dtype (float32) and
           rounded back into the rows once.
 
@@ -73,6 +73,8 @@ class RowOptimizer:
         self._own_group: dict[str, Any] = {"lr": check_number("lr", lr, ge=0.0)}
         self.per_row_step = check_bool("per_row_step", per_row_step)
         self._torch_view: torch.optim.Optimizer | None = None
+        self._followed: dict[str, Any] | None = None
+        self._follow_scale = 1.0
 
     @property
     def _group(self) -> dict[str, Any]:
@@ -85,11 +87,35 @@ class RowOptimizer:
     # -- learning rate -------------------------------------------------------------------------
     @property
     def lr(self) -> float:
+        if self._followed is not None:
+            return float(self._followed["lr"]) * self._follow_scale
         return self._group["lr"]
 
     @lr.setter
     def lr(self, value: float) -> None:
+        if self._followed is not None:
+            raise InvalidArgumentError("lr cannot be set while it follows a param group; "
+                                       "call follow(None) first")
         self._group["lr"] = check_number("lr", value, ge=0.0)
+
+    def follow(self, param_group: dict[str, Any] | None, *, scale: float = 1.0) -> None:
+        """Take `lr` from another optimizer's param group, times `scale`, at every step.
+
+        For Lightning's automatic optimization (one optimizer per module): a scheduler attached to
+        the model's optimizer then drives the rows too, e.g.
+        `rows_opt.follow(trainer.optimizers[0].param_groups[0], scale=row_lr / model_lr)`.
+        `follow(None)` stops following and keeps the last value.
+        """
+        if param_group is None:
+            if self._followed is not None:
+                value = self.lr
+                self._followed = None
+                self.lr = value
+            return
+        if not isinstance(param_group, dict) or "lr" not in param_group:
+            raise InvalidTypeError(f"param_group must be a dict with an 'lr' key; got {param_group!r:.80}")
+        self._follow_scale = check_number("scale", scale, ge=0.0)
+        self._followed = param_group
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -148,7 +174,7 @@ class RowOptimizer:
             lr: overrides `self.lr` for this call only.
         """
         if lr is None:
-            lr = self._group["lr"]
+            lr = self.lr
         if self.per_row_step:
             counts = state[STEP_FIELD]
             counts.add_(1)
@@ -194,7 +220,8 @@ class RowOptimizer:
             if key not in mine or mine[key] != (tuple(value) if isinstance(value, list) else value):
                 raise InvalidArgumentError(
                     f"state_dict[{key!r}] must equal this optimizer's {mine.get(key)!r}; got {value!r}")
-        self.lr = state["lr"]
+        if self._followed is None:          # a followed group is restored with its own optimizer
+            self.lr = state["lr"]
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in {"lr": self.lr, **self._hparams(),

@@ -21,6 +21,29 @@ def test_torch_scheduler_drives_lr_through_the_view():
         assert opt.lr == pytest.approx(expected)
 
 
+def test_follow_takes_lr_from_a_scheduled_param_group():
+    model = torch.nn.Linear(2, 2)
+    main = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(main, step_size=1, gamma=0.5)
+    rows = make_row_optimizer("adam", lr=1.0)
+    rows.follow(main.param_groups[0], scale=10.0)
+    assert rows.lr == pytest.approx(1.0)
+    main.step()
+    sched.step()
+    assert rows.lr == pytest.approx(0.5)
+    with pytest.raises(InvalidArgumentError, match="lr cannot be set while it follows"):
+        rows.lr = 3.0
+    w = torch.zeros(1, 2)
+    sgd = make_row_optimizer("sgd", lr=9.0)
+    sgd.follow(main.param_groups[0])
+    sgd.step(w, {}, torch.ones(1, 2), step=1)
+    torch.testing.assert_close(w, torch.full((1, 2), -0.05))
+    rows.follow(None)
+    assert rows.lr == pytest.approx(0.5)
+    rows.lr = 0.25
+    assert rows.lr == 0.25
+
+
 def test_lr_override_applies_to_one_step_only():
     opt = make_row_optimizer("sgd", lr=1.0)
     w = torch.zeros(1, 2)
