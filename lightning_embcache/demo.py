@@ -115,6 +115,7 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         store_path: where the table lives; None keeps it in memory.
         hot_bytes: RAM budget of the table's hot tier; None keeps it all in RAM.
         warm_bytes: RAM budget of LZ4-compressed chunks.
+        chunk_rows: rows per store chunk, the unit of a disk read; small suits random access.
         batch_size, num_workers: data loading.
         lr: Adam learning rate of the decoder.
         latent_lr: SGD learning rate of the per-sample codes.
@@ -130,6 +131,7 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         store_path: str | None = "runs/demo/latents",
         hot_bytes: int | None = 64 * MiB,
         warm_bytes: int = 0,
+        chunk_rows: int = 64,
         batch_size: int = 1024,
         num_workers: int = 0,
         lr: float = 1e-3,
@@ -141,7 +143,7 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         self.automatic_optimization = False
         self.latents = self.add_embedding_store(
             "latents", num_samples, code_dim, path=store_path, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
-            init="normal", init_std=0.01, seed=seed,
+            chunk_rows=chunk_rows, init="normal", init_std=0.01, seed=seed,
         )
         self.decoder = nn.Sequential(nn.Linear(code_dim, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
 
@@ -200,6 +202,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--hot-mib", type=float, default=None,
                    help="hot-tier budget in MiB (default: a quarter of the table)")
+    p.add_argument("--chunk-rows", type=int, default=64, help="rows per store chunk (default 64)")
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
     p.add_argument("--sync-every", type=int, default=100, help="DeferredSync every N steps (default 100)")
     p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps (default 250)")
@@ -229,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     L.seed_everything(args.seed, verbose=False)
     model = AutoDecoder(num_samples=args.samples, code_dim=args.dim, store_path=str(root / "latents"),
-                        hot_bytes=hot, batch_size=args.batch_size, num_workers=args.workers, seed=args.seed)
+                        hot_bytes=hot, chunk_rows=args.chunk_rows, batch_size=args.batch_size, num_workers=args.workers, seed=args.seed)
     clock = EpochClock()
     sync = DeferredSync(every_n_steps=args.sync_every, every_n_epochs=1)
     pressure = MemoryPressure(check_every_n_steps=50)

@@ -58,7 +58,7 @@ class DeferredSync(Callback):
           ``embcache/dirty_rows`` (rows not yet durable when a flush was requested).
 
     Args:
-        every_n_steps: flush every N optimizer steps (``trainer.global_step``); ``None`` = never.
+        every_n_steps: flush every N training batches; ``None`` = never.
         every_n_epochs: flush at the end of every N training epochs; ``None`` = never.
         on_checkpoint: flush before each checkpoint is written.
         background: flush in a worker thread (``False``: on the training thread, in the hook).
@@ -83,7 +83,6 @@ class DeferredSync(Callback):
         self.on_checkpoint = on_checkpoint
         self.background = background
         self._worker: CoalescingWorker[SyncResult] | None = None
-        self._last_step_synced = -1
         self.syncs = 0  # flushes completed (background and foreground)
         self._coalesced_before = 0  # by workers of earlier fits
         self.last_metrics: dict[str, float] = {}
@@ -102,9 +101,10 @@ class DeferredSync(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self._report(trainer, self._drain())
-        step = trainer.global_step
-        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and step != self._last_step_synced:
-            self._last_step_synced = step  # several batches per optimizer step: one flush
+        # Training batches, not optimizer steps: rows written directly change with every batch,
+        # also in a module without optimizer (where global_step never moves). Restored on resume.
+        batches = trainer.fit_loop.epoch_loop.total_batch_idx + 1
+        if self.every_n_steps and batches % self.every_n_steps == 0:
             self._request(trainer, pl_module)
 
     @override
