@@ -14,6 +14,7 @@ segments into new base chunk files. Every file is checksummed; every replacement
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -144,6 +145,51 @@ class Disk:
 
     def write_pins(self, pins: set[int]) -> None:
         self.bytes_written += write_file(self.root / "PINS", b"pins", json.dumps({"pinned": sorted(pins)}).encode())
+
+    # ---- readers ------------------------------------------------------------------------------
+    def reader_lock_path(self, version: int) -> Path:
+        return self.root / f"readers-{version:012d}"
+
+    def lock_reader(self, version: int) -> int | None:
+        """Hold a shared flock that keeps ``version`` from being reclaimed; None if not permitted."""
+        try:
+            fd = os.open(self.reader_lock_path(version), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # a read-only directory: nobody can reclaim anything there either
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    @staticmethod
+    def unlock_reader(fd: int | None) -> None:
+        if fd is not None:
+            try:
+                os.close(fd)  # closing drops the flock
+            except OSError:
+                pass
+
+    def drop_version_unless_read(self, version: int) -> bool:
+        """Delete ``version``'s manifest unless a reader holds it; True if deleted."""
+        lock = self.reader_lock_path(version)
+        fd = None
+        if lock.exists():
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+        try:
+            self.manifest_path(version).unlink()
+        except FileNotFoundError:
+            pass
+        finally:
+            if fd is not None:
+                try:
+                    lock.unlink()
+                except FileNotFoundError:
+                    pass
+                os.close(fd)
+        return True
 
     # ---- manifests ---------------------------------------------------------------------------
     def list_versions(self) -> list[int]:
@@ -332,8 +378,11 @@ class Disk:
         for d in (self.root, self.root / "segments", self.root / "chunks"):
             with os.scandir(d) as it:
                 for e in it:
-                    if e.is_file():
-                        total += e.stat().st_size
+                    try:
+                        if e.is_file():
+                            total += e.stat().st_size
+                    except FileNotFoundError:  # a temp file renamed by a background write
+                        pass
         return total
 
     def max_seq_and_gen(self) -> tuple[int, int]:

@@ -31,45 +31,25 @@ from .errors import (
     InvalidTypeError,
     ReadOnlyError,
     StoreClosedError,
-    StoreError,
     StoreLockedError,
 )
 from .hot import SLOT_OVERHEAD, HotTier
 from .schema import DTYPES, Schema
 from .stats import StoreStats
+from .tiers import TieredRows, TooLarge
 from .validate import as_ids, as_values, budget, positive_int
+from .versions import Versioning
 from .warm import WarmTier
 
 InitFn = Callable[[torch.Tensor], torch.Tensor]
 Init = Union[str, InitFn]
 PathLike = Union[str, os.PathLike, None]
 
-# Compaction folds delta segments into base chunks once they hold this share of the table's
-# bytes, or once there are this many: disk stays near 2x the table, reads touch few segments.
-COMPACT_RATIO = 0.25
-COMPACT_SEGMENTS = 32
-KEEP_VERSIONS = 2  # unpinned versions kept besides pins (the latest and its predecessor)
 
 _LIVE: "weakref.WeakSet[EmbeddingStore]" = weakref.WeakSet()
 
 
-class _TooLarge(Exception):
-    """Internal: a read needs more distinct rows than the hot tier holds."""
-
-    def __init__(self, slots: np.ndarray, mids: np.ndarray, records: np.ndarray) -> None:
-        self.slots, self.mids, self.records = slots, mids, records
-
-
-def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    # bfloat16 has no numpy dtype: move its bits as int16
-    return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def _to_np(t: torch.Tensor) -> np.ndarray:
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-
-
-class EmbeddingStore:
+class EmbeddingStore(TieredRows, Versioning):
     """Rows keyed by int id with byte-budgeted tiers and crash-safe, versioned flushes.
 
     Example::
@@ -203,6 +183,7 @@ class EmbeddingStore:
         self._lock = threading.RLock()
         self._flush_lock = threading.Lock()
         self._lock_fd: int | None = None
+        self._reader_fd: int | None = None  # read-only handles: shared flock on their version
         self._stats = StoreStats()
         self._io_wait = 0.0
         self._epoch = 0  # bumped whenever the below-hot view of some rows changes
@@ -235,6 +216,7 @@ class EmbeddingStore:
                 self._load_version(version)
             except BaseException:
                 self._release_lock()
+                Disk.unlock_reader(self._reader_fd)
                 raise
         else:
             self._cmap = np.zeros(num_chunks, np.int32)
@@ -286,7 +268,7 @@ class EmbeddingStore:
         with self._lock:
             try:
                 out = self._gather(self._resolve(idx, load=True), names)
-            except _TooLarge as big:
+            except TooLarge as big:
                 out = self._gather_direct(idx, big.slots, big.mids, big.records, names)
         self._stats.gets += 1
         self._io_wait += time.perf_counter() - t0
@@ -332,564 +314,6 @@ class EmbeddingStore:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
             self._prefetcher.submit(self._prefetch, idx)
 
-    # ------------------------------------------------------------------ residency
-    def _field_np(self, name: str) -> np.ndarray:
-        f = self._schema.fields[name]
-        pool = self._hot.pool_np
-        if len(self._schema.fields) == 1:
-            return pool.view(_np_dtype(f.dtype))
-        return pool[:, f.offset : f.offset + f.nbytes].view(_np_dtype(f.dtype))
-
-    def _gather(self, slots: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        s = torch.from_numpy(slots)
-        return {n: torch.index_select(self._schema.view(self._hot.pool, n), 0, s) for n in names}
-
-    def _gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
-        """Serve a read with more distinct missing rows than hot slots without caching it all."""
-        rec = np.empty((len(idx), self._row_bytes), np.uint8)
-        hit = slots >= 0
-        rec[hit] = self._hot.pool_np[slots[hit]]
-        miss = ~hit
-        rec[miss] = records[np.searchsorted(mids, idx[miss])]
-        t = torch.from_numpy(rec)
-        return {n: self._schema.view(t, n).clone() for n in names}
-
-    def _scatter(self, slots: np.ndarray, vals: dict[str, torch.Tensor]) -> None:
-        """Write rows into hot slots and mark them dirty; of duplicate slots the last write wins.
-
-        index_copy_ is the fastest scatter but leaves duplicates undefined, so the dirty array
-        doubles as a stamp: each slot records the last batch position written to it, and only
-        those positions are copied (a second pass only when the batch has duplicates).
-        """
-        dirty = self._hot.dirty
-        pos = np.arange(1, len(slots) + 1, dtype=np.int32)
-        dirty[slots] = pos
-        last = dirty[slots] == pos
-        if not last.all():
-            keep = torch.from_numpy(np.flatnonzero(last))
-            slots = slots[last]
-            vals = {n: v.index_select(0, keep) for n, v in vals.items()}
-        s = torch.from_numpy(slots)
-        for n, v in vals.items():
-            self._schema.view(self._hot.pool, n).index_copy_(0, s, v)
-
-    def _resolve(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
-                 values: dict[str, torch.Tensor] | None = None) -> np.ndarray | None:
-        """Slots holding ``idx``, filling misses from below. Caller holds the lock.
-
-        For a write covering every field (``load=False``) missing rows are not read from below.
-        Returns None when a write was too large for the hot tier and went straight to disk.
-        """
-        hot = self._hot
-        slots = hot.lookup(idx)
-        if hot.resident:
-            if slots is idx:
-                return slots
-            miss = idx[slots < 0]
-            for c in np.unique(miss // self._chunk_rows).tolist():
-                self._load_chunk_resident(c)
-            hot.all_loaded = bool(hot.loaded.all())
-            self._stats.hot_misses += len(miss)
-            self._stats.hot_hits += len(idx) - len(miss)
-            return idx
-        missing = slots < 0
-        n_miss = int(missing.sum())
-        self._stats.hot_hits += len(idx) - n_miss
-        if not n_miss:
-            return slots
-        self._stats.hot_misses += n_miss
-        mids = np.unique(idx[missing])
-        if len(mids) > hot.limit or (for_write and len(mids) > hot.limit // 2):
-            if for_write:
-                self._write_around(idx, mids, values or {}, load)
-                return None
-        if len(mids) > hot.limit and not for_write:
-            raise _TooLarge(slots, mids, self._fetch(mids))
-        records = self._fetch(mids) if load else np.zeros((len(mids), self._row_bytes), np.uint8)
-        got = self._allocate(len(mids), protect=slots[~missing])
-        if len(got) < len(mids):
-            # No room even after eviction (everything in flight or in use by this call).
-            hot.free.extend(got.tolist())
-            if for_write:
-                self._write_around(idx, mids, values or {}, load)
-                return None
-            raise _TooLarge(slots, mids, records)
-        hot.install(mids, got, records)
-        slots = hot.slot_of[idx].astype(np.int64) - 1
-        return slots
-
-    def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
-        """n free slots, evicting (and writing back) cold rows by CLOCK as needed."""
-        hot = self._hot
-        got = hot.take_free(n)
-        if len(got) < n:
-            victims = hot.victims(n - len(got), protect)
-            if len(victims):
-                self._evict_slots(victims)
-                more = hot.take_free(n - len(got))
-                got = np.concatenate([got, more])
-        return got
-
-    def _evict_slots(self, slots: np.ndarray) -> None:
-        hot = self._hot
-        d = slots[hot.dirty[slots] != 0]
-        if len(d):
-            self._write_back(hot.id_of[d], hot.pool_np[d])
-        self._stats.evicted_bytes += len(slots) * self._row_bytes
-        hot.drop(slots)
-
-    def _write_back(self, ids: np.ndarray, records: np.ndarray) -> None:
-        """Write evicted dirty rows to a pending segment (part of the next flush's version)."""
-        assert self._disk is not None
-        order = np.argsort(ids, kind="stable")
-        seq = self._next_seq
-        self._next_seq += 1
-        seg = self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]), durable=False)
-        self._pending.append(seg)
-        self._pending.sort(key=lambda g: g.seq)
-        self._warm.discard_many(ids // self._chunk_rows)
-        self._epoch += 1
-
-    def _clean(self) -> None:
-        """Background write-back: turn dirty hot rows that are not recently used into clean ones.
-
-        The rows stay resident; their values go to a pending segment (part of the next flush), so
-        a later eviction of them is free. Holds the flush lock so no flush can publish a version
-        while cleaned rows are neither dirty nor in a published segment.
-        """
-        with self._flush_lock:
-            with self._lock:
-                hot = self._hot
-                if self._closed or hot.resident or self._disk is None:
-                    return
-                slots = np.flatnonzero(hot.dirty[: hot.limit])
-                cold = slots[hot.ref[slots] == 0]
-                take = cold if len(cold) >= len(slots) // 2 else slots
-                if len(take) < max(1, hot.limit // 8):
-                    return
-                ids = hot.id_of[take]
-                order = np.argsort(ids, kind="stable")
-                ids, take = ids[order], take[order]
-                records = hot.pool_np[take]
-                hot.dirty[take] = 0
-                hot.inflight[take] = True
-                seq = self._next_seq
-                self._next_seq += 1
-                self._writing_seqs.add(seq)
-            try:
-                seg = self._disk.write_segment(seq, ids, records, durable=False)
-            except BaseException:
-                with self._lock:
-                    hot.dirty[take] = 1
-                    hot.inflight[take] = False
-                    self._writing_seqs.discard(seq)
-                raise
-            with self._lock:
-                hot.inflight[take] = False
-                self._writing_seqs.discard(seq)
-                self._pending.append(seg)
-                self._pending.sort(key=lambda g: g.seq)
-                self._warm.discard_many(ids // self._chunk_rows)
-                self._epoch += 1
-                self._stats.cleaned_rows += len(ids)
-
-    def _write_around(self, idx, mids, values, load: bool) -> None:
-        """A write too large for the hot tier: merge it with stored rows and write back directly."""
-        # Rows already resident take the write in place; the rest go to a pending segment.
-        hot = self._hot
-        slots = hot.lookup(idx)
-        res = slots >= 0
-        if res.any():
-            for n, v in values.items():
-                self._np_views[n][slots[res]] = _to_np(v[torch.from_numpy(np.flatnonzero(res))])
-            hot.dirty[slots[res]] = 1
-        rest = np.flatnonzero(~res)
-        rid = idx[rest]
-        # last occurrence of each id wins
-        rev = rid[::-1]
-        uniq, first_in_rev = np.unique(rev, return_index=True)
-        pos = rest[::-1][first_in_rev]
-        records = self._fetch(uniq) if load else np.zeros((len(uniq), self._row_bytes), np.uint8)
-        rec_t = torch.from_numpy(records)
-        p = torch.from_numpy(pos)
-        for n, v in values.items():
-            self._schema.view(rec_t, n)[:] = v[p]
-        self._write_back(uniq, records)
-
-    def _load_chunk_resident(self, chunk: int) -> None:
-        lo, hi = self._hot.chunk_range(chunk)
-        self._hot.pool_np[lo:hi] = self._below(chunk)
-        self._hot.loaded[chunk] = True
-
-    def _fetch(self, ids: np.ndarray) -> np.ndarray:
-        """Records of sorted unique ``ids`` from the warm tier or disk."""
-        out = np.empty((len(ids), self._row_bytes), np.uint8)
-        chunks = ids // self._chunk_rows
-        bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
-        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            c = int(chunks[a])
-            recs = self._below(c)
-            out[a:b] = recs[ids[a:b] - c * self._chunk_rows]
-        return out
-
-    def _below(self, chunk: int) -> np.ndarray:
-        """A chunk's records as stored below the hot tier: warm copy, else base + deltas."""
-        rows = min(self._chunk_rows, self._num_rows - chunk * self._chunk_rows)
-        cached = self._warm.get(chunk)
-        if cached is not None:
-            return cached.reshape(rows, self._row_bytes)
-        if self._disk is not None and self._cmap[chunk]:
-            recs = self._disk.read_chunk(chunk, int(self._cmap[chunk]))
-        else:
-            recs = self._init_records(chunk, rows)
-        lo = chunk * self._chunk_rows
-        for seg in self._committed + self._pending:
-            got = seg.rows_of_chunk(chunk)
-            if got is not None:
-                recs[got[0] - lo] = got[1]
-        self._stats.cold_reads += 1
-        if self._warm.budget:
-            self._warm.put(chunk, recs)
-        return recs
-
-    def _init_records(self, chunk: int, rows: int) -> np.ndarray:
-        recs = np.zeros((rows, self._row_bytes), np.uint8)
-        t = torch.from_numpy(recs)
-        lo = chunk * self._chunk_rows
-        w = self._schema.view(t, "weight")
-        if self._init_kind == "normal":
-            g = torch.Generator().manual_seed(self._seed * 1_000_003 + chunk)
-            w[:] = (torch.randn(rows, self.dim, generator=g, dtype=torch.float32) * self._init_std).to(self.dtype)
-        elif self._init_kind == "callable":
-            assert self._init_fn is not None
-            ids = torch.arange(lo, lo + rows)
-            vals = self._init_fn(ids)
-            if not isinstance(vals, torch.Tensor) or tuple(vals.shape) != (rows, self.dim):
-                raise InvalidArgumentError(
-                    f"init(ids) must return a tensor of shape ({rows}, {self.dim}); got "
-                    f"{tuple(vals.shape) if isinstance(vals, torch.Tensor) else type(vals).__name__}"
-                )
-            w[:] = vals.detach().cpu().to(self.dtype)
-        for f in self._schema.fields.values():
-            if f.name != "weight" and f.fill:
-                self._schema.view(t, f.name)[:] = f.fill
-        return recs
-
-    def _prefetch(self, idx: np.ndarray) -> None:
-        try:
-            with self._lock:
-                if self._closed:
-                    return
-                slots = self._hot.lookup(idx)
-                miss = np.unique(idx[slots < 0])
-                if not len(miss):
-                    return
-                if not self._hot.resident and len(miss) > self._hot.limit // 2:
-                    miss = miss[: self._hot.limit // 2]
-                self._resolve(miss, load=True)
-                self._stats.prefetched_rows += len(miss)
-        except StoreError:
-            pass  # a hint: the foreground read will report the problem
-
-    # ------------------------------------------------------------------ flush and versions
-    def flush(self) -> int:
-        """Make every update so far durable as a new version and return it.
-
-        Thread-safe: may run in a background thread while another thread calls get/update;
-        rows updated during the flush go into the next version.
-        """
-        t0 = time.perf_counter()
-        self._check_usable(write=True)
-        self._raise_bg_error()
-        if self._disk is None:  # ephemeral memory store: nothing to make durable
-            with self._lock:
-                if self._hot.dirty.any():
-                    self._hot.dirty[:] = 0
-                    self._version += 1
-                return self._version
-        with self._flush_lock:
-            with self._lock:
-                hot = self._hot
-                slots = np.flatnonzero(hot.dirty)
-                if not len(slots) and not self._pending:
-                    return self._version
-                ids = slots if hot.resident else hot.id_of[slots]
-                order = np.argsort(ids, kind="stable")
-                ids, slots = ids[order], slots[order]
-                records = hot.pool_np[slots]
-                hot.dirty[slots] = 0
-                hot.inflight[slots] = True
-                seq = self._next_seq
-                self._next_seq += 1
-                self._writing_seqs.add(seq)
-                pending = list(self._pending)
-                version = self._max_version + 1
-                segs = [s.seq for s in self._committed] + [p.seq for p in pending]
-            try:
-                for p in pending:
-                    self._disk.sync_segment(p)
-                new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
-                m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
-                self._parent = self._version
-                self._disk.write_manifest(m)
-            except BaseException:
-                with self._lock:
-                    hot.dirty[slots] = 1
-                    hot.inflight[slots] = False
-                    self._writing_seqs.discard(seq)
-                raise
-            with self._lock:
-                hot.inflight[slots] = False
-                self._writing_seqs.discard(seq)
-                self._committed += pending + new
-                self._pending = [p for p in self._pending if p not in pending]
-                self._version = self._max_version = version
-                self._warm.discard_many(ids // self._chunk_rows)
-                self._epoch += 1
-                self._stats.flushes += 1
-                self._stats.flushed_rows += len(ids)
-            self._apply_retention()
-        self._maybe_compact()
-        self._io_wait += time.perf_counter() - t0
-        return version
-
-    def versions(self) -> list[int]:
-        """Versions still on disk (openable with ``open(path, version=v)``)."""
-        if self._disk is None:
-            return [self._version]
-        return self._disk.list_versions()
-
-    def pin(self, version: int) -> None:
-        """Never reclaim ``version`` (until unpinned); persisted across opens."""
-        self._check_usable(write=True)
-        disk = self._require_disk("pin")
-        disk.read_manifest(int(version))  # raises VersionNotFoundError
-        with self._flush_lock:
-            self._pins.add(int(version))
-            disk.write_pins(self._pins)
-
-    def unpin(self, version: int) -> None:
-        self._check_usable(write=True)
-        disk = self._require_disk("unpin")
-        with self._flush_lock:
-            self._pins.discard(int(version))
-            disk.write_pins(self._pins)
-            self._apply_retention()
-
-    def pinned(self) -> list[int]:
-        return sorted(self._pins)
-
-    def manifest_checksum(self, version: int) -> str:
-        """Hex checksum of a version's manifest (checkpoints record it to detect a foreign store)."""
-        return self._require_disk("manifest_checksum").manifest_checksum(int(version))
-
-    def _require_disk(self, what: str) -> Disk:
-        if self._disk is None:
-            raise StoreError(f"{what}() needs a store on disk; this one was created with path=None")
-        return self._disk
-
-    def _apply_retention(self) -> None:
-        """Delete manifests of unpinned versions beyond the newest KEEP_VERSIONS. Holds flush lock."""
-        assert self._disk is not None
-        if self._readonly:
-            return
-        versions = self._disk.list_versions()
-        keep = set(versions[-KEEP_VERSIONS:]) | self._pins | {self._version}
-        dropped = False
-        for v in versions:
-            if v not in keep:
-                try:
-                    self._disk.manifest_path(v).unlink()
-                    dropped = True
-                except FileNotFoundError:
-                    pass
-        if dropped:
-            self._submit_bg(self._collect_garbage)
-
-    def _load_version(self, version: int | None) -> None:
-        disk = self._disk
-        assert disk is not None
-        versions = disk.list_versions()
-        if not versions:
-            raise CorruptStoreError(self._root, "holds no manifest (an interrupted create?)")
-        v = versions[-1] if version is None else int(version)
-        m = disk.read_manifest(v)
-        self._cmap = disk.read_chunkmap(m.chunkmap)
-        self._cmap_gen = m.chunkmap
-        self._committed = [disk.open_segment(s) for s in m.segments]
-        self._version = v
-        self._max_version = versions[-1]
-        self._pins = disk.read_pins()
-        seq, gen = disk.max_seq_and_gen()
-        self._next_seq = seq + 1
-        self._next_gen = gen + 1
-        if not self._readonly:
-            # Leftovers of a crash (unreferenced segments, temp files) are removed by the writer.
-            self._collect_garbage(at_open=True)
-
-    # ------------------------------------------------------------------ compaction and GC
-    def _segment_bytes(self) -> int:
-        return sum(s.nbytes for s in self._committed)
-
-    def _maybe_compact(self) -> None:
-        table = self._num_rows * self._row_bytes
-        if len(self._committed) > COMPACT_SEGMENTS or self._segment_bytes() > COMPACT_RATIO * table:
-            self._submit_bg(self._compact)
-
-    def _submit_bg(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the background I/O thread; a job of the same kind already queued absorbs it."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._bg is None:
-                self._bg = ThreadPoolExecutor(1, thread_name_prefix="embcache-bg")
-            key = fn.__name__
-            fut = self._bg_futures.get(key)
-            if fut is not None and not fut.done():
-                return
-            self._bg_futures[key] = self._bg.submit(self._run_bg, fn)
-
-    def _run_bg(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # surfaced on the next flush()
-            self._bg_error = exc
-
-    def _raise_bg_error(self) -> None:
-        exc, self._bg_error = self._bg_error, None
-        if exc is not None:
-            raise StoreError(f"background compaction failed: {exc}") from exc
-
-    def compact(self) -> None:
-        """Fold all committed delta segments into base chunks now (normally automatic)."""
-        self._check_usable(write=True)
-        self._require_disk("compact")
-        self._wait_bg()
-        self._compact()
-
-    def _compact(self) -> None:
-        disk = self._disk
-        assert disk is not None
-        with self._lock:
-            segs = list(self._committed)
-            cmap = self._cmap.copy()
-            gen = self._next_gen
-            self._next_gen += 1
-            self._writing_gens.add(gen)
-        try:
-            self._compact_into(segs, cmap, gen)
-        finally:
-            with self._lock:
-                self._writing_gens.discard(gen)
-
-    def _compact_into(self, segs: list[Segment], cmap: np.ndarray, gen: int) -> None:
-        disk = self._disk
-        assert disk is not None
-        if not segs:
-            return
-        touched = np.unique(np.concatenate([s.idx_chunk for s in segs]))
-        new_cmap = cmap.copy()
-        for c in touched.tolist():
-            rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
-            recs = disk.read_chunk(c, int(cmap[c])) if cmap[c] else self._init_records(c, rows)
-            lo = c * self._chunk_rows
-            for s in segs:
-                got = s.rows_of_chunk(c)
-                if got is not None:
-                    recs[got[0] - lo] = got[1]
-            disk.write_chunk(c, gen, recs, self._compress)
-            new_cmap[c] = gen
-        disk.write_chunkmap(gen, new_cmap)
-        folded = {s.seq for s in segs}
-        with self._flush_lock:
-            with self._lock:
-                if self._closed:
-                    return
-                remaining = [s for s in self._committed if s.seq not in folded]
-                m = Manifest(self._version, gen, [s.seq for s in remaining], parent=self._parent)
-                disk.write_manifest(m)
-                self._cmap, self._cmap_gen, self._committed = new_cmap, gen, remaining
-                self._stats.compactions += 1
-            self._collect_garbage()
-        for s in segs:
-            s.close()
-
-    def _collect_garbage(self, at_open: bool = False) -> None:
-        disk = self._disk
-        if disk is None or self._readonly:
-            return
-        with self._lock:
-            live_segs = {s.seq for s in self._committed + self._pending} | self._writing_seqs
-            gens = {self._cmap_gen} | self._writing_gens
-            # Anything numbered from here on is written after this snapshot: never garbage.
-            new_seq, new_gen = self._next_seq, self._next_gen
-        disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open)
-
-    def _wait_bg(self) -> None:
-        for fut in list(self._bg_futures.values()):
-            fut.result()
-
-    # ------------------------------------------------------------------ memory
-    def evict(self, nbytes: int) -> int:
-        """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""
-        self._check_usable()
-        nbytes = budget(nbytes, "nbytes", allow_none=False)
-        freed = 0
-        with self._lock:
-            freed += self._warm.shrink(max(0, self._warm.nbytes - nbytes))
-            if freed >= nbytes or self._disk is None:
-                return freed
-            hot = self._hot
-            if hot.resident:
-                for c in np.flatnonzero(hot.loaded).tolist():
-                    if freed >= nbytes:
-                        break
-                    lo, hi = hot.chunk_range(c)
-                    if hot.inflight[lo:hi].any():
-                        continue
-                    d = np.flatnonzero(hot.dirty[lo:hi]) + lo
-                    if len(d):
-                        self._write_back(d, hot.pool_np[d])
-                    hot.unload_chunk(c)
-                    freed += (hi - lo) * self._row_bytes
-            else:
-                per = self._row_bytes + SLOT_OVERHEAD
-                want = min(hot.used, -(-(nbytes - freed) // per))
-                victims = hot.victims(want)
-                if len(victims) < want:  # everything was recently used: take any idle slot
-                    occ = np.flatnonzero((hot.id_of[: hot.limit] >= 0) & ~hot.inflight[: hot.limit])
-                    victims = np.unique(np.concatenate([victims, occ[: want]]))[:want]
-                self._evict_slots(victims)
-                freed += len(victims) * per
-        return freed
-
-    def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
-        """Change the budgets at run time (a lower budget evicts at once). None keeps a budget."""
-        self._check_usable()
-        with self._lock:
-            if warm_bytes is not None:
-                self._warm.budget = budget(warm_bytes, "warm_bytes", allow_none=False)
-                self._warm.shrink(self._warm.budget)
-            if hot_bytes is None:
-                return
-            hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=False)
-            hot = self._hot
-            if hot.resident:
-                over = hot.nbytes() - hot_bytes
-                if over > 0:
-                    self.evict(over)
-                return
-            slots = max(1, hot_bytes // (self._row_bytes + SLOT_OVERHEAD))
-            if slots < hot.limit:
-                tail = np.flatnonzero(hot.id_of[slots : hot.limit] >= 0) + slots
-                if hot.inflight[tail].any():
-                    raise StoreError("set_budget() cannot shrink the hot tier while a flush is writing; retry after it")
-                self._evict_slots(tail)
-                hot.set_limit(slots)
-            else:
-                hot.grow_limit(slots)
-            self._hot_budget = hot_bytes
-
     # ------------------------------------------------------------------ stats, lifecycle
     def stats(self) -> StoreStats:
         """A snapshot of tier sizes, hit/miss counts, dirty rows and I/O totals."""
@@ -925,6 +349,8 @@ class EmbeddingStore:
             self._hot.close()
             self._np_views = {}
         self._release_lock()
+        Disk.unlock_reader(self._reader_fd)
+        self._reader_fd = None
         if self._ephemeral and self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
 

@@ -1,0 +1,359 @@
+"""Tier mechanics of EmbeddingStore: filling the hot tier from warm/disk, eviction, write-back.
+
+A private base class of `EmbeddingStore` (split out to keep each module about one thing); it works
+on the state `EmbeddingStore.__init__` sets up and assumes the caller holds `self._lock` where a
+method says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .errors import InvalidArgumentError, StoreError
+from .hot import SLOT_OVERHEAD
+from .validate import budget
+
+
+class TooLarge(Exception):
+    """Internal: a read needs more distinct rows than the hot tier holds."""
+
+    def __init__(self, slots: np.ndarray, mids: np.ndarray, records: np.ndarray) -> None:
+        self.slots, self.mids, self.records = slots, mids, records
+
+
+def np_dtype(dtype: torch.dtype) -> np.dtype:
+    # bfloat16 has no numpy dtype: move its bits as int16
+    return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def to_np(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+class TieredRows:
+    """Hot/warm/cold row movement (private base of EmbeddingStore)."""
+
+    _hot: Any
+    _warm: Any
+    _disk: Any
+
+    def _field_np(self, name: str) -> np.ndarray:
+        f = self._schema.fields[name]
+        pool = self._hot.pool_np
+        if len(self._schema.fields) == 1:
+            return pool.view(np_dtype(f.dtype))
+        return pool[:, f.offset : f.offset + f.nbytes].view(np_dtype(f.dtype))
+
+    def _gather(self, slots: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        s = torch.from_numpy(slots)
+        return {n: torch.index_select(self._schema.view(self._hot.pool, n), 0, s) for n in names}
+
+    def _gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
+        """Serve a read with more distinct missing rows than hot slots without caching it all."""
+        rec = np.empty((len(idx), self._row_bytes), np.uint8)
+        hit = slots >= 0
+        rec[hit] = self._hot.pool_np[slots[hit]]
+        miss = ~hit
+        rec[miss] = records[np.searchsorted(mids, idx[miss])]
+        t = torch.from_numpy(rec)
+        return {n: self._schema.view(t, n).clone() for n in names}
+
+    def _scatter(self, slots: np.ndarray, vals: dict[str, torch.Tensor]) -> None:
+        """Write rows into hot slots and mark them dirty; of duplicate slots the last write wins.
+
+        index_copy_ is the fastest scatter but leaves duplicates undefined, so the dirty array
+        doubles as a stamp: each slot records the last batch position written to it, and only
+        those positions are copied (a second pass only when the batch has duplicates).
+        """
+        dirty = self._hot.dirty
+        pos = np.arange(1, len(slots) + 1, dtype=np.int32)
+        dirty[slots] = pos
+        last = dirty[slots] == pos
+        if not last.all():
+            keep = torch.from_numpy(np.flatnonzero(last))
+            slots = slots[last]
+            vals = {n: v.index_select(0, keep) for n, v in vals.items()}
+        s = torch.from_numpy(slots)
+        for n, v in vals.items():
+            self._schema.view(self._hot.pool, n).index_copy_(0, s, v)
+
+    def _resolve(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
+                 values: dict[str, torch.Tensor] | None = None) -> np.ndarray | None:
+        """Slots holding ``idx``, filling misses from below. Caller holds the lock.
+
+        For a write covering every field (``load=False``) missing rows are not read from below.
+        Returns None when a write was too large for the hot tier and went straight to disk.
+        """
+        hot = self._hot
+        slots = hot.lookup(idx)
+        if hot.resident:
+            if slots is idx:
+                return slots
+            miss = idx[slots < 0]
+            for c in np.unique(miss // self._chunk_rows).tolist():
+                self._load_chunk_resident(c)
+            hot.all_loaded = bool(hot.loaded.all())
+            self._stats.hot_misses += len(miss)
+            self._stats.hot_hits += len(idx) - len(miss)
+            return idx
+        missing = slots < 0
+        n_miss = int(missing.sum())
+        self._stats.hot_hits += len(idx) - n_miss
+        if not n_miss:
+            return slots
+        self._stats.hot_misses += n_miss
+        mids = np.unique(idx[missing])
+        if len(mids) > hot.limit or (for_write and len(mids) > hot.limit // 2):
+            if for_write:
+                self._write_around(idx, mids, values or {}, load)
+                return None
+        if len(mids) > hot.limit and not for_write:
+            raise TooLarge(slots, mids, self._fetch(mids))
+        records = self._fetch(mids) if load else np.zeros((len(mids), self._row_bytes), np.uint8)
+        got = self._allocate(len(mids), protect=slots[~missing])
+        if len(got) < len(mids):
+            # No room even after eviction (everything in flight or in use by this call).
+            hot.free.extend(got.tolist())
+            if for_write:
+                self._write_around(idx, mids, values or {}, load)
+                return None
+            raise TooLarge(slots, mids, records)
+        hot.install(mids, got, records)
+        slots = hot.slot_of[idx].astype(np.int64) - 1
+        return slots
+
+    def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
+        """n free slots, evicting (and writing back) cold rows by CLOCK as needed."""
+        hot = self._hot
+        got = hot.take_free(n)
+        if len(got) < n:
+            victims = hot.victims(n - len(got), protect)
+            if len(victims):
+                self._evict_slots(victims)
+                more = hot.take_free(n - len(got))
+                got = np.concatenate([got, more])
+        return got
+
+    def _evict_slots(self, slots: np.ndarray) -> None:
+        hot = self._hot
+        d = slots[hot.dirty[slots] != 0]
+        if len(d):
+            self._write_back(hot.id_of[d], hot.pool_np[d])
+        self._stats.evicted_bytes += len(slots) * self._row_bytes
+        hot.drop(slots)
+
+    def _write_back(self, ids: np.ndarray, records: np.ndarray) -> None:
+        """Write evicted dirty rows to a pending segment (part of the next flush's version)."""
+        assert self._disk is not None
+        order = np.argsort(ids, kind="stable")
+        seq = self._next_seq
+        self._next_seq += 1
+        seg = self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]), durable=False)
+        self._pending.append(seg)
+        self._pending.sort(key=lambda g: g.seq)
+        self._warm.discard_many(ids // self._chunk_rows)
+        self._epoch += 1
+
+    def _clean(self) -> None:
+        """Background write-back: turn dirty hot rows that are not recently used into clean ones.
+
+        The rows stay resident; their values go to a pending segment (part of the next flush), so
+        a later eviction of them is free. Holds the flush lock so no flush can publish a version
+        while cleaned rows are neither dirty nor in a published segment.
+        """
+        with self._flush_lock:
+            with self._lock:
+                hot = self._hot
+                if self._closed or hot.resident or self._disk is None:
+                    return
+                slots = np.flatnonzero(hot.dirty[: hot.limit])
+                cold = slots[hot.ref[slots] == 0]
+                take = cold if len(cold) >= len(slots) // 2 else slots
+                if len(take) < max(1, hot.limit // 8):
+                    return
+                ids = hot.id_of[take]
+                order = np.argsort(ids, kind="stable")
+                ids, take = ids[order], take[order]
+                records = hot.pool_np[take]
+                hot.dirty[take] = 0
+                hot.inflight[take] = True
+                seq = self._next_seq
+                self._next_seq += 1
+                self._writing_seqs.add(seq)
+            try:
+                seg = self._disk.write_segment(seq, ids, records, durable=False)
+            except BaseException:
+                with self._lock:
+                    hot.dirty[take] = 1
+                    hot.inflight[take] = False
+                    self._writing_seqs.discard(seq)
+                raise
+            with self._lock:
+                hot.inflight[take] = False
+                self._writing_seqs.discard(seq)
+                self._pending.append(seg)
+                self._pending.sort(key=lambda g: g.seq)
+                self._warm.discard_many(ids // self._chunk_rows)
+                self._epoch += 1
+                self._stats.cleaned_rows += len(ids)
+
+    def _write_around(self, idx, mids, values, load: bool) -> None:
+        """A write too large for the hot tier: merge it with stored rows and write back directly."""
+        # Rows already resident take the write in place; the rest go to a pending segment.
+        hot = self._hot
+        slots = hot.lookup(idx)
+        res = slots >= 0
+        if res.any():
+            for n, v in values.items():
+                self._np_views[n][slots[res]] = to_np(v[torch.from_numpy(np.flatnonzero(res))])
+            hot.dirty[slots[res]] = 1
+        rest = np.flatnonzero(~res)
+        rid = idx[rest]
+        # last occurrence of each id wins
+        rev = rid[::-1]
+        uniq, first_in_rev = np.unique(rev, return_index=True)
+        pos = rest[::-1][first_in_rev]
+        records = self._fetch(uniq) if load else np.zeros((len(uniq), self._row_bytes), np.uint8)
+        rec_t = torch.from_numpy(records)
+        p = torch.from_numpy(pos)
+        for n, v in values.items():
+            self._schema.view(rec_t, n)[:] = v[p]
+        self._write_back(uniq, records)
+
+    def _load_chunk_resident(self, chunk: int) -> None:
+        lo, hi = self._hot.chunk_range(chunk)
+        self._hot.pool_np[lo:hi] = self._below(chunk)
+        self._hot.loaded[chunk] = True
+
+    def _fetch(self, ids: np.ndarray) -> np.ndarray:
+        """Records of sorted unique ``ids`` from the warm tier or disk."""
+        out = np.empty((len(ids), self._row_bytes), np.uint8)
+        chunks = ids // self._chunk_rows
+        bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            c = int(chunks[a])
+            recs = self._below(c)
+            out[a:b] = recs[ids[a:b] - c * self._chunk_rows]
+        return out
+
+    def _below(self, chunk: int) -> np.ndarray:
+        """A chunk's records as stored below the hot tier: warm copy, else base + deltas."""
+        rows = min(self._chunk_rows, self._num_rows - chunk * self._chunk_rows)
+        cached = self._warm.get(chunk)
+        if cached is not None:
+            return cached.reshape(rows, self._row_bytes)
+        if self._disk is not None and self._cmap[chunk]:
+            recs = self._disk.read_chunk(chunk, int(self._cmap[chunk]))
+        else:
+            recs = self._init_records(chunk, rows)
+        lo = chunk * self._chunk_rows
+        for seg in self._committed + self._pending:
+            got = seg.rows_of_chunk(chunk)
+            if got is not None:
+                recs[got[0] - lo] = got[1]
+        self._stats.cold_reads += 1
+        if self._warm.budget:
+            self._warm.put(chunk, recs)
+        return recs
+
+    def _init_records(self, chunk: int, rows: int) -> np.ndarray:
+        recs = np.zeros((rows, self._row_bytes), np.uint8)
+        t = torch.from_numpy(recs)
+        lo = chunk * self._chunk_rows
+        w = self._schema.view(t, "weight")
+        if self._init_kind == "normal":
+            g = torch.Generator().manual_seed(self._seed * 1_000_003 + chunk)
+            w[:] = (torch.randn(rows, self.dim, generator=g, dtype=torch.float32) * self._init_std).to(self.dtype)
+        elif self._init_kind == "callable":
+            assert self._init_fn is not None
+            ids = torch.arange(lo, lo + rows)
+            vals = self._init_fn(ids)
+            if not isinstance(vals, torch.Tensor) or tuple(vals.shape) != (rows, self.dim):
+                raise InvalidArgumentError(
+                    f"init(ids) must return a tensor of shape ({rows}, {self.dim}); got "
+                    f"{tuple(vals.shape) if isinstance(vals, torch.Tensor) else type(vals).__name__}"
+                )
+            w[:] = vals.detach().cpu().to(self.dtype)
+        for f in self._schema.fields.values():
+            if f.name != "weight" and f.fill:
+                self._schema.view(t, f.name)[:] = f.fill
+        return recs
+
+    def _prefetch(self, idx: np.ndarray) -> None:
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                slots = self._hot.lookup(idx)
+                miss = np.unique(idx[slots < 0])
+                if not len(miss):
+                    return
+                if not self._hot.resident and len(miss) > self._hot.limit // 2:
+                    miss = miss[: self._hot.limit // 2]
+                self._resolve(miss, load=True)
+                self._stats.prefetched_rows += len(miss)
+        except StoreError:
+            pass  # a hint: the foreground read will report the problem
+
+    def evict(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""
+        self._check_usable()
+        nbytes = budget(nbytes, "nbytes", allow_none=False)
+        freed = 0
+        with self._lock:
+            freed += self._warm.shrink(max(0, self._warm.nbytes - nbytes))
+            if freed >= nbytes or self._disk is None:
+                return freed
+            hot = self._hot
+            if hot.resident:
+                for c in np.flatnonzero(hot.loaded).tolist():
+                    if freed >= nbytes:
+                        break
+                    lo, hi = hot.chunk_range(c)
+                    if hot.inflight[lo:hi].any():
+                        continue
+                    d = np.flatnonzero(hot.dirty[lo:hi]) + lo
+                    if len(d):
+                        self._write_back(d, hot.pool_np[d])
+                    hot.unload_chunk(c)
+                    freed += (hi - lo) * self._row_bytes
+            else:
+                per = self._row_bytes + SLOT_OVERHEAD
+                want = min(hot.used, -(-(nbytes - freed) // per))
+                victims = hot.victims(want)
+                if len(victims) < want:  # everything was recently used: take any idle slot
+                    occ = np.flatnonzero((hot.id_of[: hot.limit] >= 0) & ~hot.inflight[: hot.limit])
+                    victims = np.unique(np.concatenate([victims, occ[: want]]))[:want]
+                self._evict_slots(victims)
+                freed += len(victims) * per
+        return freed
+
+    def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
+        """Change the budgets at run time (a lower budget evicts at once). None keeps a budget."""
+        self._check_usable()
+        with self._lock:
+            if warm_bytes is not None:
+                self._warm.budget = budget(warm_bytes, "warm_bytes", allow_none=False)
+                self._warm.shrink(self._warm.budget)
+            if hot_bytes is None:
+                return
+            hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=False)
+            hot = self._hot
+            if hot.resident:
+                over = hot.nbytes() - hot_bytes
+                if over > 0:
+                    self.evict(over)
+                return
+            slots = max(1, hot_bytes // (self._row_bytes + SLOT_OVERHEAD))
+            if slots < hot.limit:
+                tail = np.flatnonzero(hot.id_of[slots : hot.limit] >= 0) + slots
+                if hot.inflight[tail].any():
+                    raise StoreError("set_budget() cannot shrink the hot tier while a flush is writing; retry after it")
+                self._evict_slots(tail)
+                hot.set_limit(slots)
+            else:
+                hot.grow_limit(slots)
+            self._hot_budget = hot_bytes

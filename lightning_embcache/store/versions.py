@@ -1,0 +1,273 @@
+"""Durability of EmbeddingStore: flush, versions and pins, background compaction and GC.
+
+A private base class of `EmbeddingStore`; see docs/store-format.md for the protocol. Lock order:
+`self._flush_lock` (one publisher of manifests at a time) before `self._lock` (in-memory state).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+from .disk import Disk, Manifest, Segment
+from .errors import CorruptStoreError, StoreError
+
+# Compaction folds delta segments into base chunks once they hold this share of the table's
+# bytes, or once there are this many: disk stays near 2x the table, reads touch few segments.
+COMPACT_RATIO = 0.25
+COMPACT_SEGMENTS = 32
+KEEP_VERSIONS = 2  # unpinned versions kept besides pins (the latest and its predecessor)
+
+
+class Versioning:
+    """Flush, versions, pins, compaction, garbage collection (private base of EmbeddingStore)."""
+
+    _disk: Any
+
+    # ------------------------------------------------------------------ flush and versions
+    def flush(self) -> int:
+        """Make every update so far durable as a new version and return it.
+
+        Thread-safe: may run in a background thread while another thread calls get/update;
+        rows updated during the flush go into the next version.
+        """
+        t0 = time.perf_counter()
+        self._check_usable(write=True)
+        self._raise_bg_error()
+        if self._disk is None:  # ephemeral memory store: nothing to make durable
+            with self._lock:
+                if self._hot.dirty.any():
+                    self._hot.dirty[:] = 0
+                    self._version += 1
+                return self._version
+        with self._flush_lock:
+            with self._lock:
+                hot = self._hot
+                slots = np.flatnonzero(hot.dirty)
+                if not len(slots) and not self._pending:
+                    return self._version
+                ids = slots if hot.resident else hot.id_of[slots]
+                order = np.argsort(ids, kind="stable")
+                ids, slots = ids[order], slots[order]
+                records = hot.pool_np[slots]
+                hot.dirty[slots] = 0
+                hot.inflight[slots] = True
+                seq = self._next_seq
+                self._next_seq += 1
+                self._writing_seqs.add(seq)
+                pending = list(self._pending)
+                version = self._max_version + 1
+                segs = [s.seq for s in self._committed] + [p.seq for p in pending]
+            try:
+                for p in pending:
+                    self._disk.sync_segment(p)
+                new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
+                m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
+                self._parent = self._version
+                self._disk.write_manifest(m)
+            except BaseException:
+                with self._lock:
+                    hot.dirty[slots] = 1
+                    hot.inflight[slots] = False
+                    self._writing_seqs.discard(seq)
+                raise
+            with self._lock:
+                hot.inflight[slots] = False
+                self._writing_seqs.discard(seq)
+                self._committed += pending + new
+                self._pending = [p for p in self._pending if p not in pending]
+                self._version = self._max_version = version
+                self._warm.discard_many(ids // self._chunk_rows)
+                self._epoch += 1
+                self._stats.flushes += 1
+                self._stats.flushed_rows += len(ids)
+            self._apply_retention()
+        self._maybe_compact()
+        self._io_wait += time.perf_counter() - t0
+        return version
+
+    def versions(self) -> list[int]:
+        """Versions still on disk (openable with ``open(path, version=v)``)."""
+        if self._disk is None:
+            return [self._version]
+        return self._disk.list_versions()
+
+    def pin(self, version: int) -> None:
+        """Never reclaim ``version`` (until unpinned); persisted across opens."""
+        self._check_usable(write=True)
+        disk = self._require_disk("pin")
+        disk.read_manifest(int(version))  # raises VersionNotFoundError
+        with self._flush_lock:
+            self._pins.add(int(version))
+            disk.write_pins(self._pins)
+
+    def unpin(self, version: int) -> None:
+        self._check_usable(write=True)
+        disk = self._require_disk("unpin")
+        with self._flush_lock:
+            self._pins.discard(int(version))
+            disk.write_pins(self._pins)
+            self._apply_retention()
+
+    def pinned(self) -> list[int]:
+        return sorted(self._pins)
+
+    def manifest_checksum(self, version: int) -> str:
+        """Hex checksum of a version's manifest (checkpoints record it to detect a foreign store)."""
+        return self._require_disk("manifest_checksum").manifest_checksum(int(version))
+
+    def _require_disk(self, what: str) -> Disk:
+        if self._disk is None:
+            raise StoreError(f"{what}() needs a store on disk; this one was created with path=None")
+        return self._disk
+
+    def _apply_retention(self) -> None:
+        """Drop versions that are not among the newest KEEP_VERSIONS, not pinned and not being read
+        by a read-only handle (in any process). Caller holds the flush lock."""
+        assert self._disk is not None
+        if self._readonly:
+            return
+        versions = self._disk.list_versions()
+        keep = set(versions[-KEEP_VERSIONS:]) | self._pins | {self._version}
+        dropped = False
+        for v in versions:
+            if v not in keep and self._disk.drop_version_unless_read(v):
+                dropped = True
+        if dropped:
+            self._submit_bg(self._collect_garbage)
+
+    def _load_version(self, version: int | None) -> None:
+        disk = self._disk
+        assert disk is not None
+        versions = disk.list_versions()
+        if not versions:
+            raise CorruptStoreError(self._root, "holds no manifest (an interrupted create?)")
+        v = versions[-1] if version is None else int(version)
+        if self._readonly:
+            # Register as a reader first, so the writer keeps this version's files while we read.
+            for _ in range(10):
+                self._reader_fd = disk.lock_reader(v)
+                if disk.manifest_path(v).exists() or version is not None:
+                    break
+                disk.unlock_reader(self._reader_fd)
+                versions = disk.list_versions()
+                v = versions[-1]
+        m = disk.read_manifest(v)
+        self._cmap = disk.read_chunkmap(m.chunkmap)
+        self._cmap_gen = m.chunkmap
+        self._committed = [disk.open_segment(s) for s in m.segments]
+        self._version = v
+        self._max_version = versions[-1]
+        self._pins = disk.read_pins()
+        seq, gen = disk.max_seq_and_gen()
+        self._next_seq = seq + 1
+        self._next_gen = gen + 1
+        if not self._readonly:
+            # Leftovers of a crash (unreferenced segments, temp files) are removed by the writer.
+            self._collect_garbage(at_open=True)
+
+    # ------------------------------------------------------------------ compaction and GC
+    def _segment_bytes(self) -> int:
+        return sum(s.nbytes for s in self._committed)
+
+    def _maybe_compact(self) -> None:
+        table = self._num_rows * self._row_bytes
+        if len(self._committed) > COMPACT_SEGMENTS or self._segment_bytes() > COMPACT_RATIO * table:
+            self._submit_bg(self._compact)
+
+    def _submit_bg(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the background I/O thread; a job of the same kind already queued absorbs it."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._bg is None:
+                self._bg = ThreadPoolExecutor(1, thread_name_prefix="embcache-bg")
+            key = fn.__name__
+            fut = self._bg_futures.get(key)
+            if fut is not None and not fut.done():
+                return
+            self._bg_futures[key] = self._bg.submit(self._run_bg, fn)
+
+    def _run_bg(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # surfaced on the next flush()
+            self._bg_error = exc
+
+    def _raise_bg_error(self) -> None:
+        exc, self._bg_error = self._bg_error, None
+        if exc is not None:
+            raise StoreError(f"background compaction failed: {exc}") from exc
+
+    def compact(self) -> None:
+        """Fold all committed delta segments into base chunks now (normally automatic, in the
+        background); reads use the result at once, the next flush publishes it."""
+        self._check_usable(write=True)
+        self._require_disk("compact")
+        self._wait_bg()
+        self._compact()
+
+    def _compact(self) -> None:
+        disk = self._disk
+        assert disk is not None
+        with self._lock:
+            segs = list(self._committed)
+            cmap = self._cmap.copy()
+            gen = self._next_gen
+            self._next_gen += 1
+            self._writing_gens.add(gen)
+        try:
+            self._compact_into(segs, cmap, gen)
+        finally:
+            with self._lock:
+                self._writing_gens.discard(gen)
+
+    def _compact_into(self, segs: list[Segment], cmap: np.ndarray, gen: int) -> None:
+        disk = self._disk
+        assert disk is not None
+        if not segs:
+            return
+        touched = np.unique(np.concatenate([s.idx_chunk for s in segs]))
+        new_cmap = cmap.copy()
+        for c in touched.tolist():
+            rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
+            recs = disk.read_chunk(c, int(cmap[c])) if cmap[c] else self._init_records(c, rows)
+            lo = c * self._chunk_rows
+            for s in segs:
+                got = s.rows_of_chunk(c)
+                if got is not None:
+                    recs[got[0] - lo] = got[1]
+            disk.write_chunk(c, gen, recs, self._compress)
+            new_cmap[c] = gen
+        disk.write_chunkmap(gen, new_cmap)
+        folded = {s.seq for s in segs}
+        with self._flush_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                remaining = [s for s in self._committed if s.seq not in folded]
+                # Reads switch to the compacted layout now (same rows); the next flush publishes it.
+                # Manifests are never rewritten, so a reader of the current version keeps every file
+                # it uses, and version numbers only move when rows change.
+                self._cmap, self._cmap_gen, self._committed = new_cmap, gen, remaining
+                self._stats.compactions += 1
+        for s in segs:
+            s.close()
+
+    def _collect_garbage(self, at_open: bool = False) -> None:
+        disk = self._disk
+        if disk is None or self._readonly:
+            return
+        with self._lock:
+            live_segs = {s.seq for s in self._committed + self._pending} | self._writing_seqs
+            gens = {self._cmap_gen} | self._writing_gens
+            # Anything numbered from here on is written after this snapshot: never garbage.
+            new_seq, new_gen = self._next_seq, self._next_gen
+        disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open)
+
+    def _wait_bg(self) -> None:
+        for fut in list(self._bg_futures.values()):
+            fut.result()
