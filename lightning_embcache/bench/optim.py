@@ -12,7 +12,9 @@ row per id, and ends when the rows and both moments are updated in the table:
   exp_avg_sq side by side, so a row and its moments are one gather and one scatter of 1.5 KiB.
 * ``rows_fused`` (CUDA): `step_rows(..., fused=True)`, the Triton kernels of
   `lightning_embcache.optim.fused`: one launch (batches <= 2048 ids) or a sort and one launch,
-  in place, no host sync. ``rows_fused_sort`` forces the sort kernel at every size.
+  in place, no host sync. ``rows_fused_sort`` forces the sort kernel at every size. On CPU,
+  ``rows_fused`` is the compiled loop of `lightning_embcache.optim.fused_cpu` on huge-page tables
+  (`coalesce`, then one pass per row with prefetching); its build is not timed.
   (``rows`` runs with `fused=False`: plain torch ops, `coalesce` included.)
 
 The variants run round-robin, one step each, so that load from other processes hits them alike;
@@ -42,12 +44,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from lightning_embcache.optim import fused, make_row_optimizer, step_rows
+from lightning_embcache.optim import fused, fused_cpu, make_row_optimizer, step_rows
 from lightning_embcache.optim.table import CPU_CHUNK_ROWS, empty_hugepage, hugepage_bytes
 
 VARIANTS = ("sparse_adam", "rows", "rows_thp", "rows_packed", "rows_fused", "rows_fused_sort")
 CPU_ONLY = ("rows_thp",)
-CUDA_ONLY = ("rows_fused", "rows_fused_sort")
+CUDA_ONLY = ("rows_fused_sort",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,8 +129,10 @@ def make_variant(name: str, rows: int, dim: int, device: torch.device):
         return _rows(rows, dim, device, hugepages=False)
     if name == "rows_thp":
         return _rows(rows, dim, device, hugepages=True)
-    if name == "rows_fused":
-        return _rows(rows, dim, device, hugepages=False, fused=True)
+    if name == "rows_fused":            # CPU: the compiled loop, built here (not timed), huge pages
+        if cpu:
+            fused_cpu.load()
+        return _rows(rows, dim, device, hugepages=cpu, fused=True)
     if name == "rows_fused_sort":       # the sort kernel at every batch size
         step, table = _rows(rows, dim, device, hugepages=False, fused=True)
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.optim.coalesce import coalesce
+from lightning_embcache.optim import fused_cpu
 from lightning_embcache.optim.fused import fused_adam_step_rows, fused_available
 from lightning_embcache.store.errors import InvalidArgumentError
 
@@ -42,20 +43,25 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
         step, lr: as `RowOptimizer.step`.
         chunk_rows: rows per pass (the update is row-independent, so any split gives the same
             result). Default: `CPU_CHUNK_ROWS` on CPU, all rows at once on CUDA.
-        fused: use the fused Triton kernel of `lightning_embcache.optim.fused` (Adam/AdamW with the
-            global step, float32 CUDA tables): one launch, no host sync. None (default) uses it
-            where it applies; False never; True requires it.
+        fused: one fused pass for Adam/AdamW with the global step on float32 tables. CUDA: the
+            Triton kernels of `lightning_embcache.optim.fused` (one launch, no host sync). CPU: the
+            compiled loop of `lightning_embcache.optim.fused_cpu`, built on first `fused=True`.
+            None (default): CUDA kernels where they apply, the CPU loop only once loaded; False
+            never; True requires it (raises where it does not apply).
     """
+    lr_now = optimizer.lr if lr is None else lr
     if fused is not False and fused_available(weight):
-        if fused_adam_step_rows(optimizer, weight, state, ids, grads, step=step,
-                                lr=optimizer.lr if lr is None else lr):
+        if fused_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
+            return
+    if not coalesced:
+        ids, grads = coalesce(ids, grads)
+    if weight.device.type == "cpu" and (fused or (fused is None and fused_cpu.loaded())):
+        if fused_cpu.fused_cpu_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
             return
     if fused:
         raise InvalidArgumentError(
-            "fused=True needs Triton, CUDA float32 tables and Adam/AdamW without per_row_step; "
-            f"got {type(optimizer).__name__} on {weight.device} {weight.dtype}")
-    if not coalesced:
-        ids, grads = coalesce(ids, grads)
+            "fused=True needs Adam/AdamW without per_row_step on float32 tables with contiguous rows "
+            f"(CUDA: and Triton); got {type(optimizer).__name__} on {weight.device} {weight.dtype}")
     if chunk_rows is None:
         chunk_rows = ids.numel() if ids.is_cuda else CPU_CHUNK_ROWS
     for start in range(0, ids.numel(), max(chunk_rows, 1)):

@@ -116,7 +116,7 @@ def test_fused_kernel_skips_ids_outside_the_table(scan_max):
 def test_fused_is_refused_where_it_does_not_apply():
     from lightning_embcache.store.errors import InvalidArgumentError
     opt = make_row_optimizer("sgd")
-    with pytest.raises(InvalidArgumentError, match="fused=True needs"):
+    with pytest.raises(InvalidArgumentError, match="fused=True needs Adam"):
         step_rows(opt, torch.zeros(4, 2, device="cuda"), {}, torch.tensor([1], device="cuda"),
                   torch.ones(1, 2, device="cuda"), step=1, fused=True)
 

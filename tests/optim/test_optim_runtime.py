@@ -130,3 +130,29 @@ def test_untouched_rows_and_state_stay_bitwise_identical():
         for k in state:
             assert torch.equal(state[k][untouched], before[1][k][untouched]), (name, k)
         assert not torch.equal(weight[2], before[0][2]), name
+
+
+@pytest.mark.slow
+def test_compiled_cpu_step_matches_torch_path_with_duplicates():
+    # Builds the C++ extension (30-90 s the first time on a machine), hence slow.
+    from lightning_embcache.optim import fused_cpu
+    for name, kw in [("adam", {}), ("adam", {"weight_decay": 0.01}), ("adamw", {"weight_decay": 0.1})]:
+        opt = make_row_optimizer(name, lr=0.01, betas=(0.8, 0.99), **kw)
+        w0 = torch.randn(300, 96)
+        ref_w, ref_s = w0.clone(), opt.init_state(300, 96)
+        w, s = w0.clone(), opt.init_state(300, 96)
+        gen = torch.Generator().manual_seed(0)
+        for t in range(1, 51):
+            ids = torch.randint(0, 300, (512,), generator=gen)
+            grads = torch.randn(512, 96, generator=gen)
+            step_rows(opt, ref_w, ref_s, ids, grads, step=t, fused=False)
+            step_rows(opt, w, s, ids, grads, step=t, fused=True)
+        torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s["exp_avg_sq"], ref_s["exp_avg_sq"], rtol=1e-5, atol=1e-6)
+    assert fused_cpu.loaded()
+
+
+def test_fused_true_is_refused_where_no_fused_step_applies():
+    opt = make_row_optimizer("sgd")
+    with pytest.raises(InvalidArgumentError, match="fused=True needs Adam/AdamW"):
+        step_rows(opt, torch.zeros(4, 2), {}, torch.tensor([1]), torch.ones(1, 2), step=1, fused=True)
