@@ -19,21 +19,22 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SyncResult:
     seconds: float
-    synced_rows: int
+    synced_rows: int  # rows the flushes made durable
+    dirty_rows: int  # rows updated meanwhile, still not durable when the flushes returned
 
 
 def _flush_stores(pl_module: LightningModule) -> SyncResult:
-    """Flush every store of the module; dirty rows are counted just before their flush starts."""
+    """Flush every store of the module. ``stats()`` costs milliseconds on a large table, so this
+    (and with ``background=True`` only the worker thread) is the one place that calls it."""
     start = time.perf_counter()
-    rows = 0
+    synced = dirty = 0
     for handle in getattr(pl_module, "embedding_stores", {}).values():
-        rows += handle.stats().dirty_rows
+        before = handle.stats().flushed_rows
         handle.flush()
-    return SyncResult(time.perf_counter() - start, rows)
-
-
-def _dirty_rows(pl_module: LightningModule) -> int:
-    return sum(h.stats().dirty_rows for h in getattr(pl_module, "embedding_stores", {}).values())
+        after = handle.stats()
+        synced += after.flushed_rows - before
+        dirty += after.dirty_rows
+    return SyncResult(time.perf_counter() - start, synced, dirty)
 
 
 class DeferredSync(Callback):
@@ -53,9 +54,10 @@ class DeferredSync(Callback):
           version that holds every update so far. The mixin flushes for checkpoints in any case
           (a checkpoint must name a durable version); ``on_checkpoint=False`` only leaves that
           flush out of this callback's figures and does not wait for a background flush.
-        - Logged (to ``trainer.loggers``, rank 0): ``embcache/sync_seconds`` (wall time of the last
-          flush), ``embcache/synced_rows`` (rows flushed since the last log),
-          ``embcache/dirty_rows`` (rows not yet durable when a flush was requested).
+        - Logged (to ``trainer.loggers``, rank 0) when flushes complete: ``embcache/sync_seconds``
+          (wall time of the last flush), ``embcache/synced_rows`` (rows made durable since the last
+          log), ``embcache/dirty_rows`` (rows updated during the last flush, not yet durable: a
+          backlog that keeps growing means the flushes cannot keep up).
 
     Args:
         every_n_steps: flush every N training batches; ``None`` = never.
@@ -131,8 +133,6 @@ class DeferredSync(Callback):
 
     # ------------------------------------------------------------------ private
     def _request(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        dirty = _dirty_rows(pl_module)
-        self._log(trainer, {"embcache/dirty_rows": float(dirty)})
         if self._worker is not None:
             self._worker.request()
         else:
@@ -140,8 +140,6 @@ class DeferredSync(Callback):
 
     def _flush_now(self, trainer: Trainer, pl_module: LightningModule) -> None:
         results = self._drain(wait=True)
-        dirty = _dirty_rows(pl_module)
-        self._log(trainer, {"embcache/dirty_rows": float(dirty)})
         results.append(_flush_stores(pl_module))
         self._report(trainer, results)
 
@@ -159,6 +157,7 @@ class DeferredSync(Callback):
         self._log(trainer, {
             "embcache/sync_seconds": results[-1].seconds,
             "embcache/synced_rows": float(sum(r.synced_rows for r in results)),
+            "embcache/dirty_rows": float(results[-1].dirty_rows),
         })
 
     @rank_zero_only
