@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "it runs its warm-up batch and at least 2 timed batches regardless)")
     p.add_argument("--naive-reps", type=int, help="repetitions that include the naive design (default 1: its "
                    "batches take seconds and it is 1000x away, so one process measures it)")
+    p.add_argument("--full-pass-reps", type=int, help="repetitions whose disk-mode processes end with a "
+                   "sequential get+update pass over the whole table and a flush (default 1; 0 = none)")
+    p.add_argument("--full-pass-cap", type=float, help="seconds before a full pass stops early (default 90; "
+                   "quick 10); the rows done are reported")
     p.add_argument("--flush-rounds", type=int, help="flush measurements per workload (default 3; quick 2)")
     p.add_argument("--flush-batches", type=int, help="update batches before each measured flush (default 8; quick 2)")
     p.add_argument("--workdir", help="where the data files go (default: a fresh temp dir, removed after)")
@@ -130,6 +134,8 @@ def resolve(args: argparse.Namespace) -> dict:
         "min_batches": 3,
         "naive_time_cap_s": d(args.naive_time_cap, 3.0, 0.5),
         "naive_reps": d(args.naive_reps, 1, 1),
+        "full_pass_reps": d(args.full_pass_reps, 1, 1),
+        "full_pass_cap_s": d(args.full_pass_cap, 90.0, 10.0),
         "flush_rounds": d(args.flush_rounds, 3, 2),
         "flush_batches": d(args.flush_batches, 8, 2),
         "drop_cache": not args.no_drop_cache,
@@ -333,6 +339,16 @@ def aggregate(cfg: dict, runs: dict) -> dict:
                     entry["flush"] = None
                 entry["update_wchar_per_updated_byte"] = _med([w["update_io"]["wchar_per_updated_byte"] for w in wls])
                 entry["flush_errors"] = [e for w in wls for e in w.get("flush_errors", [])]
+                fps = [r["full_pass"] for r in good if r.get("full_pass")]
+                if fps:
+                    entry["full_pass"] = {
+                        "rows_per_s": _med([f["rows_per_s"] for f in fps]),
+                        "loop_s": _med([f["loop_s"] for f in fps]),
+                        "flush_s": _med([f["flush_s"] for f in fps]),
+                        "complete": all(f["complete"] for f in fps),
+                        "rows": min(f["rows"] for f in fps),
+                        "hwm_mib": max(f["mem_after"]["VmHWM"] for f in fps),
+                    }
                 entry["rss_isolated"] = all(r.get("rss_isolated", True) for r in good)
                 entry["peak_rss_mib"] = _med([r["peak_rss_mib"] for r in good])
                 entry["peak_rss_mib_max"] = max(r["peak_rss_mib"] for r in good)
@@ -446,12 +462,12 @@ def table_lines(cfg: dict, results: dict) -> list[str]:
                 head += (f", store budget hot {cfg['hot_bytes'] / MiB:.0f} + warm {cfg['warm_bytes'] / MiB:.0f} MiB")
             lines.append(head)
             lines.append("| system | get ms | update ms | get+upd ms | get+upd rows/s | get+upd vs best | "
-                         "update vs best | flush s | flush written/dirty (worst) | peak RSS MiB |")
-            lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                         "update vs best | flush s | flush written/dirty (worst) | full pass rows/s | peak RSS MiB |")
+            lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for s in cfg["systems"]:
                 e = cell.get(s, {})
                 if "get" not in e:
-                    lines.append(f"| {s} | error: {str(e.get('error', 'n/a'))[:80]} |||||||||")
+                    lines.append(f"| {s} | error: {str(e.get('error', 'n/a'))[:80]} ||||||||||")
                     continue
                 fl = e.get("flush")
                 if s == "naive":
@@ -463,12 +479,15 @@ def table_lines(cfg: dict, results: dict) -> list[str]:
                         fw += f" ({fl['max_process_written_per_dirty']:.2f}x all threads)"
                 else:
                     fs, fw = "n/a", "n/a"
+                fpd = e.get("full_pass")
+                fp = "-" if not fpd else (f"{fpd['rows_per_s']:,.0f}" + ("" if fpd["complete"] else
+                                                                         f" ({fpd['rows']:,} rows, capped)"))
                 lines.append(
                     f"| {s} | {_f(e['get']['median_ms'])} | {_f(e['update']['median_ms'])} | "
                     f"{_f(e['get_update']['median_ms'])} | {_f(e['get_update']['rows_per_s'], '{:,.0f}')} | "
                     f"{_f(e['get_update'].get('ratio_vs_fastest_in_memory'), '{:.2f}x')} | "
-                    f"{_f(e['update'].get('ratio_vs_fastest_in_memory'), '{:.2f}x')} | {fs} | {fw} | "
-                    f"{_f(e.get('peak_rss_mib'), '{:.0f}')} |")
+                    f"{_f(e['update'].get('ratio_vs_fastest_in_memory'), '{:.2f}x')} | {fs} | {fw} | {fp} | "
+                    f"{_f(e.get('peak_rss_mib_max'), '{:.0f}')} |")
             ferr = cell.get("store", {}).get("flush_errors")
             if ferr:
                 lines.append(f"store: {len(ferr)} flush() call(s) raised and were retried; first: {ferr[0][:200]}")
@@ -573,7 +592,9 @@ def main(argv=None) -> int:
                     out[s] = {"ok": False, "error": "setup failed: " + str(setups.get(f"{mode}/{s}", {}).get("error"))}
                     continue
                 w = _wcfg(cfg, s, mode, workdir)
-                w.update(rep=rep, seed=cfg["seed"] * 1000 + rep, workloads=wls)
+                w.update(rep=rep, seed=cfg["seed"] * 1000 + rep, workloads=wls,
+                         full_pass=mode == "disk" and rep < cfg["full_pass_reps"],
+                         full_pass_cap_s=cfg["full_pass_cap_s"])
                 items.append(w)
             if len(items) == 1:
                 out[items[0]["system"]] = _worker("run", items[0], tmp, cfg["worker_timeout_s"])
