@@ -1,0 +1,43 @@
+"""Resident memory of a disk store is bounded by its budget, measured, not assumed.
+
+A subprocess creates a store 4x larger than hot_bytes + warm_bytes, reads and writes random rows
+over the whole table until >= 90% of the rows were touched, and reports its peak RSS increase.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = Path(__file__).with_name("_rss_probe.py")
+REPO = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+
+HOT, WARM = 12 * MIB, 4 * MIB
+DIM = 32
+ROWS = 4 * (HOT + WARM) // (DIM * 4)  # a 64 MiB table
+# Fixed overhead beyond the budget: the id -> slot map (4 B per table row, 2 MiB here), the
+# batch's temporaries (4096 rows x 128 B, a few copies), chunk I/O buffers, segment indexes and
+# the malloc heap slack they leave. Measured on the 2-core CI VM: 34-36 MiB, of which ~16 MiB is
+# heap slack that malloc_trim(0) returns. A resident table would exceed the bound by > 24 MiB.
+OVERHEAD = 40 * MIB
+
+
+def test_peak_rss_stays_within_budget_plus_fixed_overhead(shm_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(PROBE), str(shm_path / "store"), str(HOT), str(WARM), str(ROWS),
+                        str(DIM), "0"], capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    table = ROWS * DIM * 4
+    grew = m["peak"] - m["base"]
+    allowed = HOT + WARM + OVERHEAD
+    assert m["touched"] >= 0.9 and m["cold_reads"] > 0, m
+    assert allowed < table, "the bound must be able to tell a bounded store from a resident table"
+    assert grew <= allowed, (
+        f"peak RSS grew by {grew / MIB:.1f} MiB over a {table / MIB:.0f} MiB table; allowed hot {HOT / MIB:.0f} "
+        f"+ warm {WARM / MIB:.0f} + {OVERHEAD / MIB:.0f} MiB fixed overhead = {allowed / MIB:.0f} MiB ({m})"
+    )
