@@ -1,9 +1,10 @@
 """A compiled CPU loop for the Adam/AdamW step on rows of tables in memory (opt-in).
 
-`step_rows(..., fused=True)` on CPU float32 tables with `Adam`/`AdamW` (global step) runs one C++
-pass over the coalesced rows: for each row it loads the weights and both moments, updates them and
-stores them back, with no temporaries, prefetching the rows a few ids ahead (random rows of a large
-table cost memory latency, not arithmetic). Built on first use with
+`step_rows(..., fused=True)` on CPU float32 tables with `Adam`/`AdamW` (global step) sorts the ids
+(stable) and makes one C++ pass over them: each run of equal ids has its gradient rows summed in
+position order (deterministic), then the row's weights and both moments are loaded, updated and
+stored back, with no temporaries, prefetching the rows a few ids ahead (random rows of a large
+table cost memory latency, not arithmetic). Ids outside the table are skipped. Built on first use with
 `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; about 30-90 s, cached by
 torch under `~/.cache/torch_extensions` or `TORCH_EXTENSIONS_DIR`), so it is never built implicitly:
 `fused=None` uses it only once it is loaded in this process (`load()`).
@@ -20,34 +21,53 @@ from torch import Tensor
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <cmath>
+#include <vector>
 
-// One pass per row: coupled L2 (l2), decoupled decay (decay), SparseAdam's moments and update.
-void adam_rows_(torch::Tensor W, torch::Tensor M, torch::Tensor V, torch::Tensor ids, torch::Tensor G,
-                double step_size, double one_minus_beta1, double one_minus_beta2, double eps,
-                double l2, double decay) {
-  const int64_t n = ids.size(0), d = W.size(1);
+// sorted: ids ascending; order: their positions in G. Each run of equal ids is summed (in sorted,
+// i.e. stable position, order), then the row gets one pass: coupled L2 (l2), decoupled decay
+// (decay), SparseAdam's moments and update. Ids outside [0, rows) are skipped.
+void adam_rows_(torch::Tensor W, torch::Tensor M, torch::Tensor V, torch::Tensor sorted,
+                torch::Tensor order, torch::Tensor G, double step_size, double one_minus_beta1,
+                double one_minus_beta2, double eps, double l2, double decay) {
+  const int64_t n = sorted.size(0), d = W.size(1), rows = W.size(0);
   const int64_t sw = W.stride(0), sm = M.stride(0), sv = V.stride(0), sg = G.stride(0);
   float* w0 = W.data_ptr<float>();
   float* m0 = M.data_ptr<float>();
   float* v0 = V.data_ptr<float>();
   const float* g0 = G.data_ptr<float>();
-  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* id = sorted.data_ptr<int64_t>();
+  const int64_t* pos = order.data_ptr<int64_t>();
   const float ss = step_size, c1 = one_minus_beta1, c2 = one_minus_beta2, e = eps, l = l2, dc = decay;
   const int64_t ahead = 6;  // rows prefetched ahead: enough misses in flight to hide latency
-  for (int64_t i = 0; i < n; ++i) {
+  std::vector<float> acc(d);
+  int64_t i = 0;
+  while (i < n) {
     if (i + ahead < n) {
       const int64_t r = id[i + ahead];
-      for (int64_t k = 0; k < d; k += 16) {
-        __builtin_prefetch(w0 + r * sw + k, 1);
-        __builtin_prefetch(m0 + r * sm + k, 1);
-        __builtin_prefetch(v0 + r * sv + k, 1);
+      if (r >= 0 && r < rows) {
+        for (int64_t k = 0; k < d; k += 16) {
+          __builtin_prefetch(w0 + r * sw + k, 1);
+          __builtin_prefetch(m0 + r * sm + k, 1);
+          __builtin_prefetch(v0 + r * sv + k, 1);
+        }
       }
     }
     const int64_t r = id[i];
+    const float* g = g0 + pos[i] * sg;
+    int64_t j = i + 1;
+    if (j < n && id[j] == r) {  // duplicates: sum the run
+      for (int64_t k = 0; k < d; ++k) acc[k] = g[k];
+      for (; j < n && id[j] == r; ++j) {
+        const float* h = g0 + pos[j] * sg;
+        for (int64_t k = 0; k < d; ++k) acc[k] += h[k];
+      }
+      g = acc.data();
+    }
+    i = j;
+    if (r < 0 || r >= rows) continue;
     float* __restrict w = w0 + r * sw;
     float* __restrict m = m0 + r * sm;
     float* __restrict v = v0 + r * sv;
-    const float* __restrict g = g0 + i * sg;
     #pragma omp simd
     for (int64_t k = 0; k < d; ++k) {
       const float gk = g[k] + l * w[k];
@@ -76,14 +96,14 @@ def load(verbose: bool = False):
         if _module is None:
             from torch.utils.cpp_extension import load_inline
 
-            _module = load_inline("embcache_adam_rows_cpu", cpp_sources=_SOURCE, functions=["adam_rows_"],
+            _module = load_inline("embcache_adam_rows_cpu_v2", cpp_sources=_SOURCE, functions=["adam_rows_"],
                                   extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=verbose)
     return _module
 
 
 def fused_cpu_adam_step_rows(optimizer, weight: Tensor, state: dict[str, Tensor], ids: Tensor,
                              grads: Tensor, *, step: int, lr: float) -> bool:
-    """Run the compiled step on coalesced `ids`/`grads` if this case is covered; else return False."""
+    """Run the compiled step (duplicates allowed) if this case is covered; else return False."""
     from lightning_embcache.optim.adam import Adam
 
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
@@ -98,7 +118,8 @@ def fused_cpu_adam_step_rows(optimizer, weight: Tensor, state: dict[str, Tensor]
     wd = optimizer.weight_decay
     step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
     grads = grads.to(torch.float32).contiguous()
-    module.adam_rows_(weight, m, v, ids.to(torch.int64).contiguous(), grads, step_size, 1.0 - beta1,
+    sorted_ids, order = torch.sort(ids.to(torch.int64), stable=True)
+    module.adam_rows_(weight, m, v, sorted_ids, order, grads, step_size, 1.0 - beta1,
                       1.0 - beta2, optimizer.eps, 0.0 if optimizer._decoupled else wd,
                       1.0 - lr * wd if optimizer._decoupled else 1.0)
     return True

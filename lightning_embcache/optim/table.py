@@ -53,11 +53,11 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
     if fused is not False and fused_available(weight):
         if fused_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
             return
-    if not coalesced:
-        ids, grads = coalesce(ids, grads)
     if weight.device.type == "cpu" and (fused or (fused is None and fused_cpu.loaded())):
         if fused_cpu.fused_cpu_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
             return
+    if not coalesced:
+        ids, grads = coalesce(ids, grads)
     if fused:
         raise InvalidArgumentError(
             "fused=True needs Adam/AdamW without per_row_step on float32 tables with contiguous rows "

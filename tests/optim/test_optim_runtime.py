@@ -150,6 +150,12 @@ def test_compiled_cpu_step_matches_torch_path_with_duplicates():
         torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(s["exp_avg_sq"], ref_s["exp_avg_sq"], rtol=1e-5, atol=1e-6)
     assert fused_cpu.loaded()
+    # ids outside the table are skipped, never written
+    w = torch.zeros(4, 8)
+    s = make_row_optimizer("adam").init_state(4, 8)
+    step_rows(make_row_optimizer("adam"), w, s, torch.tensor([1, 4, -1, 1000]), torch.ones(4, 8), step=1,
+              fused=True)
+    assert torch.count_nonzero(w[1]) == 8 and torch.count_nonzero(w[[0, 2, 3]]) == 0
 
 
 def test_fused_true_is_refused_where_no_fused_step_applies():
