@@ -27,7 +27,8 @@ from torch import Tensor
 from lightning_embcache.store.errors import InvalidArgumentError, InvalidTypeError
 
 
-def _check(ids: Tensor, grads: Tensor) -> None:
+def check_rows(ids: Tensor, grads: Tensor) -> None:
+    """Raise unless `ids` is 1-D integer, `grads` 2-D floating with one row per id, on one device."""
     if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
         raise InvalidTypeError(
             f"ids must be a 1-D int64 or int32 tensor; got {getattr(ids, 'dtype', type(ids).__name__)} "
@@ -56,7 +57,7 @@ def coalesce(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
 
     Deterministic on CPU and CUDA; one host sync on CUDA (see the module docstring).
     """
-    _check(ids, grads)
+    check_rows(ids, grads)
     ids = ids.to(torch.int64)
     if grads.dtype in (torch.float16, torch.bfloat16):
         grads = grads.float()
@@ -112,7 +113,7 @@ class RowGradBuffer:
         self._grads: list[Tensor] = []
 
     def add(self, ids: Tensor, grads: Tensor) -> None:
-        _check(ids, grads)
+        check_rows(ids, grads)
         self._ids.append(ids.detach().to(torch.int64))
         self._grads.append(grads.detach())
 

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_embcache.optim.base import RowOptimizer
-from lightning_embcache.optim.coalesce import coalesce
 from lightning_embcache.optim import fused_cpu
+from lightning_embcache.optim.coalesce import check_rows, coalesce
 from lightning_embcache.optim.fused import fused_adam_step_rows, fused_available
 from lightning_embcache.store.errors import InvalidArgumentError
 
@@ -49,6 +49,7 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
             None (default): CUDA kernels where they apply, the CPU loop only once loaded; False
             never; True requires it (raises where it does not apply).
     """
+    check_rows(ids, grads)              # before any kernel reads them
     lr_now = optimizer.lr if lr is None else lr
     if fused is not False and fused_available(weight):
         if fused_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
@@ -56,12 +57,12 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
     if weight.device.type == "cpu" and (fused or (fused is None and fused_cpu.loaded())):
         if fused_cpu.fused_cpu_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
             return
-    if not coalesced:
-        ids, grads = coalesce(ids, grads)
     if fused:
         raise InvalidArgumentError(
             "fused=True needs Adam/AdamW without per_row_step on float32 tables with contiguous rows "
             f"(CUDA: and Triton); got {type(optimizer).__name__} on {weight.device} {weight.dtype}")
+    if not coalesced:
+        ids, grads = coalesce(ids, grads)
     if chunk_rows is None:
         chunk_rows = ids.numel() if ids.is_cuda else CPU_CHUNK_ROWS
     for start in range(0, ids.numel(), max(chunk_rows, 1)):

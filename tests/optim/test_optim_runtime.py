@@ -162,3 +162,10 @@ def test_fused_true_is_refused_where_no_fused_step_applies():
     opt = make_row_optimizer("sgd")
     with pytest.raises(InvalidArgumentError, match="fused=True needs Adam/AdamW"):
         step_rows(opt, torch.zeros(4, 2), {}, torch.tensor([1]), torch.ones(1, 2), step=1, fused=True)
+
+
+def test_step_rows_checks_ids_and_grads_before_any_kernel():
+    opt = make_row_optimizer("adam")
+    with pytest.raises(InvalidArgumentError, match="grads must have one row per id; got 1 rows for 3 ids"):
+        step_rows(opt, torch.zeros(4, 2), opt.init_state(4, 2), torch.tensor([0, 1, 2]), torch.ones(1, 2),
+                  step=1)
