@@ -69,11 +69,6 @@ def test_flush_in_a_background_thread_publishes_prefixes_of_the_updates(shm_path
         last_prefix = prefix
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: Disk.referenced() skips a version only on VersionNotFoundError; a manifest unlinked by "
-    "_apply_retention between read_manifest's exists() check and its read raises CorruptStoreError "
-    "'missing', the background GC dies (garbage stays on disk) and the next flush() raises "
-    "StoreError('background compaction failed: ... manifest-...: missing')"))
 def test_garbage_collection_tolerates_versions_dropped_while_it_runs(shm_path, monkeypatch):
     """Background GC lists the versions, then reads their manifests; a flush in between may drop
     one of them (retention). Forced interleaving: GC is held right before it reads a manifest

@@ -97,7 +97,7 @@ def test_flush_on_a_really_full_tmpfs_keeps_the_previous_version(small_tmpfs, ho
 
 
 class _FailingWrites(types.ModuleType):
-    """fileio's view of ``os`` whose write() fails with ENOSPC from the armed call on."""
+    """fileio's view of ``os`` whose write()/pwrite() fail with ENOSPC from the armed call on."""
 
     def __init__(self) -> None:
         super().__init__("os")
@@ -107,47 +107,66 @@ class _FailingWrites(types.ModuleType):
     def __getattr__(self, name):
         return getattr(os, name)
 
-    def write(self, fd, data):
+    def _arm(self) -> None:
         if self.fail_from is not None:
             self.calls += 1
             if self.calls > self.fail_from:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def write(self, fd, data):
+        self._arm()
         return os.write(fd, data)
 
+    def pwrite(self, fd, data, offset):
+        self._arm()
+        return os.pwrite(fd, data, offset)
 
-@pytest.mark.parametrize("fail_from", [0, 1, 2, 3], ids=lambda k: f"after-{k}-writes")
+
 @pytest.mark.parametrize("hot_rows", [None, 4096], ids=["memory", "disk"])
-def test_injected_enospc_during_flush_keeps_previous_version_and_dirty_rows(shm_path, monkeypatch, fail_from, hot_rows):
+def test_injected_enospc_at_each_write_of_a_flush_keeps_previous_version_and_dirty_rows(shm_path, monkeypatch, hot_rows):
     fake = _FailingWrites()
     monkeypatch.setattr(fileio, "os", fake)
-    path = shm_path / "store"
     hot = None if hot_rows is None else hot_rows * (ROW_BYTES + 11)
-    store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=hot)
-    store.update(torch.arange(0, N, 5), _values(1, len(range(0, N, 5))))
-    v1 = store.flush()
-    before = snapshot(store)
-
     ids = torch.arange(100, 700)
     new = _values(3, len(ids))
-    store.update(ids, new)
-    fake.fail_from = fail_from  # the segment's header, its records, the manifest...
-    with pytest.raises(DiskFullError) as info:
-        store.flush()
-    assert info.value.errno == errno.ENOSPC
-    assert fake.calls > fail_from, "the injected failure never fired"
-    assert torch.equal(store.get(ids), new), "a failed flush lost the rows it was writing"
 
-    with EmbeddingStore.open(path, readonly=True) as r:  # the durable state is still version v1's rows
-        assert_snapshot_equal(snapshot(r), before, f"version {v1} after a failed flush")
+    def prepared(path):
+        store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=hot)
+        store.update(torch.arange(0, N, 5), _values(1, len(range(0, N, 5))))
+        v1 = store.flush()
+        before = snapshot(store)
+        store.update(ids, new)
+        return store, v1, before
 
-    fake.fail_from = None
-    v2 = store.flush()  # retry once space is back: every update of before the failure lands
-    assert v2 > v1
+    # how many write() calls does this flush make? (the segment's header and records, the manifest...)
+    store, _, _ = prepared(shm_path / "count")
+    fake.fail_from, fake.calls = 10**9, 0
+    store.flush()
+    writes = fake.calls
     store.close()
-    with EmbeddingStore.open(path) as s:
-        assert s.version >= v2
-        want = before["weight"].clone()
-        want[ids] = new
-        assert torch.equal(s.get(torch.arange(N)), want)
-    leftovers = [p.name for p in path.rglob("*") if ".tmp" in p.name]
-    assert not leftovers, f"temporary files left behind: {leftovers}"
+    assert writes >= 2, f"a flush made {writes} write() calls: the injection below would test nothing"
+
+    for fail_from in range(writes):
+        path = shm_path / f"store-{fail_from}"
+        fake.fail_from, fake.calls = None, 0
+        store, v1, before = prepared(path)
+        fake.fail_from = fail_from
+        with pytest.raises(DiskFullError) as info:
+            store.flush()
+        assert info.value.errno == errno.ENOSPC
+        assert torch.equal(store.get(ids), new), f"a flush failing at write {fail_from} lost the rows it was writing"
+
+        with EmbeddingStore.open(path, readonly=True) as r:  # the durable state is still version v1's rows
+            assert_snapshot_equal(snapshot(r), before, f"version {v1} after a flush failed at write {fail_from}")
+
+        fake.fail_from = None
+        v2 = store.flush()  # retry once space is back: every update of before the failure lands
+        assert v2 > v1
+        store.close()
+        with EmbeddingStore.open(path) as s:
+            assert s.version >= v2
+            want = before["weight"].clone()
+            want[ids] = new
+            assert torch.equal(s.get(torch.arange(N)), want)
+        leftovers = [p.name for p in path.rglob("*") if ".tmp" in p.name]
+        assert not leftovers, f"temporary files left behind after a flush failed at write {fail_from}: {leftovers}"

@@ -188,8 +188,6 @@ def test_open_on_a_regular_file_is_a_clear_error(shm_path):
     assert "table.npy" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: create() on a path that is a regular file calls "
-                                       "Path.iterdir() on it and raises NotADirectoryError, not a StoreError")
 def test_create_on_a_regular_file_is_a_clear_error(shm_path):
     f = shm_path / "table.npy"
     f.write_bytes(b"\x93NUMPY" + bytes(100))
