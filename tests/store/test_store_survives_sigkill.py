@@ -112,15 +112,18 @@ def _run_trials(zygote, base: Path, mode: str, trials: int, max_delay: float = 1
     return results
 
 
+# On the real disk, not tmpfs: fsync makes each write take long enough that a kill lands inside
+# it often (a manifest written before its segment is caught in the first trials; on tmpfs it
+# slipped through 10 trials).
 @pytest.mark.timeout(240)
-def test_flush_survives_sigkill(zygote, shm_path):
-    results = _run_trials(zygote, shm_path, "flush", 5)
+def test_flush_survives_sigkill(zygote, tmp_path):
+    results = _run_trials(zygote, tmp_path, "flush", 5)
     assert any(step > 0 for step, _ in results), f"no trial got past its first flush: {results}"
 
 
 @pytest.mark.timeout(240)
-def test_compaction_survives_sigkill(zygote, shm_path):
-    results = _run_trials(zygote, shm_path, "compact", 5)
+def test_compaction_survives_sigkill(zygote, tmp_path):
+    results = _run_trials(zygote, tmp_path, "compact", 5)
     assert any(step > 0 for step, _ in results), f"no trial got past its first flush: {results}"
 
 
@@ -128,6 +131,5 @@ def test_compaction_survives_sigkill(zygote, shm_path):
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("mode", ["flush", "compact"])
 def test_flush_and_compaction_survive_100_sigkills(zygote, tmp_path, mode):
-    # on the real disk, where fsync and rename ordering matter most
     results = _run_trials(zygote, tmp_path, mode, 100, max_delay=2.0)
     assert sum(step > 0 for step, _ in results) > 50, results
