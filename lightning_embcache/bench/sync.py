@@ -168,7 +168,8 @@ def run_lightning(workdir: Path, args: argparse.Namespace, batches: list[torch.T
         "flushes": len(flush_seconds), "coalesced": sync.coalesced,
         "median_flush_ms": statistics.median(flush_seconds) * 1e3 if flush_seconds else None,
         "store_version": stats.version,
-        "durable_per_step": {"no_sync": "none until fit ends", "deferred_bg": "fsynced version per step, off-thread",
+        "durable_per_step": {"no_sync": "none until fit ends",
+                             "deferred_bg": "fsynced version requested every step, off-thread, coalesced",
                              "deferred_fg": "fsynced version per step, step waits"}[name],
     }
 

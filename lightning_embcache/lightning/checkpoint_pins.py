@@ -19,8 +19,6 @@ from typing import Any, Callable
 
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
-from lightning_embcache.lightning.handle import retry_vanished_temp
-
 log = logging.getLogger(__name__)
 
 REGISTRY_SUFFIX = ".checkpoints.json"
@@ -51,7 +49,7 @@ class CheckpointPins:
     def pin(self, store: Any, version: int) -> None:
         """Pin `version` for a checkpoint about to be written."""
         if version not in self.versions:
-            retry_vanished_temp(lambda: store.pin(version))
+            store.pin(version)
             self.versions[version] = []
         self._fresh.add(version)
         self.save()
@@ -77,7 +75,7 @@ class CheckpointPins:
             if files or version in self._fresh:
                 continue
             try:
-                retry_vanished_temp(lambda: store.unpin(version))
+                store.unpin(version)
             except Exception as exc:  # already reclaimed or never pinned: nothing to release
                 log.debug("unpin(%s) of %s: %s", version, self.file, exc)
             del self.versions[version]

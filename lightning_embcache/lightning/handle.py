@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -17,7 +16,6 @@ if TYPE_CHECKING:
     from lightning_embcache.store import EmbeddingStore, StoreStats
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def _store_class() -> Any:
@@ -31,25 +29,6 @@ def _store_errors() -> Any:
     from lightning_embcache.store import errors
 
     return errors
-
-
-def retry_vanished_temp(fn: Callable[[], T], attempts: int = 5) -> T:
-    """Run a store write, retrying when its temporary file vanished under it.
-
-    Workaround for a store race (reported, xfail test in tests/lightning/test_store_issues_seen_by_lightning.py):
-    the store's background garbage collection deletes *every* ``.*.tmp*`` file, including the
-    one a concurrent ``pin()`` or ``flush()`` of the same process is writing, which then fails
-    with FileNotFoundError and leaves the store as it was. Retrying is safe for that reason.
-    """
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except FileNotFoundError as exc:
-            if ".tmp" not in str(exc) or attempt == attempts - 1:
-                raise
-            log.debug("store write lost its temp file (%s); retrying", exc)
-            time.sleep(0.01 * (attempt + 1))
-    raise AssertionError("unreachable")
 
 
 def store_exists(path: Path) -> bool:
@@ -142,8 +121,7 @@ class EmbeddingStoreHandle:
     def flush(self) -> int:
         """Make all updates durable; returns the store version. Safe to call from another thread."""
         with self._lifecycle:
-            store = self._ensure_open(writable=True)
-            version = retry_vanished_temp(store.flush)
+            version = self._ensure_open(writable=True).flush()
             self._target_version, self._target_checksum = None, None
             self._target_from_checkpoint = False
             return version
@@ -236,12 +214,11 @@ class EmbeddingStoreHandle:
             if version is not None and self._target_checksum is not None:
                 found = store.manifest_checksum(version)
                 if found != self._target_checksum:
-                    # Not an error while the store's compaction rewrites the manifest of the version it
-                    # compacts in place (see tests/lightning/test_store_issues_seen_by_lightning.py).
-                    log.warning(
-                        "embedding store %r at %s: version %s has manifest checksum %s, the checkpoint recorded %s "
-                        "(the store compacted that version since, or this is not the store the checkpoint saw)",
-                        self.name, self.path, version, found, self._target_checksum,
+                    raise errors.CorruptStoreError(
+                        self.path,
+                        f"version {version} has manifest checksum {found}, the checkpoint recorded "
+                        f"{self._target_checksum}: the store at this path is not the one the checkpoint saw "
+                        f"(recreated or replaced since)",
                     )
         except BaseException:
             store.close()

@@ -21,7 +21,8 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 def tiny_model(store_path: Path | str | None, hot_bytes: int | None = None, **kw: Any) -> AutoDecoder:
     """A 512 x 16 latent table; memory mode (hot_bytes=None) unless a budget is given."""
-    args = dict(num_samples=SAMPLES, code_dim=16, out_dim=8, hidden=32, batch_size=BATCH, num_workers=0, seed=3)
+    args = dict(num_samples=SAMPLES, code_dim=16, out_dim=8, hidden=32, batch_size=BATCH, num_workers=0, seed=3,
+                latent_init="normal")
     args.update(kw)
     return AutoDecoder(store_path=None if store_path is None else str(store_path), hot_bytes=hot_bytes, **args)
 

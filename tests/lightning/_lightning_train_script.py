@@ -27,7 +27,7 @@ SAMPLES, BATCH = 512, 64  # 8 steps per epoch: checkpoints fall mid-epoch
 
 def model_for(root: Path, hot_bytes: int | None) -> AutoDecoder:
     return AutoDecoder(num_samples=SAMPLES, code_dim=16, out_dim=8, hidden=32, store_path=str(root / "latents"),
-                       hot_bytes=hot_bytes, batch_size=BATCH, num_workers=0, seed=3)
+                       hot_bytes=hot_bytes, batch_size=BATCH, num_workers=0, seed=3, latent_init="normal")
 
 
 class Report(Callback):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_embcache import EmbeddingStore, VersionNotFoundError
+from lightning_embcache import CorruptStoreError, EmbeddingStore, VersionNotFoundError
 from lightning_embcache.demo import AutoDecoder
 from lightning_embcache.lightning.checkpoint_pins import registry_path
 
@@ -38,7 +38,7 @@ def test_checkpoint_holds_a_small_reference_not_the_table(tmp_path):
     assert ref["path"] == str(tmp_path / "latents")
     with EmbeddingStore.open(tmp_path / "latents", readonly=True) as store:
         assert ref["version"] in store.pinned()
-        assert len(ref["manifest_checksum"]) == 8  # hex crc32 (it can change under compaction: see the xfail)
+        assert ref["manifest_checksum"] == store.manifest_checksum(ref["version"])
     assert not any("latents" in k for k in saved["state_dict"])
     assert model.latents.path is not None
 
@@ -141,3 +141,25 @@ def test_checkpoint_whose_version_is_gone_names_path_and_version(tmp_path):
         assert version not in store.versions()
     with pytest.raises(VersionNotFoundError, match=rf"{tmp_path / 'latents'}.*version {version}"):
         _fit(tmp_path, 4, model=tiny_model(tmp_path / "latents"), ckpt_path=ckpt)
+
+
+def test_checkpoint_of_another_store_at_the_same_path_is_refused(tmp_path):
+    _fit(tmp_path, 2, _every(2, dirpath=tmp_path / "ck", save_top_k=-1))
+    saved = torch.load(tmp_path / "ck" / "step=2.ckpt", weights_only=False)
+    saved["embedding_stores"]["latents"]["manifest_checksum"] = "00000000"  # as if the store was recreated
+    model = tiny_model(tmp_path / "latents")
+    with pytest.raises(CorruptStoreError, match="not the one the checkpoint saw"):
+        model.on_load_checkpoint(saved)
+
+
+def test_manifest_checksum_of_a_pinned_version_survives_compaction(tmp_path):
+    # The checkpoint contract: the checksum a checkpoint recorded stays valid while the version lives.
+    with EmbeddingStore.create(tmp_path / "s", 512, 16, hot_bytes=None) as store:
+        store.update(torch.arange(64), torch.ones(64, 16))
+        version = store.flush()
+        store.pin(version)
+        before = store.manifest_checksum(version)
+        store.compact()
+        store.update(torch.arange(8), torch.zeros(8, 16))
+        store.flush()
+        assert store.manifest_checksum(version) == before
