@@ -22,6 +22,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import lz4.block
 import numpy as np
@@ -257,26 +258,57 @@ class Disk:
         self.bytes_written += write_file(self.chunk_path(chunk, gen), b"chunk", head + body)
 
     # ---- segments ----------------------------------------------------------------------------
-    def write_segment(self, seq: int, ids: np.ndarray, records: np.ndarray, *, durable: bool = True) -> Segment:
-        """Write sorted unique ``ids`` and their ``records`` as segment ``seq``.
+    def write_segment(
+        self,
+        seq: int,
+        ids: np.ndarray,
+        records: np.ndarray | Callable[[int, int], np.ndarray],
+        *,
+        durable: bool = True,
+        block_bytes: int = 4 << 20,
+    ) -> Segment:
+        """Write sorted unique ``ids`` and their records as segment ``seq``.
 
-        ``durable=False`` (write-back of evicted rows) skips the fsync; the flush that first lists
-        the segment in a manifest syncs it (``sync_segment``) before publishing.
+        ``records`` is an array, or a function ``(a, b) -> records of ids[a:b]`` called for blocks
+        of about ``block_bytes``: a flush of many dirty rows then holds one block in memory, not a
+        copy of every dirty row. ``durable=False`` (write-back of evicted rows) skips the fsync;
+        the flush that first lists the segment in a manifest syncs it before publishing.
         """
-        chunks = ids // self.chunk_rows
-        starts = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1]]) if len(ids) else np.zeros(0, np.int64)
-        counts = np.diff(np.r_[starts, len(ids)])
-        flat = records.reshape(-1) if len(ids) else np.zeros(0, np.uint8)
         rb = self.row_bytes
-        crcs = np.array([crc32(flat[s * rb : (s + n) * rb]) for s, n in zip(starts.tolist(), counts.tolist())], np.int64)
-        index = np.stack([chunks[starts], starts, counts, crcs]).astype(np.int64) if len(ids) else np.zeros((4, 0), np.int64)
-        directory = _SEG_HEAD.pack(len(ids), rb, index.shape[1], self.chunk_rows) + ids.astype(np.int64).tobytes() + index.tobytes()
+        n = len(ids)
+        chunks = ids // self.chunk_rows
+        starts = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1]]) if n else np.zeros(0, np.int64)
+        counts = np.diff(np.r_[starts, n]).astype(np.int64)
+        index = np.zeros((4, len(starts)), np.int64)
+        index[0], index[1], index[2] = chunks[starts], starts, counts
+        fetch = records if callable(records) else (lambda a, b: records[a:b])
+        # Blocks end on index-entry boundaries so each entry's checksum is computed in one piece.
+        per_block = max(1, block_bytes // max(rb, 1))
+        bounds = [0]
+        for e, (st, ct) in enumerate(zip(starts.tolist(), counts.tolist())):
+            if st + ct - int(starts[bounds[-1]]) >= per_block or e == len(starts) - 1:
+                bounds.append(e + 1)
+        directory_size = _SEG_HEAD.size + 8 * n + index.nbytes
+
+        def body() -> Iterator[np.ndarray]:
+            for e0, e1 in zip(bounds[:-1], bounds[1:]):
+                a = int(starts[e0])
+                b = int(starts[e1 - 1] + counts[e1 - 1])
+                block = np.ascontiguousarray(fetch(a, b)).reshape(-1)
+                for e in range(e0, e1):
+                    lo = (int(starts[e]) - a) * rb
+                    index[3, e] = crc32(block[lo : lo + int(counts[e]) * rb])
+                yield block
+
+        def head() -> bytes:
+            directory = _SEG_HEAD.pack(n, rb, index.shape[1], self.chunk_rows) + ids.astype(np.int64).tobytes() + index.tobytes()
+            return b"".join(bytes(p) for p in pack(b"segment", directory))
+
         path = self.segment_path(seq)
-        parts = pack(b"segment", directory) + [np.ascontiguousarray(records).reshape(-1)]
-        n = write_parts(path, parts, durable=durable)
-        self.bytes_written += n
+        size = write_parts(path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size)
+        self.bytes_written += size
         return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
-                       HEADER_SIZE + len(directory), rb, n)
+                       HEADER_SIZE + directory_size, rb, size)
 
     def sync_segment(self, seg: Segment) -> None:
         fd = os.open(seg.path, os.O_RDONLY)
@@ -319,8 +351,10 @@ class Disk:
         for v in versions:
             try:
                 m = self.read_manifest(v)
-            except VersionNotFoundError:
-                continue
+            except (VersionNotFoundError, CorruptStoreError):
+                if self.manifest_path(v).exists():
+                    raise
+                continue  # dropped by retention since it was listed: nothing of it to keep
             segs.update(m.segments)
             if m.chunkmap not in gens:
                 gens.add(m.chunkmap)

@@ -13,6 +13,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
+from typing import Callable, Iterable
 
 from .errors import CorruptStoreError, StoreError
 
@@ -78,9 +79,29 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_parts(path: Path, parts: list[bytes | memoryview], *, durable: bool = True) -> int:
-    """Atomically create ``path`` from ``parts``; return bytes written.
+def _write_all(fd: int, data: bytes | memoryview, offset: int | None = None) -> int:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        if offset is None:
+            done += os.write(fd, view[done:])
+        else:
+            done += os.pwrite(fd, view[done:], offset + done)
+    return done
 
+
+def write_parts(
+    path: Path,
+    parts: Iterable[bytes | memoryview],
+    *,
+    durable: bool = True,
+    head: Callable[[], bytes] | None = None,
+    head_size: int = 0,
+) -> int:
+    """Atomically create ``path`` from ``parts`` (consumed lazily); return bytes written.
+
+    With ``head``, the first ``head_size`` bytes are written last, from ``head()`` called after
+    every part: a header can carry checksums of a body that was streamed in bounded blocks.
     A full disk raises DiskFullError and leaves no partial file behind.
     """
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -88,12 +109,14 @@ def write_parts(path: Path, parts: list[bytes | memoryview], *, durable: bool = 
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            if head is not None:
+                os.lseek(fd, head_size, os.SEEK_SET)
             for part in parts:
-                view = memoryview(part).cast("B")
-                while view:
-                    n = os.write(fd, view)
-                    written += n
-                    view = view[n:]
+                written += _write_all(fd, part)
+            if head is not None:
+                first = head()
+                assert len(first) == head_size
+                written += _write_all(fd, first, 0)
             if durable:
                 os.fsync(fd)
         finally:

@@ -121,6 +121,8 @@ class EmbeddingStore(TieredRows, Versioning):
             root = None
         else:
             root = Path(tempfile.mkdtemp(prefix="embcache-")) if ephemeral else Path(path)
+            if root.exists() and not root.is_dir():
+                raise InvalidArgumentError(f"path={str(root)!r} is a file; give a new or empty folder for the store")
             if root.exists() and any(root.iterdir()):
                 if (root / "META").exists():
                     raise InvalidArgumentError(f"path={str(root)!r} already holds a store; use EmbeddingStore.open()")
@@ -201,6 +203,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._prefetcher: ThreadPoolExecutor | None = None
         self._bg_futures: dict[str, Future] = {}
         self._bg_error: BaseException | None = None
+        self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
         self._writing_gens: set[int] = set()  # compaction generations being written

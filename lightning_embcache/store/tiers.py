@@ -61,6 +61,35 @@ class TieredRows:
         t = torch.from_numpy(rec)
         return {n: self._schema.view(t, n).clone() for n in names}
 
+    def _snapshot_reader(self, slots: np.ndarray):
+        """Start a copy-on-write snapshot of ``slots`` (caller holds the lock and marks them
+        in flight); returns ``read(a, b)``: their records as they were now, read later in blocks.
+
+        A flush of many dirty rows thus holds one block in memory instead of a copy of every dirty
+        row, yet writes one consistent moment: a row updated while the flush is writing first
+        saves its old record here.
+        """
+        self._cow = {}
+
+        def read(a: int, b: int) -> np.ndarray:
+            with self._lock:
+                part = slots[a:b]
+                recs = self._hot.pool_np[part]
+                if self._cow:
+                    saved = np.fromiter(self._cow, np.int64, len(self._cow))
+                    for pos in np.flatnonzero(np.isin(part, saved)).tolist():
+                        recs[pos] = self._cow[int(part[pos])]
+                return recs
+
+        return read
+
+    def _save_cow(self, slots: np.ndarray) -> None:
+        """Before overwriting rows a flush is still writing, keep their snapshot records."""
+        hit = slots[self._hot.inflight[slots]]
+        for s in np.unique(hit).tolist():
+            if s not in self._cow:
+                self._cow[s] = self._hot.pool_np[s].copy()
+
     def _scatter(self, slots: np.ndarray, vals: dict[str, torch.Tensor]) -> None:
         """Write rows into hot slots and mark them dirty; of duplicate slots the last write wins.
 
@@ -68,6 +97,8 @@ class TieredRows:
         doubles as a stamp: each slot records the last batch position written to it, and only
         those positions are copied (a second pass only when the batch has duplicates).
         """
+        if self._cow is not None:
+            self._save_cow(slots)
         dirty = self._hot.dirty
         pos = np.arange(1, len(slots) + 1, dtype=np.int32)
         dirty[slots] = pos
@@ -177,7 +208,7 @@ class TieredRows:
                 ids = hot.id_of[take]
                 order = np.argsort(ids, kind="stable")
                 ids, take = ids[order], take[order]
-                records = hot.pool_np[take]
+                records = self._snapshot_reader(take)
                 hot.dirty[take] = 0
                 hot.inflight[take] = True
                 seq = self._next_seq
@@ -189,10 +220,12 @@ class TieredRows:
                 with self._lock:
                     hot.dirty[take] = 1
                     hot.inflight[take] = False
+                    self._cow = None
                     self._writing_seqs.discard(seq)
                 raise
             with self._lock:
                 hot.inflight[take] = False
+                self._cow = None
                 self._writing_seqs.discard(seq)
                 self._pending.append(seg)
                 self._pending.sort(key=lambda g: g.seq)
@@ -207,6 +240,8 @@ class TieredRows:
         slots = hot.lookup(idx)
         res = slots >= 0
         if res.any():
+            if self._cow is not None:
+                self._save_cow(slots[res])
             for n, v in values.items():
                 self._np_views[n][slots[res]] = to_np(v[torch.from_numpy(np.flatnonzero(res))])
             hot.dirty[slots[res]] = 1

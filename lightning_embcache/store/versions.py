@@ -19,7 +19,7 @@ from .errors import CorruptStoreError, StoreError
 # bytes, or once there are this many: disk stays near 2x the table, reads touch few segments.
 COMPACT_RATIO = 0.25
 COMPACT_SEGMENTS = 32
-KEEP_VERSIONS = 2  # unpinned versions kept besides pins (the latest and its predecessor)
+KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
 class Versioning:
@@ -52,7 +52,7 @@ class Versioning:
                 ids = slots if hot.resident else hot.id_of[slots]
                 order = np.argsort(ids, kind="stable")
                 ids, slots = ids[order], slots[order]
-                records = hot.pool_np[slots]
+                records = self._snapshot_reader(slots)
                 hot.dirty[slots] = 0
                 hot.inflight[slots] = True
                 seq = self._next_seq
@@ -72,10 +72,12 @@ class Versioning:
                 with self._lock:
                     hot.dirty[slots] = 1
                     hot.inflight[slots] = False
+                    self._cow = None
                     self._writing_seqs.discard(seq)
                 raise
             with self._lock:
                 hot.inflight[slots] = False
+                self._cow = None
                 self._writing_seqs.discard(seq)
                 self._committed += pending + new
                 self._pending = [p for p in self._pending if p not in pending]
@@ -200,7 +202,7 @@ class Versioning:
     def _raise_bg_error(self) -> None:
         exc, self._bg_error = self._bg_error, None
         if exc is not None:
-            raise StoreError(f"background compaction failed: {exc}") from exc
+            raise StoreError(f"background store work (write-back, compaction or garbage collection) failed: {exc}") from exc
 
     def compact(self) -> None:
         """Fold all committed delta segments into base chunks now (normally automatic, in the
@@ -254,6 +256,8 @@ class Versioning:
                 # it uses, and version numbers only move when rows change.
                 self._cmap, self._cmap_gen, self._committed = new_cmap, gen, remaining
                 self._stats.compactions += 1
+        # An earlier compaction that no flush published yet is garbage now.
+        self._collect_garbage()
         for s in segs:
             s.close()
 

@@ -98,10 +98,6 @@ def test_unpinned_version_is_reclaimed_and_its_bytes_freed(shm_path):
         EmbeddingStore.open(path, version=v)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: compaction output is published only by the next flush and KEEP_VERSIONS=2, so flush+compact "
-    "cycles keep three full chunk generations (versions v-1 and v, plus the unpublished output): disk use "
-    "~3.1 tables, over the ~2x target. Background compaction reaches the same state intermittently."))
 @pytest.mark.parametrize("hot_rows", [None, 512], ids=["memory-path", "disk"])
 def test_disk_use_stays_within_two_and_a_half_tables(shm_path, hot_rows):
     """Flushes of up to 5% of the rows (touching every chunk), compact() after each flush:
