@@ -15,14 +15,18 @@ Table modes:
 Per batch the worker times ``get``, ``update`` and a ``get`` followed by an ``update`` of the rows
 it got (the in-place "training step" between them is not timed); the three are interleaved batch
 by batch. Flush: after ``--flush-batches`` batches of updates, ``flush()``; bytes written are the
-process's ``/proc/self/io`` counters over the update+flush window (max of ``wchar`` and
-``write_bytes``, and of the store's own ``stats().bytes_written``), divided by the distinct rows
-dirtied x row bytes.
+calling thread's ``/proc/thread-self/io`` counters over the update+flush window (max of ``wchar``
+and ``write_bytes``: a store's write-back of evicted rows counts, its background compaction does
+not; the process-wide figure is reported beside it), divided by the distinct rows dirtied x row
+bytes. In disk mode the first repetition ends each process with a full pass (sequential
+get+update of every row in batches of 65,536, then flush) so peak RSS is taken with full tiers.
 
-Every (system, mode) runs in its own subprocess, so peak RSS (``ru_maxrss``) is per system; the
+Every (system, mode) runs in its own subprocess, so peak RSS (``VmHWM``) is per system; the
 processes of all systems are interleaved within each repetition (system order rotated per
 repetition) and figures are medians over repetitions of per-process medians. Ratios are against
-the fastest in-memory baseline (torch / numpy / torch_thp) of the same mode and workload.
+the fastest in-memory baseline (torch / numpy / torch_thp) of the same mode and workload. Workers
+import only ``lightning_embcache.store`` (not the Lightning facade); the facade's import cost is
+measured once and reported. Results, the command and the host go to ``docs/benchmarks.md``.
 
     embcache bench store [--quick] [--json PATH] [--reps R] [--systems a,b] [--modes ram,disk]
 """
