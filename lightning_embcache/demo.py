@@ -188,7 +188,8 @@ class EpochClock(Callback):
         steps = trainer.global_step - self._step
         loss = trainer.callback_metrics.get("loss")
         self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
-        self.epochs.append({"seconds": seconds, "steps": steps, "loss": float(loss) if loss is not None else math.nan})
+        self.epochs.append({"seconds": seconds, "steps": steps, "loss": float(loss) if loss is not None else math.nan,
+                            "epoch_steps": float(trainer.num_training_batches)})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Before teardown closes the stores: the counters of this run.
@@ -201,7 +202,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=1_000_000, help="rows of the latent table (default 1M)")
     p.add_argument("--dim", type=int, default=64, help="latent code size (default 64)")
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (-1: no limit)")
+    p.add_argument("--max-steps", type=int, default=400,
+                   help="stop after this many steps (default 400, about 40%% of an epoch of 1M samples; -1: no limit)")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--hot-mib", type=float, default=None,
                    help="hot-tier budget in MiB (default: a quarter of the table)")
@@ -261,9 +263,11 @@ def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: Def
     print(f"\ntrained {trainer.global_step} steps in {total:.1f} s")
     for i, e in enumerate(clock.epochs):
         rate = e["steps"] / e["seconds"] if e["seconds"] else 0.0
-        print(f"  epoch {i}: {e['seconds']:.1f} s, {e['steps']} steps ({rate:.0f} steps/s), loss {e['loss']:.4f}")
-    if not clock.epochs:
-        print("  (stopped inside the first epoch)")
+        line = f"  epoch {i}: {e['seconds']:.1f} s, {e['steps']} steps ({rate:.1f} steps/s), loss {e['loss']:.4f}"
+        if e["steps"] < e["epoch_steps"] and rate:
+            line += (f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: a full epoch at this rate "
+                     f"takes about {e['epoch_steps'] / rate:.0f} s)")
+        print(line)
     store = model.latents.store
     s = clock.store_stats.get("latents") or model.latents.stats()
     print("store 'latents':")
