@@ -7,6 +7,8 @@ zero-filled lazily, so a large table costs nothing until a row is touched.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 
 import numpy as np
@@ -52,3 +54,25 @@ class PageBuffer:
 def zeros(shape: tuple[int, ...] | int, dtype: np.dtype) -> np.ndarray:
     """np.zeros is calloc: untouched pages stay unallocated (a sparse id map costs what it touches)."""
     return np.zeros(shape, dtype=dtype)
+
+
+def _libc_malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def trim_heap() -> None:
+    """Return freed heap pages to the OS (glibc keeps them per thread arena otherwise).
+
+    Chunk reads, write-backs and flushes on background threads free their buffers into those
+    threads' arenas; without a trim the process RSS keeps that slack and drifts above the budget.
+    Called after flushes and compactions, never on the per-step path.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

@@ -14,6 +14,7 @@ import numpy as np
 
 from .disk import Disk, Manifest, Segment
 from .errors import CorruptStoreError, StoreError
+from .memory import trim_heap
 
 # Compaction folds delta segments into base chunks once they hold this share of the table's
 # bytes, or once there are this many: disk stays near 2x the table, reads touch few segments.
@@ -87,6 +88,7 @@ class Versioning:
                 self._stats.flushes += 1
                 self._stats.flushed_rows += len(ids)
             self._apply_retention()
+        trim_heap()
         self._maybe_compact()
         self._io_wait += time.perf_counter() - t0
         return version
@@ -258,6 +260,7 @@ class Versioning:
                 self._stats.compactions += 1
         # An earlier compaction that no flush published yet is garbage now.
         self._collect_garbage()
+        trim_heap()
         for s in segs:
             s.close()
 
