@@ -1,5 +1,16 @@
-"""lightning_embcache: trainable per-sample embedding rows for datasets larger than RAM."""
+"""lightning_embcache: trainable per-sample embedding rows for datasets larger than RAM.
 
+The storage engine and the optimizers import without Lightning; the Lightning layer (mixin,
+callbacks, profiler) is imported on first use, so a DataLoader worker or a script that only needs
+the store does not pay for importing Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning_embcache.optim import RowOptimizer, make_row_optimizer
 from lightning_embcache.store import (
     CorruptStoreError,
     DiskFullError,
@@ -14,15 +25,32 @@ from lightning_embcache.store import (
     StoreStats,
     VersionNotFoundError,
 )
-from lightning_embcache.profiling import StepProfiler
-from lightning_embcache.lightning import DeferredSync, EmbeddingStoreMixin, MemoryPressure
-from lightning_embcache.optim import RowOptimizer, make_row_optimizer
+from lightning_embcache.trainable import TrainableRows, trainable_fields
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it (imported lazily: these need Lightning)
+_LAZY = {
+    "StepProfiler": "lightning_embcache.profiling",
+    "DeferredSync": "lightning_embcache.lightning",
+    "EmbeddingStoreMixin": "lightning_embcache.lightning",
+    "MemoryPressure": "lightning_embcache.lightning",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_embcache' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
-    "RowOptimizer",
-    "make_row_optimizer",
     "CorruptStoreError",
     "DeferredSync",
     "DiskFullError",
@@ -33,10 +61,14 @@ __all__ = [
     "InvalidTypeError",
     "MemoryPressure",
     "ReadOnlyError",
+    "RowOptimizer",
+    "StepProfiler",
     "StoreClosedError",
     "StoreError",
     "StoreLockedError",
-    "StepProfiler",
     "StoreStats",
+    "TrainableRows",
     "VersionNotFoundError",
+    "make_row_optimizer",
+    "trainable_fields",
 ]
