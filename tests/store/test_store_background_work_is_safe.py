@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
 import torch
 
 from lightning_embcache import EmbeddingStore, VersionNotFoundError

@@ -9,7 +9,9 @@ the three kinds of init, and extra per-row fields.
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -26,14 +28,12 @@ from _store_helpers import InlineExecutor, assert_bitwise_equal
 N, DIM, CHUNK = 50, 4, 8  # 7 chunks, the last one short (2 rows)
 SLOT_OVERHEAD = 11  # bytes of bookkeeping per hot slot, documented in the hot budget
 FIELDS = {"m": (torch.float32, 4), "n": (torch.int32, 1)}
-SHM = "/dev/shm" if __import__("os").path.isdir("/dev/shm") else None
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 @pytest.fixture(autouse=True)
 def _inline_background(monkeypatch):
     """Background compaction, GC, write-back and prefetch run inline, so every example replays exactly."""
-    import sys
-
     patched = 0
     for name, module in list(sys.modules.items()):
         if name.startswith("lightning_embcache.store") and hasattr(module, "ThreadPoolExecutor"):
