@@ -260,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: DeferredSync,
             pressure: MemoryPressure, ckpt: ModelCheckpoint, profilers: list[Callback], total: float) -> None:
-    print(f"\ntrained {trainer.global_step} steps in {total:.1f} s")
+    print(f"\ntrained {trainer.global_step} steps in {total:.1f} s (setup, final flushes and closing the store "
+          "included)")
     for i, e in enumerate(clock.epochs):
         rate = e["steps"] / e["seconds"] if e["seconds"] else 0.0
         line = f"  epoch {i}: {e['seconds']:.1f} s, {e['steps']} steps ({rate:.1f} steps/s), loss {e['loss']:.4f}"
@@ -268,7 +269,7 @@ def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: Def
             line += (f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: a full epoch at this rate "
                      f"takes about {e['epoch_steps'] / rate:.0f} s)")
         print(line)
-    store = model.latents.store
+    store = model.latents._ensure_open(writable=False)  # read-only: no writer lock, no garbage collection
     s = clock.store_stats.get("latents") or model.latents.stats()
     print("store 'latents':")
     print(f"  version {store.version}, versions on disk {store.versions()}, pinned by checkpoints {store.pinned()}")

@@ -7,13 +7,12 @@ import os
 from typing import Any, Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_embcache.lightning.memory_reading import MemoryReader, MemoryReading
 
 log = logging.getLogger(__name__)
-warning_cache = WarningCache()
 
 MiB = 1 << 20
 
@@ -86,6 +85,7 @@ class MemoryPressure(Callback):
         self._batches = 0
         self.evicted_bytes_total = 0
         self.budget_cuts = 0
+        self._warned = False
         self.last_reading: MemoryReading | None = None
         self.last_metrics: dict[str, float] = {}
 
@@ -140,7 +140,10 @@ class MemoryPressure(Callback):
                 cuts.append(f"{h.name!r} {_mib(budget)} -> {_mib(new_budget)}")
         if cuts:
             self.budget_cuts += 1
-            warning_cache.warn(
+            if self._warned:  # once per callback: the figures differ every time
+                return freed
+            self._warned = True
+            rank_zero_warn(
                 f"MemoryPressure: memory at {reading.used_fraction:.0%} of {_mib(reading.limit_bytes)} (high={self.high}, "
                 f"target={self.target}); evicting freed {_mib(freed)} of the {_mib(need)} needed, so hot budgets "
                 f"were lowered: {', '.join(cuts)}. Training goes on with more cold reads; lower hot_bytes or "
