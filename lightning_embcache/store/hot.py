@@ -12,8 +12,8 @@ import torch
 
 from .memory import PageBuffer, zeros
 
-# Per-slot bookkeeping of the cached layout: id (8) + reference bit (1) + dirty stamp (4) + in-flight (1).
-SLOT_OVERHEAD = 14
+# Per-slot bookkeeping of the cached layout: id (8) + reference bit (1) + dirty (1) + in-flight (1).
+SLOT_OVERHEAD = 11
 
 
 class HotTier:
@@ -27,7 +27,7 @@ class HotTier:
         self.buffer = PageBuffer(self.capacity * row_bytes)
         self.pool = self.buffer.tensor(self.capacity, row_bytes)  # uint8 (capacity, row_bytes)
         self.pool_np = self.pool.numpy()
-        self.dirty = zeros(self.capacity, np.int32)  # 0 = clean, else last batch position written
+        self.dirty = zeros(self.capacity, np.uint8)
         self.inflight = zeros(self.capacity, np.bool_)
         if self.resident:
             num_chunks = (num_rows + chunk_rows - 1) // chunk_rows

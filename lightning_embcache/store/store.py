@@ -256,11 +256,32 @@ class EmbeddingStore(TieredRows, Versioning):
     # ------------------------------------------------------------------ public row API
     def get(self, ids: Any) -> torch.Tensor:
         """Rows of ``ids`` as a new (len(ids), dim) CPU tensor in the storage dtype."""
-        return self.get_fields(ids, ("weight",))["weight"]
+        t0 = time.perf_counter()
+        self._check_usable()
+        idx = as_ids(ids, self._num_rows)
+        with self._lock:
+            try:
+                out = self._take(self._resolve(idx, load=True), "weight")
+            except TooLarge as big:
+                out = self._gather_direct(idx, big.slots, big.mids, big.records, ("weight",))["weight"]
+        self._stats.gets += 1
+        self._io_wait += time.perf_counter() - t0
+        return out
 
     def update(self, ids: Any, values: Any) -> None:
         """Write rows; of duplicate ids in one call the last one wins. Not durable until flush()."""
-        self.update_fields(ids, {"weight": values})
+        if len(self._schema.fields) > 1 or not self._hot.resident:
+            return self.update_fields(ids, {"weight": values})
+        # Memory mode, weights only: the per-step path, kept to one validation pass per argument.
+        t0 = time.perf_counter()
+        self._check_usable(write=True)
+        idx = as_ids(ids, self._num_rows)
+        v = as_values(values, len(idx), self._schema.dim, self._schema.dtype, arg="values",
+                      check_finite=self._check_finite)
+        with self._lock:
+            self._scatter(self._resolve(idx, load=True), {"weight": v})
+        self._stats.updates += 1
+        self._io_wait += time.perf_counter() - t0
 
     def get_fields(self, ids: Any, names: Sequence[str] = ("weight",)) -> dict[str, torch.Tensor]:
         """Several per-row fields of ``ids`` at once (e.g. weights and optimizer moments)."""

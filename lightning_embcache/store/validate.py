@@ -30,8 +30,9 @@ def as_ids(ids: Any, num_rows: int, arg: str = "ids") -> np.ndarray:
             raise InvalidArgumentError(f"{arg} must be 1-D; got shape {arr.shape}")
         arr = arr.astype(np.int64, copy=False)
     if arr.size:
-        lo, hi = (int(x) for x in torch.aminmax(torch.from_numpy(arr)))
+        lo, hi = arr.min(), arr.max()
         if lo < 0 or hi >= num_rows:
+            lo, hi = int(lo), int(hi)
             bad = lo if lo < 0 else hi
             pos = int(np.flatnonzero(arr == bad)[0])
             raise InvalidArgumentError(
@@ -78,7 +79,10 @@ def _all_finite(values: torch.Tensor) -> bool:
         return math.isfinite(float(values.float().sum())) or bool(torch.isfinite(values).all())
     if not values.is_contiguous():
         values = values.contiguous()
-    return bool(np.isfinite(values.numpy()).all())
+    arr = values.numpy()
+    # NaN and Inf always reach the sum; a finite sum proves every value finite without allocating
+    # a mask. An overflowing sum of finite values only sends us to the exact check.
+    return math.isfinite(float(np.add.reduce(arr, axis=None))) or bool(np.isfinite(arr).all())
 
 
 def positive_int(value: Any, arg: str, minimum: int = 1) -> int:
