@@ -20,7 +20,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import lightning as L
 import psutil
@@ -65,11 +65,13 @@ class EpochBatches:
     def __len__(self) -> int:
         return -(-self.num_samples // self.batch_size)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def batches(self) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.num_samples, generator=g)
+        return torch.randperm(self.num_samples, generator=g).split(self.batch_size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
         skip, self.skip = self.skip, 0
-        yield from order.split(self.batch_size)[skip:]
+        yield from self.batches()[skip:]
 
 
 class ResumableLoader:
@@ -79,8 +81,10 @@ class ResumableLoader:
     resumed run equal an uninterrupted one.
     """
 
-    def __init__(self, num_samples: int, batch_size: int, out_dim: int, seed: int, num_workers: int) -> None:
+    def __init__(self, num_samples: int, batch_size: int, out_dim: int, seed: int, num_workers: int,
+                 prefetch: Callable[[torch.Tensor], None] | None = None) -> None:
         self.sampler = EpochBatches(num_samples, batch_size, seed)
+        self.prefetch = prefetch  # told the ids of the next batch while this one trains
         self.loader = DataLoader(SyntheticTargets(num_samples, out_dim, seed=seed), sampler=self.sampler,
                                  batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
         self._consumed = 0
@@ -94,8 +98,11 @@ class ResumableLoader:
         self._consumed = 0
         if resume is not None and resume["epoch"] == self.sampler.epoch:
             self._consumed = self.sampler.skip = resume["consumed"]
+        upcoming = self.sampler.batches() if self.prefetch is not None else ()
         for batch in self.loader:
             self._consumed += 1
+            if self._consumed < len(upcoming):
+                self.prefetch(upcoming[self._consumed])  # type: ignore[misc]
             yield batch
 
     def state_dict(self) -> dict[str, int]:
@@ -118,6 +125,8 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         chunk_rows: rows per store chunk, the unit of a disk read; small suits random access.
         latent_init: initial codes, "zeros" or "normal" (std 0.01). Rows are initialised lazily
             chunk by chunk on first touch; "normal" makes a first epoch about 3x slower in the store.
+        prefetch: tell the store each next batch's ids while the current one trains (on 2 cores
+            this moved store time into the other phases rather than saving it, so it is off).
         batch_size, num_workers: data loading.
         lr: Adam learning rate of the decoder.
         latent_lr: SGD learning rate of the per-sample codes.
@@ -135,6 +144,7 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         warm_bytes: int = 0,
         chunk_rows: int = 64,
         latent_init: str = "zeros",
+        prefetch: bool = False,
         batch_size: int = 1024,
         num_workers: int = 0,
         lr: float = 1e-3,
@@ -168,7 +178,8 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
 
     def train_dataloader(self) -> ResumableLoader:
         h = self.hparams
-        return ResumableLoader(h.num_samples, h.batch_size, h.out_dim, h.seed, h.num_workers)
+        return ResumableLoader(h.num_samples, h.batch_size, h.out_dim, h.seed, h.num_workers,
+                               prefetch=self.latents.prefetch if h.prefetch else None)
 
 
 # ---------------------------------------------------------------------- report
@@ -208,6 +219,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--hot-mib", type=float, default=None,
                    help="hot-tier budget in MiB (default: a quarter of the table)")
     p.add_argument("--chunk-rows", type=int, default=64, help="rows per store chunk (default 64)")
+    p.add_argument("--prefetch", action="store_true", help="prefetch the next batch's rows in the background")
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
     p.add_argument("--sync-every", type=int, default=100, help="DeferredSync every N steps (default 100)")
     p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps (default 250)")
@@ -237,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     L.seed_everything(args.seed, verbose=False)
     model = AutoDecoder(num_samples=args.samples, code_dim=args.dim, store_path=str(root / "latents"),
-                        hot_bytes=hot, chunk_rows=args.chunk_rows, batch_size=args.batch_size, num_workers=args.workers, seed=args.seed)
+                        hot_bytes=hot, chunk_rows=args.chunk_rows, prefetch=args.prefetch, batch_size=args.batch_size, num_workers=args.workers, seed=args.seed)
     clock = EpochClock()
     sync = DeferredSync(every_n_steps=args.sync_every, every_n_epochs=1)
     pressure = MemoryPressure(check_every_n_steps=50)
