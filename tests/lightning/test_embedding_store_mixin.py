@@ -152,3 +152,13 @@ def test_mixin_works_on_a_users_own_module(tmp_path):
     model = Tiny()
     tiny_trainer(tmp_path, max_epochs=2).fit(model)
     assert torch.equal(model.codes.get(torch.arange(100)), torch.full((100, 4), 2.0))
+
+
+def test_prefetching_the_next_batch_changes_no_row(tmp_path):
+    rows = []
+    for prefetch in (False, True):
+        torch.manual_seed(0)  # the same decoder initialisation in both runs
+        model = tiny_model(tmp_path / f"latents-{prefetch}", hot_bytes=8 * 1024, prefetch=prefetch)
+        tiny_trainer(tmp_path, max_steps=12).fit(model)
+        rows.append(model.latents.get(torch.arange(512)))
+    assert torch.equal(rows[0], rows[1])
