@@ -33,6 +33,7 @@ from .warm import MIN_RATIO
 
 _SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows
 _CHUNK_HEAD = struct.Struct("<QQQB")  # chunk, rows, raw length, compressed flag
+BLOCK = 4096  # raw chunks: one checksum per block of this many bytes
 MANIFEST_RE = re.compile(r"^manifest-(\d{12})$")
 SEGMENT_RE = re.compile(r"^s(\d{12})$")
 CHUNK_RE = re.compile(r"^c(\d+)-g(\d+)$")
@@ -113,6 +114,7 @@ class Disk:
         self.num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
         self.bytes_written = 0
         self.bytes_read = 0
+        self._chunks_dir = str(root / "chunks")
 
     # ---- paths -------------------------------------------------------------------------------
     def manifest_path(self, version: int) -> Path:
@@ -237,25 +239,126 @@ class Disk:
         return min(self.chunk_rows, self.num_rows - chunk * self.chunk_rows)
 
     def read_chunk(self, chunk: int, gen: int) -> np.ndarray:
+        """A whole base chunk, every byte checksum-verified."""
         path = self.chunk_path(chunk, gen)
-        payload = read_file(path, b"chunk")
-        c, rows, raw_len, compressed = _CHUNK_HEAD.unpack_from(payload)
-        body = memoryview(payload)[_CHUNK_HEAD.size :]
-        if c != chunk or rows != self.chunk_rows_of(chunk) or raw_len != rows * self.row_bytes:
-            raise CorruptStoreError(path, f"describes chunk {c} with {rows} rows; expected chunk {chunk}")
-        raw = lz4.block.decompress(body, uncompressed_size=raw_len) if compressed else bytes(body)
-        self.bytes_read += len(payload) + HEADER_SIZE
-        return np.frombuffer(bytearray(raw), np.uint8).reshape(rows, self.row_bytes)
+        kind = self._chunk_kind(path)
+        if kind == b"chunk":  # LZ4: one checksum over the compressed payload
+            payload = read_file(path, b"chunk")
+            c, rows, raw_len, _ = _CHUNK_HEAD.unpack_from(payload)
+            self._check_chunk_head(path, chunk, c, rows, raw_len)
+            raw = lz4.block.decompress(memoryview(payload)[_CHUNK_HEAD.size :], uncompressed_size=raw_len)
+            self.bytes_read += len(payload) + HEADER_SIZE
+            return np.frombuffer(bytearray(raw), np.uint8).reshape(rows, self.row_bytes)
+        rows, crcs, data_off = self._raw_chunk_directory(path, chunk)
+        data = self._pread(path, data_off, rows * self.row_bytes)
+        for i, crc in enumerate(crcs.tolist()):
+            if crc32(data[i * BLOCK : (i + 1) * BLOCK]) != crc:
+                raise CorruptStoreError(path, f"block {i} of chunk {chunk} fails its checksum")
+        return np.frombuffer(bytearray(data), np.uint8).reshape(rows, self.row_bytes)
+
+    def read_chunk_rows(self, chunk: int, gen: int, local: np.ndarray) -> np.ndarray | None:
+        """Only rows ``local`` (chunk-relative) of a raw base chunk, reading and verifying just the
+        4 KiB blocks that hold them; None for an LZ4 chunk (read it whole).
+
+        The per-miss path of random access to a table larger than RAM: two preads per row (the
+        chunk's checksummed directory, then the row's block), no whole-chunk read.
+        """
+        path = f"{self._chunks_dir}/c{chunk:08d}-g{gen:08d}"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
+        try:
+            rb = self.row_bytes
+            rows = self.chunk_rows_of(chunk)
+            raw_len = rows * rb
+            nblocks = -(-raw_len // BLOCK)
+            dlen = _CHUNK_HEAD.size + 4 * nblocks
+            hd = os.pread(fd, HEADER_SIZE + dlen, 0)
+            if hd[8:16] != b"chunkraw":
+                return None
+            length, pcrc = parse_header(path, hd[:HEADER_SIZE], b"chunkraw")  # type: ignore[arg-type]
+            if length != dlen or len(hd) != HEADER_SIZE + dlen or crc32(hd[HEADER_SIZE:]) != pcrc:
+                raise CorruptStoreError(path, "chunk directory is truncated or fails its checksum")
+            c, r, rl, _ = _CHUNK_HEAD.unpack_from(hd, HEADER_SIZE)
+            self._check_chunk_head(path, chunk, c, r, rl)  # type: ignore[arg-type]
+            crcs = np.frombuffer(hd, np.uint32, nblocks, HEADER_SIZE + _CHUNK_HEAD.size).tolist()
+            base = HEADER_SIZE + dlen
+            out = np.empty((len(local), rb), np.uint8)
+            for i, row in enumerate(local.tolist()):
+                off = row * rb
+                b0, b1 = off // BLOCK, (off + rb - 1) // BLOCK
+                lo, hi = b0 * BLOCK, min((b1 + 1) * BLOCK, raw_len)
+                data = os.pread(fd, hi - lo, base + lo)
+                if len(data) != hi - lo:
+                    raise CorruptStoreError(path, f"truncated: block {b0} of chunk {chunk} is short")
+                for b in range(b0, b1 + 1):
+                    if crc32(data[(b - b0) * BLOCK : (b - b0 + 1) * BLOCK]) != crcs[b]:
+                        raise CorruptStoreError(path, f"block {b} of chunk {chunk} fails its checksum")
+                out[i] = np.frombuffer(data, np.uint8, rb, off - lo)
+                self.bytes_read += hi - lo
+            self.bytes_read += len(hd)
+            return out
+        finally:
+            os.close(fd)
 
     def write_chunk(self, chunk: int, gen: int, records: np.ndarray, compress: bool) -> None:
         raw = records.tobytes()
-        body, flag = raw, 0
         if compress:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
-                body, flag = packed, 1
-        head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), flag)
-        self.bytes_written += write_file(self.chunk_path(chunk, gen), b"chunk", head + body)
+                head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 1)
+                self.bytes_written += write_file(self.chunk_path(chunk, gen), b"chunk", head + packed)
+                return
+        # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
+        view = memoryview(raw)
+        crcs = np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
+        directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
+        self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunkraw", directory) + [raw])
+
+    def _chunk_kind(self, path: Path) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(HEADER_SIZE)
+        except FileNotFoundError:
+            raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
+        kind = head[8:16].rstrip(b"\0")
+        return kind if kind in (b"chunk", b"chunkraw") else b"chunk"  # parse_header reports the rest
+
+    def _raw_chunk_directory(self, path: Path, chunk: int, *, fd: int | None = None,
+                             head: bytes | None = None) -> tuple[int, np.ndarray, int]:
+        head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)
+        length, pcrc = parse_header(path, head, b"chunkraw")
+        directory = self._pread(path, HEADER_SIZE, length, fd=fd)
+        if crc32(directory) != pcrc:
+            raise CorruptStoreError(path, "chunk directory fails its checksum")
+        c, rows, raw_len, _ = _CHUNK_HEAD.unpack_from(directory)
+        self._check_chunk_head(path, chunk, c, rows, raw_len)
+        crcs = np.frombuffer(directory, np.uint32, offset=_CHUNK_HEAD.size)
+        if len(crcs) != -(-raw_len // BLOCK):
+            raise CorruptStoreError(path, "chunk directory has the wrong number of block checksums")
+        return rows, crcs, HEADER_SIZE + length
+
+    def _check_chunk_head(self, path: Path, chunk: int, c: int, rows: int, raw_len: int) -> None:
+        if c != chunk or rows != self.chunk_rows_of(chunk) or raw_len != rows * self.row_bytes:
+            raise CorruptStoreError(path, f"describes chunk {c} with {rows} rows; expected chunk {chunk}")
+
+    def _pread(self, path: Path, offset: int, n: int, fd: int | None = None) -> bytes:
+        if fd is not None:
+            data = os.pread(fd, n, offset)
+        else:
+            try:
+                own = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
+            try:
+                data = os.pread(own, n, offset)
+            finally:
+                os.close(own)
+        if len(data) != n:
+            raise CorruptStoreError(path, f"truncated: wanted {n} bytes at offset {offset}, got {len(data)}")
+        self.bytes_read += n
+        return data
 
     # ---- segments ----------------------------------------------------------------------------
     def write_segment(

@@ -189,6 +189,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._stats = StoreStats()
         self._io_wait = 0.0
         self._epoch = 0  # bumped whenever the below-hot view of some rows changes
+        self._seg_index: dict[int, list[Segment]] = {}  # chunk -> segments holding its rows
         self._committed: list[Segment] = []
         self._pending: list[Segment] = []
         self._pins: set[int] = set()

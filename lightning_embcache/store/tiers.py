@@ -177,6 +177,7 @@ class TieredRows:
         seg = self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]), durable=False)
         self._pending.append(seg)
         self._pending.sort(key=lambda g: g.seq)
+        self._index_add(seg)
         self._warm.discard_many(ids // self._chunk_rows)
         self._epoch += 1
 
@@ -221,6 +222,7 @@ class TieredRows:
                 self._writing_seqs.discard(seq)
                 self._pending.append(seg)
                 self._pending.sort(key=lambda g: g.seq)
+                self._index_add(seg)
                 self._warm.discard_many(ids // self._chunk_rows)
                 self._epoch += 1
                 self._stats.cleaned_rows += len(ids)
@@ -262,9 +264,50 @@ class TieredRows:
         bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             c = int(chunks[a])
-            recs = self._below(c)
-            out[a:b] = recs[ids[a:b] - c * self._chunk_rows]
+            local = ids[a:b] - c * self._chunk_rows
+            rows = self._rows_below(c, local) if self._sparse_read(c, b - a) else None
+            out[a:b] = rows if rows is not None else self._below(c)[local]
         return out
+
+    # ---- which delta segments hold rows of a chunk ------------------------------------------
+    def _segments_of(self, chunk: int) -> list:
+        """Segments (oldest first) with rows of ``chunk``: a miss looks at these, not at all."""
+        return self._seg_index.get(chunk, ())
+
+    def _index_add(self, seg: Any) -> None:
+        for c in seg.idx_chunk.tolist():
+            lst = self._seg_index.setdefault(c, [])
+            lst.append(seg)
+            if len(lst) > 1 and lst[-2].seq > seg.seq:
+                lst.sort(key=lambda g: g.seq)
+
+    def _index_rebuild(self) -> None:
+        self._seg_index = {}
+        for seg in sorted(self._committed + self._pending, key=lambda g: g.seq):
+            self._index_add(seg)
+
+    def _sparse_read(self, chunk: int, n: int) -> bool:
+        """Read only the wanted rows when few rows of a chunk that is on disk are wanted (random
+        access to a table larger than RAM); a whole-chunk read would multiply the bytes read."""
+        return (self._disk is not None and bool(self._cmap[chunk]) and n * 8 <= self._chunk_rows
+                and chunk not in self._warm)
+
+    def _rows_below(self, chunk: int, local: np.ndarray) -> np.ndarray | None:
+        """Rows ``local`` of ``chunk`` from its raw base file + delta segments; None if LZ4."""
+        recs = self._disk.read_chunk_rows(chunk, int(self._cmap[chunk]), local)
+        if recs is None:
+            return None
+        lo = chunk * self._chunk_rows
+        for seg in self._segments_of(chunk):
+            got = seg.rows_of_chunk(chunk)
+            if got is not None:
+                seg_local = got[0] - lo
+                pos = np.searchsorted(seg_local, local)
+                pos = np.minimum(pos, len(seg_local) - 1)
+                hit = seg_local[pos] == local
+                recs[hit] = got[1][pos[hit]]
+        self._stats.cold_reads += 1
+        return recs
 
     def _below(self, chunk: int) -> np.ndarray:
         """A chunk's records as stored below the hot tier: warm copy, else base + deltas."""
@@ -277,7 +320,7 @@ class TieredRows:
         else:
             recs = self._init_records(chunk, rows)
         lo = chunk * self._chunk_rows
-        for seg in self._committed + self._pending:
+        for seg in self._segments_of(chunk):
             got = seg.rows_of_chunk(chunk)
             if got is not None:
                 recs[got[0] - lo] = got[1]

@@ -82,6 +82,8 @@ class Versioning:
                 self._writing_seqs.discard(seq)
                 self._committed += pending + new
                 self._pending = [p for p in self._pending if p not in pending]
+                for seg in new:
+                    self._index_add(seg)
                 self._version = self._max_version = version
                 self._warm.discard_many(ids // self._chunk_rows)
                 self._epoch += 1
@@ -163,6 +165,7 @@ class Versioning:
         self._cmap = disk.read_chunkmap(m.chunkmap)
         self._cmap_gen = m.chunkmap
         self._committed = [disk.open_segment(s) for s in m.segments]
+        self._index_rebuild()
         self._version = v
         self._max_version = versions[-1]
         self._pins = disk.read_pins()
@@ -257,6 +260,7 @@ class Versioning:
                 # Manifests are never rewritten, so a reader of the current version keeps every file
                 # it uses, and version numbers only move when rows change.
                 self._cmap, self._cmap_gen, self._committed = new_cmap, gen, remaining
+                self._index_rebuild()
                 self._stats.compactions += 1
         # An earlier compaction that no flush published yet is garbage now.
         self._collect_garbage()

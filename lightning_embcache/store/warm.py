@@ -20,6 +20,9 @@ class WarmTier:
         self.hits = 0
         self.misses = 0
 
+    def __contains__(self, chunk: int) -> bool:
+        return chunk in self._items
+
     def get(self, chunk: int) -> np.ndarray | None:
         """The chunk's records as a flat uint8 array (a fresh buffer), or None."""
         item = self._items.get(chunk)
