@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "batches take seconds and it is 1000x away, so one process measures it)")
     p.add_argument("--full-pass-reps", type=int, help="repetitions whose disk-mode processes end with a "
                    "sequential get+update pass over the whole table and a flush (default 1; 0 = none)")
+    p.add_argument("--full-pass-rows", type=int, default=1 << 16, help="rows per batch of the full pass "
+                   "(default 65,536: 32 MiB batches)")
     p.add_argument("--full-pass-cap", type=float, help="seconds before a full pass stops early (default 90; "
                    "quick 10); the rows done are reported")
     p.add_argument("--flush-rounds", type=int, help="flush measurements per workload (default 3; quick 2)")
@@ -140,6 +142,7 @@ def resolve(args: argparse.Namespace) -> dict:
         "naive_reps": d(args.naive_reps, 1, 1),
         "full_pass_reps": d(args.full_pass_reps, 1, 1),
         "full_pass_cap_s": d(args.full_pass_cap, 90.0, 10.0),
+        "full_pass_rows": args.full_pass_rows,
         "flush_rounds": d(args.flush_rounds, 3, 2),
         "flush_batches": d(args.flush_batches, 8, 2),
         "drop_cache": not args.no_drop_cache,
@@ -598,7 +601,7 @@ def main(argv=None) -> int:
                 w = _wcfg(cfg, s, mode, workdir)
                 w.update(rep=rep, seed=cfg["seed"] * 1000 + rep, workloads=wls,
                          full_pass=mode == "disk" and rep < cfg["full_pass_reps"],
-                         full_pass_cap_s=cfg["full_pass_cap_s"])
+                         full_pass_cap_s=cfg["full_pass_cap_s"], full_pass_rows=cfg["full_pass_rows"])
                 items.append(w)
             if len(items) == 1:
                 out[items[0]["system"]] = _worker("run", items[0], tmp, cfg["worker_timeout_s"])
