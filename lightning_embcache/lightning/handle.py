@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from lightning_embcache.lightning.staging import PinnedStaging
+from lightning_embcache.optim.base import RowOptimizer
+from lightning_embcache.trainable import TrainableRows
 
 if TYPE_CHECKING:
     from lightning_embcache.store import EmbeddingStore, StoreStats
@@ -74,6 +76,10 @@ class EmbeddingStoreHandle:
         self.path = path
         self.dtype: torch.dtype = create_options.get("dtype", torch.float32)
         self.optim_config = optim_config
+        self._row_optimizer: RowOptimizer | None = None  # set by add_embedding_store(optimizer=...)
+        self._max_grad_norm: float | None = None
+        self._trainable: TrainableRows | None = None
+        self._manual_steps = 0
         self._create_options = create_options
         self._open_options = open_options
         self._store: EmbeddingStore | None = None
@@ -97,6 +103,7 @@ class EmbeddingStoreHandle:
 
     def get(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for `ids` as a fresh tensor on the module's device, in the store dtype."""
+        self._settle()
         store = self._ensure_open(writable=False)
         rows = store.get(ids.cpu() if ids.device.type != "cpu" else ids)
         device = self._device()
@@ -121,6 +128,7 @@ class EmbeddingStoreHandle:
     def flush(self) -> int:
         """Make all updates durable; returns the store version. Safe to call from another thread."""
         with self._lifecycle:
+            self._settle()
             version = self._ensure_open(writable=True).flush()
             self._target_version, self._target_checksum = None, None
             self._target_from_checkpoint = False
@@ -131,11 +139,52 @@ class EmbeddingStoreHandle:
         return self._ensure_open(writable=False).stats()
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for `ids` that autograd trains through a sparse optimizer (not available yet)."""
-        raise NotImplementedError(
-            f"lookup() on embedding store {self.name!r}: trainable rows need the sparse optimizers of "
-            "lightning_embcache.optim, which the Lightning layer does not wire up yet; use get()/update()"
-        )
+        """Rows for `ids` on the module's device with ``requires_grad=True``: autograd trains them.
+
+        After backward their gradient rows are summed (across micro-batches too) and, at the
+        optimizer step, the store's sparse row-wise optimizer (``optimizer=`` of
+        ``add_embedding_store``) updates exactly those rows and their moments, in the store.
+        """
+        rows = self._trainable_rows("lookup")
+        return rows.lookup(ids.cpu() if ids.device.type != "cpu" else ids, self._device())
+
+    def row_meta(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per row: the step it was last trained at (``last_step``) and how often (``updates``)."""
+        meta = self._trainable_rows("row_meta").row_meta(ids.cpu() if ids.device.type != "cpu" else ids)
+        device = self._device()
+        return {k: v.to(device) for k, v in meta.items()}
+
+    @property
+    def optimizer(self) -> RowOptimizer | None:
+        """The sparse row-wise optimizer of a trainable store (None for direct writes only).
+
+        To schedule its learning rate with Lightning, return ``optimizer.as_torch_optimizer()``
+        from ``configure_optimizers`` with the scheduler, or call ``optimizer.follow(group)``.
+        """
+        return self._row_optimizer
+
+    def step(self, step: int | None = None) -> None:
+        """Apply the collected gradient rows now (manual optimization; automatic does it for you)."""
+        rows = self._trainable_rows("step")
+        rows.collect()
+        self._manual_steps += 1
+        rows.apply(step if step is not None else self._manual_steps)
+
+    def _trainable_rows(self, what: str) -> TrainableRows:
+        if self._row_optimizer is None:
+            raise _store_errors().StoreError(
+                f"{what}() on embedding store {self.name!r} needs trainable rows: declare it with "
+                f"add_embedding_store(..., optimizer='adam', lr=...) (or use get()/update() for direct writes)"
+            )
+        store = self._ensure_open(writable=True)
+        if self._trainable is None or self._trainable.store is not store:
+            self._trainable = TrainableRows(store, self._row_optimizer, max_grad_norm=self._max_grad_norm)
+        return self._trainable
+
+    def _settle(self) -> None:
+        """Run a scheduled row update before anything reads or flushes the rows."""
+        if self._trainable is not None and self._trainable.store is self._store:
+            self._trainable.settle()
 
     def __repr__(self) -> str:
         state = "closed" if self._store is None or self._store.closed else "open"
@@ -244,7 +293,7 @@ class EmbeddingStoreHandle:
     def __getstate__(self) -> dict[str, Any]:
         # Pickled with its module (deepcopy, spawn): the open store, locks and buffers stay behind.
         state = self.__dict__.copy()
-        state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None)
+        state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None, _trainable=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

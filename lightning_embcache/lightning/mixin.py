@@ -14,6 +14,8 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
 from lightning_embcache.lightning.handle import EmbeddingStoreHandle
+from lightning_embcache.optim import make_row_optimizer
+from lightning_embcache.trainable import trainable_fields
 
 log = logging.getLogger(__name__)
 warning_cache = WarningCache()
@@ -87,8 +89,10 @@ class EmbeddingStoreMixin:
             warm_bytes, dtype, chunk_rows, compression, init, seed, init_std, check_finite, fields:
                 passed to ``EmbeddingStore.create`` (``warm_bytes``, ``hot_bytes`` and
                 ``check_finite`` also to ``EmbeddingStore.open``).
-            optimizer, lr, optim_kwargs: trainable rows through :meth:`EmbeddingStoreHandle.lookup`;
-                recorded, not implemented yet.
+            optimizer, lr, optim_kwargs: trainable rows through :meth:`EmbeddingStoreHandle.lookup`:
+                ``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"`` or ``"adamw"`` with their
+                arguments (``momentum``, ``betas``, ``eps``, ``weight_decay``, ...); the moments live
+                beside each row in the store. ``max_grad_norm=`` clips each row's summed gradient.
         """
         stores = self._embcache_stores()
         if not isinstance(name, str) or not name.isidentifier():
@@ -105,6 +109,12 @@ class EmbeddingStoreMixin:
             dtype=dtype, chunk_rows=chunk_rows, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
             compression=compression, init=init, seed=seed, init_std=init_std, check_finite=check_finite,
         )
+        row_optimizer = None
+        max_grad_norm = optim_kwargs.pop("max_grad_norm", None)
+        if optimizer is not None:
+            row_optimizer = make_row_optimizer(optimizer, **optim_kwargs, **({} if lr is None else {"lr": lr}))
+            # optimizer moments and per-row metadata live beside each row, flushed with it
+            fields = {**dict(fields or {}), **trainable_fields(row_optimizer, dim, dtype)}
         if fields:
             create_options["fields"] = dict(fields)
         open_options: dict[str, Any] = dict(hot_bytes=hot_bytes, warm_bytes=warm_bytes, check_finite=check_finite)
@@ -118,6 +128,7 @@ class EmbeddingStoreMixin:
             optim_config=dict(optimizer=optimizer, lr=lr, **optim_kwargs),
             module=self,  # type: ignore[arg-type]
         )
+        handle._row_optimizer, handle._max_grad_norm = row_optimizer, max_grad_norm
         stores[name] = handle
         return handle
 
@@ -147,6 +158,8 @@ class EmbeddingStoreMixin:
             self._embcache_pins(handle).pin(store, version)
             refs[name] = {"path": str(handle.path), "version": version,
                           "manifest_checksum": store.manifest_checksum(version)}
+            if handle.optimizer is not None:
+                refs[name]["row_optimizer"] = handle.optimizer.state_dict()
         checkpoint[CHECKPOINT_KEY] = refs
         self._embcache_install_io()
 
@@ -168,6 +181,8 @@ class EmbeddingStoreMixin:
             if handle is None:
                 warning_cache.warn(f"The checkpoint names embedding store {name!r}, which this module does not add.")
                 continue
+            if handle.optimizer is not None and "row_optimizer" in ref:
+                handle.optimizer.load_state_dict(ref["row_optimizer"])
             if ref.get("version") is None:
                 continue
             if handle.path is None or Path(ref["path"]) != handle.path:
@@ -258,9 +273,29 @@ class _StoreLifecycle(Callback):
     module's own ``setup``/``teardown`` overrides rarely call ``super()``.
     """
 
+    def __init__(self) -> None:
+        self._stepped: dict[str, int] = {}  # handle -> global step its rows were applied at
+
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if isinstance(pl_module, EmbeddingStoreMixin):
             pl_module._embcache_setup(stage)
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        # Take each micro-batch's gradient rows as soon as they exist (accumulation sums them).
+        if isinstance(pl_module, EmbeddingStoreMixin):
+            for handle in pl_module._embcache_stores().values():
+                if handle._trainable is not None:
+                    handle._trainable.collect()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Automatic optimization: the rows step with the model, at the same global step.
+        if isinstance(pl_module, EmbeddingStoreMixin) and pl_module.automatic_optimization:
+            step = trainer.global_step + 1
+            for handle in pl_module._embcache_stores().values():
+                rows = handle._trainable
+                if rows is not None and self._stepped.get(handle.name) != step:
+                    self._stepped[handle.name] = step
+                    rows.apply(step)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if isinstance(pl_module, EmbeddingStoreMixin):

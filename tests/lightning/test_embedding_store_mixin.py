@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from lightning_embcache import EmbeddingStore, EmbeddingStoreMixin, StoreLockedError
+from lightning_embcache import StoreError, EmbeddingStore, EmbeddingStoreMixin, StoreLockedError
 
 from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 
@@ -39,12 +39,17 @@ def test_names_and_options_are_validated(tmp_path):
         model.add_embedding_store("other", 10, 4, hot_byte=1024)  # a typo is not an optimizer option
 
 
-def test_optimizer_options_are_recorded_and_lookup_is_not_implemented_yet(tmp_path):
+def test_optimizer_options_build_the_row_optimizer_and_lookup_needs_one(tmp_path):
     model = tiny_model(tmp_path / "latents")
     handle = model.add_embedding_store("codes", 10, 4, optimizer="adam", lr=0.01, betas=(0.9, 0.99))
     assert handle.optim_config == {"optimizer": "adam", "lr": 0.01, "betas": (0.9, 0.99)}
-    with pytest.raises(NotImplementedError, match="lookup"):
-        handle.lookup(torch.arange(3))
+    assert handle.optimizer.lr == 0.01 and handle.optimizer.state_dict()["betas"] == (0.9, 0.99)
+    z = handle.lookup(torch.arange(3))
+    assert z.requires_grad and z.shape == (3, 4)
+    with pytest.raises(StoreError, match="optimizer="):
+        model.latents.lookup(torch.arange(3))  # declared without an optimizer
+    with pytest.raises(ValueError, match="lr"):
+        model.add_embedding_store("bad", 10, 4, optimizer="adam", lr=-1.0)
 
 
 def test_fit_creates_the_store_flushes_at_the_end_and_releases_it(tmp_path):
