@@ -134,6 +134,12 @@ class EmbeddingStoreHandle:
             self._target_from_checkpoint = False
             return version
 
+    @property
+    def io_wait_seconds(self) -> float:
+        """The store's cumulative ``io_wait_seconds`` without the cost of a full ``stats()``."""
+        store = self._store
+        return store.io_wait_seconds if store is not None and not store.closed else 0.0
+
     def stats(self) -> StoreStats:
         """The store's `StoreStats` (bytes per tier, hits, dirty rows, flushes, ...)."""
         return self._ensure_open(writable=False).stats()

@@ -250,6 +250,11 @@ class EmbeddingStore(TieredRows, Versioning):
     version = property(lambda self: self._version, doc="Version of the last completed flush (0 = as created).")
     field_names = property(lambda self: self._schema.names)
 
+    @property
+    def io_wait_seconds(self) -> float:
+        """Seconds callers spent inside get/update/flush/prefetch so far; O(1), unlike stats()."""
+        return self._io_wait
+
     def field_spec(self, name: str) -> tuple[torch.dtype, int]:
         f = self._schema.fields[name]
         return f.dtype, f.cols
