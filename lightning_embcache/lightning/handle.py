@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_embcache.lightning.staging import PinnedStaging
 from lightning_embcache.optim.base import RowOptimizer
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from lightning_embcache.store import EmbeddingStore, StoreStats
 
 log = logging.getLogger(__name__)
+_sync_warning = WarningCache()
 
 
 def _store_class() -> Any:
@@ -105,7 +107,7 @@ class EmbeddingStoreHandle:
         """Rows for `ids` as a fresh tensor on the module's device, in the store dtype."""
         self._settle()
         store = self._ensure_open(writable=False)
-        rows = store.get(ids.cpu() if ids.device.type != "cpu" else ids)
+        rows = store.get(self._host_ids(ids))
         device = self._device()
         if device.type == "cpu":
             return rows
@@ -114,8 +116,7 @@ class EmbeddingStoreHandle:
     def update(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values` (any device, detached, cast to the store dtype) to rows `ids`."""
         store = self._ensure_open(writable=True)
-        if ids.device.type != "cpu":
-            ids = ids.cpu()
+        ids = self._host_ids(ids)
         values = values.detach()
         if values.device.type != "cpu" or values.dtype != self.dtype:
             values = values.to("cpu", self.dtype)
@@ -123,7 +124,7 @@ class EmbeddingStoreHandle:
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Non-blocking hint: bring rows `ids` into the hot tier before they are needed."""
-        self._ensure_open(writable=False).prefetch(ids.cpu() if ids.device.type != "cpu" else ids)
+        self._ensure_open(writable=False).prefetch(self._host_ids(ids))
 
     def flush(self) -> int:
         """Make all updates durable; returns the store version. Safe to call from another thread."""
@@ -152,11 +153,11 @@ class EmbeddingStoreHandle:
         ``add_embedding_store``) updates exactly those rows and their moments, in the store.
         """
         rows = self._trainable_rows("lookup")
-        return rows.lookup(ids.cpu() if ids.device.type != "cpu" else ids, self._device())
+        return rows.lookup(self._host_ids(ids), self._device())
 
     def row_meta(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per row: the step it was last trained at (``last_step``) and how often (``updates``)."""
-        meta = self._trainable_rows("row_meta").row_meta(ids.cpu() if ids.device.type != "cpu" else ids)
+        meta = self._trainable_rows("row_meta").row_meta(self._host_ids(ids))
         device = self._device()
         return {k: v.to(device) for k, v in meta.items()}
 
@@ -202,6 +203,22 @@ class EmbeddingStoreHandle:
     # ------------------------------------------------------------------ lifecycle (used by the mixin)
     def _bind(self, module: torch.nn.Module) -> None:
         self._module_ref = weakref.ref(module)
+
+    def _host_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` on the host: the batch's own host copy when Lightning moved it to the GPU
+        (no device sync), else a copy (a sync, warned once: pass host ids to avoid it)."""
+        if ids.device.type == "cpu":
+            return ids
+        module = self._module_ref()
+        host = module._embcache_host_copy(ids) if module is not None and hasattr(module, "_embcache_host_copy") else None
+        if host is not None:
+            return host
+        _sync_warning.warn(
+            f"Embedding store {self.name!r} got ids on {ids.device} that are not a tensor of the batch as "
+            "Lightning moved it; copying them to the host synchronizes the device. Pass the batch's ids "
+            "(or a CPU tensor) to get/lookup/update."
+        )
+        return ids.cpu()
 
     def _device(self) -> torch.device:
         module = self._module_ref()

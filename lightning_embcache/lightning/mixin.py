@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import WarningCache
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
 from lightning_embcache.lightning.handle import EmbeddingStoreHandle
@@ -192,6 +193,23 @@ class EmbeddingStoreMixin:
                 )
             handle._open(readonly=not writable, version=int(ref["version"]), checksum=ref.get("manifest_checksum"))
 
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Lightning's transfer, remembering the host copy of every integer tensor in the batch, so
+        that ``get``/``lookup`` of ids that are now on the GPU read the store without a device sync."""
+        moved = super().transfer_batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+        host_ids = self.__dict__.setdefault("_embcache_host_ids", {})
+        host_ids.clear()
+        if device.type != "cpu":
+            before, after = _int_tensors(batch), _int_tensors(moved)
+            if len(before) == len(after):
+                for src, dst in zip(before, after):
+                    if src.device.type == "cpu" and dst.device.type != "cpu":
+                        host_ids[(dst.data_ptr(), tuple(dst.shape))] = src
+        return moved
+
+    def _embcache_host_copy(self, ids: torch.Tensor) -> torch.Tensor | None:
+        return self.__dict__.get("_embcache_host_ids", {}).get((ids.data_ptr(), tuple(ids.shape)))
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[misc]
         for handle in self._embcache_stores().values():
@@ -264,6 +282,12 @@ class EmbeddingStoreMixin:
         self._embcache_uninstall_io(trainer)
         for handle in self._embcache_stores().values():
             handle._release()
+
+
+def _int_tensors(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, lambda t: found.append(t) if not t.is_floating_point() else None)
+    return found
 
 
 class _StoreLifecycle(Callback):
