@@ -1,0 +1,70 @@
+"""Auto-decoder with trainable per-sample latent codes kept in a disk-tiered store.
+
+    python examples/trainable_latents.py            # CPU, about a minute
+    python examples/trainable_latents.py --gpu      # same on one CUDA device, bf16-mixed
+
+Each sample has a 32-dim code; the codes are trained by a sparse row-wise Adam whose moments live
+beside each row in the store (flushed and checkpointed together). The decoder is an ordinary
+module trained by Lightning's optimizer. The loss falls well below what frozen codes reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_embcache import DeferredSync, EmbeddingStoreMixin, StepProfiler
+
+SAMPLES, DIM, OUT = 50_000, 32, 64
+
+
+class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        # 50k x 32 codes (+ Adam moments): a 2 MiB hot budget keeps most of them on disk.
+        self.latents = self.add_embedding_store("latents", num_rows=SAMPLES, dim=DIM, path=path,
+                                                hot_bytes=2 << 20, chunk_rows=256, init="normal",
+                                                init_std=0.01, optimizer="adam", lr=1e-2)
+        self.decoder = torch.nn.Sequential(torch.nn.Linear(DIM, 128), torch.nn.GELU(), torch.nn.Linear(128, OUT))
+
+    def training_step(self, batch, batch_idx):
+        ids, target = batch
+        z = self.latents.lookup(ids)  # rows on the module's device, trained by autograd
+        loss = torch.nn.functional.mse_loss(self.decoder(z), target)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.decoder.parameters(), lr=1e-3)
+
+
+def synthetic(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randn(SAMPLES, 8, generator=g)
+    mix = torch.randn(8, OUT, generator=g)
+    return TensorDataset(torch.arange(SAMPLES), torch.tanh(codes @ mix))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoDecoder(f"{tmp}/latents")
+        trainer = L.Trainer(max_epochs=args.epochs, accelerator="cuda" if args.gpu else "cpu", devices=1,
+                            precision="bf16-mixed" if args.gpu else "32-true", logger=False,
+                            enable_checkpointing=False,
+                            callbacks=[DeferredSync(every_n_epochs=1), StepProfiler(log_every_n_steps=50)])
+        trainer.fit(model, DataLoader(synthetic(), batch_size=512, shuffle=True))
+        meta = model.latents.row_meta(torch.arange(SAMPLES))
+        print(f"rows trained: {int((meta['updates'] > 0).sum())} of {SAMPLES}; "
+              f"store: {model.latents.stats().disk_bytes / 2**20:.1f} MiB on disk")
+
+
+if __name__ == "__main__":
+    main()
