@@ -9,9 +9,7 @@ and their state, `RowOptimizer.step`, scatter back. The store does the same with
 from __future__ import annotations
 
 import math
-import mmap
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,8 +18,8 @@ from lightning_embcache.optim import fused_cpu
 from lightning_embcache.optim.coalesce import check_rows, coalesce
 from lightning_embcache.optim.fused import fused_adam_step_rows, fused_available
 from lightning_embcache.store.errors import InvalidArgumentError
+from lightning_embcache.store.memory import HUGE_PAGE, PageBuffer
 
-HUGE_PAGE = 2 << 20
 
 
 #: rows per gather-update-scatter pass on CPU: the gathered rows, moments and temporaries of one
@@ -85,15 +83,9 @@ def empty_hugepage(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = max(math.prod(shape) * itemsize, 1)
-    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    array = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
-    tensor = torch.from_numpy(array).view(dtype).view(shape)   # keeps array (and buf) alive
+    # the store's huge-page buffer (2 MiB-rounded anonymous mapping, MADV_HUGEPAGE, safe fallback)
+    array = PageBuffer(-(-nbytes // HUGE_PAGE) * HUGE_PAGE).array[:nbytes]
+    tensor = torch.from_numpy(array).view(dtype).view(shape)   # keeps array (and its mapping) alive
     if fill is not None:
         tensor.fill_(fill)
     return tensor
