@@ -204,6 +204,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._prefetcher: ThreadPoolExecutor | None = None
         self._bg_futures: dict[str, Future] = {}
         self._bg_error: BaseException | None = None
+        self._ids_cache: tuple | None = None  # (tensor, version, data_ptr, validated ids)
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
@@ -264,7 +265,7 @@ class EmbeddingStore(TieredRows, Versioning):
         """Rows of ``ids`` as a new (len(ids), dim) CPU tensor in the storage dtype."""
         t0 = time.perf_counter()
         self._check_usable()
-        idx = as_ids(ids, self._num_rows)
+        idx = self._valid_ids(ids)
         with self._lock:
             try:
                 out = self._take(self._resolve(idx, load=True), "weight")
@@ -281,7 +282,7 @@ class EmbeddingStore(TieredRows, Versioning):
         # Memory mode, weights only: the per-step path, kept to one validation pass per argument.
         t0 = time.perf_counter()
         self._check_usable(write=True)
-        idx = as_ids(ids, self._num_rows)
+        idx = self._valid_ids(ids)
         v = as_values(values, len(idx), self._schema.dim, self._schema.dtype, arg="values",
                       check_finite=self._check_finite)
         with self._lock:
@@ -294,7 +295,7 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable()
         names = self._check_names(names)
-        idx = as_ids(ids, self._num_rows)
+        idx = self._valid_ids(ids)
         with self._lock:
             try:
                 out = self._gather(self._resolve(idx, load=True), names)
@@ -311,7 +312,7 @@ class EmbeddingStore(TieredRows, Versioning):
         if not isinstance(values, Mapping) or not values:
             raise InvalidTypeError("values must be a non-empty mapping of field name -> tensor")
         names = self._check_names(tuple(values))
-        idx = as_ids(ids, self._num_rows)
+        idx = self._valid_ids(ids)
         vals = {}
         for n in names:
             dtype, cols = self.field_spec(n)
@@ -336,13 +337,26 @@ class EmbeddingStore(TieredRows, Versioning):
     def prefetch(self, ids: Any) -> None:
         """Hint: bring these rows into the hot tier in the background; returns at once."""
         self._check_usable()
-        idx = as_ids(ids, self._num_rows).copy()
+        idx = self._valid_ids(ids).copy()
         if self._disk is None:
             return
         with self._lock:
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
             self._prefetcher.submit(self._prefetch, idx)
+
+    def _valid_ids(self, ids: Any) -> np.ndarray:
+        """``as_ids``, remembered for the last tensor: a training step's update(ids, ...) after its
+        get(ids) does not validate the same ids again. Tensor's version counter moves on any
+        in-place change, so a modified tensor is validated anew."""
+        if type(ids) is torch.Tensor:
+            cached = self._ids_cache
+            if cached is not None and cached[0] is ids and cached[1] == ids._version and cached[2] == ids.data_ptr():
+                return cached[3]
+            arr = as_ids(ids, self._num_rows)
+            self._ids_cache = (ids, ids._version, ids.data_ptr(), arr)
+            return arr
+        return as_ids(ids, self._num_rows)
 
     # ------------------------------------------------------------------ stats, lifecycle
     def stats(self) -> StoreStats:
