@@ -14,6 +14,16 @@ import sys
 import time
 
 
+def _vm_hwm() -> int:
+    """Peak RSS of this process image (VmHWM). Not ru_maxrss: Linux carries the forking parent's
+    high-water mark into it across fork+exec, so a big pytest parent would count as ours."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main() -> None:
     import numpy as np
     import psutil
@@ -46,7 +56,7 @@ def main() -> None:
                 s.flush()
             peak = max(peak, proc.memory_info().rss)
         st = s.stats()
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    maxrss = _vm_hwm()
     print(json.dumps({"base": base, "peak": max(peak, maxrss), "peak_sampled": peak, "steps": steps,
                       "touched": float(touched.mean()), "hot_bytes": st.hot_bytes, "warm_bytes": st.warm_bytes,
                       "cold_reads": st.cold_reads}))
