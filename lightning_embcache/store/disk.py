@@ -54,6 +54,7 @@ class Segment:
     row_bytes: int
     nbytes: int = 0
     _fd: int | None = field(default=None, repr=False)
+    _verified: np.ndarray | None = field(default=None, repr=False)  # index entries checksum-verified
 
     def rows_of_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(ids, records) this segment holds for ``chunk``, checksum-verified; None if none."""
@@ -65,6 +66,36 @@ class Segment:
         if crc32(data) != int(self.idx_crc[i]):
             raise CorruptStoreError(self.path, f"records of chunk {chunk} fail their checksum")
         return self.ids[start : start + count], np.frombuffer(data, np.uint8).reshape(count, self.row_bytes)
+
+    def rows_for(self, chunk: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(mask of ``ids`` this segment holds, their records); None if it holds none of them.
+
+        The first read of a chunk's range verifies the whole range's checksum; later reads of that
+        range fetch single records (random access to a large table reads each range in full once
+        per open, then only the rows it asks for).
+        """
+        i = int(np.searchsorted(self.idx_chunk, chunk))
+        if i >= len(self.idx_chunk) or self.idx_chunk[i] != chunk:
+            return None
+        start, count = int(self.idx_start[i]), int(self.idx_count[i])
+        mine = self.ids[start : start + count]
+        pos = np.minimum(np.searchsorted(mine, ids), count - 1)
+        hit = mine[pos] == ids
+        if not hit.any():
+            return None
+        rb = self.row_bytes
+        if self._verified is None:
+            self._verified = np.zeros(len(self.idx_chunk), np.bool_)
+        if not self._verified[i]:
+            data = self._read(self.records_offset + start * rb, count * rb)
+            if crc32(data) != int(self.idx_crc[i]):
+                raise CorruptStoreError(self.path, f"records of chunk {chunk} fail their checksum")
+            self._verified[i] = True
+            return hit, np.frombuffer(data, np.uint8).reshape(count, rb)[pos[hit]]
+        out = np.empty((int(hit.sum()), rb), np.uint8)
+        for k, p in enumerate(pos[hit].tolist()):
+            out[k] = np.frombuffer(self._read(self.records_offset + (start + p) * rb, rb), np.uint8)
+        return hit, out
 
     def read_all(self) -> np.ndarray:
         recs = np.empty((len(self.ids), self.row_bytes), np.uint8)

@@ -287,26 +287,44 @@ class TieredRows:
             self._index_add(seg)
 
     def _sparse_read(self, chunk: int, n: int) -> bool:
-        """Read only the wanted rows when few rows of a chunk that is on disk are wanted (random
-        access to a table larger than RAM); a whole-chunk read would multiply the bytes read."""
-        return (self._disk is not None and bool(self._cmap[chunk]) and n * 8 <= self._chunk_rows
-                and chunk not in self._warm)
+        """Read only the wanted rows when few rows of a chunk are wanted (random access to a table
+        larger than RAM); a whole-chunk read would multiply the bytes read."""
+        return self._disk is not None and n * 8 <= self._chunk_rows and chunk not in self._warm
 
     def _rows_below(self, chunk: int, local: np.ndarray) -> np.ndarray | None:
-        """Rows ``local`` of ``chunk`` from its raw base file + delta segments; None if LZ4."""
-        recs = self._disk.read_chunk_rows(chunk, int(self._cmap[chunk]), local)
-        if recs is None:
+        """Rows ``local`` of ``chunk``: raw base rows (or initial values) + delta segments; None if
+        the chunk must be read whole (LZ4 base, or a per-chunk random init)."""
+        if self._cmap[chunk]:
+            recs = self._disk.read_chunk_rows(chunk, int(self._cmap[chunk]), local)
+            if recs is None:
+                return None
+        elif self._init_kind == "normal":
             return None
+        else:
+            recs = self._init_rows(chunk * self._chunk_rows + local)
         lo = chunk * self._chunk_rows
         for seg in self._segments_of(chunk):
-            got = seg.rows_of_chunk(chunk)
+            got = seg.rows_for(chunk, local + lo)
             if got is not None:
-                seg_local = got[0] - lo
-                pos = np.searchsorted(seg_local, local)
-                pos = np.minimum(pos, len(seg_local) - 1)
-                hit = seg_local[pos] == local
-                recs[hit] = got[1][pos[hit]]
+                recs[got[0]] = got[1]
         self._stats.cold_reads += 1
+        return recs
+
+    def _init_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Records of never-written ``ids`` for zeros or callable init (no whole chunk needed)."""
+        recs = np.zeros((len(ids), self._row_bytes), np.uint8)
+        t = torch.from_numpy(recs)
+        if self._init_kind == "callable":
+            vals = self._init_fn(torch.from_numpy(ids))
+            if not isinstance(vals, torch.Tensor) or tuple(vals.shape) != (len(ids), self.dim):
+                raise InvalidArgumentError(
+                    f"init(ids) must return a tensor of shape ({len(ids)}, {self.dim}); got "
+                    f"{tuple(vals.shape) if isinstance(vals, torch.Tensor) else type(vals).__name__}"
+                )
+            self._schema.view(t, "weight")[:] = vals.detach().cpu().to(self.dtype)
+        for f in self._schema.fields.values():
+            if f.name != "weight" and f.fill:
+                self._schema.view(t, f.name)[:] = f.fill
         return recs
 
     def _below(self, chunk: int) -> np.ndarray:
