@@ -48,6 +48,9 @@ PathLike = Union[str, os.PathLike, None]
 
 _LIVE: "weakref.WeakSet[EmbeddingStore]" = weakref.WeakSet()
 
+# Disk mode serves get/update calls larger than this in slices: bounded temporaries per call.
+SLICE_ROWS = 8192
+
 
 class EmbeddingStore(TieredRows, Versioning):
     """Rows keyed by int id with byte-budgeted tiers and crash-safe, versioned flushes.
@@ -266,11 +269,11 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable()
         idx = self._valid_ids(ids)
-        with self._lock:
-            try:
-                out = self._take(self._resolve(idx, load=True), "weight")
-            except TooLarge as big:
-                out = self._gather_direct(idx, big.slots, big.mids, big.records, ("weight",))["weight"]
+        if not self._hot.resident and len(idx) > SLICE_ROWS:
+            out = self._sliced_get(idx, ("weight",))["weight"]
+        else:
+            with self._lock:
+                out = self._read_rows(idx, ("weight",))["weight"]
         self._stats.gets += 1
         self._io_wait += time.perf_counter() - t0
         return out
@@ -296,11 +299,11 @@ class EmbeddingStore(TieredRows, Versioning):
         self._check_usable()
         names = self._check_names(names)
         idx = self._valid_ids(ids)
-        with self._lock:
-            try:
-                out = self._gather(self._resolve(idx, load=True), names)
-            except TooLarge as big:
-                out = self._gather_direct(idx, big.slots, big.mids, big.records, names)
+        if not self._hot.resident and len(idx) > SLICE_ROWS:
+            out = self._sliced_get(idx, names)
+        else:
+            with self._lock:
+                out = self._read_rows(idx, names)
         self._stats.gets += 1
         self._io_wait += time.perf_counter() - t0
         return out
@@ -318,16 +321,22 @@ class EmbeddingStore(TieredRows, Versioning):
             dtype, cols = self.field_spec(n)
             arg = "values" if n == "weight" and len(names) == 1 else f"values[{n!r}]"
             vals[n] = as_values(values[n], len(idx), cols, dtype, arg=arg, check_finite=self._check_finite)
-        if len(idx):
-            full = set(names) == set(self._schema.names)
+        full = set(names) == set(self._schema.names)
+        # Disk mode takes a big call in slices, so the store's own temporaries (fetched records,
+        # write-backs) stay bounded whatever the caller's batch size. Slices run in order: of
+        # duplicate ids the last still wins.
+        step = SLICE_ROWS if not self._hot.resident else max(len(idx), 1)
+        for a in range(0, len(idx), step):
+            part = idx[a : a + step]
+            pvals = vals if step >= len(idx) else {n: v[a : a + step] for n, v in vals.items()}
             with self._lock:
-                slots = self._resolve(idx, load=not full, for_write=True, values=vals)
+                slots = self._resolve(part, load=not full, for_write=True, values=pvals)
                 if slots is not None:
-                    self._scatter(slots, vals)
+                    self._scatter(slots, pvals)
                 if not self._hot.resident:
                     # Keep evictions cheap for the training thread: once about half the hot slots
                     # may be dirty, write the cold ones back in the background.
-                    self._dirty_estimate += len(idx)
+                    self._dirty_estimate += len(part)
                     if self._dirty_estimate > self._hot.limit // 2:
                         self._dirty_estimate = 0
                         self._submit_bg(self._clean)
@@ -344,6 +353,22 @@ class EmbeddingStore(TieredRows, Versioning):
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
             self._prefetcher.submit(self._prefetch, idx)
+
+    def _read_rows(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Fields of ``idx``, filling misses; caller holds the lock."""
+        try:
+            return self._gather(self._resolve(idx, load=True), names)
+        except TooLarge as big:
+            return self._gather_direct(idx, big.slots, big.mids, big.records, names)
+
+    def _sliced_get(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        out = {n: torch.empty((len(idx), self.field_spec(n)[1]), dtype=self.field_spec(n)[0]) for n in names}
+        for a in range(0, len(idx), SLICE_ROWS):
+            with self._lock:
+                part = self._read_rows(idx[a : a + SLICE_ROWS], names)
+            for n in names:
+                out[n][a : a + SLICE_ROWS] = part[n]
+        return out
 
     def _valid_ids(self, ids: Any) -> np.ndarray:
         """``as_ids``, remembered for the last tensor: a training step's update(ids, ...) after its
