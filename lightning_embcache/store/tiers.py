@@ -198,34 +198,45 @@ class TieredRows:
                 take = cold if len(cold) >= len(slots) // 2 else slots
                 if len(take) < max(1, hot.limit // 8):
                     return
-                ids = hot.id_of[take]
-                order = np.argsort(ids, kind="stable")
-                ids, take = ids[order], take[order]
-                records = self._snapshot_reader(take)
-                hot.dirty[take] = 0
-                hot.inflight[take] = True
-                seq = self._next_seq
-                self._next_seq += 1
-                self._writing_seqs.add(seq)
+                ids, take, records, seq = self._begin_write_back(take)
             try:
                 seg = self._disk.write_segment(seq, ids, records, durable=False)
             except BaseException:
-                with self._lock:
-                    hot.dirty[take] = 1
-                    hot.inflight[take] = False
-                    self._cow = None
-                    self._writing_seqs.discard(seq)
+                self._end_write_back(take, seq, ok=False)
                 raise
             with self._lock:
-                hot.inflight[take] = False
-                self._cow = None
-                self._writing_seqs.discard(seq)
+                self._end_write_back(take, seq, ok=True)
                 self._pending.append(seg)
                 self._pending.sort(key=lambda g: g.seq)
                 self._index_add(seg)
                 self._warm.discard_many(ids // self._chunk_rows)
                 self._epoch += 1
                 self._stats.cleaned_rows += len(ids)
+
+    def _begin_write_back(self, slots: np.ndarray):
+        """Start writing dirty ``slots`` out (caller holds the lock): their ids sorted, a
+        copy-on-write reader of their records, a segment number. They stop being dirty and cannot
+        be evicted until `_end_write_back`."""
+        hot = self._hot
+        ids = slots if hot.resident else hot.id_of[slots]
+        order = np.argsort(ids, kind="stable")
+        ids, slots = ids[order], slots[order]
+        records = self._snapshot_reader(slots)
+        hot.dirty[slots] = 0
+        hot.inflight[slots] = True
+        seq = self._next_seq
+        self._next_seq += 1
+        self._writing_seqs.add(seq)
+        return ids, slots, records, seq
+
+    def _end_write_back(self, slots: np.ndarray, seq: int, *, ok: bool) -> None:
+        """Finish `_begin_write_back`; on failure the rows are dirty again (nothing is lost)."""
+        with self._lock:
+            if not ok:
+                self._hot.dirty[slots] = 1
+            self._hot.inflight[slots] = False
+            self._cow = None
+            self._writing_seqs.discard(seq)
 
     def _write_around(self, idx, mids, values, load: bool) -> None:
         """A write too large for the hot tier: merge it with stored rows and write back directly."""

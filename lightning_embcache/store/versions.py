@@ -50,15 +50,7 @@ class Versioning:
                 slots = np.flatnonzero(hot.dirty)
                 if not len(slots) and not self._pending:
                     return self._version
-                ids = slots if hot.resident else hot.id_of[slots]
-                order = np.argsort(ids, kind="stable")
-                ids, slots = ids[order], slots[order]
-                records = self._snapshot_reader(slots)
-                hot.dirty[slots] = 0
-                hot.inflight[slots] = True
-                seq = self._next_seq
-                self._next_seq += 1
-                self._writing_seqs.add(seq)
+                ids, slots, records, seq = self._begin_write_back(slots)
                 pending = list(self._pending)
                 version = self._max_version + 1
                 segs = [s.seq for s in self._committed] + [p.seq for p in pending]
@@ -70,16 +62,10 @@ class Versioning:
                 self._parent = self._version
                 self._disk.write_manifest(m)
             except BaseException:
-                with self._lock:
-                    hot.dirty[slots] = 1
-                    hot.inflight[slots] = False
-                    self._cow = None
-                    self._writing_seqs.discard(seq)
+                self._end_write_back(slots, seq, ok=False)
                 raise
             with self._lock:
-                hot.inflight[slots] = False
-                self._cow = None
-                self._writing_seqs.discard(seq)
+                self._end_write_back(slots, seq, ok=True)
                 self._committed += pending + new
                 self._pending = [p for p in self._pending if p not in pending]
                 for seg in new:
