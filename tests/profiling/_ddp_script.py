@@ -1,7 +1,8 @@
 """A real 2-process DDP fit on CPU (Gloo) with a straggler: rank 1's forward costs 25 ms more.
 
-Run as `python _ddp_script.py OUT.json`; Lightning's DDP launcher starts rank 1 by re-running
-this script. Rank 0 writes the profiler's summary and its logged metrics to OUT.json.
+Run as `python _ddp_script.py OUT.json [ACCELERATOR STRATEGY]` (default `cpu ddp`: Gloo; `cuda ddp`
+is NCCL, `cuda fsdp` FSDP); Lightning's launcher starts rank 1 by re-running this script. Rank 0
+writes the profiler's summary and its logged metrics to OUT.json.
 """
 
 import json
@@ -25,12 +26,12 @@ class Straggler(CostModel):
         return super().training_step(batch, batch_idx)
 
 
-def main(out: str) -> None:
+def main(out: str, accelerator: str = "cpu", strategy: str = "ddp") -> None:
     cost = Cost()
     logger = mock.Mock()
     logger.save_dir = logger.log_dir = os.path.dirname(out)
     profiler = StepProfiler(log_every_n_steps=4, report=True)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=logger,
+    trainer = L.Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=2, logger=logger,
                         callbacks=[profiler], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
     # 16 batches -> 8 per rank per epoch (DistributedSampler over whole-batch items)
@@ -43,4 +44,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

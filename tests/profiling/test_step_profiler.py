@@ -269,10 +269,9 @@ def test_real_clock_matches_independent_wall_and_loader_time():
     assert ph["forward"] >= 2.0 and ph["backward"] >= 1.0 and ph["optimizer"] >= 1.0, ph
 
 
-@pytest.mark.slow  # two fresh interpreters import torch+lightning: ~30-40 s on the shared 2-core box
-def test_ddp_two_processes_gloo_reports_the_straggler(tmp_path):
-    """A real Trainer(strategy="ddp", accelerator="cpu", devices=2): one collective per interval,
-    every rank joins, and the slow rank is named."""
+def _two_rank_straggler(tmp_path, accelerator="cpu", strategy="ddp"):
+    """A real 2-rank Trainer (default: DDP on CPU with Gloo): one collective per interval, every
+    rank joins, and the slow rank is named."""
     import json
     import os
     import subprocess
@@ -281,8 +280,8 @@ def test_ddp_two_processes_gloo_reports_the_straggler(tmp_path):
     out = tmp_path / "ddp.json"
     script = os.path.join(os.path.dirname(__file__), "_ddp_script.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, script, str(out)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run([sys.executable, script, str(out), accelerator, strategy], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["summary"]
@@ -301,6 +300,18 @@ def test_ddp_two_processes_gloo_reports_the_straggler(tmp_path):
         assert m["profile/slowest_rank"] == 1.0
     assert "slowest rank (last epoch): 1" in proc.stdout + proc.stderr
 
+
+@pytest.mark.slow  # two fresh interpreters import torch+lightning: ~30-40 s on the shared 2-core box
+def test_ddp_two_processes_gloo_reports_the_straggler(tmp_path):
+    _two_rank_straggler(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_gpus_report_the_straggler(tmp_path, strategy):
+    """NCCL DDP and FSDP: CUDA-event phases reduced across ranks, the slow rank named."""
+    _two_rank_straggler(tmp_path, "cuda", strategy)
 
 def test_a_profiler_with_its_own_profile_method_keeps_it():
     from contextlib import contextmanager
