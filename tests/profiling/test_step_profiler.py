@@ -293,7 +293,10 @@ def _two_rank_straggler(tmp_path, accelerator="cpu", strategy="ddp"):
         assert e["phases_max_ms"]["forward"] >= 25.0, e
         assert e["phases_max_ms"]["forward"] - e["phases_ms"]["forward"] >= 10.0, e
         assert e["rank_spread_pct"] > 50.0, e
-        assert abs(sum(e["phases_ms"].values()) - e["avg_batch_ms"]) < 1e-6
+        # CPU: phases are host intervals that tile the step exactly. CUDA: device phases come from
+        # events and the step from the host clock; 2 x H200, NCCL, 2026-11-26: 2.2% apart.
+        tol = 1e-6 if accelerator == "cpu" else 0.03 * e["avg_batch_ms"]
+        assert abs(sum(e["phases_ms"].values()) - e["avg_batch_ms"]) < tol, e
     assert len(res["logged"]) == 4  # 16 batches per rank / log_every_n_steps=4
     for m in res["logged"]:
         assert set(m) == LOGGED_KEYS
