@@ -269,11 +269,15 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable()
         idx = self._valid_ids(ids)
-        if not self._hot.resident and len(idx) > SLICE_ROWS:
+        hot = self._hot
+        if not hot.resident and len(idx) > SLICE_ROWS:
             out = self._sliced_get(idx, ("weight",))["weight"]
         else:
             with self._lock:
-                out = self._read_rows(idx, ("weight",))["weight"]
+                if hot.resident and hot.all_loaded:  # memory mode, steady state: one gather
+                    out = self._take(idx, "weight")
+                else:
+                    out = self._read_rows(idx, ("weight",))["weight"]
         self._stats.gets += 1
         self._io_wait += time.perf_counter() - t0
         return out
