@@ -97,15 +97,6 @@ class Segment:
             out[k] = np.frombuffer(self._read(self.records_offset + (start + p) * rb, rb), np.uint8)
         return hit, out
 
-    def read_all(self) -> np.ndarray:
-        recs = np.empty((len(self.ids), self.row_bytes), np.uint8)
-        for i in range(len(self.idx_chunk)):
-            got = self.rows_of_chunk(int(self.idx_chunk[i]))
-            assert got is not None
-            s = int(self.idx_start[i])
-            recs[s : s + len(got[0])] = got[1]
-        return recs
-
     def _read(self, offset: int, n: int) -> bytes:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)

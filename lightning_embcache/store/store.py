@@ -191,7 +191,6 @@ class EmbeddingStore(TieredRows, Versioning):
         self._reader_fd: int | None = None  # read-only handles: shared flock on their version
         self._stats = StoreStats()
         self._io_wait = 0.0
-        self._epoch = 0  # bumped whenever the below-hot view of some rows changes
         self._seg_index: dict[int, list[Segment]] = {}  # chunk -> segments holding its rows
         self._committed: list[Segment] = []
         self._pending: list[Segment] = []

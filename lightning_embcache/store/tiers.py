@@ -179,7 +179,6 @@ class TieredRows:
         self._pending.sort(key=lambda g: g.seq)
         self._index_add(seg)
         self._warm.discard_many(ids // self._chunk_rows)
-        self._epoch += 1
 
     def _clean(self) -> None:
         """Background write-back: turn dirty hot rows that are not recently used into clean ones.
@@ -210,7 +209,6 @@ class TieredRows:
                 self._pending.sort(key=lambda g: g.seq)
                 self._index_add(seg)
                 self._warm.discard_many(ids // self._chunk_rows)
-                self._epoch += 1
                 self._stats.cleaned_rows += len(ids)
 
     def _begin_write_back(self, slots: np.ndarray):

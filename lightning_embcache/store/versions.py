@@ -72,7 +72,6 @@ class Versioning:
                     self._index_add(seg)
                 self._version = self._max_version = version
                 self._warm.discard_many(ids // self._chunk_rows)
-                self._epoch += 1
                 self._stats.flushes += 1
                 self._stats.flushed_rows += len(ids)
             self._apply_retention()
