@@ -29,10 +29,12 @@ class HotTier:
         self.pool_np = self.pool.numpy()
         self.dirty = zeros(self.capacity, np.uint8)
         self.inflight = zeros(self.capacity, np.bool_)
+        # memory mode's steady state (every chunk loaded): lookups and the store's get/update skip
+        # all residency checks. Never true for a cache of slots.
+        self.all_loaded = False
         if self.resident:
             num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
             self.loaded = zeros(num_chunks, np.bool_)
-            self.all_loaded = False  # steady state of memory mode: lookups skip the chunk check
         else:
             self.slot_of = zeros(num_rows, np.int32)  # slot + 1; 0 = not resident
             self.id_of = np.full(self.capacity, -1, np.int64)

@@ -36,7 +36,7 @@ from .errors import (
 from .hot import SLOT_OVERHEAD, HotTier
 from .schema import DTYPES, Schema
 from .stats import StoreStats
-from .tiers import TieredRows, TooLarge
+from .tiers import TieredRows, TooLarge, to_np
 from .validate import as_ids, as_values, budget, positive_int
 from .versions import Versioning
 from .warm import WarmTier
@@ -237,6 +237,11 @@ class EmbeddingStore(TieredRows, Versioning):
             self._hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
             self._hot.all_loaded = True
         self._np_views = {n: self._field_np(n) for n in self._schema.names}
+        # memory mode's per-step paths read these instead of walking the schema on every call
+        self._weight_np = self._np_views["weight"]
+        self._weight_t = torch.from_numpy(self._weight_np)
+        self._weight_bf16 = self._schema.dtype == torch.bfloat16
+        self._weight_only = len(self._schema.fields) == 1
         self._closed = False
         _LIVE.add(self)
 
@@ -267,23 +272,33 @@ class EmbeddingStore(TieredRows, Versioning):
         """Rows of ``ids`` as a new (len(ids), dim) CPU tensor in the storage dtype."""
         t0 = time.perf_counter()
         self._check_usable()
-        idx = self._valid_ids(ids)
         hot = self._hot
-        if not hot.resident and len(idx) > SLICE_ROWS:
+        if hot.all_loaded and type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.is_cpu \
+                and ids.dim() == 1:
+            # Memory mode's steady state: one gather that checks its own bounds (negative ids too),
+            # so the ids are validated without a pass of their own, on torch's intra-op threads.
+            out = self._gather_checked(ids)
+            self._stats.gets += 1
+            self._io_wait += time.perf_counter() - t0
+            return out
+        idx = self._valid_ids(ids)
+        if hot.all_loaded:
+            with self._lock:
+                out = torch.from_numpy(self._weight_np.take(idx, axis=0))
+            if self._weight_bf16:
+                out = out.view(torch.bfloat16)
+        elif not hot.resident and len(idx) > SLICE_ROWS:
             out = self._sliced_get(idx, ("weight",))["weight"]
         else:
             with self._lock:
-                if hot.resident and hot.all_loaded:  # memory mode, steady state: one gather
-                    out = self._take(idx, "weight")
-                else:
-                    out = self._read_rows(idx, ("weight",))["weight"]
+                out = self._read_rows(idx, ("weight",))["weight"]
         self._stats.gets += 1
         self._io_wait += time.perf_counter() - t0
         return out
 
     def update(self, ids: Any, values: Any) -> None:
         """Write rows; of duplicate ids in one call the last one wins. Not durable until flush()."""
-        if len(self._schema.fields) > 1 or not self._hot.resident:
+        if not self._weight_only or not self._hot.resident:
             return self.update_fields(ids, {"weight": values})
         # Memory mode, weights only: the per-step path, kept to one validation pass per argument.
         t0 = time.perf_counter()
@@ -292,7 +307,11 @@ class EmbeddingStore(TieredRows, Versioning):
         v = as_values(values, len(idx), self._schema.dim, self._schema.dtype, arg="values",
                       check_finite=self._check_finite)
         with self._lock:
-            self._scatter(self._resolve(idx, load=True), {"weight": v})
+            if self._hot.all_loaded and self._cow is None:  # steady state: one scatter + dirty marks
+                self._weight_np[idx] = to_np(v)
+                self._hot.dirty[idx] = 1
+            else:
+                self._scatter(self._resolve(idx, load=True), {"weight": v})
         self._stats.updates += 1
         self._io_wait += time.perf_counter() - t0
 
@@ -373,6 +392,17 @@ class EmbeddingStore(TieredRows, Versioning):
                 out[n][a : a + SLICE_ROWS] = part[n]
         return out
 
+    def _gather_checked(self, ids: torch.Tensor) -> torch.Tensor:
+        try:
+            with self._lock:
+                out = torch.index_select(self._weight_t, 0, ids)
+        except (IndexError, RuntimeError):
+            as_ids(ids, self._num_rows)  # raises the store's own error, naming the bad id
+            raise
+        # these ids are now known good: update(ids, ...) of the same step skips validating them
+        self._ids_cache = (ids, ids._version, ids.data_ptr(), ids.numpy())
+        return out.view(torch.bfloat16) if self._weight_bf16 else out
+
     def _valid_ids(self, ids: Any) -> np.ndarray:
         """``as_ids``, remembered for the last tensor: a training step's update(ids, ...) after its
         get(ids) does not validate the same ids again. Tensor's version counter moves on any
@@ -420,6 +450,7 @@ class EmbeddingStore(TieredRows, Versioning):
                 s.close()
             self._hot.close()
             self._np_views = {}
+            self._weight_np = self._weight_t = None
         self._release_lock()
         Disk.unlock_reader(self._reader_fd)
         self._reader_fd = None

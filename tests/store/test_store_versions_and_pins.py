@@ -137,3 +137,22 @@ def test_disk_use_with_a_pinned_version_adds_at_most_its_footprint(shm_path):
                 assert now <= bound, (
                     f"with one pinned version ({pinned_footprint} B) disk use is {now} B > {bound}: {_breakdown(s)}"
                 )
+
+
+def test_flush_after_compact_publishes_the_compacted_layout(shm_path):
+    """compact() then flush() with no new rows publishes the base-chunk layout as a new version
+    holding the same rows; without it every reopen would find the old segments and compact again."""
+    path = shm_path / "store"
+    rows = torch.randn(N, DIM)
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as store:
+        store.update(torch.arange(N), rows)
+        v1 = store.flush()
+        assert store.stats().segments == 1
+        store.compact()
+        v2 = store.flush()
+        assert v2 > v1, "a compaction's layout was not published"
+        assert store.flush() == v2, "a flush with nothing new moved the version"
+    with EmbeddingStore.open(path) as store:
+        assert store.version == v2
+        assert store.stats().segments == 0, "reopening found the pre-compaction segments"
+        assert torch.equal(store.get(torch.arange(N)), rows)
