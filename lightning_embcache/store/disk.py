@@ -489,15 +489,18 @@ class Disk:
         return segs, gens, files
 
     def collect_garbage(self, keep_versions: list[int], keep_segments: set[int], keep_gens: set[int],
-                        new_seq: int, new_gen: int, *, remove_temp: bool) -> int:
+                        new_seq: int, new_gen: int, *, remove_temp: bool,
+                        keep_files: set[tuple[int, int]] = frozenset()) -> int:
         """Delete files no kept version uses (crash leftovers, compacted deltas); return bytes freed.
 
-        ``keep_segments``/``keep_gens`` protect what the live store uses or is writing right now;
-        temporary files are only removed when no write of this process can be in progress.
+        ``keep_segments``/``keep_gens``/``keep_files`` ((chunk, gen) pairs) protect what the live
+        store uses or is writing right now; temporary files are only removed when no write of this
+        process can be in progress.
         """
         segs, gens, files = self.referenced(keep_versions)
         segs |= keep_segments
         gens |= keep_gens
+        files = files | set(keep_files)
         freed = 0
 
         def drop(p: Path) -> None:

@@ -265,9 +265,14 @@ class Versioning:
         with self._lock:
             live_segs = {s.seq for s in self._committed + self._pending} | self._writing_seqs
             gens = {self._cmap_gen} | self._writing_gens
+            # The chunk files the live layout reads: after two compactions with no flush between,
+            # it still uses chunks of the first one's generation, which no manifest lists yet.
+            used = np.flatnonzero(self._cmap)
+            live_files = set(zip(used.tolist(), self._cmap[used].tolist()))
             # Anything numbered from here on is written after this snapshot: never garbage.
             new_seq, new_gen = self._next_seq, self._next_gen
-        disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open)
+        disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open,
+                             keep_files=live_files)
 
     def _trim_heap(self) -> None:
         """Return freed heap pages to the OS after big background work, in disk mode only.
