@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "batches take seconds and it is 1000x away, so one process measures it)")
     p.add_argument("--full-pass-reps", type=int, help="repetitions whose disk-mode processes end with a "
                    "sequential get+update pass over the whole table and a flush (default 1; 0 = none)")
-    p.add_argument("--full-pass-rows", type=int, default=1 << 16, help="rows per batch of the full pass "
-                   "(default 65,536: 32 MiB batches)")
+    p.add_argument("--full-pass-rows", type=int, default=4096, help="rows per batch of the full pass "
+                   "(default 4,096: 2 MiB batches; at 65,536 the caller's own two 32 MiB tensors add 64 MiB "
+                   "to the peak RSS)")
     p.add_argument("--full-pass-cap", type=float, help="seconds before a full pass stops early (default 90; "
                    "quick 10); the rows done are reported")
     p.add_argument("--flush-rounds", type=int, help="flush measurements per workload (default 3; quick 2)")

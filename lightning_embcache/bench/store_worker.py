@@ -449,7 +449,7 @@ def _full_pass(sys_obj, cfg: dict) -> dict:
     row dirty, so the peak RSS reflects full tiers plus write-back and flush (the RSS target)."""
     import torch
 
-    step, n = cfg.get("full_pass_rows", 1 << 16), cfg["num_rows"]
+    step, n = cfg.get("full_pass_rows", 4096), cfg["num_rows"]
     mem0 = _mem()
     t0 = time.perf_counter()
     done = 0
