@@ -19,7 +19,7 @@ calling thread's ``/proc/thread-self/io`` counters over the update+flush window 
 and ``write_bytes``: a store's write-back of evicted rows counts, its background compaction does
 not; the process-wide figure is reported beside it), divided by the distinct rows dirtied x row
 bytes. In disk mode the first repetition ends each process with a full pass (sequential
-get+update of every row in batches of 65,536, then flush) so peak RSS is taken with full tiers.
+get+update of every row in batches of --full-pass-rows, default 4,096, then flush) so peak RSS is taken with full tiers.
 
 Every (system, mode) runs in its own subprocess, so peak RSS (``VmHWM``) is per system; the
 processes of all systems are interleaved within each repetition (system order rotated per
