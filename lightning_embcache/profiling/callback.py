@@ -71,8 +71,9 @@ class StepProfiler(Callback):
         - Validation inside a training epoch is excluded from steps and reported as ``val_seconds``.
         - On CUDA the phases come from CUDA events recorded at the same boundaries and read only
           after they completed (never a synchronization inside a step); ``host_phases_ms`` keeps
-          the host-clock view. Once per epoch end (and at checkpoints) the profiler waits for the
-          epoch's last event, outside any step.
+          the host-clock view. At each epoch's start and end (and at checkpoints) the profiler
+          waits for the device, outside any step, so that an epoch's device phases and its wall
+          time span the same interval (a GPU running behind the host finishes the epoch late).
         - On several ranks each log interval and each epoch end costs one all-reduce, which every
           rank joins; figures are means over ranks, with the per-rank maximum, the slowest rank and
           the spread beside them.
@@ -121,6 +122,10 @@ class StepProfiler(Callback):
         self._open_epoch = -1
         self._step_in_epoch = 0
         self._interval = Totals()
+        # finished steps not yet added to the epoch's and the interval's totals: one add per step,
+        # folded into both at each log interval, epoch end and checkpoint
+        self._steps = Totals()
+        self._steps_epoch = -1
         self._batches_seen = 0
         self._samples_known = True
         self._samples = 0
@@ -153,6 +158,7 @@ class StepProfiler(Callback):
                 self._close_step(None, log=False)
             if self._timeline is not None:
                 self._timeline.drain(block=True)  # a checkpoint synchronizes anyway
+            self._fold_steps()
             open_state = {"epoch": self._open_epoch, "steps": self._step_in_epoch,
                           "totals": self._open.to_dict()}
         return {"version": _STATE_VERSION, "summaries": [dict(s) for s in self._summaries],
@@ -405,10 +411,20 @@ class StepProfiler(Callback):
 
     def _on_step_done(self, epoch: int, batches: int, host: list[float], device: list[float], samples: int,
                       steady: bool) -> None:
+        if epoch != self._steps_epoch:
+            self._fold_steps()
+            self._steps_epoch = epoch
+        self._steps.add(batches, host, device, samples, steady)
+
+    def _fold_steps(self) -> None:
+        steps, epoch = self._steps, self._steps_epoch
+        if not steps.batches and not steps.wall_s:
+            return
+        self._steps = Totals()
         totals = self._open if epoch == self._open_epoch else self._raw.get(epoch)
         if totals is not None:
-            totals.add(batches, host, device, samples, steady)
-        self._interval.add(batches, host, device, samples, steady)
+            totals.merge(steps)
+        self._interval.merge(steps)
 
     # ------------------------------------------------------------------ logging
 
@@ -417,6 +433,7 @@ class StepProfiler(Callback):
         tl = self._timeline
         if tl._cuda:
             tl.drain()
+        self._fold_steps()
         interval, self._interval = self._interval, Totals()
         values = summaries.interval_row(interval)
         step = trainer.global_step
@@ -449,6 +466,7 @@ class StepProfiler(Callback):
     # ------------------------------------------------------------------ epoch summary
 
     def _finish_epoch(self, trainer: Trainer) -> None:
+        self._fold_steps()
         t, epoch = self._open, self._open_epoch
         self._open = None
         self._raw[epoch] = t

@@ -54,6 +54,17 @@ class Totals:
             self.steady_batches += batches
             self.steady_wall_s += wall
 
+    def merge(self, other: "Totals") -> None:
+        """Add ``other``'s sums to these."""
+        self.batches += other.batches
+        self.wall_s += other.wall_s
+        self.val_s += other.val_s
+        self.samples += other.samples
+        self.host_phase_s = [a + b for a, b in zip(self.host_phase_s, other.host_phase_s)]
+        self.phase_s = [a + b for a, b in zip(self.phase_s, other.phase_s)]
+        self.steady_batches += other.steady_batches
+        self.steady_wall_s += other.steady_wall_s
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
 
@@ -111,6 +122,11 @@ class StepTimeline:
         if self._cuda:
             # one Stream object per epoch: torch.cuda.current_stream() builds a new one per call
             self._stream = torch.cuda.current_stream(self._device)
+            # Anchor the device chain to the host clock: with the stream idle, the first event
+            # completes when it is recorded. Otherwise work queued before the epoch (the last
+            # epoch's tail, a collective waiting for a slower rank) would be timed as this epoch's
+            # first phase. Once per epoch, outside any step.
+            self._stream.synchronize()
             self._dev_phase = phase
             self._seg_store_acc = 0.0
             self._events = [self._record()]
@@ -167,6 +183,13 @@ class StepTimeline:
         self.switch(OTHER, device=False)
         if self._cuda:
             self._mark(OTHER)
+            # The epoch ends when its device work does: wait for the last event (once per epoch,
+            # outside any step) and charge the wait to the host clock's "other", so that the host
+            # and device views of the epoch span the same interval. Without it a GPU running
+            # behind the host (a rank that waits in a collective for a straggler) reported device
+            # phases summing to more than the epoch's wall time.
+            self._events[-1].synchronize()
+            self.switch(OTHER, device=False)
         if last_step is not None:
             self._close(epoch, 1, last_step[0], last_step[1])
         else:

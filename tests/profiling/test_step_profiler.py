@@ -294,8 +294,10 @@ def _two_rank_straggler(tmp_path, accelerator="cpu", strategy="ddp"):
         assert e["phases_max_ms"]["forward"] - e["phases_ms"]["forward"] >= 10.0, e
         assert e["rank_spread_pct"] > 50.0, e
         # CPU: phases are host intervals that tile the step exactly. CUDA: device phases come from
-        # events and the step from the host clock; 2 x H200, NCCL, 2026-11-26: 2.2% apart.
-        tol = 1e-6 if accelerator == "cpu" else 0.03 * e["avg_batch_ms"]
+        # events and the step from the host clock; the epoch's ends are anchored to the host by
+        # waiting for the device there, so the two agree (before that anchoring: 4.6% apart in the
+        # second epoch on 2 x H200, the fast rank's GPU still waiting for the straggler at the end)
+        tol = 1e-6 if accelerator == "cpu" else 0.01 * e["avg_batch_ms"]
         assert abs(sum(e["phases_ms"].values()) - e["avg_batch_ms"]) < tol, e
     assert len(res["logged"]) == 4  # 16 batches per rank / log_every_n_steps=4
     for m in res["logged"]:
@@ -311,11 +313,6 @@ def test_ddp_two_processes_gloo_reports_the_straggler(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.xfail(strict=True, reason=(
-    "open bug (2 x H200, NCCL DDP and FSDP, 2026-11-26): the straggler is found (slowest rank, max, "
-    "spread all pass), but in the second epoch the event phases exceed the host-clock step by a "
-    "constant ~1.57 ms per step (4-5% at 35 ms); epoch 0 agrees. See "
-    "bench-results/gpu-two-h200-profiler-2026-11-26.log"))
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_gpus_report_the_straggler(tmp_path, strategy):
     """NCCL DDP and FSDP: CUDA-event phases reduced across ranks, the slow rank named."""
