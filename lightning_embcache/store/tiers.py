@@ -175,6 +175,7 @@ class TieredRows:
         seq = self._next_seq
         self._next_seq += 1
         seg = self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]), durable=False)
+        self._below_token += 1
         self._pending.append(seg)
         self._pending.sort(key=lambda g: g.seq)
         self._index_add(seg)
@@ -222,6 +223,7 @@ class TieredRows:
         records = self._snapshot_reader(slots)
         hot.dirty[slots] = 0
         hot.inflight[slots] = True
+        self._below_token += 1  # these rows' values below the hot tier change
         seq = self._next_seq
         self._next_seq += 1
         self._writing_seqs.add(seq)
@@ -302,9 +304,23 @@ class TieredRows:
 
     def _rows_below(self, chunk: int, local: np.ndarray) -> np.ndarray | None:
         """Rows ``local`` of ``chunk``: raw base rows (or initial values) + delta segments; None if
-        the chunk must be read whole (LZ4 base, or a per-chunk random init)."""
-        if self._cmap[chunk]:
-            recs = self._disk.read_chunk_rows(chunk, int(self._cmap[chunk]), local)
+        the chunk must be read whole (LZ4 base, or a per-chunk random init). Caller holds the lock."""
+        recs = self._read_rows_below(chunk, local, *self._layout_of(chunk))
+        if recs is not None:
+            self._stats.cold_reads += 1
+        return recs
+
+    def _layout_of(self, chunk: int) -> tuple[int, tuple]:
+        """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =
+        never written) and its delta segments, oldest first. Files are immutable, so this
+        snapshot can be read without the lock (caller holds it while taking the snapshot)."""
+        gen = int(self._cmap[chunk]) if self._disk is not None else 0
+        return gen, tuple(self._segments_of(chunk))
+
+    def _read_rows_below(self, chunk: int, local: np.ndarray, gen: int, segs: tuple) -> np.ndarray | None:
+        """`_rows_below` from a `_layout_of` snapshot; touches no mutable store state."""
+        if gen:
+            recs = self._disk.read_chunk_rows(chunk, gen, local)
             if recs is None:
                 return None
         elif self._init_kind == "normal":
@@ -312,11 +328,21 @@ class TieredRows:
         else:
             recs = self._init_rows(chunk * self._chunk_rows + local)
         lo = chunk * self._chunk_rows
-        for seg in self._segments_of(chunk):
+        for seg in segs:
             got = seg.rows_for(chunk, local + lo)
             if got is not None:
                 recs[got[0]] = got[1]
-        self._stats.cold_reads += 1
+        return recs
+
+    def _read_chunk_below(self, chunk: int, gen: int, segs: tuple) -> np.ndarray:
+        """A whole chunk's records from a `_layout_of` snapshot; touches no mutable store state."""
+        rows = min(self._chunk_rows, self._num_rows - chunk * self._chunk_rows)
+        recs = self._disk.read_chunk(chunk, gen) if gen else self._init_records(chunk, rows)
+        lo = chunk * self._chunk_rows
+        for seg in segs:
+            got = seg.rows_of_chunk(chunk)
+            if got is not None:
+                recs[got[0] - lo] = got[1]
         return recs
 
     def _init_rows(self, ids: np.ndarray) -> np.ndarray:
@@ -342,15 +368,7 @@ class TieredRows:
         cached = self._warm.get(chunk)
         if cached is not None:
             return cached.reshape(rows, self._row_bytes)
-        if self._disk is not None and self._cmap[chunk]:
-            recs = self._disk.read_chunk(chunk, int(self._cmap[chunk]))
-        else:
-            recs = self._init_records(chunk, rows)
-        lo = chunk * self._chunk_rows
-        for seg in self._segments_of(chunk):
-            got = seg.rows_of_chunk(chunk)
-            if got is not None:
-                recs[got[0] - lo] = got[1]
+        recs = self._read_chunk_below(chunk, *self._layout_of(chunk))
         self._stats.cold_reads += 1
         if self._warm.budget:
             self._warm.put(chunk, recs)
@@ -380,19 +398,87 @@ class TieredRows:
         return recs
 
     def _prefetch(self, idx: np.ndarray) -> None:
+        """Bring ``idx`` into the hot tier (the prefetch thread).
+
+        The disk reads run without the store lock, so a get/update of the training thread never
+        waits for a prefetch's I/O: the plan (which rows, and where they live) is taken under the
+        lock, the reads run outside it, and the rows are installed under it again only if nothing
+        below the hot tier changed meanwhile (``_below_token``: write-backs, flushes and
+        compactions move it); otherwise the prefetch is dropped (it is a hint).
+        """
         try:
             with self._lock:
                 if self._closed:
                     return
-                slots = self._hot.lookup(idx)
-                miss = np.unique(idx[slots < 0])
-                if not len(miss):
+                hot = self._hot
+                cr = self._chunk_rows
+                if hot.resident:  # memory mode over a store on disk: whole chunks
+                    chunks = np.unique(idx // cr)
+                    chunks = chunks[~hot.loaded[chunks]]
+                    if not len(chunks):
+                        return
+                    miss = None
+                    tasks = [(c, None) for c in chunks.tolist()]
+                else:
+                    miss = np.unique(idx[hot.lookup(idx) < 0])
+                    if len(miss) > hot.limit // 2:
+                        miss = miss[: hot.limit // 2]
+                    if not len(miss):
+                        return
+                    chunks = miss // cr
+                    bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
+                    tasks = [(int(chunks[a]), miss[a:b] - int(chunks[a]) * cr)
+                             for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+                token = self._below_token
+                plan = []
+                for c, local in tasks:
+                    cached = self._warm.get(c)
+                    if cached is not None:
+                        plan.append((c, local, cached.reshape(-1, self._row_bytes), None))
+                    else:
+                        sparse = local is not None and self._sparse_read(c, len(local))
+                        plan.append((c, local, None, (sparse, *self._layout_of(c))))
+            # -- the reads, without the lock ------------------------------------------------
+            results = []
+            for c, local, recs, how in plan:
+                whole = recs is not None or local is None
+                if recs is None:
+                    sparse, gen, segs = how
+                    recs = self._read_rows_below(c, local, gen, segs) if sparse else None
+                    whole = recs is None
+                    if recs is None:
+                        recs = self._read_chunk_below(c, gen, segs)
+                results.append((c, local, recs, whole, how is not None))
+            # -- install, if still wanted and still current ------------------------------------
+            with self._lock:
+                if self._closed or self._below_token != token:
                     return
-                if not self._hot.resident and len(miss) > self._hot.limit // 2:
-                    miss = miss[: self._hot.limit // 2]
-                self._resolve(miss, load=True)
-                self._stats.prefetched_rows += len(miss)
-        except StoreError:
+                for c, local, recs, whole, read in results:
+                    if read:
+                        self._stats.cold_reads += 1
+                        if whole and self._warm.budget:
+                            self._warm.put(c, recs)
+                if miss is None:
+                    for c, _, recs, _, _ in results:
+                        if not hot.loaded[c]:
+                            lo, hi = hot.chunk_range(c)
+                            hot.pool_np[lo:hi] = recs
+                            hot.loaded[c] = True
+                            self._stats.prefetched_rows += hi - lo
+                    hot.all_loaded = bool(hot.loaded.all())
+                    return
+                records = np.concatenate([r[l] if w else r for _, l, r, w, _ in results])
+                want = hot.lookup(miss) < 0  # the training thread may have loaded some meanwhile
+                if not want.any():
+                    return
+                mids, records = miss[want], records[want]
+                got = self._allocate(len(mids))
+                if len(got) < len(mids):  # no room now (rows in flight or in use): drop the hint
+                    hot.free.extend(got.tolist())
+                    return
+                hot.install(mids, got, records)
+                self._stats.prefetched_rows += len(mids)
+        except (StoreError, OSError):
             pass  # a hint: the foreground read will report the problem
 
     def evict(self, nbytes: int) -> int:

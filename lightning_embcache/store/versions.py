@@ -251,6 +251,7 @@ class Versioning:
                 # it uses, and version numbers only move when rows change.
                 self._cmap, self._cmap_gen, self._committed = new_cmap, gen, remaining
                 self._index_rebuild()
+                self._below_token += 1  # same rows, but the folded segments' files close below
                 self._stats.compactions += 1
         # An earlier compaction that no flush published yet is garbage now.
         self._collect_garbage()

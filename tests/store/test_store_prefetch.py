@@ -85,3 +85,71 @@ def test_prefetch_in_memory_mode_is_harmless(shm_path):
         s.update([3], torch.ones(1, DIM))
         s.prefetch(torch.arange(100))
         assert torch.equal(s.get([3, 4]), torch.tensor([[1.0] * DIM, [0.0] * DIM]))
+
+
+class _BlockPrefetchReads:
+    """Make disk reads on the prefetch thread wait until released (the training thread's own
+    reads are not held): a prefetch stuck in slow I/O, on demand."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        from lightning_embcache.store.disk import Disk, Segment
+
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        for cls, name in ((Disk, "read_chunk"), (Disk, "read_chunk_rows"), (Segment, "_read")):
+            original = getattr(cls, name)
+
+            def held(obj, *args, _original=original):
+                if threading.current_thread().name.startswith("embcache-prefetch"):
+                    self.entered.set()
+                    assert self.release.wait(30), "test never released the prefetch"
+                return _original(obj, *args)
+
+            monkeypatch.setattr(cls, name, held)
+
+
+def test_get_never_waits_for_a_prefetch_read(store, monkeypatch):
+    """The prefetch thread reads without the store lock: while its disk read hangs, the training
+    thread's get (here of rows that need reads of their own) and update return."""
+    import threading
+
+    block = _BlockPrefetchReads(monkeypatch)
+    table = _table(0)
+    store.prefetch(torch.arange(0, 64))
+    assert block.entered.wait(10), "the prefetch never started its read"
+    done = threading.Event()
+    result = {}
+
+    def train_step():
+        ids = torch.arange(2048, 2112)
+        result["rows"] = store.get(ids)
+        store.update(ids, result["rows"] + 1)
+        done.set()
+
+    threading.Thread(target=train_step, daemon=True).start()
+    finished = done.wait(5)
+    block.release.set()
+    assert finished, "get/update waited for the prefetch's disk read"
+    assert torch.equal(result["rows"], table[2048:2112])
+    before = store.stats().prefetched_rows
+    _wait_prefetched(store, before - 64, 64)
+    assert torch.equal(store.get(torch.arange(0, 64)), table[:64])
+
+
+def test_a_prefetch_overtaken_by_a_write_back_installs_nothing_stale(store, monkeypatch):
+    """Rows written, written back and evicted while a prefetch was reading their old values must
+    keep the new values: the prefetch sees that rows below the hot tier changed and drops."""
+    block = _BlockPrefetchReads(monkeypatch)
+    ids = torch.arange(0, 64)
+    store.prefetch(ids)
+    assert block.entered.wait(10)
+    new = torch.full((64, DIM), 7.0)
+    store.update(ids, new)  # loads the old rows (a read on this thread), writes new ones
+    store.flush()  # the new values go below the hot tier...
+    store.evict(1 << 30)  # ...and leave it: the next get reads them from below
+    block.release.set()
+    time.sleep(0.5)  # let the prefetch finish (or drop) its install
+    assert torch.equal(store.get(ids), new), "a prefetch installed rows older than the last write"
+    assert store.stats().prefetched_rows == 0
