@@ -168,9 +168,46 @@ def run_one(model_name: str, workers: int, config: str, warmup: int, device: str
     return out
 
 
-def own_cost_us(steps: int = 20000) -> dict:
+def actions_per_step(batches: int = 200) -> dict:
+    """How many ``profiler.profile(...)`` actions Lightning opens per training step (small model,
+    no StepProfiler): each costs Lightning's PassThroughProfiler a generator-based context, and
+    StepProfiler's tap a shared no-op one, so this count times the difference is what the tap
+    saves the loop per step."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    class Counting(PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def profile(self, action_name: str) -> Any:
+            self.calls += 1
+            return super().profile(action_name)
+
+    width, depth, batch, _, _ = MODELS["small"]
+    counting = Counting()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, profiler=counting,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, default_root_dir=tmp)
+        before = None
+
+        class Mark(L.Callback):
+            def on_train_batch_start(self, *args: Any) -> None:
+                nonlocal before
+                if before is None:
+                    before = counting.calls
+
+        trainer.callbacks.append(Mark())
+        trainer.fit(MLP(width, depth), DataLoader(SleepyBatches(batches, batch, width, 0.0), batch_size=None))
+    return {"batches": batches, "actions_per_step": (counting.calls - before) / batches}
+
+
+def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
     """Microseconds per step of StepProfiler's own work, outside Lightning: the hook and
-    profiler-action sequence of one automatic-optimization step, called directly in a loop."""
+    profiler-action sequence of one automatic-optimization step, called directly in a loop
+    (on ``device="cuda"`` with its CUDA events, read at log intervals as in a fit)."""
     from lightning.pytorch.profilers import PassThroughProfiler
 
     from lightning_embcache.profiling.tap import ProfilerTap
@@ -186,7 +223,8 @@ def own_cost_us(steps: int = 20000) -> dict:
     sp = StepProfiler(report=False, log_every_n_steps=50)
     trainer = _Stub()
     sp._trainer = trainer
-    sp._timeline = StepTimeline(sp._on_step_done, torch.device("cpu"), None)
+    sp._timeline = StepTimeline(sp._on_step_done, torch.device(device), None)
+    sp._device = torch.device(device)
     fetch, move, opt = ("[_TrainingEpochLoop].train_dataloader_next", "[Strategy]S.batch_to_device",
                         "[LightningModule]M.optimizer_step")
     tap = ProfilerTap(PassThroughProfiler(), {fetch: sp._fetch_start, move: sp._transfer_start},
@@ -460,20 +498,32 @@ def trace_check(model_name: str = "gpu_large", batches: int = 30) -> dict:
 
 def overhead_check(batches: int, warmup: int, reps: int) -> dict:
     runs = []
+    configs = ["none", "step", "throughput", "simple"]
     for rep in range(reps):
-        for cfg in ("none", "step", "throughput", "simple"):
+        for cfg in configs[rep % 4:] + configs[:rep % 4]:  # rotated: no config always runs first
             r = run_one("gpu_small", 0, cfg, warmup, device="cuda", batches=batches)
             r["rep"] = rep
             runs.append(r)
-    return {"runs": runs, "aggregate": _aggregate(runs, reps)}
+    # where a StepProfiler fit's host time goes (cProfile, one fit; inflates every call alike)
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run_one("gpu_small", 0, "step", warmup, device="cuda", batches=batches)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return {"runs": runs, "aggregate": _aggregate(runs, reps), "cprofile_step_fit": text.getvalue()}
 
 
-def gpu_checks(out: dict) -> None:
+def gpu_checks(out: dict, reps: int = 3, batches: int = 200) -> None:
     """Zero added syncs in steady steps, and phases against a torch.profiler trace (CUDA only)."""
     out["gpu"] = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__}
     out["gpu"]["sync"] = sync_check(batches=60, warmup=10)
     out["gpu"]["trace"] = trace_check()
-    out["gpu"]["overhead"] = overhead_check(batches=200, warmup=20, reps=3)
+    out["gpu"]["overhead"] = overhead_check(batches=batches, warmup=20, reps=reps)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -521,12 +571,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result["aggregate"] = _aggregate(result["runs"], args.reps)
         _print_table(result["aggregate"])
         result["own_cost"] = own_cost_us()
+        result["own_cost"].update(actions_per_step())
+        oc = result["own_cost"]
+        saved = oc["actions_per_step"] * (oc["passthrough_profile_us_per_action"] - oc["tap_profile_us_per_action"])
+        oc["net_us_per_step"] = oc["own_us_per_step"] - saved
         print("\nStepProfiler's own work, outside Lightning: "
-              f"{result['own_cost']['own_us_per_step']:.2f} us/step; per profiled action: Lightning's "
-              f"PassThroughProfiler {result['own_cost']['passthrough_profile_us_per_action']:.3f} us, "
-              f"the tap's no-op context {result['own_cost']['tap_profile_us_per_action']:.3f} us")
+              f"{oc['own_us_per_step']:.2f} us/step; per profiled action: Lightning's "
+              f"PassThroughProfiler {oc['passthrough_profile_us_per_action']:.3f} us, "
+              f"the tap's no-op context {oc['tap_profile_us_per_action']:.3f} us; Lightning opens "
+              f"{oc['actions_per_step']:.1f} actions per step, so the tap saves {saved:.2f} us/step: "
+              f"net {oc['net_us_per_step']:+.2f} us/step")
     else:
-        gpu_checks(result)
+        gpu_checks(result, reps=args.reps, batches=args.batches or 200)
+        result["gpu"]["own_cost"] = own_cost_us(steps=5000, device="cuda")
         print(json.dumps(result["gpu"], indent=1))
     result["host"]["loadavg_end"] = os.getloadavg()
     result["elapsed_seconds"] = time.perf_counter() - t_start
