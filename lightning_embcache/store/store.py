@@ -208,6 +208,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._bg_error: BaseException | None = None
         self._ids_cache: tuple | None = None  # (tensor, version, data_ptr, validated ids)
         self._below_token = 0  # moves whenever rows below the hot tier change (see _prefetch)
+        self._publish_layout = False  # compact() was called: the next flush publishes its layout
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them

@@ -49,10 +49,13 @@ class Versioning:
                 hot = self._hot
                 slots = np.flatnonzero(hot.dirty)
                 layout = (self._cmap_gen, [s.seq for s in self._committed])
-                if not len(slots) and not self._pending and layout == self._published:
+                if not len(slots) and not self._pending and (not self._publish_layout or layout == self._published):
                     return self._version
-                # (no rows changed but a compaction did: publish it, so that reopening does not
-                # find the old layout and compact it again)
+                # No rows changed but compact() was called: publish its layout (a new version,
+                # same rows), so that reopening does not find the old segments and compact them
+                # again. A background compaction waits for the next flush with new rows, so a
+                # flush with nothing new keeps returning the same version.
+                self._publish_layout = False
                 ids, slots, records, seq = self._begin_write_back(slots)
                 pending = list(self._pending)
                 version = self._max_version + 1
@@ -201,11 +204,13 @@ class Versioning:
 
     def compact(self) -> None:
         """Fold all committed delta segments into base chunks now (normally automatic, in the
-        background); reads use the result at once, the next flush publishes it."""
+        background); reads use the result at once, and the next flush publishes it, also one with
+        no new rows (which then returns a new version holding the same rows)."""
         self._check_usable(write=True)
         self._require_disk("compact")
         self._wait_bg()
         self._compact()
+        self._publish_layout = True
 
     def _compact(self) -> None:
         disk = self._disk

@@ -178,3 +178,19 @@ def test_garbage_collection_keeps_the_chunks_the_live_layout_reads(shm_path):
     store.close()
     with EmbeddingStore.open(path) as store:
         assert torch.equal(store.get(torch.arange(n)), rows)
+
+
+def test_a_flush_with_nothing_new_keeps_its_version_after_a_background_compaction(shm_path):
+    """Only compact() makes the next flush publish a layout without new rows; a background
+    compaction waits for a flush that has rows to write, so flush() with nothing new stays a no-op."""
+    import time
+
+    path = shm_path / "store"
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as store:
+        store.update(torch.arange(N), torch.randn(N, DIM))  # the whole table: > 25% in one segment
+        v = store.flush()
+        deadline = time.monotonic() + 20
+        while store.stats().compactions < 1:
+            assert time.monotonic() < deadline, "no background compaction started"
+            time.sleep(0.01)
+        assert store.flush() == v
