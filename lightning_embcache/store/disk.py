@@ -55,6 +55,7 @@ class Segment:
     nbytes: int = 0
     _fd: int | None = field(default=None, repr=False)
     _verified: np.ndarray | None = field(default=None, repr=False)  # index entries checksum-verified
+    read_counter: list[int] | None = field(default=None, repr=False)  # the store's, shared: [bytes]
 
     def rows_of_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(ids, records) this segment holds for ``chunk``, checksum-verified; None if none."""
@@ -103,6 +104,8 @@ class Segment:
         data = os.pread(self._fd, n, offset)
         if len(data) != n:
             raise CorruptStoreError(self.path, f"truncated: wanted {n} bytes at offset {offset}, got {len(data)}")
+        if self.read_counter is not None:
+            self.read_counter[0] += n
         return data
 
     def close(self) -> None:
@@ -135,7 +138,8 @@ class Disk:
         self.row_bytes = row_bytes
         self.num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
         self.bytes_written = 0
-        self.bytes_read = 0
+        self.bytes_read = 0  # of chunk files and segment directories; see total_bytes_read
+        self.segment_reads = [0]  # bytes of segment records, counted by the segments themselves
         self._chunks_dir = str(root / "chunks")
 
     # ---- paths -------------------------------------------------------------------------------
@@ -433,7 +437,12 @@ class Disk:
         size = write_parts(path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size)
         self.bytes_written += size
         return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
-                       HEADER_SIZE + directory_size, rb, size)
+                       HEADER_SIZE + directory_size, rb, size, read_counter=self.segment_reads)
+
+    @property
+    def total_bytes_read(self) -> int:
+        """Bytes read from every store file: chunks, manifests, maps and segments."""
+        return self.bytes_read + self.segment_reads[0]
 
     def sync_segment(self, seg: Segment) -> None:
         fd = os.open(seg.path, os.O_RDONLY)
@@ -465,7 +474,7 @@ class Disk:
             raise CorruptStoreError(path, f"truncated: {size} bytes, expected {records_offset + n * rb}")
         self.bytes_read += records_offset
         return Segment(seq, path, ids.copy(), index[0].copy(), index[1].copy(), index[2].copy(), index[3].copy(),
-                       records_offset, rb, size)
+                       records_offset, rb, size, read_counter=self.segment_reads)
 
     # ---- garbage -----------------------------------------------------------------------------
     def referenced(self, versions: list[int]) -> tuple[set[int], set[int], set[tuple[int, int]]]:

@@ -430,7 +430,7 @@ class EmbeddingStore(TieredRows, Versioning):
             s.warm_hits, s.warm_misses = self._warm.hits, self._warm.misses
             s.dirty_rows = int(np.count_nonzero(self._hot.dirty)) if not self._closed else 0
             s.compression_ratio = self._warm.compression_ratio
-            s.bytes_read = self._disk.bytes_read if self._disk else 0
+            s.bytes_read = self._disk.total_bytes_read if self._disk else 0
             s.bytes_written = self._disk.bytes_written if self._disk else 0
             s.disk_bytes = self._disk.disk_bytes() if self._disk else 0
             s.io_wait_seconds = self._io_wait

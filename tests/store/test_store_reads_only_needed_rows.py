@@ -51,3 +51,20 @@ def test_a_corrupt_block_is_reported_on_the_sparse_read(tmp_path):
         s.get(torch.tensor([3 * CHUNK - 1]))  # last row of chunk 2
     assert f.name in str(info.value)
     s.close()
+
+
+def test_bytes_read_counts_rows_served_from_delta_segments(tmp_path):
+    """stats().bytes_read includes what misses read from delta segments, not only chunk files
+    (the demo once reported 'read 0.0 MiB' after 400k cold reads, all from segments)."""
+    path = tmp_path / "s"
+    rows = torch.randn(N // 8, DIM)  # 12.5% of the table: below the compaction threshold
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as s:
+        s.update(torch.arange(N // 8), rows)
+        s.flush()
+        assert s.stats().segments == 1
+    with EmbeddingStore.open(path, hot_bytes=64 * (DIM * 4 + 11)) as s:
+        before = s.stats().bytes_read
+        ids = torch.arange(0, N // 8, 37)
+        assert torch.equal(s.get(ids), rows[ids])
+        read = s.stats().bytes_read - before
+        assert read >= len(ids) * DIM * 4, f"{read} bytes read for {len(ids)} rows of {DIM * 4} bytes from a segment"
