@@ -46,6 +46,8 @@ CONFIGS = ("none", "simple", "advanced", "pytorch", "throughput", "step")
 # name -> (width, depth, batch size, batches per fit, loader ms per batch)
 MODELS = {
     "small": (64, 2, 32, 300, 0.3),
+    # the shortest step Lightning runs on a CPU: a one-layer MLP, no loader cost (~1.3 ms here)
+    "tiny": (16, 1, 16, 1000, 0.0),
     "large": (512, 2, 128, 30, 5.0),
     # GPU: launch-bound small steps and GPU-bound large ones; no loader cost
     "gpu_small": (256, 2, 256, 200, 0.0),
