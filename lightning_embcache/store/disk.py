@@ -56,13 +56,25 @@ class Segment:
     _fd: int | None = field(default=None, repr=False)
     _verified: np.ndarray | None = field(default=None, repr=False)  # index entries checksum-verified
     read_counter: list[int] | None = field(default=None, repr=False)  # the store's, shared: [bytes]
+    # chunk -> (index entry, first row, row count): a miss asks a segment about one chunk at a time,
+    # and a dict answers that without numpy's per-call overhead (built on first use)
+    _entries: dict[int, tuple[int, int, int]] | None = field(default=None, repr=False)
+
+    def _entry(self, chunk: int) -> tuple[int, int, int] | None:
+        entries = self._entries
+        if entries is None:
+            entries = self._entries = {
+                c: (i, a, n) for i, (c, a, n) in enumerate(zip(self.idx_chunk.tolist(), self.idx_start.tolist(),
+                                                              self.idx_count.tolist()))
+            }
+        return entries.get(chunk)
 
     def rows_of_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(ids, records) this segment holds for ``chunk``, checksum-verified; None if none."""
-        i = int(np.searchsorted(self.idx_chunk, chunk))
-        if i >= len(self.idx_chunk) or self.idx_chunk[i] != chunk:
+        entry = self._entry(chunk)
+        if entry is None:
             return None
-        start, count = int(self.idx_start[i]), int(self.idx_count[i])
+        i, start, count = entry
         data = self._read(self.records_offset + start * self.row_bytes, count * self.row_bytes)
         if crc32(data) != int(self.idx_crc[i]):
             raise CorruptStoreError(self.path, f"records of chunk {chunk} fail their checksum")
@@ -75,12 +87,13 @@ class Segment:
         range fetch single records (random access to a large table reads each range in full once
         per open, then only the rows it asks for).
         """
-        i = int(np.searchsorted(self.idx_chunk, chunk))
-        if i >= len(self.idx_chunk) or self.idx_chunk[i] != chunk:
+        entry = self._entry(chunk)
+        if entry is None:
             return None
-        start, count = int(self.idx_start[i]), int(self.idx_count[i])
+        i, start, count = entry
         mine = self.ids[start : start + count]
-        pos = np.minimum(np.searchsorted(mine, ids), count - 1)
+        pos = mine.searchsorted(ids)
+        pos[pos >= count] = count - 1
         hit = mine[pos] == ids
         if not hit.any():
             return None
