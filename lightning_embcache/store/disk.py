@@ -153,6 +153,9 @@ class Disk:
         self.bytes_written = 0
         self.bytes_read = 0  # of chunk files and segment directories; see total_bytes_read
         self.segment_reads = [0]  # bytes of segment records, counted by the segments themselves
+        # (chunk, gen) -> verified per-block checksums of a raw base chunk (None: an LZ4 chunk)
+        self._directories: dict[tuple[int, int], list[int] | None] = {}
+        self._directories_max = 2 * self.num_chunks + 64
         self._chunks_dir = str(root / "chunks")
 
     # ---- paths -------------------------------------------------------------------------------
@@ -299,8 +302,9 @@ class Disk:
         """Only rows ``local`` (chunk-relative) of a raw base chunk, reading and verifying just the
         4 KiB blocks that hold them; None for an LZ4 chunk (read it whole).
 
-        The per-miss path of random access to a table larger than RAM: two preads per row (the
-        chunk's checksummed directory, then the row's block), no whole-chunk read.
+        The per-miss path of random access to a table larger than RAM: one pread per row after the
+        chunk's checksummed directory, which is read and verified once and then kept (files are
+        never modified; a few bytes per block).
         """
         path = f"{self._chunks_dir}/c{chunk:08d}-g{gen:08d}"
         try:
@@ -313,16 +317,24 @@ class Disk:
             raw_len = rows * rb
             nblocks = -(-raw_len // BLOCK)
             dlen = _CHUNK_HEAD.size + 4 * nblocks
-            hd = os.pread(fd, HEADER_SIZE + dlen, 0)
-            if hd[8:16] != b"chunkraw":
-                return None
-            length, pcrc = parse_header(path, hd[:HEADER_SIZE], b"chunkraw")  # type: ignore[arg-type]
-            if length != dlen or len(hd) != HEADER_SIZE + dlen or crc32(hd[HEADER_SIZE:]) != pcrc:
-                raise CorruptStoreError(path, "chunk directory is truncated or fails its checksum")
-            c, r, rl, _ = _CHUNK_HEAD.unpack_from(hd, HEADER_SIZE)
-            self._check_chunk_head(path, chunk, c, r, rl)  # type: ignore[arg-type]
-            crcs = np.frombuffer(hd, np.uint32, nblocks, HEADER_SIZE + _CHUNK_HEAD.size).tolist()
             base = HEADER_SIZE + dlen
+            key = (chunk, gen)
+            crcs = self._directories.get(key, False)
+            if crcs is False:
+                hd = os.pread(fd, HEADER_SIZE + dlen, 0)
+                self.bytes_read += len(hd)
+                if hd[8:16] != b"chunkraw":
+                    self._remember_directory(key, None)
+                    return None
+                length, pcrc = parse_header(path, hd[:HEADER_SIZE], b"chunkraw")  # type: ignore[arg-type]
+                if length != dlen or len(hd) != HEADER_SIZE + dlen or crc32(hd[HEADER_SIZE:]) != pcrc:
+                    raise CorruptStoreError(path, "chunk directory is truncated or fails its checksum")
+                c, r, rl, _ = _CHUNK_HEAD.unpack_from(hd, HEADER_SIZE)
+                self._check_chunk_head(path, chunk, c, r, rl)  # type: ignore[arg-type]
+                crcs = np.frombuffer(hd, np.uint32, nblocks, HEADER_SIZE + _CHUNK_HEAD.size).tolist()
+                self._remember_directory(key, crcs)
+            elif crcs is None:
+                return None
             out = np.empty((len(local), rb), np.uint8)
             for i, row in enumerate(local.tolist()):
                 off = row * rb
@@ -336,7 +348,6 @@ class Disk:
                         raise CorruptStoreError(path, f"block {b} of chunk {chunk} fails its checksum")
                 out[i] = np.frombuffer(data, np.uint8, rb, off - lo)
                 self.bytes_read += hi - lo
-            self.bytes_read += len(hd)
             return out
         finally:
             os.close(fd)
@@ -451,6 +462,11 @@ class Disk:
         self.bytes_written += size
         return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
                        HEADER_SIZE + directory_size, rb, size, read_counter=self.segment_reads)
+
+    def _remember_directory(self, key: tuple[int, int], crcs: list[int] | None) -> None:
+        if len(self._directories) >= self._directories_max:
+            self._directories.clear()  # bounded: a few bytes per block of the chunks recently read
+        self._directories[key] = crcs
 
     @property
     def total_bytes_read(self) -> int:
