@@ -273,12 +273,30 @@ class TieredRows:
         out = np.empty((len(ids), self._row_bytes), np.uint8)
         chunks = ids // self._chunk_rows
         bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
+        holding = self._chunks_held(ids) if len(bounds) > 2 else None
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             c = int(chunks[a])
             local = ids[a:b] - c * self._chunk_rows
-            rows = self._rows_below(c, local) if self._sparse_read(c, b - a) else None
+            rows = self._rows_below(c, local, holding) if self._sparse_read(c, b - a) else None
             out[a:b] = rows if rows is not None else self._below(c)[local]
         return out
+
+    def _chunks_held(self, ids: np.ndarray) -> dict[int, set]:
+        """Per delta segment (by seq), the chunks in which it holds any of sorted ``ids``: one
+        vectorised lookup per segment, so that a sparse read asks only the segments that hold
+        one of its rows (a segment indexed under a chunk often holds none of the rows wanted)."""
+        held: dict[int, set] = {}
+        cr = self._chunk_rows
+        for seg in self._committed + self._pending:
+            n = len(seg.ids)
+            if not n:
+                held[seg.seq] = set()
+                continue
+            pos = seg.ids.searchsorted(ids)
+            pos[pos >= n] = n - 1
+            hit = ids[seg.ids[pos] == ids]
+            held[seg.seq] = set((hit // cr).tolist()) if len(hit) else set()
+        return held
 
     # ---- which delta segments hold rows of a chunk ------------------------------------------
     def _segments_of(self, chunk: int) -> list:
@@ -302,10 +320,14 @@ class TieredRows:
         larger than RAM); a whole-chunk read would multiply the bytes read."""
         return self._disk is not None and n * 8 <= self._chunk_rows and chunk not in self._warm
 
-    def _rows_below(self, chunk: int, local: np.ndarray) -> np.ndarray | None:
+    def _rows_below(self, chunk: int, local: np.ndarray, holding: dict[int, set] | None = None) -> np.ndarray | None:
         """Rows ``local`` of ``chunk``: raw base rows (or initial values) + delta segments; None if
-        the chunk must be read whole (LZ4 base, or a per-chunk random init). Caller holds the lock."""
-        recs = self._read_rows_below(chunk, local, *self._layout_of(chunk))
+        the chunk must be read whole (LZ4 base, or a per-chunk random init). Caller holds the lock.
+        ``holding`` (from `_chunks_held`) skips segments that hold none of the rows."""
+        gen, segs = self._layout_of(chunk)
+        if holding is not None:
+            segs = tuple(g for g in segs if chunk in holding.get(g.seq, (chunk,)))
+        recs = self._read_rows_below(chunk, local, gen, segs)
         if recs is not None:
             self._stats.cold_reads += 1
         return recs
@@ -430,6 +452,7 @@ class TieredRows:
                     tasks = [(int(chunks[a]), miss[a:b] - int(chunks[a]) * cr)
                              for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
                 token = self._below_token
+                holding = self._chunks_held(miss) if miss is not None else None
                 plan = []
                 for c, local in tasks:
                     cached = self._warm.get(c)
@@ -437,16 +460,20 @@ class TieredRows:
                         plan.append((c, local, cached.reshape(-1, self._row_bytes), None))
                     else:
                         sparse = local is not None and self._sparse_read(c, len(local))
-                        plan.append((c, local, None, (sparse, *self._layout_of(c))))
+                        gen, segs = self._layout_of(c)
+                        held = segs  # a sparse read asks only the segments holding its rows
+                        if sparse and holding is not None:
+                            held = tuple(g for g in segs if c in holding.get(g.seq, (c,)))
+                        plan.append((c, local, None, (sparse, gen, segs, held)))
             # -- the reads, without the lock ------------------------------------------------
             results = []
             for c, local, recs, how in plan:
                 whole = recs is not None or local is None
                 if recs is None:
-                    sparse, gen, segs = how
-                    recs = self._read_rows_below(c, local, gen, segs) if sparse else None
+                    sparse, gen, segs, held = how
+                    recs = self._read_rows_below(c, local, gen, held) if sparse else None
                     whole = recs is None
-                    if recs is None:
+                    if recs is None:  # the whole chunk (it may go to the warm tier): every segment
                         recs = self._read_chunk_below(c, gen, segs)
                 results.append((c, local, recs, whole, how is not None))
             # -- install, if still wanted and still current ------------------------------------

@@ -153,3 +153,28 @@ def test_a_prefetch_overtaken_by_a_write_back_installs_nothing_stale(store, monk
     time.sleep(0.5)  # let the prefetch finish (or drop) its install
     assert torch.equal(store.get(ids), new), "a prefetch installed rows older than the last write"
     assert store.stats().prefetched_rows == 0
+
+
+@pytest.mark.parametrize("compression", [None, "lz4"])
+def test_prefetch_of_a_few_rows_keeps_every_row_of_their_chunks_right(shm_path, compression):
+    """A prefetch asks only the delta segments that hold its rows; a chunk it reads whole (an LZ4
+    base) goes to the warm tier with every segment applied, so the chunk's other rows are right."""
+    path = shm_path / "store"
+    # values LZ4 can compress, so that compression="lz4" really writes LZ4 base chunks
+    table = torch.randint(0, 4, (N, DIM), generator=torch.Generator().manual_seed(3)).float()
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, compression=compression) as s:
+        s.update(torch.arange(N), table)
+        s.flush()
+        s.compact()
+        s.flush()
+        for k in range(3):  # deltas over the base: each holds other rows of the same chunks
+            ids = torch.arange(k, N, 7)
+            table[ids] = float(k + 5)
+            s.update(ids, table[ids])
+            s.flush()
+    with EmbeddingStore.open(path, hot_bytes=HOT, warm_bytes=4 * CHUNK * ROW_BYTES) as s:
+        few = torch.tensor([1, 2, CHUNK + 3, 5 * CHUNK + 9])
+        s.prefetch(few)
+        _wait_prefetched(s, 0, len(few))
+        assert torch.equal(s.get(few), table[few])
+        assert torch.equal(s.get(torch.arange(N)), table)
