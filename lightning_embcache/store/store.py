@@ -284,11 +284,9 @@ class EmbeddingStore(TieredRows, Versioning):
             self._io_wait += time.perf_counter() - t0
             return out
         idx = self._valid_ids(ids)
-        if hot.all_loaded:
+        if hot.all_loaded:  # other id forms (lists, numpy arrays), already validated
             with self._lock:
-                out = torch.from_numpy(self._weight_np.take(idx, axis=0))
-            if self._weight_bf16:
-                out = out.view(torch.bfloat16)
+                out = self._take(idx, "weight")
         elif not hot.resident and len(idx) > SLICE_ROWS:
             out = self._sliced_get(idx, ("weight",))["weight"]
         else:
