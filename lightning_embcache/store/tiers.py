@@ -274,11 +274,15 @@ class TieredRows:
         out = np.empty((len(ids), self._row_bytes), np.uint8)
         chunks = ids // self._chunk_rows
         bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
-        holding = self._chunks_held(ids) if len(bounds) > 2 else None
+        holding = None  # computed at the first sparse read (whole-chunk reads need every segment)
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             c = int(chunks[a])
             local = ids[a:b] - c * self._chunk_rows
-            rows = self._rows_below(c, local, holding) if self._sparse_read(c, b - a) else None
+            rows = None
+            if self._sparse_read(c, b - a):
+                if holding is None and len(bounds) > 2:
+                    holding = self._chunks_held(ids)
+                rows = self._rows_below(c, local, holding)
             out[a:b] = rows if rows is not None else self._below(c)[local]
         return out
 
@@ -453,7 +457,7 @@ class TieredRows:
                     tasks = [(int(chunks[a]), miss[a:b] - int(chunks[a]) * cr)
                              for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
                 token = self._below_token
-                holding = self._chunks_held(miss) if miss is not None else None
+                holding = None  # computed at the first sparse read
                 plan = []
                 for c, local in tasks:
                     cached = self._warm.get(c)
@@ -463,7 +467,9 @@ class TieredRows:
                         sparse = local is not None and self._sparse_read(c, len(local))
                         gen, segs = self._layout_of(c)
                         held = segs  # a sparse read asks only the segments holding its rows
-                        if sparse and holding is not None:
+                        if sparse and len(tasks) > 1:
+                            if holding is None:
+                                holding = self._chunks_held(miss)
                             held = tuple(g for g in segs if c in holding.get(g.seq, (c,)))
                         plan.append((c, local, None, (sparse, gen, segs, held)))
             # -- the reads, without the lock ------------------------------------------------
