@@ -39,6 +39,9 @@ SEGMENT_RE = re.compile(r"^s(\d{12})$")
 CHUNK_RE = re.compile(r"^c(\d+)-g(\d+)$")
 
 
+DIRECTORY_CACHE_BYTES = 16 << 20  # verified block checksums of raw chunks kept for sparse reads
+
+
 @dataclass
 class Segment:
     """An immutable delta segment: sorted unique ids and their records, indexed by chunk."""
@@ -154,8 +157,11 @@ class Disk:
         self.bytes_read = 0  # of chunk files and segment directories; see total_bytes_read
         self.segment_reads = [0]  # bytes of segment records, counted by the segments themselves
         # (chunk, gen) -> verified per-block checksums of a raw base chunk (None: an LZ4 chunk)
-        self._directories: dict[tuple[int, int], list[int] | None] = {}
-        self._directories_max = 2 * self.num_chunks + 64
+        self._directories: dict[tuple[int, int], np.ndarray | None] = {}
+        # bounded by bytes: at most ~16 MiB of checksums (4 bytes per 4 KiB block plus ~112 bytes
+        # per entry), whatever the table's size
+        per_entry = 4 * -(-chunk_rows * row_bytes // BLOCK) + 112
+        self._directories_max = max(64, min(2 * self.num_chunks + 64, DIRECTORY_CACHE_BYTES // per_entry))
         self._chunks_dir = str(root / "chunks")
 
     # ---- paths -------------------------------------------------------------------------------
@@ -331,7 +337,8 @@ class Disk:
                     raise CorruptStoreError(path, "chunk directory is truncated or fails its checksum")
                 c, r, rl, _ = _CHUNK_HEAD.unpack_from(hd, HEADER_SIZE)
                 self._check_chunk_head(path, chunk, c, r, rl)  # type: ignore[arg-type]
-                crcs = np.frombuffer(hd, np.uint32, nblocks, HEADER_SIZE + _CHUNK_HEAD.size).tolist()
+                # kept as 4 bytes per block (a list of ints would cost ~36)
+                crcs = np.frombuffer(hd, np.uint32, nblocks, HEADER_SIZE + _CHUNK_HEAD.size).copy()
                 self._remember_directory(key, crcs)
             elif crcs is None:
                 return None
@@ -463,7 +470,7 @@ class Disk:
         return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
                        HEADER_SIZE + directory_size, rb, size, read_counter=self.segment_reads)
 
-    def _remember_directory(self, key: tuple[int, int], crcs: list[int] | None) -> None:
+    def _remember_directory(self, key: tuple[int, int], crcs: np.ndarray | None) -> None:
         if len(self._directories) >= self._directories_max:
             self._directories.clear()  # bounded: a few bytes per block of the chunks recently read
         self._directories[key] = crcs
