@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
@@ -66,7 +67,10 @@ class DeferredSync(Callback):
         background: flush in a worker thread (``False``: on the training thread, in the hook).
 
     Raises:
+        TypeError: an interval that is not an int (or None), a flag that is not a bool.
         ValueError: for an interval below 1.
+        MisconfigurationException: at setup, for a module without ``EmbeddingStoreMixin``
+            (there would be nothing to flush).
     """
 
     def __init__(
@@ -76,10 +80,15 @@ class DeferredSync(Callback):
         on_checkpoint: bool = True,
         background: bool = True,
     ) -> None:
-        if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"Invalid value for every_n_steps={every_n_steps}. Must be >= 1 or None")
-        if every_n_epochs is not None and every_n_epochs < 1:
-            raise ValueError(f"Invalid value for every_n_epochs={every_n_epochs}. Must be >= 1 or None")
+        for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"Invalid value for {name}={value!r}. Must be an int >= 1 or None, "
+                                f"got {type(value).__name__}")
+            if value is not None and value < 1:
+                raise ValueError(f"Invalid value for {name}={value}. Must be >= 1 or None")
+        for name, flag in (("on_checkpoint", on_checkpoint), ("background", background)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Invalid value for {name}={flag!r}. Must be True or False")
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.on_checkpoint = on_checkpoint
@@ -97,6 +106,14 @@ class DeferredSync(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from lightning_embcache.lightning.mixin import EmbeddingStoreMixin
+
+        if not isinstance(pl_module, EmbeddingStoreMixin):
+            raise MisconfigurationException(
+                f"DeferredSync flushes the embedding stores of a module with EmbeddingStoreMixin; "
+                f"{type(pl_module).__name__} does not have it, so there is nothing to flush. Add the mixin "
+                f"(class {type(pl_module).__name__}(EmbeddingStoreMixin, L.LightningModule)) or remove the callback"
+            )
         if self.background and self._worker is None:
             self._worker = CoalescingWorker(lambda: _flush_stores(pl_module))
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import shutil
 import threading
 import weakref
 from pathlib import Path
@@ -40,6 +42,30 @@ def store_exists(path: Path) -> bool:
     return path.exists() and (not path.is_dir() or any(path.iterdir()))
 
 
+#: what a handle does when its path already holds a store it did not create and no checkpoint names
+IF_EXISTS = ("error", "resume", "overwrite")
+
+# path -> the handle of this process holding that store open for writing (one writer per path)
+_writers: dict[Path, Callable[[], "EmbeddingStoreHandle | None"]] = {}
+
+
+def _store_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs a handle method eagerly: a graph break under ``torch.compile`` (the store is host code
+    with numpy and locks, nothing to trace), and outside inference mode, so the store never keeps
+    an inference tensor that a later training step would have to update in place. Inference
+    tensors passed in (ids of an evaluation batch) are cloned; that costs one copy of the ids."""
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return fn(self, *args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a for a in args)
+            return fn(self, *args, **kwargs)
+
+    return torch.compiler.disable(call)
+
+
 class EmbeddingStoreHandle:
     """A per-sample table owned by a LightningModule.
 
@@ -71,6 +97,7 @@ class EmbeddingStoreHandle:
         open_options: dict[str, Any],
         optim_config: dict[str, Any],
         module: torch.nn.Module | None = None,
+        if_exists: str = "error",
     ) -> None:
         self.name = name
         self.num_rows = num_rows
@@ -89,6 +116,14 @@ class EmbeddingStoreHandle:
         self._target_version: int | None = None
         self._target_checksum: str | None = None
         self._target_from_checkpoint = False
+        self.if_exists = if_exists
+        # True once this handle may write the store at `path`: it created it, a checkpoint named
+        # one of its versions, or `if_exists` allowed taking over rows it found there.
+        self._claimed = False
+        # True while the open store is an in-memory stand-in for a path that holds nothing yet
+        # (a read before anything was written); a write replaces it with the store on disk.
+        self._stand_in = False
+        self._in_fit = False  # set by the mixin between setup and teardown of a fit
         # Serialises open/flush/close; get/update never take it, so a background flush does not
         # stall the training thread.
         self._lifecycle = threading.RLock()
@@ -103,6 +138,7 @@ class EmbeddingStoreHandle:
         """The open `EmbeddingStore` (opened writable if needed), for anything the handle does not wrap."""
         return self._ensure_open(writable=True)
 
+    @_store_call
     def get(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for `ids` as a fresh tensor on the module's device, in the store dtype."""
         self._settle()
@@ -113,6 +149,7 @@ class EmbeddingStoreHandle:
             return rows
         return self._staging.to_device(rows, device)
 
+    @_store_call
     def update(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values` (any device, detached, cast to the store dtype) to rows `ids`."""
         store = self._ensure_open(writable=True)
@@ -122,10 +159,12 @@ class EmbeddingStoreHandle:
             values = values.to("cpu", self.dtype)
         store.update(ids, values)
 
+    @_store_call
     def prefetch(self, ids: torch.Tensor) -> None:
         """Non-blocking hint: bring rows `ids` into the hot tier before they are needed."""
         self._ensure_open(writable=False).prefetch(self._host_ids(ids))
 
+    @_store_call
     def flush(self) -> int:
         """Make all updates durable; returns the store version. Safe to call from another thread."""
         with self._lifecycle:
@@ -141,20 +180,26 @@ class EmbeddingStoreHandle:
         store = self._store
         return store.io_wait_seconds if store is not None and not store.closed else 0.0
 
+    @_store_call
     def stats(self) -> StoreStats:
         """The store's `StoreStats` (bytes per tier, hits, dirty rows, flushes, ...)."""
         return self._ensure_open(writable=False).stats()
 
+    @_store_call
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for `ids` on the module's device with ``requires_grad=True``: autograd trains them.
 
         After backward their gradient rows are summed (across micro-batches too) and, at the
         optimizer step, the store's sparse row-wise optimizer (``optimizer=`` of
         ``add_embedding_store``) updates exactly those rows and their moments, in the store.
+        Under ``torch.no_grad()`` or inference mode (validation, test, predict) it is ``get``.
         """
+        if not torch.is_grad_enabled():
+            return self.get(ids)
         rows = self._trainable_rows("lookup")
         return rows.lookup(self._host_ids(ids), self._device())
 
+    @_store_call
     def row_meta(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per row: the step it was last trained at (``last_step``) and how often (``updates``)."""
         meta = self._trainable_rows("row_meta").row_meta(self._host_ids(ids))
@@ -170,6 +215,7 @@ class EmbeddingStoreHandle:
         """
         return self._row_optimizer
 
+    @_store_call
     def step(self, step: int | None = None) -> None:
         """Apply the collected gradient rows now (manual optimization; automatic does it for you)."""
         rows = self._trainable_rows("step")
@@ -228,14 +274,18 @@ class EmbeddingStoreHandle:
     def _is_open(self) -> bool:
         return self._store is not None and not self._store.closed
 
+    def _usable(self, store: EmbeddingStore | None, writable: bool) -> bool:
+        return store is not None and not store.closed and (
+            not writable or not (store.readonly or self._stand_in))
+
     def _ensure_open(self, *, writable: bool) -> EmbeddingStore:
         store = self._store
-        if store is not None and not store.closed and (not writable or not store.readonly):
-            return store
+        if self._usable(store, writable):
+            return store  # type: ignore[return-value]
         with self._lifecycle:
             store = self._store
-            if store is not None and not store.closed and (not writable or not store.readonly):
-                return store
+            if self._usable(store, writable):
+                return store  # type: ignore[return-value]
             return self._open(readonly=not writable)
 
     def _open(self, *, readonly: bool, version: int | None = None, checksum: str | None = None) -> EmbeddingStore:
@@ -243,9 +293,17 @@ class EmbeddingStoreHandle:
         with self._lifecycle:
             if version is not None:
                 self._target_version, self._target_checksum = version, checksum
-                self._target_from_checkpoint = True
+                self._target_from_checkpoint = self._claimed = True
             self._close()
+            self._stand_in = False
             cls = _store_class()
+            if self.path is not None and not readonly:
+                unclaimed = not self._claimed and store_exists(self.path)
+                if unclaimed and self.if_exists == "error":
+                    self._refuse_existing()
+                self._take_writer_lock()
+                if unclaimed:
+                    self._apply_if_exists()
             if self.path is None:
                 if self._target_version is not None:
                     raise _store_errors().VersionNotFoundError(
@@ -254,14 +312,68 @@ class EmbeddingStoreHandle:
                     )
                 self._store = cls.create(None, self.num_rows, self.dim, **self._create_options)
             elif self._target_version is None and not store_exists(self.path):
-                if readonly:  # nothing written yet: a read sees the initial rows
+                if readonly:  # nothing written yet: a read sees the initial rows, a write creates the store
                     self._store = cls.create(None, self.num_rows, self.dim, **self._create_options)
+                    self._stand_in = True
                 else:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._store = cls.create(self.path, self.num_rows, self.dim, **self._create_options)
+                    self._claimed = True
             else:
                 self._store = self._open_existing(cls, readonly)
+            if self.path is not None and not readonly:
+                _writers[self.path] = weakref.ref(self)
             return self._store
+
+    def _needs_claim(self) -> bool:
+        """A write would meet rows this handle did not create and if_exists='error' forbids it (so far)."""
+        return (self.path is not None and not self._claimed and self.if_exists == "error"
+                and store_exists(self.path))
+
+    def _take_writer_lock(self) -> None:
+        """Another handle of this process holding the store for writing after its fit ended (a
+        model kept after ``fit``) closes it, flushing first; one in a running fit keeps it."""
+        assert self.path is not None
+        other = _writers.get(self.path, lambda: None)()
+        if other is None or other is self or not other._is_open() or other._store.readonly:  # type: ignore[union-attr]
+            return
+        if other._in_fit:
+            raise _store_errors().StoreLockedError(
+                f"embedding store {self.name!r} at {self.path} is open for writing by another module of this "
+                f"process that is fitting; one writer per path"
+            )
+        log.info("Embedding store %r at %s: closing the writable handle of another module (flushed first)",
+                 self.name, self.path)
+        other.close()
+
+    def _refuse_existing(self) -> None:
+        raise _store_errors().InvalidArgumentError(
+            f"embedding store {self.name!r}: {self.path} already holds a store, and nothing says whether to "
+            f"continue its rows (a fresh decoder would silently meet old rows and moments). Pass "
+            f"add_embedding_store(..., if_exists='resume') to continue them, if_exists='overwrite' to start "
+            f"again, fit(ckpt_path=...) to resume a checkpoint, or choose another path "
+            f"(if_exists='error' is the default; allowed: {', '.join(IF_EXISTS)})"
+        )
+
+    def _apply_if_exists(self) -> None:
+        """A write to rows this handle did not create and no checkpoint named, allowed by `if_exists`."""
+        if self.if_exists == "overwrite":
+            self._remove_store_files()
+        self._claimed = True
+
+    def _remove_store_files(self) -> None:
+        """Delete the store at `path` (and its checkpoint registry), refusing anything that is not a store."""
+        assert self.path is not None
+        from lightning_embcache.lightning.checkpoint_pins import registry_path
+
+        if not (self.path.is_dir() and (self.path / "META").is_file()):
+            raise _store_errors().InvalidArgumentError(
+                f"embedding store {self.name!r}: if_exists='overwrite' deletes only a store, and {self.path} "
+                f"is not one (no META file); remove it yourself or choose another path"
+            )
+        log.warning("Embedding store %r: if_exists='overwrite' deletes the store at %s", self.name, self.path)
+        shutil.rmtree(self.path)
+        registry_path(self.path).unlink(missing_ok=True)
 
     def _open_existing(self, cls: Any, readonly: bool) -> EmbeddingStore:
         errors = _store_errors()
@@ -300,15 +412,39 @@ class EmbeddingStoreHandle:
     def _close(self) -> None:
         with self._lifecycle:
             store, self._store = self._store, None
+            self._stand_in = False
+            if self.path is not None and _writers.get(self.path, lambda: None)() is self:
+                del _writers[self.path]
             if store is not None and not store.closed:
                 store.close()
+
+    def close(self) -> None:
+        """Flush pending writes and release the store (and its writer lock); the next call reopens it.
+
+        Use it, or ``with model.latents: ...``, when another module of this process should open
+        the same path (a resumed copy of the model). An in-memory store (``path=None``) loses its
+        rows when closed.
+        """
+        with self._lifecycle:
+            if self._is_open() and self.path is not None and not (self._store.readonly or self._stand_in):  # type: ignore[union-attr]
+                self.flush()
+            if self.path is None:
+                self._close()
+            else:
+                self._release()
+
+    def __enter__(self) -> EmbeddingStoreHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _release(self) -> None:
         """Free resources after training. In-memory stores stay open: closing would lose their rows."""
         if self.path is None:
             return
         with self._lifecycle:
-            if self._is_open() and not self._target_from_checkpoint:
+            if self._is_open() and not self._target_from_checkpoint and not self._stand_in:
                 # Reopen what this module last had, even if a flush with nothing dirty made no version.
                 self._target_version, self._target_checksum = self._store.version, None
             self._close()
@@ -316,11 +452,12 @@ class EmbeddingStoreHandle:
     def __getstate__(self) -> dict[str, Any]:
         # Pickled with its module (deepcopy, spawn): the open store, locks and buffers stay behind.
         state = self.__dict__.copy()
-        state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None, _trainable=None)
+        state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None, _trainable=None,
+                     _stand_in=False, _in_fit=False)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"if_exists": "error", "_claimed": False, "_stand_in": False, "_in_fit": False, **state})
         self._lifecycle = threading.RLock()
         self._staging = PinnedStaging()
         self._module_ref = lambda: None

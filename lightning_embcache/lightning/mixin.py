@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
-from lightning_embcache.lightning.handle import EmbeddingStoreHandle
+from lightning_embcache.lightning.handle import IF_EXISTS, EmbeddingStoreHandle
 from lightning_embcache.optim import make_row_optimizer
 from lightning_embcache.trainable import trainable_fields
 
@@ -52,11 +52,20 @@ class EmbeddingStoreMixin:
         - The mixin's hooks (``on_save_checkpoint``, ``on_load_checkpoint``, ``configure_callbacks``)
           call ``super()``; if you override them, call ``super()`` too.
         - A store with ``path=None`` lives in memory: fast, but not part of checkpoints.
+        - A path that already holds a store is read freely (validate, test, predict, ``get``),
+          but written only when a checkpoint names one of its versions (``fit(ckpt_path=...)``,
+          ``load_from_checkpoint``) or ``if_exists`` says so; otherwise ``fit`` stops before
+          the first step, rather than training a fresh model on old rows.
 
     Raises:
-        ValueError: a store name that is not an identifier or is already used.
-        TypeError: keyword arguments that are neither store options nor optimizer options.
+        TypeError: the mixin placed after ``LightningModule`` in the bases (its hooks would never
+            run); keyword arguments that are neither store options nor optimizer options.
+        ValueError: a store name that is not an identifier or is already used; an unknown ``if_exists``.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_base_order(cls)
 
     # ------------------------------------------------------------------ public API
     def add_embedding_store(
@@ -78,6 +87,7 @@ class EmbeddingStoreMixin:
         fields: Mapping[str, tuple[torch.dtype, int]] | None = None,
         optimizer: str | None = None,
         lr: float | None = None,
+        if_exists: str = "error",
         **optim_kwargs: Any,
     ) -> EmbeddingStoreHandle:
         """Declare a table of `num_rows` x `dim` rows; returns its handle (the store opens at setup).
@@ -94,8 +104,15 @@ class EmbeddingStoreMixin:
                 ``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"`` or ``"adamw"`` with their
                 arguments (``momentum``, ``betas``, ``eps``, ``weight_decay``, ...); the moments live
                 beside each row in the store. ``max_grad_norm=`` clips each row's summed gradient.
+            if_exists: what ``fit`` (or any write) does when `path` already holds a store that this
+                handle did not create and that no checkpoint being resumed names: ``"error"``
+                (default) stops with a message, ``"resume"`` continues its rows (and moments),
+                ``"overwrite"`` deletes it and starts from ``init``. Reads never need it.
         """
+        _check_base_order(type(self))
         stores = self._embcache_stores()
+        if if_exists not in IF_EXISTS:
+            raise ValueError(f"Invalid value for if_exists={if_exists!r}. Must be one of {', '.join(map(repr, IF_EXISTS))}")
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"Invalid value for name={name!r}. Must be a Python identifier")
         if name in stores:
@@ -104,7 +121,7 @@ class EmbeddingStoreMixin:
             raise TypeError(
                 f"add_embedding_store() got unexpected keyword arguments {sorted(optim_kwargs)}; store options "
                 "are path, hot_bytes, warm_bytes, dtype, chunk_rows, compression, init, seed, init_std, check_finite, "
-                "fields (optimizer options need optimizer=...)"
+                "fields, if_exists (optimizer options need optimizer=...)"
             )
         create_options: dict[str, Any] = dict(
             dtype=dtype, chunk_rows=chunk_rows, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
@@ -128,6 +145,7 @@ class EmbeddingStoreMixin:
             open_options=open_options,
             optim_config=dict(optimizer=optimizer, lr=lr, **optim_kwargs),
             module=self,  # type: ignore[arg-type]
+            if_exists=if_exists,
         )
         handle._row_optimizer, handle._max_grad_norm = row_optimizer, max_grad_norm
         stores[name] = handle
@@ -270,9 +288,18 @@ class EmbeddingStoreMixin:
     def _embcache_setup(self, stage: str) -> None:
         fitting = stage == TrainerFn.FITTING.value
         for handle in self._embcache_stores().values():
-            handle._ensure_open(writable=fitting)
+            handle._in_fit = fitting
+            # Rows found at the path with if_exists="error" are opened for reading until a
+            # checkpoint (restored after setup) claims them; _embcache_claim_for_fit decides.
+            deferred = fitting and handle._needs_claim()
+            handle._ensure_open(writable=fitting and not deferred)
         if fitting:
             self._embcache_install_io()
+
+    def _embcache_claim_for_fit(self) -> None:
+        """After any checkpoint is restored: every store writable, or the if_exists error now."""
+        for handle in self._embcache_stores().values():
+            handle._ensure_open(writable=True)
 
     def _embcache_flush_all(self) -> None:
         for handle in self._embcache_stores().values():
@@ -281,7 +308,21 @@ class EmbeddingStoreMixin:
     def _embcache_release(self, trainer: Any) -> None:
         self._embcache_uninstall_io(trainer)
         for handle in self._embcache_stores().values():
+            handle._in_fit = False
             handle._release()
+
+
+def _check_base_order(cls: type) -> None:
+    from lightning.pytorch import LightningModule
+
+    mro = cls.__mro__
+    if LightningModule in mro and mro.index(LightningModule) < mro.index(EmbeddingStoreMixin):
+        bases = ", ".join(b.__name__ for b in cls.__bases__)
+        raise TypeError(
+            f"{cls.__name__}({bases}): put EmbeddingStoreMixin before LightningModule in the bases, e.g. "
+            f"class {cls.__name__}(EmbeddingStoreMixin, L.LightningModule); after it, the mixin's hooks never run "
+            "and no row would be opened, trained or checkpointed"
+        )
 
 
 def _int_tensors(batch: Any) -> list[torch.Tensor]:
@@ -303,6 +344,14 @@ class _StoreLifecycle(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if isinstance(pl_module, EmbeddingStoreMixin):
             pl_module._embcache_setup(stage)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if isinstance(pl_module, EmbeddingStoreMixin) and not trainer.strategy.restore_checkpoint_after_setup:
+            pl_module._embcache_claim_for_fit()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if isinstance(pl_module, EmbeddingStoreMixin):
+            pl_module._embcache_claim_for_fit()
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         # Take each micro-batch's gradient rows as soon as they exist (accumulation sums them).

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from lightning_embcache import StoreError, EmbeddingStore, EmbeddingStoreMixin, StoreLockedError
+from lightning_embcache import EmbeddingStore, EmbeddingStoreMixin, InvalidArgumentError, StoreError, StoreLockedError
 
 from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 
@@ -90,9 +90,18 @@ def test_an_exception_in_training_releases_the_store(tmp_path):
 def test_one_writer_per_path_is_enforced_across_modules(tmp_path):
     first, second = tiny_model(tmp_path / "latents"), tiny_model(tmp_path / "latents")
     first.latents.update(torch.arange(2), torch.ones(2, 16))  # opens it for writing
-    with pytest.raises(StoreLockedError):
+    with pytest.raises(InvalidArgumentError, match="if_exists"):  # rows it did not create: no silent mixing
         second.latents.update(torch.arange(2), torch.ones(2, 16))
-    first.latents._release()
+    assert first.latents._is_open()
+    second.latents.if_exists = "resume"  # allowed: the first module, outside a fit, hands over (flushed)
+    second.latents.update(torch.arange(1), torch.full((1, 16), 2.0))
+    assert not first.latents._is_open()
+    assert torch.equal(second.latents.get(torch.arange(2)), torch.tensor([[2.0] * 16, [1.0] * 16]))
+    second.latents._in_fit = True  # while a module fits, nobody takes its store
+    with pytest.raises(StoreLockedError, match="fitting"):
+        first.latents.update(torch.arange(2), torch.ones(2, 16))
+    second.latents._in_fit = False
+    second.latents.close()
 
 
 def test_in_memory_store_keeps_its_rows_after_fit_and_warns_at_checkpoints(tmp_path):
