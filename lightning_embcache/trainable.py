@@ -6,6 +6,11 @@ sparse row-wise optimizer on exactly those rows and writes weights, moments and 
 back in one `update_fields` call. Because the whole record is written at once, a flush can never
 hold a row from one step and its moments from another.
 
+With a `DeviceTier` (rows and their optimizer state in GPU memory) the whole step stays on the
+device: `lookup` gathers there, `apply` runs the fused row-wise kernel in place, and the host only
+decides which slot holds which id. Without one, rows and their state stay in host RAM and travel
+through reused pinned buffers.
+
 No Lightning imports: the mixin drives this from its hooks; a plain training loop can too.
 """
 
@@ -16,7 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import numpy as np
+
+from lightning_embcache.device_tier import DeviceTier, _PinnedRing
 from lightning_embcache.optim.base import RowOptimizer
+from lightning_embcache.optim.fused import fused_adam_step_rows
 from lightning_embcache.optim.clip import clip_rows_by_norm_
 from lightning_embcache.optim.coalesce import RowGradBuffer
 from lightning_embcache.store import EmbeddingStore, InvalidArgumentError
@@ -38,21 +47,25 @@ class TrainableRows:
 
         opt = make_row_optimizer("adam", lr=1e-3)
         store = EmbeddingStore.create(path, N, 64, fields=trainable_fields(opt, 64, torch.float32))
-        rows = TrainableRows(store, opt)
+        rows = TrainableRows(store, opt)   # device_tier=DeviceTier(store, "cuda", 8 << 30) on a GPU
         z = rows.lookup(ids)               # requires_grad leaf
         loss(z).backward()
         rows.collect()                     # after every backward (gradient accumulation sums)
         rows.apply(step=global_step + 1)   # at the optimizer step
 
     Notes:
-        * On CUDA the gradient rows are copied to pinned host memory without waiting; `apply` only
-          records the step, and the update runs at the next `lookup`/`get`/`settle()` (by then the
-          copy has normally finished), so the training step never waits for the host update.
+        * With ``device_tier`` the rows live on its GPU: lookups, gradients and the update never
+          leave the device, and nothing waits for it. Call `write_down()` (the Lightning handle's
+          ``flush()`` does) before reading the rows through the store.
+        * Without one, on CUDA the gradient rows are copied to pinned host memory without waiting;
+          `apply` only records the step, and the update runs at the next `lookup`/`get`/`settle()`
+          (by then the copy has normally finished), so the training step never waits for the host.
         * `max_grad_norm` clips each row's summed gradient (per-row clipping); Lightning's
           `gradient_clip_val` covers only `model.parameters()`, which never include these rows.
     """
 
-    def __init__(self, store: EmbeddingStore, optimizer: RowOptimizer, *, max_grad_norm: float | None = None) -> None:
+    def __init__(self, store: EmbeddingStore, optimizer: RowOptimizer, *, max_grad_norm: float | None = None,
+                 device_tier: DeviceTier | None = None) -> None:
         if not isinstance(optimizer, RowOptimizer):
             raise InvalidArgumentError(f"optimizer must be a RowOptimizer (make_row_optimizer(...)); got {optimizer!r}")
         need = trainable_fields(optimizer, store.dim, store.dtype)
@@ -64,47 +77,123 @@ class TrainableRows:
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InvalidArgumentError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}")
+        if device_tier is not None and device_tier.store is not store:
+            raise InvalidArgumentError("device_tier must hold the rows of this store (DeviceTier(store, ...))")
         self.store = store
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
+        self.device_tier = device_tier
         self._state_names = tuple(optimizer.state_fields(store.dim, store.dtype))
         self._leaves: list[tuple[Tensor, Tensor]] = []
         self._grads = RowGradBuffer()
         self._pending: tuple[int, float | None, torch.cuda.Event | None] | None = None
+        # host path on CUDA: reused pinned buffers for rows going up and gradients coming down
+        self._up_ring: _PinnedRing | None = None
+        self._grad_bufs: list[Tensor] = []  # one per micro-batch of a step, reused every step
+        self._grad_k = 0
+        # device path: per lookup (host slots per position, device slots, leaf)
+        self._dev_leaves: list[tuple[np.ndarray, Tensor, Tensor]] = []
+        self._dev_grads: list[tuple[np.ndarray, Tensor, Tensor]] = []
 
     # ---- forward -------------------------------------------------------------------------------
     def lookup(self, ids: Any, device: torch.device | str | None = None) -> Tensor:
-        """Rows of `ids` on `device` as a leaf with `requires_grad=True` (when grad is enabled)."""
+        """Rows of `ids` as a leaf with `requires_grad=True` (when grad is enabled).
+
+        On the device tier's GPU with a tier; else on `device` (default: the host).
+        """
+        if self.device_tier is not None:
+            return self._lookup_on_device(as_ids(ids, self.store.num_rows))
         self.settle()
         idx = torch.from_numpy(as_ids(ids, self.store.num_rows).copy())
         rows = self.store.get(idx)
-        if device is not None and torch.device(device).type != "cpu":
-            rows = rows.pin_memory().to(device, non_blocking=True)
+        if device is not None and torch.device(device).type == "cuda":
+            rows = self._to_cuda(rows, torch.device(device))
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._leaves.append((idx, rows))
         return rows
 
+    def _to_cuda(self, rows: Tensor, device: torch.device) -> Tensor:
+        if self._up_ring is None:
+            self._up_ring = _PinnedRing()
+        i, buf = self._up_ring.take(rows.numel() * rows.element_size())
+        staged = buf[: rows.numel() * rows.element_size()].view(rows.dtype).view(rows.shape)
+        staged.copy_(rows)
+        out = staged.to(device, non_blocking=True)
+        self._up_ring.done(i, torch.cuda.current_stream(device))
+        return out
+
+    def _lookup_on_device(self, idx: np.ndarray) -> Tensor:
+        tier = self.device_tier
+        assert tier is not None
+        tier.settle_evictions()
+        pos = self._device_slots(idx)
+        pos_d = tier.to_device(pos)
+        rows = tier.view("weight").index_select(0, pos_d)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._dev_leaves.append((pos, pos_d, rows))
+        return rows
+
+    def _device_slots(self, idx: np.ndarray) -> np.ndarray:
+        """Device slot of every position of validated ``idx``, rows brought up as needed; rows
+        with gradients not yet applied are never pushed out meanwhile."""
+        tier = self.device_tier
+        assert tier is not None
+        if tier.resident:
+            return idx
+        uniq, inv = np.unique(idx, return_inverse=True)
+        held = [p for p, _, _ in self._dev_leaves] + [p for p, _, _ in self._dev_grads]
+        protect = np.concatenate(held) if held else None
+        return tier.slots(uniq, protect)[inv]
+
+    def prefetch(self, ids: Any) -> None:
+        """Bring rows `ids` to the device tier now (copies queued without waiting), so that the
+        next `lookup` of them is a gather on the device. Without a tier: the store's prefetch."""
+        if self.device_tier is None:
+            self.store.prefetch(ids)
+            return
+        self._device_slots(as_ids(ids, self.store.num_rows))
+
     # ---- backward ------------------------------------------------------------------------------
     def collect(self) -> int:
         """Move the gradients of this micro-batch's lookups into the buffer; returns rows taken."""
         taken = 0
+        for pos, pos_d, leaf in self._dev_leaves:
+            if leaf.grad is not None:
+                self._dev_grads.append((pos, pos_d, leaf.grad))
+                taken += len(pos)
+        self._dev_leaves.clear()
         for idx, leaf in self._leaves:
             g = leaf.grad
             if g is None:
                 continue
             if g.is_cuda:
-                host = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
-                host.copy_(g, non_blocking=True)
-                g = host
+                g = self._grad_to_host(g)
             self._grads.add(idx, g)
             taken += idx.numel()
         self._leaves.clear()
         return taken
 
+    def _grad_to_host(self, g: Tensor) -> Tensor:
+        """Queue a copy of `g` into the step's next pinned buffer. `settle` consumes the buffers
+        (after waiting for the step's event) before the next step's `collect` refills them."""
+        k = self._grad_k
+        self._grad_k += 1
+        nbytes = g.numel() * g.element_size()
+        if k == len(self._grad_bufs):
+            self._grad_bufs.append(torch.empty(0, dtype=torch.uint8))
+        if self._grad_bufs[k].numel() < nbytes:
+            self._grad_bufs[k] = torch.empty(nbytes * 5 // 4, dtype=torch.uint8, pin_memory=True)
+        host = self._grad_bufs[k][:nbytes].view(g.dtype).view(g.shape)
+        host.copy_(g, non_blocking=True)
+        return host
+
     def apply(self, step: int, lr: float | None = None) -> None:
-        """Schedule the optimizer step for the collected rows (runs at the next settle point)."""
+        """Run (device tier) or schedule (host: at the next settle point) the optimizer step."""
         self.collect()
+        if self._dev_grads:
+            self._apply_on_device(int(step), lr)
         if not len(self._grads):
             return
         if self._pending is not None:
@@ -125,28 +214,76 @@ class TrainableRows:
         self._pending = None
         if event is not None:
             event.synchronize()  # waits for the gradient copy only, not for later queued work
-        ids, grads = self._grads.pop()
+        ids, grads = self._grads.pop()  # coalescing copies the rows out of the pinned buffers
+        self._grad_k = 0
         if self.max_grad_norm is not None:
             clip_rows_by_norm_(grads, self.max_grad_norm)
-        names = ("weight", *self._state_names, "last_step", "updates")
-        rec = self.store.get_fields(ids, names)
-        state = {n: rec[n] for n in self._state_names}
-        self.optimizer.step(rec["weight"], state, grads, step=step, lr=lr)
-        rec["last_step"].fill_(step)
-        rec["updates"].add_(1)
-        self.store.update_fields(ids, rec)
+        # One gather of whole records (weight, moments, metadata) and one scatter back: the update
+        # costs what the batch's rows cost, whatever the table's size, and a row and its state are
+        # always written together.
+        store = self.store
+        rec = store.read_records(ids)
+        state = {n: store.record_view(rec, n) for n in self._state_names}
+        self.optimizer.step(store.record_view(rec, "weight"), state, grads, step=step, lr=lr)
+        store.record_view(rec, "last_step").fill_(step)
+        store.record_view(rec, "updates").add_(1)
+        store.write_records(ids, rec)
         return int(ids.numel())
+
+    def _apply_on_device(self, step: int, lr: float | None) -> None:
+        """The step on the device tier, queued without waiting for the GPU."""
+        tier = self.device_tier
+        assert tier is not None
+        parts, self._dev_grads = self._dev_grads, []
+        pos = np.concatenate([p for p, _, _ in parts])
+        pos_d = torch.cat([p for _, p, _ in parts]) if len(parts) > 1 else parts[0][1]
+        grads = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2]
+        lr_now = self.optimizer.lr if lr is None else lr
+        weight = tier.view("weight")
+        state = {n: tier.view(n) for n in self._state_names}
+        with tier._lock:  # a background write_down sees the whole step or none of it
+            done = self.max_grad_norm is None and fused_adam_step_rows(
+                self.optimizer, weight, state, pos_d, grads, step=step, lr=lr_now)
+            if not done:
+                uniq, inv = np.unique(pos, return_inverse=True)
+                u_d, inv_d = tier.to_device(uniq), tier.to_device(inv)
+                g = torch.zeros((len(uniq), grads.shape[1]), dtype=torch.float32, device=grads.device)
+                g.index_add_(0, inv_d, grads.float())
+                if self.max_grad_norm is not None:
+                    clip_rows_by_norm_(g, self.max_grad_norm)
+                w = weight.index_select(0, u_d)
+                st = {n: v.index_select(0, u_d) for n, v in state.items()}
+                self.optimizer.step(w, st, g, step=step, lr=lr)
+                weight.index_copy_(0, u_d, w)
+                for n, v in state.items():
+                    v.index_copy_(0, u_d, st[n])
+            # per-row metadata: duplicates write the same value, so each row counts one update
+            tier.view("last_step").index_fill_(0, pos_d, step)
+            updates = tier.view("updates")
+            updates[pos_d] = updates.index_select(0, pos_d) + 1
+            tier.mark_dirty(pos)
+
+    def write_down(self) -> int:
+        """Bring the device tier's updated rows into the store (before reading or flushing it)."""
+        return self.device_tier.write_down() if self.device_tier is not None else 0
 
     def discard(self) -> None:
         """Drop collected gradients and a scheduled step (e.g. a skipped step with inf loss)."""
         self._leaves.clear()
+        self._dev_leaves.clear()
+        self._dev_grads.clear()
         self._pending = None
+        self._grad_k = 0
         if len(self._grads):
             self._grads.pop()
 
     # ---- metadata ------------------------------------------------------------------------------
     def row_meta(self, ids: Any) -> dict[str, Tensor]:
         """`{"last_step": int32[len(ids)], "updates": int32[len(ids)]}` for staleness-aware losses."""
+        if self.device_tier is not None:
+            tier = self.device_tier
+            pos_d = tier.to_device(self._device_slots(as_ids(ids, self.store.num_rows)))
+            return {k: tier.view(k).index_select(0, pos_d)[:, 0] for k in ("last_step", "updates")}
         self.settle()
         got = self.store.get_fields(ids, ("last_step", "updates"))
         return {k: v[:, 0] for k, v in got.items()}

@@ -365,6 +365,69 @@ class EmbeddingStore(TieredRows, Versioning):
         self._stats.updates += 1
         self._io_wait += time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ whole records (trainers)
+    def record_view(self, records: torch.Tensor, name: str) -> torch.Tensor:
+        """Typed ``(n, cols)`` view of field ``name`` inside uint8 records from `read_records`."""
+        self._check_names((name,))
+        return self._schema.view(records, name)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one record: the weight and every per-row field, packed and aligned."""
+        return self._row_bytes
+
+    def read_records(self, ids: Any) -> torch.Tensor:
+        """Whole records of ``ids`` (weight and every field) as a new ``(n, row_bytes)`` uint8 tensor.
+
+        For trainers that update a row and its optimizer state together: one gather of whole
+        records from the contiguous pool, where `get_fields` gathers each field separately. The
+        fields are read through `record_view`.
+        """
+        t0 = time.perf_counter()
+        self._check_usable()
+        idx = self._valid_ids(ids)
+        with self._lock:
+            if self._hot.all_loaded:
+                out = torch.from_numpy(self._hot.pool_np[idx])
+            else:
+                out = None
+        if out is None:  # cold rows, or a cache of slots: field by field through the tiers
+            fields = self.get_fields(idx, self._schema.names)
+            out = torch.empty((len(idx), self._row_bytes), dtype=torch.uint8)
+            for n, v in fields.items():
+                self._schema.view(out, n).copy_(v)
+        self._stats.gets += 1
+        self._io_wait += time.perf_counter() - t0
+        return out
+
+    def write_records(self, ids: Any, records: torch.Tensor) -> None:
+        """Write whole records (from `read_records`, changed in place) back; each id at most once.
+
+        The weights are checked for NaN/Inf as `update` checks them (``check_finite``).
+        """
+        t0 = time.perf_counter()
+        self._check_usable(write=True)
+        idx = self._valid_ids(ids)
+        if (type(records) is not torch.Tensor or records.dtype != torch.uint8 or records.is_cuda
+                or tuple(records.shape) != (len(idx), self._row_bytes)):
+            raise InvalidArgumentError(
+                f"records must be a CPU uint8 tensor of shape ({len(idx)}, {self._row_bytes}) from "
+                f"read_records(); got {getattr(records, 'dtype', type(records).__name__)} of shape "
+                f"{tuple(getattr(records, 'shape', ()))}")
+        w = self._schema.view(records, "weight")
+        if self._check_finite and len(idx):
+            as_values(w.contiguous(), len(idx), self.dim, self.dtype, arg="records (weight)", check_finite=True)
+        with self._lock:
+            fast = self._hot.all_loaded and self._cow is None
+            if fast:
+                self._hot.pool_np[idx] = records.numpy()
+                self._hot.dirty[idx] = 1
+        if not fast:
+            self.update_fields(idx, {n: self._schema.view(records, n) for n in self._schema.names})
+            self._stats.updates -= 1  # counted once, below
+        self._stats.updates += 1
+        self._io_wait += time.perf_counter() - t0
+
     def prefetch(self, ids: Any) -> None:
         """Hint: bring these rows into the hot tier in the background; returns at once."""
         self._check_usable()
