@@ -538,7 +538,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=10, help="batches left out of steady figures")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--out", default=None, help="JSON path (default bench-results/profiler-<date>.json)")
+    ap.add_argument("--out", default=None, help="write the JSON results here (default: print only)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     configs = args.configs.split(",")
@@ -589,10 +589,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(result["gpu"], indent=1))
     result["host"]["loadavg_end"] = os.getloadavg()
     result["elapsed_seconds"] = time.perf_counter() - t_start
-    out = Path(args.out or f"bench-results/profiler-{_dt.date.today().isoformat()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out}")
+    if args.out:  # written only where the user says
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {out}")
     return 0
 
 

@@ -44,7 +44,6 @@ from typing import Any, Sequence
 import torch
 
 MiB = 1 << 20
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -55,7 +54,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="training steps per store system")
     p.add_argument("--naive-steps", type=int, default=5, help="steps of the naive design (about 1 s each)")
     p.add_argument("--hot-mib", type=float, default=None, help="store hot budget (default: whole table resident)")
-    p.add_argument("--json", default=None, help="result file (default bench-results/sync-<date>.json)")
+    p.add_argument("--json", "--out", dest="json", default=None, help="write the JSON results here (default: print only)")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one, removed)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     args = p.parse_args(list(argv))
@@ -215,11 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
            "command": "embcache bench sync " + " ".join(argv if argv is not None else sys.argv[1:]),
            "config": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
            "machine": machine_info(), "results": results}
-    path = Path(args.json) if args.json else REPO_ROOT / "bench-results" / f"sync-{_dt.date.today().isoformat()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
     print(_table(results))
-    print(f"wrote {path}")
+    if args.json:  # written only where the user says
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")
     return 0
 
 
