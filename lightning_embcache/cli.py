@@ -1,49 +1,188 @@
-"""`embcache` command line: `embcache demo`, `embcache bench <name>`.
+"""`embcache` (also `python -m lightning_embcache`): the demo, the benchmarks, and tools for a store on disk.
 
-Each subcommand lives in its own module with a `main(argv) -> int`; this file only dispatches,
-so the store engine, the Lightning layer and the benchmarks stay importable on their own.
+    embcache --version
+    embcache demo [--root runs/demo] [--samples N] ...   train the demo auto-decoder, print a report
+    embcache bench {store,optim,profiler,sync,train} [--out FILE] [...]
+    embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
+    embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
+    embcache compact PATH                                fold segments into chunks, reclaim versions
+
+Every verb has `--help`. Verbs that delegate (demo, bench) pass their other options to the module
+that implements them, so those modules stay importable and testable on their own.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
-# subcommand -> module with main(argv)
-COMMANDS = {
-    "demo": "lightning_embcache.demo",
+# benchmark -> (module with main(argv), the module's own name for the output file flag)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "store": ("lightning_embcache.bench.store", "--json"),
+    "optim": ("lightning_embcache.bench.optim", "--json"),
+    "profiler": ("lightning_embcache.bench.profiler", "--out"),
+    "sync": ("lightning_embcache.bench.sync", "--json"),
+    "train": ("lightning_embcache.bench.train", "--out"),
 }
-BENCHMARKS = {
-    "store": "lightning_embcache.bench.store",
-    "profiler": "lightning_embcache.bench.profiler",
-    "optim": "lightning_embcache.bench.optim",
-    "sync": "lightning_embcache.bench.sync",
+BENCHMARK_HELP = {
+    "store": "store get/update/flush against in-RAM and on-disk baselines",
+    "optim": "sparse row-wise optimizers against torch.optim.SparseAdam",
+    "profiler": "StepProfiler's overhead against Lightning's profilers",
+    "sync": "DeferredSync against flushing on every step",
+    "train": "end-to-end training throughput",
 }
 
-USAGE = """usage: embcache demo [options]          train a small model with a per-sample latent table
-       embcache bench {%s} [options]
-""" % ",".join(BENCHMARKS)
+EXIT_DAMAGED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _version() -> str:
+    from lightning_embcache import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="embcache", description="Trainable per-sample embedding rows for PyTorch Lightning: demo, "
+        "benchmarks and tools for a store on disk.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
+
+    # delegating verbs: their own options (and --help) belong to the module that runs them
+    verbs.add_parser("demo", add_help=False, help="train the demo auto-decoder and print a report "
+                     "(embcache demo --help for its options)")
+
+    bench = verbs.add_parser("bench", help="run a benchmark (embcache bench NAME --help for its options)",
+                             description="Run a benchmark. Results are printed; a JSON file is written only "
+                             "with --out FILE.")
+    names = bench.add_subparsers(dest="benchmark", metavar="NAME", title="benchmarks")
+    for name in BENCHMARKS:
+        sub = names.add_parser(name, add_help=False, help=BENCHMARK_HELP[name])
+        sub.add_argument("--out", metavar="FILE", default=None, help="write the JSON results to FILE")
+
+    inspect = verbs.add_parser("inspect", help="describe a store on disk",
+                               description="Rows, dim, dtype, per-row fields, versions and pins, bytes per "
+                               "tier on disk, compression ratio and the time of the last flush.")
+    inspect.add_argument("path", metavar="PATH", help="store directory")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    verify = verbs.add_parser("verify", help="check every checksum and the manifest chain",
+                              description="Read every row of every retained version (checking the checksum of "
+                              "every file and record read) and the manifest chain. Exit status 1 if anything is "
+                              "damaged, naming the file.")
+    verify.add_argument("path", metavar="PATH", help="store directory")
+    verify.add_argument("--latest", action="store_true", help="check only the newest version")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    compact = verbs.add_parser("compact", help="fold delta segments into chunks and reclaim unpinned versions",
+                               description="Fold the store's delta segments into base chunks, publish the "
+                               "result as a new version holding the same rows, and reclaim versions that are "
+                               "neither among the newest nor pinned by a checkpoint. Needs the writer lock (no "
+                               "training may have the store open). Safe to interrupt: the store stays at its "
+                               "last published version.")
+    compact.add_argument("path", metavar="PATH", help="store directory")
+    compact.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in {"-h", "--help"}:
-        print(USAGE, end="")
-        return 0
-    cmd, rest = args[0], args[1:]
-    if cmd == "bench":
-        if not rest or rest[0] not in BENCHMARKS:
-            print(f"embcache bench: choose one of {sorted(BENCHMARKS)}", file=sys.stderr)
-            return 2
-        module = BENCHMARKS[rest[0]]
-        rest = rest[1:]
-    elif cmd in COMMANDS:
-        module = COMMANDS[cmd]
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(args_list)
+    if args.verb is None:
+        parser.print_help()
+        return EXIT_USAGE if args_list else 0
+    if args.verb == "demo":
+        return _run_module("lightning_embcache.demo", rest)
+    if args.verb == "bench":
+        return _bench(args, rest, parser)
+    if rest:
+        parser.error(f"unrecognized arguments for {args.verb}: {' '.join(rest)}")
+    try:
+        return {"inspect": _inspect, "verify": _verify, "compact": _compact}[args.verb](args)
+    except KeyboardInterrupt:
+        print(f"\nembcache {args.verb}: interrupted; the store is at its last published version", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a store error is the user's answer, not a traceback
+        from lightning_embcache.store import StoreError
+
+        if not isinstance(exc, (StoreError, OSError)):
+            raise
+        print(f"embcache {args.verb}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_DAMAGED if args.verb == "verify" else EXIT_USAGE
+
+
+def _run_module(module: str, argv: list[str]) -> int:
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
+def _bench(args: argparse.Namespace, rest: list[str], parser: argparse.ArgumentParser) -> int:
+    if args.benchmark is None:
+        parser.parse_args(["bench", "--help"])  # prints the benchmarks and exits
+    module, out_flag = BENCHMARKS[args.benchmark]
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        print(f"embcache bench {args.benchmark}: this installation has no {module} "
+              f"(the '{args.benchmark}' benchmark is not part of version {_version()})", file=sys.stderr)
+        return EXIT_USAGE
+    if args.out is not None:
+        rest = [*rest, out_flag, args.out]
+    return _run_module(module, rest)
+
+
+def _progress(what: str, done: int, total: int) -> None:
+    """One line on stderr, redrawn in place on a terminal."""
+    if not sys.stderr.isatty():
+        if done == total:
+            print(f"  {what}: {done:,}/{total:,}", file=sys.stderr)
+        return
+    width = 30
+    filled = width * done // max(total, 1)
+    end = "\n" if done >= total else ""
+    print(f"\r  {what:<28} [{'#' * filled}{'.' * (width - filled)}] {done:,}/{total:,}", end=end,
+          file=sys.stderr, flush=True)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, default=str))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from lightning_embcache import tools
+
+    summary = tools.inspect_store(args.path)
+    _print_json(summary) if args.json else print(tools.format_inspection(summary))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from lightning_embcache import tools
+
+    report = tools.verify_store(args.path, latest_only=args.latest, progress=_progress)
+    _print_json(report.as_dict()) if args.json else print(tools.format_verification(report))
+    return 0 if report.ok else EXIT_DAMAGED
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from lightning_embcache import tools
+
+    result = tools.compact_store(args.path, progress=_progress)
+    if args.json:
+        _print_json(result)
     else:
-        print(USAGE, end="", file=sys.stderr)
-        return 2
-    return int(importlib.import_module(module).main(rest) or 0)
+        print(f"{result['path']}: version {result['version']}, versions {result['versions_before']} -> "
+              f"{result['versions']} (pinned {result['pinned'] or 'none'}), on disk "
+              f"{tools.human_bytes(result['bytes_before'])} -> {tools.human_bytes(result['bytes_after'])} "
+              f"in {result['seconds']:.1f} s")
+    return 0
 
 
 if __name__ == "__main__":

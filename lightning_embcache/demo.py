@@ -223,10 +223,27 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
     p.add_argument("--sync-every", type=int, default=100, help="DeferredSync every N steps (default 100)")
     p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps (default 250)")
-    p.add_argument("--root", default="runs/demo", help="run folder, emptied first (default runs/demo)")
+    p.add_argument("--root", default="runs/demo",
+                   help="run folder (default runs/demo); a folder the demo made is emptied first, any other "
+                        "non-empty folder is refused")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
     return p.parse_args(list(argv))
+
+
+RUN_MARKER = ".embcache-demo"  # written into the run folder; only a folder holding it is ever emptied
+
+
+def prepare_run_folder(root: Path) -> str | None:
+    """Make `root` an empty run folder; returns why not (nothing deleted) when it holds files the demo did not make."""
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        if not (root.is_dir() and not root.is_symlink() and (root / RUN_MARKER).is_file()):
+            return (f"--root {root} is not empty and was not made by the demo; refusing to delete it. "
+                    f"Choose an empty or new folder.")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / RUN_MARKER).write_text("made by `embcache demo`; the next demo run with this --root empties it\n")
+    return None
 
 
 def _optional_profiler() -> list[Callback]:
@@ -242,8 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*manual optimization and every_n_train_steps.*")
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
     root = Path(args.root)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    refusal = prepare_run_folder(root)
+    if refusal:
+        print(f"embcache demo: {refusal}", file=sys.stderr)
+        return 2
     table_bytes = args.samples * args.dim * 4
     hot = int(args.hot_mib * MiB) if args.hot_mib is not None else max(table_bytes // 4, 1 * MiB)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,0 +1,243 @@
+"""Look into, check and tidy a store on disk: what `embcache inspect`, `verify` and `compact` run.
+
+Only the store's public calls and its documented file layout (docs/store-format.md) are used, so
+these work on any store the installed version can open. No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from lightning_embcache.store import CorruptStoreError, EmbeddingStore, StoreError
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+#: rows read per call while verifying: bounded memory whatever the table's size
+VERIFY_BATCH_ROWS = 1 << 16
+
+
+def _no_progress(what: str, done: int, total: int) -> None:
+    pass
+
+
+def _dir_bytes(path: Path) -> tuple[int, int]:
+    """(bytes, files) of the plain files under `path` (not following links)."""
+    total = files = 0
+    if not path.is_dir():
+        return 0, 0
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size
+            files += 1
+    return total, files
+
+
+def _manifests(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("manifest-*") if p.name[len("manifest-"):].isdigit())
+
+
+def _last_flush(path: Path) -> str | None:
+    manifests = _manifests(path)
+    if not manifests:
+        return None
+    stamp = manifests[-1].stat().st_mtime
+    return _dt.datetime.fromtimestamp(stamp, _dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _row_bytes(store: EmbeddingStore) -> int:
+    return int(store.row_bytes) if hasattr(store, "row_bytes") else store.dim * store.dtype.itemsize
+
+
+def _chunk_raw_bytes(path: Path, store: EmbeddingStore) -> int:
+    """Uncompressed size of the records held by the base chunk files (from their names)."""
+    raw = 0
+    for p in (path / "chunks").glob("c*-g*"):
+        try:
+            chunk = int(p.name[1:].split("-g")[0])
+        except ValueError:
+            continue
+        rows = max(0, min(store.chunk_rows, store.num_rows - chunk * store.chunk_rows))
+        raw += rows * _row_bytes(store)
+    return raw
+
+
+def inspect_store(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A summary of the store at `path` (opened read-only at its latest version)."""
+    root = Path(path)
+    with EmbeddingStore.open(root, readonly=True) as store:
+        fields = {name: {"dtype": str(store.field_spec(name)[0]).replace("torch.", ""), "dim": store.field_spec(name)[1]}
+                  for name in store.field_names}
+        summary: dict[str, Any] = {
+            "path": str(root.resolve()),
+            "rows": store.num_rows,
+            "dim": store.dim,
+            "dtype": str(store.dtype).replace("torch.", ""),
+            "fields": fields,
+            "row_bytes": _row_bytes(store),
+            "chunk_rows": store.chunk_rows,
+            "version": store.version,
+            "versions": store.versions(),
+            "pinned": store.pinned(),
+            "last_flush": _last_flush(root),
+        }
+        chunk_raw = _chunk_raw_bytes(root, store)
+    chunks, chunk_files = _dir_bytes(root / "chunks")
+    segments, segment_files = _dir_bytes(root / "segments")
+    meta, meta_files = _dir_bytes(root)
+    summary["disk"] = {
+        "chunks": {"bytes": chunks, "files": chunk_files},
+        "segments": {"bytes": segments, "files": segment_files},
+        "metadata": {"bytes": meta, "files": meta_files},  # META, manifests, chunk maps, PINS, LOCK
+        "total_bytes": chunks + segments + meta,
+    }
+    summary["table_bytes"] = summary["rows"] * summary["row_bytes"]
+    summary["compression_ratio"] = round(chunk_raw / chunks, 3) if chunks else 1.0
+    return summary
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} TiB"  # pragma: no cover
+
+
+def format_inspection(s: dict[str, Any]) -> str:
+    d = s["disk"]
+    lines = [
+        f"store        {s['path']}",
+        f"rows x dim   {s['rows']:,} x {s['dim']} {s['dtype']} ({s['row_bytes']} bytes a record, "
+        f"{s['chunk_rows']} rows a chunk; table {human_bytes(s['table_bytes'])})",
+        "fields       " + (", ".join(f"{n} {f['dtype']}[{f['dim']}]" for n, f in s["fields"].items()) or "-"),
+        f"version      {s['version']} (last flush {s['last_flush'] or 'never'})",
+        f"versions     {s['versions']}, pinned {s['pinned'] or 'none'}",
+        f"on disk      {human_bytes(d['total_bytes'])}: chunks {human_bytes(d['chunks']['bytes'])} "
+        f"({d['chunks']['files']} files), segments {human_bytes(d['segments']['bytes'])} "
+        f"({d['segments']['files']} files), metadata {human_bytes(d['metadata']['bytes'])}",
+        f"compression  {s['compression_ratio']:.2f}x on base chunks",
+    ]
+    return "\n".join(lines)
+
+
+@dataclass
+class VersionCheck:
+    version: int
+    ok: bool
+    damaged: str | None = None  # the file named by the error
+    reason: str | None = None
+    parent: int | None = None
+
+
+@dataclass
+class Verification:
+    path: str
+    versions: list[VersionCheck] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # not tied to one version (META, PINS, the chain)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(v.ok for v in self.versions)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "ok": self.ok, "problems": self.problems,
+                "versions": [vars(v) for v in self.versions]}
+
+
+def _manifest_parent(path: Path, version: int) -> int | None:
+    """The parent version a manifest records (None if the format does not say)."""
+    import json
+
+    from lightning_embcache.store import fileio
+
+    data = fileio.read_file(path / f"manifest-{version:012d}", b"manifest")
+    parent = json.loads(bytes(data)).get("parent")
+    return int(parent) if isinstance(parent, int) else None
+
+
+def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
+                 progress: Progress = _no_progress) -> Verification:
+    """Read every row of every retained version (each read checks the checksums of the chunk and
+    segment records it touches) and the manifest chain; report each damaged file by name."""
+    root = Path(path)
+    report = Verification(str(root.resolve()))
+    try:
+        with EmbeddingStore.open(root, readonly=True) as store:
+            versions = store.versions()
+            num_rows = store.num_rows
+    except CorruptStoreError as exc:
+        report.problems.append(f"{exc.path}: {exc.reason}")
+        return report
+    if latest_only:
+        versions = versions[-1:]
+    previous = None
+    for version in versions:
+        check = VersionCheck(version, ok=True)
+        try:
+            check.parent = _manifest_parent(root, version)
+            if check.parent is not None and check.parent >= version:
+                check.ok, check.damaged = False, f"manifest-{version:012d}"
+                check.reason = f"names parent version {check.parent}, not an earlier one"
+            with EmbeddingStore.open(root, version=version, readonly=True, hot_bytes=64 << 20) as store:
+                for lo in range(0, num_rows, VERIFY_BATCH_ROWS):
+                    ids = torch.arange(lo, min(num_rows, lo + VERIFY_BATCH_ROWS))
+                    store.get_fields(ids, tuple(store.field_names))
+                    progress(f"version {version}", int(ids[-1]) + 1, num_rows)
+        except CorruptStoreError as exc:
+            check.ok, check.damaged, check.reason = False, exc.path, exc.reason
+        except StoreError as exc:
+            check.ok, check.reason = False, str(exc)
+        if previous is not None and version <= previous:
+            report.problems.append(f"versions out of order: {previous} then {version}")
+        previous = version
+        report.versions.append(check)
+    return report
+
+
+def format_verification(r: Verification) -> str:
+    lines = []
+    for v in r.versions:
+        if v.ok:
+            lines.append(f"version {v.version}: ok" + (f" (parent {v.parent})" if v.parent is not None else ""))
+        else:
+            lines.append(f"version {v.version}: DAMAGED {v.damaged or ''}: {v.reason}")
+    lines += [f"DAMAGED {p}" for p in r.problems]
+    lines.append(f"{r.path}: " + ("every checksum and the manifest chain verified" if r.ok else "damaged"))
+    return "\n".join(lines)
+
+
+def compact_store(path: str | os.PathLike[str], *, progress: Progress = _no_progress) -> dict[str, Any]:
+    """Fold the delta segments into base chunks, publish that layout as a new version (same rows)
+    and reclaim the versions no one pins or reads. Interrupting it at any point leaves the store
+    at its last published version: every step writes new files and commits by an atomic rename."""
+    root = Path(path)
+    before, _ = _dir_totals(root)
+    started = time.perf_counter()
+    progress("open (writer lock)", 0, 3)
+    with EmbeddingStore.open(root, hot_bytes=64 << 20) as store:
+        old_versions = store.versions()
+        progress("fold segments into chunks", 1, 3)
+        store.compact()
+        progress("publish and reclaim", 2, 3)
+        version = store.flush()
+        versions, pinned = store.versions(), store.pinned()
+    progress("done", 3, 3)
+    after, _ = _dir_totals(root)
+    return {"path": str(root.resolve()), "version": version, "versions_before": old_versions, "versions": versions,
+            "pinned": pinned, "bytes_before": before, "bytes_after": after,
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _dir_totals(root: Path) -> tuple[int, int]:
+    total = files = 0
+    for sub in (root, root / "chunks", root / "segments"):
+        b, f = _dir_bytes(sub)
+        total, files = total + b, files + f
+    return total, files
