@@ -230,6 +230,10 @@ class EmbeddingStoreHandle:
                 f"add_embedding_store(..., optimizer='adam', lr=...) (or use get()/update() for direct writes)"
             )
         store = self._ensure_open(writable=True)
+        if getattr(store, "sharded", False):  # rows of a row-sharded store train at their owners (distributed/)
+            if self._trainable is None or self._trainable.store is not store:
+                self._trainable = store.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm)
+            return self._trainable
         if self._trainable is None or self._trainable.store is not store:
             self._trainable = TrainableRows(store, self._row_optimizer, max_grad_norm=self._max_grad_norm)
         return self._trainable
@@ -296,7 +300,7 @@ class EmbeddingStoreHandle:
                 self._target_from_checkpoint = self._claimed = True
             self._close()
             self._stand_in = False
-            cls = _store_class()
+            cls = getattr(self, "_shard_factory", None) or _store_class()  # rank's shard: distributed/
             if self.path is not None and not readonly:
                 unclaimed = not self._claimed and store_exists(self.path)
                 if unclaimed and self.if_exists == "error":

@@ -13,6 +13,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_embcache.distributed.integration import (
+    follow_checkpoint_files, gather_shard_refs, local_ref, shard_handles,
+)
 from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
 from lightning_embcache.lightning.handle import IF_EXISTS, EmbeddingStoreHandle
 from lightning_embcache.optim import make_row_optimizer
@@ -179,6 +182,7 @@ class EmbeddingStoreMixin:
                           "manifest_checksum": store.manifest_checksum(version)}
             if handle.optimizer is not None:
                 refs[name]["row_optimizer"] = handle.optimizer.state_dict()
+        gather_shard_refs(self, refs)  # several processes: every rank's shard version (a collective)
         checkpoint[CHECKPOINT_KEY] = refs
         self._embcache_install_io()
 
@@ -204,6 +208,7 @@ class EmbeddingStoreMixin:
                 handle.optimizer.load_state_dict(ref["row_optimizer"])
             if ref.get("version") is None:
                 continue
+            ref = local_ref(handle, ref)  # several processes: this rank's shard (or a world-size error)
             if handle.path is None or Path(ref["path"]) != handle.path:
                 warning_cache.warn(
                     f"Embedding store {name!r} was at {ref['path']} when checkpointed and is at {handle.path} now; "
@@ -250,6 +255,7 @@ class EmbeddingStoreMixin:
         if trainer is None:
             return
         strategy = trainer.strategy
+        follow_checkpoint_files(self, trainer)  # ranks > 0: pins follow the strategy's saves/removals
         io = strategy.checkpoint_io
         if not isinstance(io, PinningCheckpointIO):
             strategy.checkpoint_io = PinningCheckpointIO(io, self._embcache_saved, self._embcache_removed)
@@ -287,6 +293,7 @@ class EmbeddingStoreMixin:
 
     def _embcache_setup(self, stage: str) -> None:
         fitting = stage == TrainerFn.FITTING.value
+        shard_handles(self)  # several processes: each handle's path becomes its rank's shard
         for handle in self._embcache_stores().values():
             handle._in_fit = fitting
             # Rows found at the path with if_exists="error" are opened for reading until a

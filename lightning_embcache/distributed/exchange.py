@@ -1,0 +1,158 @@
+"""Moving ids and rows between the ranks of a sharded table with `torch.distributed` all-to-all.
+
+Transport: ``all_to_all_single`` with per-rank split sizes on a dedicated **Gloo** group of host
+tensors, whatever the training backend. The rows live in host stores at both ends (the owner
+reads and writes them in its `EmbeddingStore`), so an NCCL exchange would add a host->device copy
+before and a device->host copy after every transfer, and would put variable-size transfers on
+the training stream; the requester copies the rows it receives to its device once, as a
+single-process store does. Gloo's ``all_to_all_single`` takes uneven splits (tested in
+``tests/distributed``), so no send/recv pairs are needed. A separate group keeps the store's
+collectives out of the order of DDP's gradient buckets and of the profiler's reduction.
+
+One request costs three collectives, each O(batch) and never O(table):
+
+1. split sizes (``world_size`` x 2 int64: how many unique ids go to each owner, and an
+   ok flag, so one rank's invalid ids fail every rank with a clear error instead of leaving the
+   others waiting inside a collective);
+2. the unique ids, grouped by owner;
+3. the payload (rows going back for a read; rows going to the owners for a write or gradient),
+   packed as bytes so several fields of different dtypes travel in one transfer.
+
+Every rank must make the same sequence of store calls (as DDP already requires of forward and
+backward); a rank with nothing to ask still takes part with an empty batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_embcache.distributed.sharding import RowSharding
+from lightning_embcache.store.errors import InvalidArgumentError
+
+_groups: dict[tuple[int, int], object] = {}
+
+
+def world() -> tuple[int, int]:
+    """(rank, world_size) of the default process group; (0, 1) outside one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def sharding_active() -> bool:
+    """True when torch.distributed runs several processes: stores are then row-sharded."""
+    return world()[1] > 1
+
+
+def store_group() -> object:
+    """The Gloo group the stores exchange rows on (made once per default group: a collective, so
+    every rank reaches it at the same point, i.e. when the stores open at setup)."""
+    key = (id(dist.group.WORLD), dist.get_world_size())
+    group = _groups.get(key)
+    if group is None:
+        group = _groups[key] = dist.new_group(backend="gloo")
+    return group
+
+
+class Route:
+    """Where the unique ids of one batch go, and which local rows this rank serves in return.
+
+    Attributes:
+        served: local row ids this rank is asked for, grouped by requesting rank (in rank order).
+        bytes_sent: payload + id bytes this rank sent for the route so far (for the benchmarks).
+    """
+
+    def __init__(self, group: object, sharding: RowSharding, ids: Tensor, error: str | None = None) -> None:
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.world_size = group, world_size
+        if error is None:
+            uniq, self.inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            owner = sharding.owner(uniq)
+            self.order = torch.argsort(owner, stable=True)
+            send_ids = uniq.index_select(0, self.order)
+            counts = torch.bincount(owner, minlength=world_size)
+        else:
+            uniq = send_ids = torch.empty(0, dtype=torch.int64)
+            self.inverse = self.order = uniq
+            counts = torch.zeros(world_size, dtype=torch.int64)
+        self.num_unique = int(uniq.numel())
+        header = torch.stack([counts, torch.full_like(counts, 0 if error is None else 1)], dim=1)
+        got = torch.empty_like(header)
+        dist.all_to_all_single(got, header, group=group)
+        bad = torch.nonzero(got[:, 1]).flatten().tolist()
+        if bad:
+            if error is not None:
+                raise InvalidArgumentError(error)
+            raise InvalidArgumentError(
+                f"rank(s) {bad} passed invalid ids to a sharded embedding store (see that rank's error); "
+                f"rank {rank} stops with them"
+            )
+        self.send_splits = counts.tolist()
+        self.recv_splits = got[:, 0].tolist()
+        recv = torch.empty(sum(self.recv_splits), dtype=torch.int64)
+        dist.all_to_all_single(recv, send_ids, self.recv_splits, self.send_splits, group=group)
+        self.served = sharding.local(recv)
+        self.bytes_sent = int(send_ids.numel()) * 8 + world_size * 16
+
+    def fetch(self, served_rows: Tensor | Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
+        """Send the rows this rank serves back to their requesters; returns one row per requested id."""
+        packed, unpack = _pack(served_rows)
+        out = torch.empty((self.num_unique, packed.shape[1]), dtype=torch.uint8)
+        dist.all_to_all_single(out, packed, self.send_splits, self.recv_splits, group=self.group)
+        self.bytes_sent += packed.numel()
+        rows = torch.empty_like(out)
+        rows[self.order] = out
+        return unpack(rows.index_select(0, self.inverse))
+
+    def push(self, unique_rows: Tensor | Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
+        """Send one row per unique requested id (ascending id order) to its owner; returns the rows
+        this rank receives, aligned with :attr:`served`."""
+        packed, unpack = _pack(unique_rows)
+        packed = packed.index_select(0, self.order)
+        out = torch.empty((len(self.served), packed.shape[1]), dtype=torch.uint8)
+        dist.all_to_all_single(out, packed, self.recv_splits, self.send_splits, group=self.group)
+        self.bytes_sent += packed.numel()
+        return unpack(out)
+
+
+def _pack(rows: Tensor | Mapping[str, Tensor]):
+    """Rows (or several per-row fields) as one (n, bytes) uint8 tensor, and the inverse."""
+    if isinstance(rows, Tensor):
+        t = rows.contiguous()
+        cols, dtype = t.shape[1], t.dtype
+        width = cols * t.element_size()
+        packed = t.view(torch.uint8).reshape(t.shape[0], width) if t.numel() else torch.empty((t.shape[0], width), dtype=torch.uint8)
+        return packed, lambda b: b.contiguous().view(dtype).reshape(b.shape[0], cols)
+    names = list(rows)
+    parts = [_pack(rows[n]) for n in names]
+    widths = [p[0].shape[1] for p in parts]
+    packed = torch.cat([p[0] for p in parts], dim=1) if parts else torch.empty(0, 0, dtype=torch.uint8)
+
+    def unpack(b: Tensor) -> dict[str, Tensor]:
+        out, at = {}, 0
+        for name, (_, un), w in zip(names, parts, widths):
+            out[name] = un(b[:, at:at + w])
+            at += w
+        return out
+
+    return packed, unpack
+
+
+class Clock:
+    """Seconds spent in exchanges (added to the store's io_wait_seconds for the profiler)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.bytes_sent = 0
+
+    def __enter__(self) -> "Clock":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._t0

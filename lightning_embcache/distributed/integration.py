@@ -1,0 +1,164 @@
+"""What the Lightning layer calls when torch.distributed runs several processes.
+
+`EmbeddingStoreMixin` calls four functions, each a no-op in a single process:
+
+* :func:`shard_handles` at setup: each handle's path becomes this rank's shard directory
+  (``<path>/rank-RRRRR-of-WWWWW``) and its stores are made by a `ShardFactory`, so everything the
+  handle does with a path (create or open, the writer lock, ``if_exists``, the checkpoint pins
+  registry) applies to this rank's shard, and no two ranks ever touch one directory.
+* :func:`gather_shard_refs` when a checkpoint is saved (every rank flushed its shard): one
+  ``all_gather_object`` records every shard's version and manifest checksum in the checkpoint.
+* :func:`local_ref` when a checkpoint is loaded: this rank's version of that record; a checkpoint
+  of another world size (or of a single process) fails here with the command that reshards.
+* :func:`follow_checkpoint_files` at setup of fit: Lightning writes and removes checkpoint files
+  only on rank 0, so the other ranks learn which file pins which of their versions from the
+  strategy's ``save_checkpoint``/``remove_checkpoint`` calls, which every rank makes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+from lightning_embcache.distributed.exchange import sharding_active, store_group, world
+from lightning_embcache.distributed.sharding import shard_dir
+from lightning_embcache.distributed.store import RESHARD_HINT, ShardFactory
+from lightning_embcache.store import InvalidArgumentError
+
+RULE = "id % world_size"
+_warnings = WarningCache()
+
+
+def shard_handles(module: Any) -> None:
+    """Point every handle of `module` at this rank's shard (once per world size)."""
+    if not sharding_active():
+        return
+    rank, world_size = world()
+    pins = module.__dict__.get("_embedding_store_pins", {})
+    for handle in module._embcache_stores().values():
+        factory = getattr(handle, "_shard_factory", None)
+        if factory is not None and factory.world_size == world_size:
+            continue
+        handle._close()  # a plain store opened before torch.distributed started
+        handle._trainable = None
+        if getattr(handle, "device_bytes", 0):
+            # the device tier holds a whole table's rows; a shard's owner serves them from the host
+            _warnings.warn(f"Embedding store {handle.name!r} is row-sharded over {world_size} processes; its "
+                           "rows stay in host memory (the device tier is single-process for now).")
+            handle.device_bytes = 0
+        factory = ShardFactory(handle.num_rows, handle.dim, handle._create_options)
+        table = getattr(handle, "_table_path", None) or handle.path
+        if table is not None:
+            handle._table_path = table
+            handle.path = factory.shard_path(table)
+        handle._shard_factory = factory
+        if not handle._target_from_checkpoint:
+            handle._target_version = handle._target_checksum = None
+        pins.pop(handle.name, None)
+
+
+def table_path(handle: Any) -> Path | None:
+    """The path the user gave (the handle's `path` is its rank's shard while sharded)."""
+    return getattr(handle, "_table_path", None) or handle.path
+
+
+def gather_shard_refs(module: Any, refs: dict[str, dict[str, Any]]) -> None:
+    """Every shard's version and checksum into each store's checkpoint record (all ranks call it)."""
+    if not sharding_active() or not refs:
+        return
+    rank, world_size = world()
+    mine = {name: (ref.get("version"), ref.get("manifest_checksum")) for name, ref in refs.items()}
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, mine, group=store_group())
+    stores = module._embcache_stores()
+    for name, ref in refs.items():
+        if ref.get("version") is None:
+            continue
+        path = table_path(stores[name])
+        ref["path"] = str(path)
+        ref["shards"] = {
+            "world_size": world_size,
+            "rule": RULE,
+            "dirs": [shard_dir(Path(""), r, world_size).as_posix() for r in range(world_size)],
+            "versions": [int(e[name][0]) for e in every],
+            "manifest_checksums": [e[name][1] for e in every],
+        }
+
+
+def local_ref(handle: Any, ref: dict[str, Any]) -> dict[str, Any]:
+    """This rank's `{path, version, manifest_checksum}` of a checkpoint's record of a store."""
+    rank, world_size = world()
+    shards = ref.get("shards")
+    if ref.get("version") is None:
+        return ref
+    if shards is None and world_size == 1:
+        return ref
+    saved = 1 if shards is None else int(shards["world_size"])
+    if saved != world_size:
+        raise InvalidArgumentError(
+            f"embedding store {handle.name!r}: the checkpoint holds its rows in {saved} shard(s) "
+            f"({'one process' if saved == 1 else f'{saved} processes'}), and {world_size} process(es) run now. "
+            f"Resume with {saved} process(es), or reshard the checkpoint first: {RESHARD_HINT}"
+        )
+    return {**ref, "path": str(handle.path), "version": int(shards["versions"][rank]),
+            "manifest_checksum": shards["manifest_checksums"][rank]}
+
+
+def follow_checkpoint_files(module: Any, trainer: Any) -> None:
+    """On ranks other than 0, learn checkpoint files from the strategy (Lightning's CheckpointIO
+    runs on rank 0 only), so each rank releases its pinned versions when their files go."""
+    strategy = trainer.strategy
+    if not sharding_active() or strategy.is_global_zero or getattr(strategy, "_embcache_follows", False):
+        return
+    save, remove = strategy.save_checkpoint, strategy.remove_checkpoint
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, *args: Any, **kwargs: Any) -> None:
+        save(checkpoint, filepath, *args, **kwargs)
+        _attach(module, checkpoint, os.path.abspath(os.fspath(filepath)))
+
+    def remove_checkpoint(filepath: Any) -> None:
+        remove(filepath)
+        _detach(module, os.path.abspath(os.fspath(filepath)))
+
+    strategy.save_checkpoint, strategy.remove_checkpoint = save_checkpoint, remove_checkpoint
+    strategy._embcache_follows = True
+
+
+def _attach(module: Any, checkpoint: dict[str, Any], file: str) -> None:
+    from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY
+
+    rank, _ = world()
+    for name, ref in (checkpoint.get(CHECKPOINT_KEY) or {}).items():
+        handle = module._embcache_stores().get(name)
+        if handle is None or "shards" not in ref:
+            continue
+        pins = module._embcache_pins(handle)
+        pins.attach(int(ref["shards"]["versions"][rank]), file)
+        _release_unreferenced(pins, handle)
+
+
+def _detach(module: Any, file: str) -> None:
+    for handle in module._embcache_stores().values():
+        if handle.path is None:
+            continue
+        pins = module._embcache_pins(handle)
+        pins.detach(file)
+        _release_unreferenced(pins, handle)
+
+
+def _release_unreferenced(pins: Any, handle: Any) -> None:
+    # The file may live on rank 0's disk only, so a version is released when its last file was
+    # removed through the strategy, never because the file is absent here.
+    for version, files in list(pins.versions.items()):
+        if files or version in pins._fresh:
+            continue
+        try:
+            handle.store.unpin(version)
+        except Exception:  # already reclaimed
+            pass
+        del pins.versions[version]
+    pins.save()

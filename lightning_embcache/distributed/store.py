@@ -1,0 +1,273 @@
+"""`ShardedStore`: one table of `num_rows` rows split row-wise over the ranks of a process group.
+
+Each rank keeps the ids it owns (see :mod:`.sharding`) in its own `EmbeddingStore` under
+``<path>/rank-RRRRR-of-WWWWW/`` (node-local disk is enough: no rank opens another's directory),
+so creation never races and each shard has its own writer lock. Reads and writes take global ids
+and exchange ids and rows with their owners (see :mod:`.exchange`): they are collectives, so every
+rank makes the same calls. Flushing, versions, pins, budgets and stats are per shard and local,
+so a background flush never enters a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_embcache.distributed.exchange import Clock, Route, store_group, world
+from lightning_embcache.distributed.sharding import (
+    GlobalCallableInit, GlobalNormalInit, RowSharding, shard_dir, shard_layouts,
+)
+from lightning_embcache.store import (
+    EmbeddingStore, InvalidArgumentError, InvalidTypeError, StoreError, StoreStats, VersionNotFoundError,
+)
+from lightning_embcache.store.validate import as_ids
+
+RESHARD_HINT = "embcache reshard --checkpoint CKPT --world-size N"
+
+
+class ShardedStore:
+    """A row-sharded `EmbeddingStore`: global ids in, rows out, each rank storing its own shard.
+
+    Example (every rank runs it; torch.distributed is initialised)::
+
+        store = ShardedStore.open_or_create("runs/latents", num_rows=10_000_000, dim=64, hot_bytes=1 << 30)
+        z = store.get(ids)             # rows of any ids, fetched from their owners
+        store.update(ids, z - lr * g)  # sent to their owners; of an id written by several ranks
+        store.flush()                  # in one call the highest rank wins. flush() is per shard.
+
+    Notes:
+        ``get``/``update``/``get_fields``/``update_fields`` are collectives over a Gloo group:
+        every rank calls them in the same order (an empty batch is fine). Everything else acts
+        on this rank's shard only. ``version`` is the shard's version; a checkpoint records all.
+
+    Raises:
+        InvalidArgumentError: invalid ids on any rank (every rank raises); a path holding a
+            single-process store or shards of another world size (names the reshard command).
+    """
+
+    def __init__(self, path: Path | None, num_rows: int, local: EmbeddingStore, group: object,
+                 rank: int, world_size: int) -> None:
+        self.path = path
+        self.num_rows = num_rows
+        self.local = local
+        self.group = group
+        self.rank, self.world_size = rank, world_size
+        self.sharding = RowSharding(num_rows, world_size)
+        self._clock = Clock()
+
+    sharded = True  # the handle keeps the rows of a sharded store on the host (no device tier)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def open_or_create(cls, path: str | os.PathLike | None, num_rows: int, dim: int, *, version: int | None = None,
+                       readonly: bool = False, **create_options: Any) -> "ShardedStore":
+        """This rank's shard of the table at `path`: opened if it exists, else created.
+
+        ``path=None`` keeps every shard in memory. `create_options` are those of
+        `EmbeddingStore.create`; the budgets and ``check_finite`` also apply when opening.
+        A read-only open of a shard never written gives its initial rows, in memory.
+        """
+        factory = ShardFactory(int(num_rows), dim, create_options)
+        if path is None:
+            return factory.create(None, num_rows, dim)
+        mine = factory.shard_path(Path(path))
+        if (mine / "META").exists():
+            return factory.open(mine, version=version, readonly=readonly)
+        if version is not None:
+            raise VersionNotFoundError(f"{mine}: no shard here, so version {version} cannot be opened")
+        if readonly:
+            return factory.create(None, num_rows, dim)
+        return factory.create(mine, num_rows, dim)
+
+    # ------------------------------------------------------------------ collectives (every rank calls)
+    def get(self, ids: Any) -> Tensor:
+        """Rows of global `ids` as a new (len(ids), dim) CPU tensor, fetched from their owners."""
+        return self.get_fields(ids, ("weight",))["weight"]
+
+    def get_fields(self, ids: Any, names: Sequence[str] = ("weight",)) -> dict[str, Tensor]:
+        """Several per-row fields of global `ids` at once."""
+        _, _, route = self.route(ids)
+        with self._clock:
+            if len(route.served):
+                served = self.local.get_fields(route.served, tuple(names))
+            else:
+                served = {n: torch.empty((0, self.local.field_spec(n)[1]), dtype=self.local.field_spec(n)[0])
+                          for n in names}
+            out = route.fetch(served)
+            self._clock.bytes_sent += route.bytes_sent
+        return out
+
+    def update(self, ids: Any, values: Any) -> None:
+        """Write rows of global `ids` at their owners (of duplicates the last wins; across ranks the highest rank)."""
+        self.update_fields(ids, {"weight": values})
+
+    def update_fields(self, ids: Any, values: Mapping[str, Any]) -> None:
+        """Write several fields of global `ids` at their owners."""
+        idx, vals, route = self.route(ids, values)
+        with self._clock:
+            # of duplicate ids within this call the last one wins, as in EmbeddingStore.update
+            last = torch.full((route.num_unique,), -1, dtype=torch.int64)
+            last.scatter_reduce_(0, route.inverse, torch.arange(len(idx)), reduce="amax")
+            got = route.push({n: v.index_select(0, last) for n, v in vals.items()})
+            if len(route.served):
+                self.local.update_fields(route.served, got)
+            self._clock.bytes_sent += route.bytes_sent
+
+    def route(self, ids: Any, values: Mapping[str, Any] | None = None) -> tuple[Tensor, dict[str, Tensor], Route]:
+        """Validate `ids` (and `values`) on this rank, then agree with every rank on who sends what.
+
+        A rank whose arguments are invalid raises its own error; the others raise one naming it.
+        Nothing is written anywhere in either case.
+        """
+        error: StoreError | None = None
+        idx = torch.empty(0, dtype=torch.int64)
+        vals: dict[str, Tensor] = {}
+        try:
+            idx = torch.from_numpy(as_ids(ids, self.num_rows).copy())
+            if values is not None:
+                if not isinstance(values, Mapping) or not values:
+                    raise InvalidTypeError("values must be a non-empty mapping of field name -> tensor")
+                vals = {n: self._check_values(n, v, len(idx)) for n, v in values.items()}
+        except StoreError as exc:
+            error, idx, vals = exc, torch.empty(0, dtype=torch.int64), {}
+        with self._clock:
+            try:
+                route = Route(self.group, self.sharding, idx, None if error is None else str(error))
+            except InvalidArgumentError:
+                if error is not None:
+                    raise error from None
+                raise
+        if values is not None and not vals:
+            vals = {n: torch.empty((0, self.local.field_spec(n)[1]), dtype=self.local.field_spec(n)[0])
+                    for n in values}
+        return idx, vals, route
+
+    def _check_values(self, name: str, v: Any, n: int) -> Tensor:
+        from lightning_embcache.store.validate import as_values
+        if name not in self.local.field_names:
+            raise InvalidArgumentError(f"values names field {name!r}; the store has {list(self.local.field_names)}")
+        dtype, cols = self.local.field_spec(name)
+        return as_values(v, n, cols, dtype, arg="values" if name == "weight" else f"values[{name!r}]",
+                         check_finite=getattr(self.local, "_check_finite", True))
+
+    # ------------------------------------------------------------------ this rank's shard
+    dim = property(lambda self: self.local.dim)
+    dtype = property(lambda self: self.local.dtype)
+    version = property(lambda self: self.local.version, doc="Version of this rank's shard.")
+    readonly = property(lambda self: self.local.readonly)
+    closed = property(lambda self: self.local.closed)
+    field_names = property(lambda self: self.local.field_names)
+
+    @property
+    def io_wait_seconds(self) -> float:
+        """Seconds in the shard's own I/O plus in exchanges with the other ranks."""
+        return self.local.io_wait_seconds + self._clock.seconds
+
+    @property
+    def exchanged_bytes(self) -> int:
+        """Bytes this rank sent to others (ids, split sizes and rows) since it opened."""
+        return self._clock.bytes_sent
+
+    def field_spec(self, name: str) -> tuple[torch.dtype, int]:
+        return self.local.field_spec(name)
+
+    def trainable_rows(self, optimizer: Any, *, max_grad_norm: float | None = None) -> Any:
+        """`ShardedTrainableRows` over this store (what `TrainableRows` is for one process)."""
+        from lightning_embcache.distributed.trainable import ShardedTrainableRows
+
+        return ShardedTrainableRows(self, optimizer, max_grad_norm=max_grad_norm)
+
+    def prefetch(self, ids: Any) -> None:
+        """Hint for the ids among `ids` that this rank owns (no communication)."""
+        idx = torch.from_numpy(as_ids(ids, self.num_rows).copy())
+        mine = idx[self.sharding.owner(idx) == self.rank]
+        if len(mine):
+            self.local.prefetch(self.sharding.local(mine))
+
+    def flush(self) -> int:
+        """Make this shard's updates durable; returns its version (each rank flushes its own)."""
+        return self.local.flush()
+
+    def stats(self) -> StoreStats:
+        """This shard's `StoreStats` (``io_wait_seconds`` includes the exchanges)."""
+        s = self.local.stats()
+        s.io_wait_seconds += self._clock.seconds
+        return s
+
+    def __getattr__(self, name: str) -> Any:
+        # per-shard operations: pin, unpin, pinned, versions, manifest_checksum, evict,
+        # set_budget, compact, close, ...
+        if name in {"pin", "unpin", "pinned", "versions", "manifest_checksum", "evict", "set_budget", "compact",
+                    "close"}:
+            return getattr(self.__dict__["local"], name)
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        return (f"ShardedStore(path={str(self.path) if self.path else None!r}, num_rows={self.num_rows}, "
+                f"rank={self.rank}, world_size={self.world_size}, shard={self.local!r})")
+
+
+class ShardFactory:
+    """Makes this rank's `ShardedStore` where the handle would make an `EmbeddingStore`.
+
+    Used in place of the `EmbeddingStore` class by an `EmbeddingStoreHandle` whose path was
+    switched to this rank's shard directory: ``create(path, num_rows, dim, **options)`` and
+    ``open(path, version=..., readonly=..., **options)`` take the shard's directory (or None) and
+    the table's global `num_rows`.
+    """
+
+    def __init__(self, num_rows: int, dim: int, create_options: Mapping[str, Any]) -> None:
+        self.rank, self.world_size = world()
+        self.group = store_group()
+        self.num_rows, self.dim = int(num_rows), int(dim)
+        self.sharding = RowSharding(self.num_rows, self.world_size)
+        opts = dict(create_options)
+        init = opts.pop("init", "zeros")
+        if init == "normal":
+            init = GlobalNormalInit(self.sharding, self.rank, dim, int(opts.get("seed", 0)),
+                                    float(opts.get("init_std", 1.0)))
+        elif callable(init):
+            init = GlobalCallableInit(init, self.sharding, self.rank)
+        self.init, self.options = init, opts
+        # a store needs one row; a rank >= num_rows owns none and is never asked for it
+        self.local_rows = max(self.sharding.shard_rows(self.rank), 1)
+
+    def shard_path(self, table_path: Path) -> Path:
+        """This rank's directory under `table_path`, after refusing a layout it cannot use."""
+        _check_layout(Path(table_path), self.world_size)
+        return shard_dir(Path(table_path), self.rank, self.world_size)
+
+    def create(self, path: Path | None, num_rows: int, dim: int, **_: Any) -> ShardedStore:
+        local = EmbeddingStore.create(path, self.local_rows, dim, init=self.init, **self.options)
+        return self._wrap(path, local)
+
+    def open(self, path: Path, version: int | None = None, readonly: bool = False, **_: Any) -> ShardedStore:
+        local = EmbeddingStore.open(
+            path, version=version, readonly=readonly, hot_bytes=self.options.get("hot_bytes"),
+            warm_bytes=self.options.get("warm_bytes", 0), check_finite=self.options.get("check_finite", True),
+            init=self.init if callable(self.init) else None,
+        )
+        return self._wrap(path, local)
+
+    def _wrap(self, path: Path | None, local: EmbeddingStore) -> ShardedStore:
+        table = None if path is None else Path(path).parent
+        return ShardedStore(table, self.num_rows, local, self.group, self.rank, self.world_size)
+
+
+def _check_layout(root: Path, world_size: int) -> None:
+    """Refuse a path laid out for another world size, or holding a single-process store."""
+    if (root / "META").exists():
+        raise InvalidArgumentError(
+            f"path={str(root)!r} holds a single-process store, but {world_size} processes run: each rank keeps its "
+            f"shard in {root}/rank-RRRRR-of-{world_size:05d}/. Reshard it ({RESHARD_HINT}) or give a new path"
+        )
+    others = shard_layouts(root) - {world_size}
+    if others and world_size not in shard_layouts(root):
+        raise InvalidArgumentError(
+            f"path={str(root)!r} holds shards for world_size={sorted(others)}, but {world_size} processes run. "
+            f"Reshard them ({RESHARD_HINT}) or run with world_size={sorted(others)[0]}"
+        )

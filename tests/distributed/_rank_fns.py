@@ -1,0 +1,112 @@
+"""Per-rank bodies of the multi-process tests (top level, so that spawn can import them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_embcache import EmbeddingStore, InvalidArgumentError, make_row_optimizer, trainable_fields
+from lightning_embcache.distributed import ShardedStore, ShardedTrainableRows, shard_dir
+
+N, DIM = 1000, 8
+
+
+def _batch(step: int, rank: int, n: int = 64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, N, (n,), generator=g)
+
+
+def get_update_match_a_tensor(rank: int, world: int, root: str) -> None:
+    """Random writes from every rank (duplicates within and across ranks), then reads of every id,
+    against a plain tensor that applies each call's writes in rank order (last wins)."""
+    store = ShardedStore.open_or_create(Path(root) / "t", N, DIM, init="normal", seed=5, chunk_rows=64,
+                                        hot_bytes=16 * DIM * 4 * 4)  # disk mode, a 16-row hot tier
+    ref = EmbeddingStore.create(None, N, DIM, init="normal", seed=5, chunk_rows=64).get(torch.arange(N))
+    assert torch.equal(store.get(torch.arange(N)), ref)  # initial rows are those of one process
+    for step in range(6):
+        for r in range(world):
+            ids = _batch(step, r)
+            vals = torch.randn(len(ids), DIM, generator=torch.Generator().manual_seed(7 + step * 10 + r))
+            ref[ids] = vals  # index_put: of duplicates the last wins, as in the store
+            if r == rank:
+                mine = (ids, vals)
+        store.update(*mine)
+        if step == 3:
+            store.flush()
+    assert torch.equal(store.get(torch.arange(N)), ref)
+    got = store.get(_batch(99, rank))
+    assert torch.equal(got, ref[_batch(99, rank)])
+    # this rank's shard holds exactly the ids it owns
+    assert store.local.num_rows == len(range(rank, N, world))
+    assert (Path(root) / "t" / shard_dir(Path(""), rank, world)).joinpath("META").exists()
+    store.flush()
+    store.close()
+
+
+def invalid_ids_fail_every_rank(rank: int, world: int, root: str) -> None:
+    store = ShardedStore.open_or_create(None, N, DIM)
+    before = store.get(torch.arange(N))
+    bad = torch.tensor([1, 2, N + 3]) if rank == 1 else torch.tensor([4, 5])
+    with pytest.raises(InvalidArgumentError) as err:
+        store.update(bad, torch.ones(len(bad), DIM))
+    if rank == 1:
+        assert f"ids must be in [0, {N}); got max id {N + 3} (batch position 2)" in str(err.value)
+    else:
+        assert "rank(s) [1] passed invalid ids" in str(err.value)
+    with pytest.raises(InvalidArgumentError):
+        store.get(torch.tensor([-1]) if rank == 0 else torch.tensor([0]))
+    assert torch.equal(store.get(torch.arange(N)), before)  # nothing changed anywhere
+    store.close()
+
+
+def trainable_rows_match_sparse_adam(rank: int, world: int, root: str, accumulate: int = 2) -> None:
+    """Each rank trains its own batches; the reference is nn.Embedding + SparseAdam with the mean of
+    the ranks' gradients (what DDP does to dense parameters), over the same batches."""
+    opt = make_row_optimizer("adam", lr=0.05)
+    store = ShardedStore.open_or_create(Path(root) / "rows", N, DIM, init="normal", seed=1, chunk_rows=100,
+                                        fields=trainable_fields(opt, DIM, torch.float32))
+    rows = ShardedTrainableRows(store, opt)
+    ref = torch.nn.Embedding(N, DIM, sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(EmbeddingStore.create(None, N, DIM, init="normal", seed=1, chunk_rows=100).get(torch.arange(N)))
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
+    target = torch.linspace(-1, 1, DIM)
+    for step in range(1, 5):
+        ref_opt.zero_grad()
+        for micro in range(accumulate):
+            for r in range(world):
+                ids = _batch(10 * step + micro, r, 32)
+                loss = ((ref(ids) - target) ** 2).sum(1).mean() / world
+                loss.backward()
+            ids = _batch(10 * step + micro, rank, 32)
+            z = rows.lookup(ids)
+            ((z - target) ** 2).sum(1).mean().backward()
+            rows.collect()
+        ref_opt.step()
+        rows.apply(step)
+    got = store.get(torch.arange(N))
+    torch.testing.assert_close(got, ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    meta = rows.row_meta(torch.arange(N))
+    touched = torch.zeros(N, dtype=torch.bool)
+    for step in range(1, 5):
+        for micro in range(accumulate):
+            for r in range(world):
+                touched[_batch(10 * step + micro, r, 32)] = True
+    assert torch.equal(meta["updates"] > 0, touched)
+    assert int(meta["last_step"].max()) == 4
+    store.close()
+
+
+def exchange_is_o_batch(rank: int, world: int, root: str) -> None:
+    """Bytes a rank sends per get follow the batch, not the table."""
+    sent = {}
+    for n in (1_000, 100_000):
+        store = ShardedStore.open_or_create(None, n * 10, 16, hot_bytes=1 << 20)
+        before = store.exchanged_bytes
+        store.get(torch.arange(256) * 7 + rank)
+        sent[n] = store.exchanged_bytes - before
+        store.close()
+    assert sent[100_000] == sent[1_000], sent
+    assert sent[1_000] < 256 * (16 * 4 + 8) + 64, sent  # each unique id and its row at most once

@@ -1,0 +1,56 @@
+"""ShardedStore and ShardedTrainableRows on real 2-process Gloo groups, against plain tensors and
+nn.Embedding + SparseAdam; and the single-process pieces (the id map, initial rows)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _rank_fns  # noqa: E402
+from _spawn import run_ranks  # noqa: E402
+
+from lightning_embcache import EmbeddingStore  # noqa: E402
+from lightning_embcache.distributed import RowSharding  # noqa: E402
+from lightning_embcache.distributed.sharding import GlobalNormalInit  # noqa: E402
+
+
+def test_every_id_has_exactly_one_owner_and_local_row():
+    for num_rows, world in [(10, 3), (7, 8), (1000, 4), (1, 2)]:
+        s = RowSharding(num_rows, world)
+        ids = torch.arange(num_rows)
+        owner, local = s.owner(ids), s.local(ids)
+        assert sum(s.shard_rows(r) for r in range(world)) == num_rows
+        for r in range(world):
+            mine = ids[owner == r]
+            assert torch.equal(local[owner == r], torch.arange(s.shard_rows(r)))
+            assert torch.equal(s.global_ids(r, torch.arange(s.shard_rows(r))), mine)
+
+
+def test_global_normal_init_reproduces_the_single_process_rows():
+    n, dim = 1000, 5
+    whole = EmbeddingStore.create(None, n, dim, init="normal", seed=9, chunk_rows=64, init_std=0.5).get(torch.arange(n))
+    s = RowSharding(n, 3)
+    for r in range(3):
+        got = GlobalNormalInit(s, r, dim, 9, 0.5)(torch.arange(s.shard_rows(r)))
+        assert torch.equal(got, whole[r::3])
+
+
+def test_get_update_on_two_gloo_ranks_match_a_tensor(tmp_path):
+    run_ranks(_rank_fns.get_update_match_a_tensor, 2, str(tmp_path))
+
+
+def test_invalid_ids_on_one_rank_fail_every_rank_and_change_nothing(tmp_path):
+    run_ranks(_rank_fns.invalid_ids_fail_every_rank, 2, str(tmp_path))
+
+
+def test_sharded_trainable_rows_equal_sparse_adam_with_mean_gradients(tmp_path):
+    run_ranks(_rank_fns.trainable_rows_match_sparse_adam, 2, str(tmp_path))
+
+
+def test_bytes_exchanged_per_get_follow_the_batch_not_the_table(tmp_path):
+    run_ranks(_rank_fns.exchange_is_o_batch, 2, str(tmp_path))
