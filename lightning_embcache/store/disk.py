@@ -19,6 +19,7 @@ import json
 import os
 import re
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,16 +28,32 @@ from typing import Callable, Iterator
 import lz4.block
 import numpy as np
 
-from .errors import CorruptStoreError, VersionNotFoundError
-from .fileio import HEADER_SIZE, crc32, pack, parse_header, read_file, write_file, write_parts
+from . import fileio
+from .errors import CorruptStoreError, VersionNotFoundError, io_error
+from .fileio import ANY_STORE, HEADER_SIZE, crc32, open_dir, pack, parse_header, read_file, write_file, write_parts
 from .warm import MIN_RATIO
 
 _SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows
 _CHUNK_HEAD = struct.Struct("<QQQB")  # chunk, rows, raw length, compressed flag
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 BLOCK = 4096  # raw chunks: one checksum per block of this many bytes
 MANIFEST_RE = re.compile(r"^manifest-(\d{12})$")
 SEGMENT_RE = re.compile(r"^s(\d{12})$")
 CHUNK_RE = re.compile(r"^c(\d+)-g(\d+)$")
+CHUNKMAP_RE = re.compile(r"^chunkmap-(\d{8,})$")
+
+
+def _json(path: Path, data: bytes) -> object:
+    """A checksummed file's JSON; a crafted one that does not parse is a named corruption."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptStoreError(path, f"is not valid JSON ({type(exc).__name__})") from None
+
+
+def _is_count(v: object) -> bool:
+    """A non-negative int from JSON (not a bool, not a float)."""
+    return type(v) is int and 0 <= v < 1 << 62
 
 
 DIRECTORY_CACHE_BYTES = 16 << 20  # verified block checksums of raw chunks kept for sparse reads
@@ -62,6 +79,7 @@ class Segment:
     # chunk -> (index entry, first row, row count): a miss asks a segment about one chunk at a time,
     # and a dict answers that without numpy's per-call overhead (built on first use)
     _entries: dict[int, tuple[int, int, int]] | None = field(default=None, repr=False)
+    _open_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _entry(self, chunk: int) -> tuple[int, int, int] | None:
         entries = self._entries
@@ -115,9 +133,18 @@ class Segment:
         return hit, out
 
     def _read(self, offset: int, n: int) -> bytes:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        data = os.pread(self._fd, n, offset)
+        fd = self._fd
+        if fd is None:
+            with self._open_lock:  # two readers (a get and a prefetch) may ask first at once
+                if self._fd is None:
+                    try:
+                        self._fd = os.open(self.path, os.O_RDONLY | _NOFOLLOW)
+                    except FileNotFoundError:
+                        raise CorruptStoreError(self.path, "missing: a manifest lists it but it is gone") from None
+                    except OSError as exc:
+                        raise io_error(exc, "reading", self.path) from exc
+                fd = self._fd
+        data = os.pread(fd, n, offset)
         if len(data) != n:
             raise CorruptStoreError(self.path, f"truncated: wanted {n} bytes at offset {offset}, got {len(data)}")
         if self.read_counter is not None:
@@ -125,9 +152,18 @@ class Segment:
         return data
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Close the descriptor; only when no other thread can read this segment any more (the
+        store closes its segments at close(); a segment dropped from the layout, e.g. folded by
+        compaction, closes when the last reader lets go of it, see __del__)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 @dataclass
@@ -147,8 +183,18 @@ class Manifest:
 class Disk:
     """Reads and writes the files of one store directory. Not thread-safe: the store serialises."""
 
-    def __init__(self, root: Path, num_rows: int, chunk_rows: int, row_bytes: int) -> None:
+    def __init__(self, root: Path, num_rows: int, chunk_rows: int, row_bytes: int, uid: bytes) -> None:
         self.root = root
+        self.uid = uid  # every file's header names this store (a foreign file is refused)
+        # Writes, renames and deletes go through these descriptors: a symlink swapped in for a
+        # subfolder is refused, never followed out of the store.
+        self._root_fd = open_dir(root, follow=True)
+        try:
+            self._segments_fd = open_dir("segments", self._root_fd)
+            self._chunks_fd = open_dir("chunks", self._root_fd)
+        except BaseException:
+            os.close(self._root_fd)
+            raise
         self.num_rows = num_rows
         self.chunk_rows = chunk_rows
         self.row_bytes = row_bytes
@@ -163,6 +209,26 @@ class Disk:
         per_entry = 4 * -(-chunk_rows * row_bytes // BLOCK) + 112
         self._directories_max = max(64, min(2 * self.num_chunks + 64, DIRECTORY_CACHE_BYTES // per_entry))
         self._chunks_dir = str(root / "chunks")
+
+    def close(self) -> None:
+        for name in ("_root_fd", "_segments_fd", "_chunks_fd"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                setattr(self, name, None)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _dir_fd(self, path: Path) -> int:
+        parent = path.parent.name
+        return self._segments_fd if parent == "segments" else self._chunks_fd if parent == "chunks" else self._root_fd
+
+    def _write(self, path: Path, kind: bytes, payload: bytes | memoryview, *, durable: bool = True) -> int:
+        return write_file(path, kind, payload, self.uid, durable=durable, dir_fd=self._dir_fd(path))
+
+    def _read_file(self, path: Path, kind: bytes) -> bytes:
+        return read_file(path, kind, self.uid)
 
     # ---- paths -------------------------------------------------------------------------------
     def manifest_path(self, version: int) -> Path:
@@ -180,22 +246,83 @@ class Disk:
     # ---- meta, pins --------------------------------------------------------------------------
     @staticmethod
     def write_meta(root: Path, meta: dict) -> None:
-        (root / "segments").mkdir(parents=True, exist_ok=True)
-        (root / "chunks").mkdir(exist_ok=True)
-        write_file(root / "META", b"meta", json.dumps(meta).encode())
+        for sub in ("segments", "chunks"):
+            try:
+                os.mkdir(root / sub)
+            except FileExistsError:
+                pass
+        write_file(root / "META", b"meta", json.dumps(meta).encode(), fileio.uuid_bytes(meta["uuid"]))
 
     @staticmethod
     def read_meta(root: Path) -> dict:
-        return json.loads(read_file(root / "META", b"meta"))
+        """META's JSON, checked: the uuid in its header is the one it names (see validate.check_meta)."""
+        path = root / "META"
+        data = fileio.read_raw(path, "missing (not a lightning_embcache store?)")
+        length, _ = parse_header(path, data, b"meta", ANY_STORE)
+        meta = _json(path, read_file(path, b"meta", fileio.header_uuid(data)))
+        if not isinstance(meta, dict) or not isinstance(meta.get("uuid"), str):
+            raise CorruptStoreError(path, "is not a store description (no uuid)")
+        try:
+            uid = fileio.uuid_bytes(meta["uuid"])
+        except ValueError as exc:
+            raise CorruptStoreError(path, str(exc)) from None
+        if uid != fileio.header_uuid(data):
+            raise CorruptStoreError(path, "names a different uuid than its header")
+        return meta
 
     def read_pins(self) -> set[int]:
         p = self.root / "PINS"
         if not p.exists():
             return set()
-        return set(json.loads(read_file(p, b"pins"))["pinned"])
+        obj = _json(p, self._read_file(p, b"pins"))
+        pins = obj.get("pinned") if isinstance(obj, dict) else None
+        if not isinstance(pins, list) or not all(_is_count(v) for v in pins):
+            raise CorruptStoreError(p, "is not a list of pinned versions")
+        return set(pins)
 
     def write_pins(self, pins: set[int]) -> None:
-        self.bytes_written += write_file(self.root / "PINS", b"pins", json.dumps({"pinned": sorted(pins)}).encode())
+        self.bytes_written += self._write(self.root / "PINS", b"pins", json.dumps({"pinned": sorted(pins)}).encode())
+
+    # ---- the newest published version: a monotone record ---------------------------------------
+    def read_latest(self, newest: int) -> int:
+        """The newest version ever published here (0 if none recorded), given the ``newest``
+        manifest on disk: open() refuses a store whose newest manifest is gone instead of silently
+        rolling back to an older one. ``LATEST`` is a hard link to the newest manifest, so it
+        usually is that very file and need not be read."""
+        try:
+            st = os.stat("LATEST", dir_fd=self._root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0
+        try:
+            m = os.stat(self.manifest_path(newest).name, dir_fd=self._root_fd, follow_symlinks=False)
+            if (m.st_ino, m.st_dev) == (st.st_ino, st.st_dev):
+                return newest
+        except FileNotFoundError:
+            pass
+        p = self.root / "LATEST"
+        obj = _json(p, self._read_file(p, b"manifest"))
+        v = obj.get("version") if isinstance(obj, dict) else None
+        if not _is_count(v):
+            raise CorruptStoreError(p, "does not hold a version number")
+        return v
+
+    def write_latest(self, version: int) -> None:
+        """Record ``version`` as the newest published: ``LATEST`` becomes a hard link to its
+        manifest (no data written, nothing to tear). Called after the manifest's rename and
+        directory fsync (the commit point), so it never names a version that is not durable; its
+        own rename is made durable by the next flush's directory fsync (lagging by one after a
+        crash only weakens the check, never fails it)."""
+        tmp = f".LATEST.tmp{os.getpid()}-{threading.get_ident()}"
+        src = self.manifest_path(version).name
+        try:
+            fileio.link(src, tmp, self._root_fd)
+            fileio.rename(tmp, "LATEST", self._root_fd)
+        except OSError as exc:
+            try:
+                os.unlink(tmp, dir_fd=self._root_fd)
+            except OSError:
+                pass
+            raise io_error(exc, "recording the newest version in", self.root / "LATEST") from exc
 
     # ---- readers ------------------------------------------------------------------------------
     def reader_lock_path(self, version: int) -> Path:
@@ -204,7 +331,8 @@ class Disk:
     def lock_reader(self, version: int) -> int | None:
         """Hold a shared flock that keeps ``version`` from being reclaimed; None if not permitted."""
         try:
-            fd = os.open(self.reader_lock_path(version), os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.reader_lock_path(version).name, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644,
+                         dir_fd=self._root_fd)
         except OSError:  # a read-only directory: nobody can reclaim anything there either
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -222,21 +350,26 @@ class Disk:
         """Delete ``version``'s manifest unless a reader holds it; True if deleted."""
         lock = self.reader_lock_path(version)
         fd = None
-        if lock.exists():
-            fd = os.open(lock, os.O_RDWR)
+        try:
+            fd = os.open(lock.name, os.O_RDWR | _NOFOLLOW, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            pass
+        except OSError:  # a symlink planted there: not ours, keep the version
+            return False
+        if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 return False
         try:
-            self.manifest_path(version).unlink()
+            fileio.unlink(self.manifest_path(version).name, self._root_fd, self.manifest_path(version))
         except FileNotFoundError:
             pass
         finally:
             if fd is not None:
                 try:
-                    lock.unlink()
+                    fileio.unlink(lock.name, self._root_fd, lock)
                 except FileNotFoundError:
                     pass
                 os.close(fd)
@@ -244,7 +377,7 @@ class Disk:
 
     # ---- manifests ---------------------------------------------------------------------------
     def list_versions(self) -> list[int]:
-        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := MANIFEST_RE.match(p.name)))
+        return sorted(int(m.group(1)) for p in os.listdir(self._root_fd) if (m := MANIFEST_RE.match(p)))
 
     def read_manifest(self, version: int) -> Manifest:
         path = self.manifest_path(version)
@@ -253,34 +386,42 @@ class Disk:
             raise VersionNotFoundError(
                 f"version={version} of store {self.root} is not retained; retained versions: {have}"
             )
-        obj = json.loads(read_file(path, b"manifest"))
-        if obj["version"] != version:
-            raise CorruptStoreError(path, f"names version {obj['version']}, expected {version}")
-        return Manifest(obj["version"], obj["chunkmap"], list(obj["segments"]), obj.get("parent", 0))
+        obj = _json(path, self._read_file(path, b"manifest"))
+        if not isinstance(obj, dict):
+            raise CorruptStoreError(path, "is not a manifest")
+        v, cm, segs, parent = obj.get("version"), obj.get("chunkmap"), obj.get("segments"), obj.get("parent", 0)
+        if not (_is_count(v) and _is_count(cm) and _is_count(parent) and isinstance(segs, list)
+                and all(_is_count(s) and s > 0 for s in segs) and len(set(segs)) == len(segs)):
+            raise CorruptStoreError(path, "manifest fields are not the expected non-negative integers")
+        if v != version:
+            raise CorruptStoreError(path, f"names version {v}, expected {version}")
+        return Manifest(v, cm, list(segs), parent)
 
     def manifest_checksum(self, version: int) -> str:
         path = self.manifest_path(version)
         head = path.read_bytes()[:HEADER_SIZE] if path.exists() else b""
         if not head:
             raise VersionNotFoundError(f"version={version} of store {self.root} is not retained")
-        _, pcrc = parse_header(path, head, b"manifest")
+        _, pcrc = parse_header(path, head, b"manifest", self.uid)
         return f"{pcrc:08x}"
 
     def write_manifest(self, m: Manifest) -> None:
-        self.bytes_written += write_file(self.manifest_path(m.version), b"manifest", m.to_bytes())
+        self.bytes_written += self._write(self.manifest_path(m.version), b"manifest", m.to_bytes())
 
     # ---- chunk map ---------------------------------------------------------------------------
     def read_chunkmap(self, gen: int) -> np.ndarray:
         if gen == 0:
             return np.zeros(self.num_chunks, np.int32)
-        data = read_file(self.chunkmap_path(gen), b"chunkmap")
+        data = self._read_file(self.chunkmap_path(gen), b"chunkmap")
+        if len(data) != 4 * self.num_chunks:
+            raise CorruptStoreError(self.chunkmap_path(gen), f"has {len(data)} bytes, expected 4 per chunk x {self.num_chunks}")
         arr = np.frombuffer(data, np.int32).copy()
-        if len(arr) != self.num_chunks:
-            raise CorruptStoreError(self.chunkmap_path(gen), f"has {len(arr)} chunks, expected {self.num_chunks}")
+        if len(arr) and (arr.min() < 0 or arr.max() > gen):
+            raise CorruptStoreError(self.chunkmap_path(gen), f"lists generations outside [0, {gen}]")
         return arr
 
     def write_chunkmap(self, gen: int, cmap: np.ndarray) -> None:
-        self.bytes_written += write_file(self.chunkmap_path(gen), b"chunkmap", cmap.astype(np.int32).tobytes())
+        self.bytes_written += self._write(self.chunkmap_path(gen), b"chunkmap", cmap.astype(np.int32).tobytes())
 
     # ---- base chunks -------------------------------------------------------------------------
     def chunk_rows_of(self, chunk: int) -> int:
@@ -291,10 +432,17 @@ class Disk:
         path = self.chunk_path(chunk, gen)
         kind = self._chunk_kind(path)
         if kind == b"chunk":  # LZ4: one checksum over the compressed payload
-            payload = read_file(path, b"chunk")
+            payload = self._read_file(path, b"chunk")
+            if len(payload) < _CHUNK_HEAD.size:
+                raise CorruptStoreError(path, "chunk header is truncated")
             c, rows, raw_len, _ = _CHUNK_HEAD.unpack_from(payload)
             self._check_chunk_head(path, chunk, c, rows, raw_len)
-            raw = lz4.block.decompress(memoryview(payload)[_CHUNK_HEAD.size :], uncompressed_size=raw_len)
+            try:
+                raw = lz4.block.decompress(memoryview(payload)[_CHUNK_HEAD.size :], uncompressed_size=raw_len)
+            except lz4.block.LZ4BlockError as exc:
+                raise CorruptStoreError(path, f"LZ4 data does not decompress: {exc}") from None
+            if len(raw) != raw_len:
+                raise CorruptStoreError(path, f"LZ4 data decompresses to {len(raw)} bytes, expected {raw_len}")
             self.bytes_read += len(payload) + HEADER_SIZE
             return np.frombuffer(bytearray(raw), np.uint8).reshape(rows, self.row_bytes)
         rows, crcs, data_off = self._raw_chunk_directory(path, chunk)
@@ -334,7 +482,7 @@ class Disk:
                 if hd[8:16] != b"chunkraw":
                     self._remember_directory(key, None)
                     return None
-                length, pcrc = parse_header(path, hd[:HEADER_SIZE], b"chunkraw")  # type: ignore[arg-type]
+                length, pcrc = parse_header(path, hd[:HEADER_SIZE], b"chunkraw", self.uid)  # type: ignore[arg-type]
                 if length != dlen or len(hd) != HEADER_SIZE + dlen or crc32(hd[HEADER_SIZE:]) != pcrc:
                     raise CorruptStoreError(path, "chunk directory is truncated or fails its checksum")
                 c, r, rl, _ = _CHUNK_HEAD.unpack_from(hd, HEADER_SIZE)
@@ -367,27 +515,35 @@ class Disk:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
                 head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 1)
-                self.bytes_written += write_file(self.chunk_path(chunk, gen), b"chunk", head + packed)
+                self.bytes_written += self._write(self.chunk_path(chunk, gen), b"chunk", head + packed)
                 return
         # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
         view = memoryview(raw)
         crcs = np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
         directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
-        self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunkraw", directory) + [raw])
+        self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunkraw", directory, self.uid) + [raw],
+                                          dir_fd=self._chunks_fd)
 
     def _chunk_kind(self, path: Path) -> bytes:
         try:
-            with open(path, "rb") as f:
-                head = f.read(HEADER_SIZE)
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
         except FileNotFoundError:
             raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
+        except OSError as exc:
+            raise io_error(exc, "reading", path) from exc
+        try:
+            head = os.pread(fd, HEADER_SIZE, 0)
+        finally:
+            os.close(fd)
         kind = head[8:16].rstrip(b"\0")
         return kind if kind in (b"chunk", b"chunkraw") else b"chunk"  # parse_header reports the rest
 
     def _raw_chunk_directory(self, path: Path, chunk: int, *, fd: int | None = None,
                              head: bytes | None = None) -> tuple[int, np.ndarray, int]:
         head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)
-        length, pcrc = parse_header(path, head, b"chunkraw")
+        length, pcrc = parse_header(path, head, b"chunkraw", self.uid)
+        if length != _CHUNK_HEAD.size + 4 * -(-self.chunk_rows_of(chunk) * self.row_bytes // BLOCK):
+            raise CorruptStoreError(path, f"chunk directory of {length} bytes does not fit chunk {chunk}")
         directory = self._pread(path, HEADER_SIZE, length, fd=fd)
         if crc32(directory) != pcrc:
             raise CorruptStoreError(path, "chunk directory fails its checksum")
@@ -464,10 +620,11 @@ class Disk:
 
         def head() -> bytes:
             directory = _SEG_HEAD.pack(n, rb, index.shape[1], self.chunk_rows) + ids.astype(np.int64).tobytes() + index.tobytes()
-            return b"".join(bytes(p) for p in pack(b"segment", directory))
+            return b"".join(bytes(p) for p in pack(b"segment", directory, self.uid))
 
         path = self.segment_path(seq)
-        size = write_parts(path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size)
+        size = write_parts(path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size,
+                           dir_fd=self._segments_fd)
         self.bytes_written += size
         return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
                        HEADER_SIZE + directory_size, rb, size, read_counter=self.segment_reads)
@@ -483,36 +640,65 @@ class Disk:
         return self.bytes_read + self.segment_reads[0]
 
     def sync_segment(self, seg: Segment) -> None:
-        fd = os.open(seg.path, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(seg.path.name, os.O_RDONLY | _NOFOLLOW, dir_fd=self._segments_fd)
+            try:
+                fileio.fsync(fd, seg.path)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise io_error(exc, "syncing", seg.path) from exc
 
     def open_segment(self, seq: int) -> Segment:
         path = self.segment_path(seq)
         try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(HEADER_SIZE)
-                length, pcrc = parse_header(path, head, b"segment")
-                directory = f.read(length)
+            fd = os.open(path.name, os.O_RDONLY | _NOFOLLOW, dir_fd=self._segments_fd)
         except FileNotFoundError:
             raise CorruptStoreError(path, "missing: a manifest lists it but it is gone") from None
+        except OSError as exc:
+            raise io_error(exc, "reading", path) from exc
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, HEADER_SIZE, 0)
+            length, pcrc = parse_header(path, head, b"segment", self.uid)
+            if length > size - HEADER_SIZE:  # never allocate what a crafted header claims
+                raise CorruptStoreError(path, f"truncated: header says {length} bytes of directory, file has {size}")
+            directory = os.pread(fd, length, HEADER_SIZE)
+        finally:
+            os.close(fd)
         if len(directory) != length or crc32(directory) != pcrc:
             raise CorruptStoreError(path, "segment directory is truncated or fails its checksum")
+        if length < _SEG_HEAD.size:
+            raise CorruptStoreError(path, "segment directory is too short")
         n, rb, entries, chunk_rows = _SEG_HEAD.unpack_from(directory)
         if rb != self.row_bytes or chunk_rows != self.chunk_rows:
             raise CorruptStoreError(path, f"row size {rb}/chunk rows {chunk_rows} do not match the store")
         off = _SEG_HEAD.size
+        if length != off + 8 * n + 32 * entries:
+            raise CorruptStoreError(path, f"directory of {length} bytes does not hold {n} ids and {entries} index entries")
         ids = np.frombuffer(directory, np.int64, n, off)
         index = np.frombuffer(directory, np.int64, 4 * entries, off + 8 * n).reshape(4, entries)
         records_offset = HEADER_SIZE + length
         if size != records_offset + n * rb:
             raise CorruptStoreError(path, f"truncated: {size} bytes, expected {records_offset + n * rb}")
+        self._check_segment_index(path, ids, index)
         self.bytes_read += records_offset
         return Segment(seq, path, ids.copy(), index[0].copy(), index[1].copy(), index[2].copy(), index[3].copy(),
                        records_offset, rb, size, read_counter=self.segment_reads)
+
+    def _check_segment_index(self, path: Path, ids: np.ndarray, index: np.ndarray) -> None:
+        """A checksummed directory can still be crafted: its ids must be sorted, unique, in range,
+        and its index must cover them chunk by chunk, or a read could serve a row as another's."""
+        n = len(ids)
+        if n and (ids[0] < 0 or ids[-1] >= self.num_rows or (n > 1 and not (ids[1:] > ids[:-1]).all())):
+            raise CorruptStoreError(path, f"lists ids that are not sorted, unique and in [0, {self.num_rows})")
+        chunk, start, count, crc = index
+        chunks = ids // self.chunk_rows
+        want_starts = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1]]) if n else np.zeros(0, np.int64)
+        if (len(start) != len(want_starts) or not np.array_equal(start, want_starts)
+                or not np.array_equal(count, np.diff(np.r_[want_starts, n]))
+                or not np.array_equal(chunk, chunks[want_starts]) or (len(crc) and (crc.min() < 0 or crc.max() > 0xFFFFFFFF))):
+            raise CorruptStoreError(path, "segment index does not match its ids")
 
     # ---- garbage -----------------------------------------------------------------------------
     def referenced(self, versions: list[int]) -> tuple[set[int], set[int], set[tuple[int, int]]]:
@@ -552,18 +738,20 @@ class Disk:
 
         def drop(p: Path) -> None:
             nonlocal freed
+            dfd = self._dir_fd(p)
             try:
-                freed += p.stat().st_size
-                p.unlink()
+                freed += os.stat(p.name, dir_fd=dfd, follow_symlinks=False).st_size
+                fileio.unlink(p.name, dfd, p)  # a symlink is removed itself, never its target
             except FileNotFoundError:  # tolerate a concurrent delete
                 pass
 
         def is_temp(name: str) -> bool:
             return name.startswith(".") and ".tmp" in name
 
-        for d in (self.root, self.root / "segments", self.root / "chunks"):
-            for p in d.iterdir():
-                name = p.name
+        for d, dfd in ((self.root, self._root_fd), (self.root / "segments", self._segments_fd),
+                       (self.root / "chunks", self._chunks_fd)):
+            for name in os.listdir(dfd):  # the folder we hold open, not whatever the path names now
+                p = d / name
                 if is_temp(name):
                     if remove_temp:
                         drop(p)
@@ -573,11 +761,13 @@ class Disk:
                         drop(p)
                 elif d.name == "chunks":
                     m = CHUNK_RE.match(name)
-                    gen = int(m.group(2)) if m else new_gen
+                    if m is None:
+                        continue  # not a store file: never ours to delete
+                    gen = int(m.group(2))
                     if gen < new_gen and gen not in gens and (int(m.group(1)), gen) not in files:
                         drop(p)
-                elif name.startswith("chunkmap-"):
-                    gen = int(name.split("-")[1])
+                elif (m := CHUNKMAP_RE.match(name)) is not None:
+                    gen = int(m.group(1))
                     if gen < new_gen and gen not in gens:
                         drop(p)
         return freed
@@ -595,7 +785,7 @@ class Disk:
         return total
 
     def max_seq_and_gen(self) -> tuple[int, int]:
-        seq = max((int(m.group(1)) for p in (self.root / "segments").iterdir() if (m := SEGMENT_RE.match(p.name))), default=0)
-        gen = max((int(p.name.split("-")[1]) for p in self.root.iterdir() if p.name.startswith("chunkmap-")), default=0)
-        cgen = max((int(m.group(2)) for p in (self.root / "chunks").iterdir() if (m := CHUNK_RE.match(p.name))), default=0)
+        seq = max((int(m.group(1)) for p in os.listdir(self._segments_fd) if (m := SEGMENT_RE.match(p))), default=0)
+        gen = max((int(m.group(1)) for p in os.listdir(self._root_fd) if (m := CHUNKMAP_RE.match(p))), default=0)
+        cgen = max((int(m.group(2)) for p in os.listdir(self._chunks_fd) if (m := CHUNK_RE.match(p))), default=0)
         return seq, max(gen, cgen)

@@ -1,9 +1,15 @@
 """Checksummed, crash-safe file primitives: every store file goes through here.
 
-A store file is ``header | payload``. The header names the file kind, so a foreign or truncated
-file is reported as such instead of being misread. Files are written to a temporary name, fsynced,
-renamed into place and the directory fsynced (the SQLite/LMDB recipe), so after a crash a file
-either exists whole or not at all.
+A store file is ``header | payload``. The header names the file kind and the store's uuid, so a
+foreign file (another store's, or no store's) or a truncated one is reported as such instead of
+being misread. Files are written to a fresh temporary name (``O_CREAT | O_EXCL | O_NOFOLLOW``:
+never through a symlink planted there), fsynced, renamed into place and the directory fsynced
+(the SQLite/LMDB recipe), so after a crash a file either exists whole or not at all. Writes,
+renames and deletes inside the store go through a directory descriptor (``openat``-style), so a
+symlink swapped in for ``segments/`` or ``chunks/`` cannot send them outside the folder.
+
+Every write, fsync, rename, unlink and truncate passes `FAULTS` (None in production: one global
+load per call); the fault-injection suite sets it to fail call *i* or to kill the process after it.
 """
 
 from __future__ import annotations
@@ -11,58 +17,81 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .errors import CorruptStoreError, StoreError
+from .errors import CorruptStoreError, DiskFullError, StoreError, StoreIOError, io_error  # noqa: F401 (re-exported)
 
 MAGIC = b"EMBCACHE"
-# magic, kind (8 bytes), format version, payload length, payload crc32, header crc32
-_HEADER = struct.Struct("<8s8sIQII")
+# magic, kind (8 bytes), format version, store uuid (16 bytes), payload length, payload crc32, header crc32
+_HEADER = struct.Struct("<8s8sI16sQII")
 HEADER_SIZE = _HEADER.size
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ANY_STORE = None  # parse_header(uid=ANY_STORE): accept any store's uuid (META, read before the uuid is known)
 
+# Set by the fault-injection suite: an object with before(op, name) (may raise OSError) and
+# after(op, name) (may end the process). None in production.
+FAULTS = None
 
-class DiskFullError(StoreError, OSError):
-    """The disk filled up while writing; the previous version is intact."""
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def crc32(data: bytes | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def pack(kind: bytes, payload: bytes | memoryview) -> list[bytes | memoryview]:
-    """The parts of a file of ``kind`` holding ``payload`` (not joined, to avoid a copy)."""
-    head = _HEADER.pack(MAGIC, kind.ljust(8, b"\0"), FORMAT_VERSION, len(payload), crc32(payload), 0)
+def uuid_bytes(hex_uuid: str) -> bytes:
+    """The 16 header bytes of a store uuid (META's ``uuid``, 32 hex digits)."""
+    try:
+        raw = bytes.fromhex(hex_uuid)
+    except (TypeError, ValueError):
+        raw = b""
+    if len(raw) != 16:
+        raise ValueError(f"a store uuid is 32 hex digits; got {hex_uuid!r}")
+    return raw
+
+
+def pack(kind: bytes, payload: bytes | memoryview, uid: bytes) -> list[bytes | memoryview]:
+    """The parts of a file of ``kind`` of store ``uid`` holding ``payload`` (not joined: no copy)."""
+    head = _HEADER.pack(MAGIC, kind.ljust(8, b"\0"), FORMAT_VERSION, uid, len(payload), crc32(payload), 0)
     head = head[:-4] + struct.pack("<I", crc32(head[:-4]))
     return [head, payload]
 
 
-def parse_header(path: Path, head: bytes, kind: bytes) -> tuple[int, int]:
-    """Validate a header; return (payload length, payload crc)."""
+def parse_header(path: object, head: bytes, kind: bytes, uid: bytes | None = ANY_STORE) -> tuple[int, int]:
+    """Validate a header of a file of ``kind`` belonging to store ``uid``; return (payload length,
+    payload crc). ``uid=ANY_STORE`` accepts any store (use `header_uuid` to learn which)."""
     if len(head) < HEADER_SIZE:
         raise CorruptStoreError(path, f"truncated: {len(head)} bytes, a store file has at least {HEADER_SIZE}")
-    magic, got_kind, fmt, length, pcrc, hcrc = _HEADER.unpack(head[:HEADER_SIZE])
+    magic, got_kind, fmt, got_uid, length, pcrc, hcrc = _HEADER.unpack(head[:HEADER_SIZE])
     if magic != MAGIC:
         raise CorruptStoreError(path, "not a lightning_embcache store file (bad magic)")
     if crc32(head[: HEADER_SIZE - 4]) != hcrc:
         raise CorruptStoreError(path, "header checksum mismatch")
     if got_kind.rstrip(b"\0") != kind:
-        raise CorruptStoreError(path, f"expected a {kind.decode()!r} file, found {got_kind.rstrip(bytes(1)).decode()!r}")
+        found = got_kind.rstrip(b"\0").decode("ascii", "replace")
+        raise CorruptStoreError(path, f"expected a {kind.decode()!r} file, found {found!r}")
     if fmt != FORMAT_VERSION:
         raise CorruptStoreError(path, f"format version {fmt}; this build reads version {FORMAT_VERSION}")
+    if uid is not None and got_uid != uid:
+        raise CorruptStoreError(
+            path, f"belongs to another store (uuid {got_uid.hex()}; this store's uuid is {uid.hex()}): "
+            "a file copied in from elsewhere is never read as this store's"
+        )
     return length, pcrc
 
 
-def read_file(path: Path, kind: bytes) -> bytes:
+def header_uuid(head: bytes) -> bytes:
+    return _HEADER.unpack(head[:HEADER_SIZE])[3]
+
+
+def read_file(path: Path, kind: bytes, uid: bytes | None = ANY_STORE) -> bytes:
     """Read and verify a whole store file; raise CorruptStoreError naming it on any damage."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CorruptStoreError(path, "missing (the store directory is incomplete)") from None
-    length, pcrc = parse_header(path, data, kind)
+    data = read_raw(path, what="missing (the store directory is incomplete)")
+    length, pcrc = parse_header(path, data, kind, uid)
     payload = memoryview(data)[HEADER_SIZE:]
     if len(payload) != length:
         raise CorruptStoreError(path, f"truncated: payload is {len(payload)} bytes, header says {length}")
@@ -71,23 +100,92 @@ def read_file(path: Path, kind: bytes) -> bytes:
     return bytes(payload)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def read_raw(path: Path, what: str = "missing") -> bytes:
+    """A whole file's bytes (never through a symlink); named errors for a missing or unreadable file."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    except FileNotFoundError:
+        raise CorruptStoreError(path, what) from None
+    except OSError as exc:
+        raise _read_error(exc, path) from exc
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            return f.read()
+    except OSError as exc:
+        raise _read_error(exc, path) from exc
 
 
-def _write_all(fd: int, data: bytes | memoryview, offset: int | None = None) -> int:
+def _read_error(exc: OSError, path: object) -> StoreError:
+    if exc.errno == errno.ELOOP:
+        return CorruptStoreError(path, "is a symlink; a store's files are never links (refusing to follow it)")
+    if exc.errno in (errno.EISDIR, errno.ENOTDIR):
+        return CorruptStoreError(path, "is not a regular file")
+    return io_error(exc, "reading", path)
+
+
+
+# ---- the I/O calls the fault-injection suite counts ------------------------------------------------
+def _before(op: str, name: object) -> None:
+    faults = FAULTS
+    if faults is not None:
+        faults.before(op, name)
+
+
+def _after(op: str, name: object) -> None:
+    faults = FAULTS
+    if faults is not None:
+        faults.after(op, name)
+
+
+def fsync(fd: int, name: object) -> None:
+    _before("fsync", name)
+    os.fsync(fd)
+    _after("fsync", name)
+
+
+def unlink(name: str, dir_fd: int | None, path: object = None) -> None:
+    """Delete ``name`` (in ``dir_fd``); deleting a symlink removes the link, never its target."""
+    _before("unlink", path or name)
+    os.unlink(name, dir_fd=dir_fd)
+    _after("unlink", path or name)
+
+
+def link(src: str, dst: str, dir_fd: int) -> None:
+    """A hard link ``dst`` to ``src``, both in ``dir_fd`` (``dst`` must not exist)."""
+    _before("link", dst)
+    os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    _after("link", dst)
+
+
+def rename(src: str, dst: str, dir_fd: int) -> None:
+    _before("rename", dst)
+    os.replace(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    _after("rename", dst)
+
+
+def _write_all(fd: int, data: bytes | memoryview, name: object, offset: int | None = None) -> int:
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
+        _before("write", name)
         if offset is None:
             done += os.write(fd, view[done:])
         else:
             done += os.pwrite(fd, view[done:], offset + done)
+        _after("write", name)
     return done
+
+
+def open_dir(path: object, dir_fd: int | None = None, *, follow: bool = False) -> int:
+    """A descriptor of directory ``path`` (relative to ``dir_fd``); a symlink is refused unless
+    ``follow`` (the store's own root may be reached through the user's links, its subfolders not)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC | (0 if follow else _NOFOLLOW)
+    try:
+        return os.open(path, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CorruptStoreError(path, "is a symlink or not a directory; the store never writes outside its folder") from None
+        raise io_error(exc, "opening", path) from exc
 
 
 def write_parts(
@@ -97,43 +195,70 @@ def write_parts(
     durable: bool = True,
     head: Callable[[], bytes] | None = None,
     head_size: int = 0,
+    dir_fd: int | None = None,
 ) -> int:
     """Atomically create ``path`` from ``parts`` (consumed lazily); return bytes written.
 
     With ``head``, the first ``head_size`` bytes are written last, from ``head()`` called after
     every part: a header can carry checksums of a body that was streamed in bounded blocks.
-    A full disk raises DiskFullError and leaves no partial file behind.
+    ``dir_fd``: the descriptor of ``path``'s folder (the store's own); without it the folder is
+    opened here. Any OS error leaves no partial file and raises a named error (DiskFullError on
+    ENOSPC/EDQUOT/EFBIG, StoreIOError otherwise).
     """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    name = path.name
+    tmp = f".{name}.tmp{os.getpid()}-{threading.get_ident()}"
+    own_dir = dir_fd is None
     written = 0
+    created = False
+    dfd = -1
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        dfd = open_dir(path.parent, follow=True) if own_dir else dir_fd
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+        try:
+            _before("open", path)
+            fd = os.open(tmp, flags, 0o644, dir_fd=dfd)
+        except FileExistsError:  # a leftover of a crashed write (or something planted): replace it
+            unlink(tmp, dfd, path)
+            fd = os.open(tmp, flags, 0o644, dir_fd=dfd)
+        created = True
         try:
             if head is not None:
                 os.lseek(fd, head_size, os.SEEK_SET)
             for part in parts:
-                written += _write_all(fd, part)
+                written += _write_all(fd, part, path)
             if head is not None:
                 first = head()
                 assert len(first) == head_size
-                written += _write_all(fd, first, 0)
+                written += _write_all(fd, first, path, 0)
             if durable:
-                os.fsync(fd)
+                fsync(fd, path)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        _before("rename", path)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        created = False
+        _after("rename", path)
         if durable:
-            fsync_dir(path.parent)
+            fsync(dfd, path.parent)
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(exc.errno, f"disk full while writing {path}; the previous version is intact") from exc
-        raise
+        if created:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+        raise io_error(exc, "writing", path) from exc
+    finally:
+        if own_dir and dfd >= 0:
+            os.close(dfd)
     return written
 
 
-def write_file(path: Path, kind: bytes, payload: bytes | memoryview, *, durable: bool = True) -> int:
-    return write_parts(path, pack(kind, payload), durable=durable)
+def write_file(path: Path, kind: bytes, payload: bytes | memoryview, uid: bytes, *, durable: bool = True,
+               dir_fd: int | None = None) -> int:
+    return write_parts(path, pack(kind, payload, uid), durable=durable, dir_fd=dir_fd)
+
+
+def write_plain(path: Path, data: bytes, *, durable: bool = True) -> int:
+    """Atomically replace a file outside the store format (e.g. the checkpoint registry) the same
+    crash-safe, symlink-proof way."""
+    return write_parts(path, [data], durable=durable)

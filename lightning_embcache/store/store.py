@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from . import fileio
 from .disk import Disk, Manifest, Segment
 from .errors import (
     CorruptStoreError,
@@ -37,7 +38,8 @@ from .hot import SLOT_OVERHEAD, HotTier
 from .schema import DTYPES, Schema
 from .stats import StoreStats
 from .tiers import TieredRows, TooLarge, to_np
-from .validate import as_ids, as_values, budget, positive_int
+from .validate import (MAX_CHUNK_ROWS, MAX_ROWS, as_ids, as_values, budget, check_meta, finite_float,
+                       positive_int, version_arg)
 from .versions import Versioning
 from .warm import WarmTier
 
@@ -93,9 +95,11 @@ class EmbeddingStore(TieredRows, Versioning):
         fields: Mapping[str, tuple] | None = None,
     ) -> "EmbeddingStore":
         """Create a new store (``path=None``: ephemeral, deleted on close)."""
-        num_rows = positive_int(num_rows, "num_rows")
-        dim = positive_int(dim, "dim")
-        chunk_rows = positive_int(chunk_rows, "chunk_rows")
+        num_rows = positive_int(num_rows, "num_rows", maximum=MAX_ROWS)
+        dim = positive_int(dim, "dim", maximum=1 << 20)
+        chunk_rows = positive_int(chunk_rows, "chunk_rows", maximum=MAX_CHUNK_ROWS)
+        seed = positive_int(seed, "seed", minimum=0, maximum=(1 << 63) // 1_000_004)
+        init_std = finite_float(init_std, "init_std")
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
         warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
         if not isinstance(dtype, torch.dtype):
@@ -130,11 +134,24 @@ class EmbeddingStore(TieredRows, Versioning):
                 if (root / "META").exists():
                     raise InvalidArgumentError(f"path={str(root)!r} already holds a store; use EmbeddingStore.open()")
                 raise InvalidArgumentError(f"path={str(root)!r} exists and is not empty; give a new or empty folder")
-            root.mkdir(parents=True, exist_ok=True)
-        store = cls(root, meta, None, readonly=False, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
-                    check_finite=check_finite, init_fn=None if isinstance(init, str) else init,
-                    ephemeral=ephemeral, create=True)
-        return store
+            made = not root.exists()
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise fileio.io_error(exc, "creating", root) from exc
+        try:
+            return cls(root, meta, None, readonly=False, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
+                       check_finite=check_finite, init_fn=None if isinstance(init, str) else init,
+                       ephemeral=ephemeral, create=True)
+        except BaseException:
+            # A failed create leaves nothing behind: a correct create at the same path must work.
+            if root is not None:
+                if ephemeral or made:
+                    shutil.rmtree(root, ignore_errors=True)
+                else:  # the folder was the caller's (empty): remove only what we put in it
+                    for p in list(root.iterdir()):
+                        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
+            raise
 
     @classmethod
     def open(
@@ -149,16 +166,19 @@ class EmbeddingStore(TieredRows, Versioning):
         init: InitFn | None = None,
     ) -> "EmbeddingStore":
         """Open an existing store at its latest version, or at a retained ``version``."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidTypeError(f"path must be a str or os.PathLike; got {type(path).__name__}")
         root = Path(path)
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
         warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
+        if version is not None:
+            version = version_arg(version, "version")
         if not root.is_dir():
             raise InvalidArgumentError(f"path={str(root)!r} is not a store directory (it does not exist)")
         if not (root / "META").exists():
             raise CorruptStoreError(root, "not a lightning_embcache store (no META file)")
         meta = Disk.read_meta(root)
-        if meta.get("format") != "lightning_embcache":
-            raise CorruptStoreError(root / "META", "not a lightning_embcache store")
+        check_meta(meta, root / "META")
         if meta["init"] == "callable" and init is None:
             raise InvalidArgumentError(
                 f"the store at {str(root)!r} was created with a callable init; pass the same function as init="
@@ -186,7 +206,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._check_finite = bool(check_finite)
         self._pid = os.getpid()
         self._lock = threading.RLock()
-        self._flush_lock = threading.Lock()
+        self._flush_lock = threading.RLock()  # the writer lock: see versions.py
         self._lock_fd: int | None = None
         self._reader_fd: int | None = None  # read-only handles: shared flock on their version
         self._stats = StoreStats()
@@ -206,7 +226,6 @@ class EmbeddingStore(TieredRows, Versioning):
         self._prefetcher: ThreadPoolExecutor | None = None
         self._bg_futures: dict[str, Future] = {}
         self._bg_error: BaseException | None = None
-        self._ids_cache: tuple | None = None  # (tensor, version, data_ptr, validated ids)
         self._below_token = 0  # moves whenever rows below the hot tier change (see _prefetch)
         self._publish_layout = False  # compact() was called: the next flush publishes its layout
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
@@ -214,26 +233,41 @@ class EmbeddingStore(TieredRows, Versioning):
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
         self._writing_gens: set[int] = set()  # compaction generations being written
         num_chunks = (self._num_rows + self._chunk_rows - 1) // self._chunk_rows
-        if root is not None:
-            if not readonly:
-                self._take_lock(root)
-            try:
-                self._disk = Disk(root, self._num_rows, self._chunk_rows, self._row_bytes)
-                if create:
-                    Disk.write_meta(root, meta)
-                    self._disk.write_manifest(Manifest(0, 0, []))
-                self._load_version(version)
-            except BaseException:
-                self._release_lock()
-                Disk.unlock_reader(self._reader_fd)
-                raise
-        else:
-            self._cmap = np.zeros(num_chunks, np.int32)
         capacity = None if hot_bytes is None else max(1, hot_bytes // (self._row_bytes + SLOT_OVERHEAD))
         if capacity is not None and capacity >= self._num_rows:
             capacity = self._num_rows
         self._hot_budget = hot_bytes
-        self._hot = HotTier(self._num_rows, self._row_bytes, self._chunk_rows, capacity)
+        try:
+            if root is not None:
+                if not readonly:
+                    self._take_lock(root)
+                if create:
+                    Disk.write_meta(root, meta)
+                self._disk = Disk(root, self._num_rows, self._chunk_rows, self._row_bytes,
+                                  fileio.uuid_bytes(meta["uuid"]))
+                if create:
+                    self._disk.write_manifest(Manifest(0, 0, []))
+                self._load_version(version)
+            else:
+                self._cmap = np.zeros(num_chunks, np.int32)
+            try:
+                self._hot = HotTier(self._num_rows, self._row_bytes, self._chunk_rows, capacity)
+            except (MemoryError, OverflowError, ValueError, OSError) as exc:
+                need = (capacity if capacity is not None else self._num_rows) * self._row_bytes
+                raise InvalidArgumentError(
+                    f"num_rows={self._num_rows} x {self._row_bytes}-byte records "
+                    f"({'memory mode' if capacity is None else f'hot_bytes={hot_bytes}'}) needs {need} bytes of "
+                    f"address space, which this machine cannot map ({type(exc).__name__}); give hot_bytes= "
+                    f"(disk mode) or fewer rows") from None
+        except BaseException:
+            self._release_lock()
+            Disk.unlock_reader(self._reader_fd)
+            self._reader_fd = None
+            if self._disk is not None:
+                for seg in self._committed:
+                    seg.close()
+                self._disk.close()
+            raise
         self._warm = WarmTier(warm_bytes if root is not None else 0)
         if root is None and self._init_kind == "zeros" and not any(f.fill for f in self._schema.fields.values()):
             self._hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
@@ -246,6 +280,8 @@ class EmbeddingStore(TieredRows, Versioning):
         self._weight_only = len(self._schema.fields) == 1
         self._closed = False
         _LIVE.add(self)
+        if root is not None and not readonly:
+            self._maybe_compact()  # many short runs must not pile up segments no flush compacts
 
     # ------------------------------------------------------------------ properties
     path = property(lambda self: None if self._ephemeral else self._root, doc="Store directory (None if ephemeral).")
@@ -283,9 +319,10 @@ class EmbeddingStore(TieredRows, Versioning):
             self._stats.gets += 1
             self._io_wait += time.perf_counter() - t0
             return out
-        idx = self._valid_ids(ids)
+        idx = as_ids(ids, self._num_rows)
         if hot.all_loaded:  # other id forms (lists, numpy arrays), already validated
             with self._lock:
+                self._check_open()
                 out = self._take(idx, "weight")
         elif not hot.resident and len(idx) > SLICE_ROWS:
             out = self._sliced_get(idx, ("weight",))["weight"]
@@ -303,10 +340,11 @@ class EmbeddingStore(TieredRows, Versioning):
         # Memory mode, weights only: the per-step path, kept to one validation pass per argument.
         t0 = time.perf_counter()
         self._check_usable(write=True)
-        idx = self._valid_ids(ids)
+        idx = as_ids(ids, self._num_rows)  # the store's own copy, checked: see as_ids
         v = as_values(values, len(idx), self._schema.dim, self._schema.dtype, arg="values",
                       check_finite=self._check_finite)
         with self._lock:
+            self._check_open()
             if self._hot.all_loaded and self._cow is None:  # steady state: one scatter + dirty marks
                 self._weight_np[idx] = to_np(v)
                 self._hot.dirty[idx] = 1
@@ -320,7 +358,7 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable()
         names = self._check_names(names)
-        idx = self._valid_ids(ids)
+        idx = as_ids(ids, self._num_rows)
         if not self._hot.resident and len(idx) > SLICE_ROWS:
             out = self._sliced_get(idx, names)
         else:
@@ -337,31 +375,37 @@ class EmbeddingStore(TieredRows, Versioning):
         if not isinstance(values, Mapping) or not values:
             raise InvalidTypeError("values must be a non-empty mapping of field name -> tensor")
         names = self._check_names(tuple(values))
-        idx = self._valid_ids(ids)
+        idx = as_ids(ids, self._num_rows)
         vals = {}
         for n in names:
             dtype, cols = self.field_spec(n)
             arg = "values" if n == "weight" and len(names) == 1 else f"values[{n!r}]"
             vals[n] = as_values(values[n], len(idx), cols, dtype, arg=arg, check_finite=self._check_finite)
         full = set(names) == set(self._schema.names)
-        # Disk mode takes a big call in slices, so the store's own temporaries (fetched records,
-        # write-backs) stay bounded whatever the caller's batch size. Slices run in order: of
-        # duplicate ids the last still wins.
-        step = SLICE_ROWS if not self._hot.resident else max(len(idx), 1)
-        for a in range(0, len(idx), step):
-            part = idx[a : a + step]
-            pvals = vals if step >= len(idx) else {n: v[a : a + step] for n, v in vals.items()}
+        if not self._hot.resident and len(idx) > SLICE_ROWS:
+            # Disk mode stages a big call as one pending segment, streamed in blocks (bounded
+            # temporaries), and applies it to resident rows only once that file is whole: a call
+            # that fails on a full disk leaves none of its rows applied.
             with self._lock:
-                slots = self._resolve(part, load=not full, for_write=True, values=pvals)
-                if slots is not None:
-                    self._scatter(slots, pvals)
-                if not self._hot.resident:
-                    # Keep evictions cheap for the training thread: once about half the hot slots
-                    # may be dirty, write the cold ones back in the background.
-                    self._dirty_estimate += len(part)
-                    if self._dirty_estimate > self._hot.limit // 2:
-                        self._dirty_estimate = 0
-                        self._submit_bg(self._clean)
+                self._check_open()
+                self._write_around(idx, None, vals, load=not full)
+            self._stats.updates += 1
+            self._io_wait += time.perf_counter() - t0
+            return
+        with self._lock:
+            self._check_open()
+            # Validated and resolved before anything is written: a write-back that fails while
+            # making room raises here, with no row of this call applied.
+            slots = self._resolve(idx, load=not full, for_write=True, values=vals)
+            if slots is not None:
+                self._scatter(slots, vals)
+            if not self._hot.resident:
+                # Keep evictions cheap for the training thread: once about half the hot slots
+                # may be dirty, write the cold ones back in the background.
+                self._dirty_estimate += len(idx)
+                if self._dirty_estimate > self._hot.limit // 2:
+                    self._dirty_estimate = 0
+                    self._submit_bg(self._clean)
         self._stats.updates += 1
         self._io_wait += time.perf_counter() - t0
 
@@ -431,16 +475,18 @@ class EmbeddingStore(TieredRows, Versioning):
     def prefetch(self, ids: Any) -> None:
         """Hint: bring these rows into the hot tier in the background; returns at once."""
         self._check_usable()
-        idx = self._valid_ids(ids).copy()
+        idx = as_ids(ids, self._num_rows)
         if self._disk is None:
             return
         with self._lock:
+            self._check_open()
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
             self._prefetcher.submit(self._prefetch, idx)
 
     def _read_rows(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Fields of ``idx``, filling misses; caller holds the lock."""
+        self._check_open()
         try:
             return self._gather(self._resolve(idx, load=True), names)
         except TooLarge as big:
@@ -456,27 +502,21 @@ class EmbeddingStore(TieredRows, Versioning):
         return out
 
     def _gather_checked(self, ids: torch.Tensor) -> torch.Tensor:
+        """One gather that bounds-checks each id as it reads it (so an id changed by another
+        thread meanwhile can fail the call but never reach a row it was not checked for)."""
         try:
             with self._lock:
+                self._check_open()
                 out = torch.index_select(self._weight_t, 0, ids)
         except (IndexError, RuntimeError):
             as_ids(ids, self._num_rows)  # raises the store's own error, naming the bad id
-            raise
-        # these ids are now known good: update(ids, ...) of the same step skips validating them
-        self._ids_cache = (ids, ids._version, ids.data_ptr(), ids.numpy())
+            raise InvalidArgumentError(  # the ids changed while the gather read them
+                f"ids must be in [0, {self._num_rows}); an id out of range was read (the ids tensor "
+                f"changed while get() ran)") from None
         return out.view(torch.bfloat16) if self._weight_bf16 else out
 
     def _valid_ids(self, ids: Any) -> np.ndarray:
-        """``as_ids``, remembered for the last tensor: a training step's update(ids, ...) after its
-        get(ids) does not validate the same ids again. Tensor's version counter moves on any
-        in-place change, so a modified tensor is validated anew."""
-        if type(ids) is torch.Tensor:
-            cached = self._ids_cache
-            if cached is not None and cached[0] is ids and cached[1] == ids._version and cached[2] == ids.data_ptr():
-                return cached[3]
-            arr = as_ids(ids, self._num_rows)
-            self._ids_cache = (ids, ids._version, ids.data_ptr(), arr)
-            return arr
+        """``as_ids`` for this store: the store's own checked copy (no cache: see as_ids)."""
         return as_ids(ids, self._num_rows)
 
     # ------------------------------------------------------------------ stats, lifecycle
@@ -501,23 +541,37 @@ class EmbeddingStore(TieredRows, Versioning):
         return s
 
     def close(self) -> None:
-        """Release memory, threads and the writer lock. Unflushed updates are discarded."""
-        if self._closed:
-            return
-        for ex in (self._prefetcher, self._bg):
-            if ex is not None and self._pid == os.getpid():
-                ex.shutdown(wait=True)
+        """Release memory, threads, descriptors and the writer lock. Unflushed updates are discarded.
+
+        Safe while other threads are inside calls: those finish first or raise StoreClosedError.
+        """
         with self._lock:
-            self._closed = True
-            for s in self._committed + self._pending:
-                s.close()
-            self._hot.close()
-            self._np_views = {}
-            self._weight_np = self._weight_t = None
+            if self._closed:
+                return
+            self._closed = True  # from here every call (and every call waiting for the lock) refuses
+        same_process = self._pid == os.getpid()
+        me = threading.current_thread()
+        for ex in (self._prefetcher, self._bg):
+            if ex is not None and same_process:
+                # The last reference may drop on one of these very threads (a prefetch finishing):
+                # it cannot join itself, and the rest of close() must still run.
+                own = any(t is me for t in getattr(ex, "_threads", ()))
+                ex.shutdown(wait=not own, cancel_futures=True)
+        with self._flush_lock:  # a flush or compaction of another thread finishes first
+            with self._lock:
+                for s in self._committed + self._pending:
+                    s.close()
+                self._hot.close()
+                self._np_views = {}
+                self._weight_np = self._weight_t = None
+                if self._disk is not None:
+                    self._disk.close()
         self._release_lock()
         Disk.unlock_reader(self._reader_fd)
         self._reader_fd = None
-        if self._ephemeral and self._root is not None:
+        # An ephemeral store's folder belongs to the process that made it: a forked child that
+        # closes its copy must not delete the parent's files.
+        if self._ephemeral and self._root is not None and same_process:
             shutil.rmtree(self._root, ignore_errors=True)
 
     def __enter__(self) -> "EmbeddingStore":
@@ -528,8 +582,11 @@ class EmbeddingStore(TieredRows, Versioning):
 
     def __del__(self) -> None:
         try:
-            if not self._closed and self._pid == os.getpid():
-                self.close()
+            if not self._closed:
+                if self._pid == os.getpid():
+                    self.close()
+                else:  # a forked child's copy: drop our descriptors only, never the parent's files
+                    self._closed = True
         except Exception:
             pass
 
@@ -539,6 +596,12 @@ class EmbeddingStore(TieredRows, Versioning):
                 f"dim={self.dim}, dtype={self.dtype}, {mode}, version={self._version})")
 
     # ------------------------------------------------------------------ guards
+    def _check_open(self) -> None:
+        """Inside the lock: a close() of another thread may have run since `_check_usable`."""
+        if self._closed:
+            raise StoreClosedError("this EmbeddingStore was closed (by another thread) during the call; "
+                                   "open it again with EmbeddingStore.open(path)")
+
     def _check_usable(self, write: bool = False) -> None:
         if self._closed:
             raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
@@ -559,7 +622,10 @@ class EmbeddingStore(TieredRows, Versioning):
 
     def _take_lock(self, root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise fileio.io_error(exc, "opening", root / "LOCK") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -583,7 +649,7 @@ class EmbeddingStore(TieredRows, Versioning):
     def _after_fork_in_child(self) -> None:
         # Threads do not survive fork and a lock may have been held: start clean in the child.
         self._lock = threading.RLock()
-        self._flush_lock = threading.Lock()
+        self._flush_lock = threading.RLock()
         self._bg = None
         self._prefetcher = None
         self._bg_futures = {}

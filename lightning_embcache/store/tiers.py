@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .errors import InvalidArgumentError, StoreError
+from .errors import InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
 from .hot import SLOT_OVERHEAD
 from .validate import budget
 
@@ -160,7 +160,11 @@ class TieredRows:
         if len(got) < n:
             victims = hot.victims(n - len(got), protect)
             if len(victims):
-                self._evict_slots(victims)
+                try:
+                    self._evict_slots(victims)  # a failed write-back evicts nothing
+                except BaseException:
+                    hot.free.extend(got.tolist())
+                    raise
                 more = hot.take_free(n - len(got))
                 got = np.concatenate([got, more])
         return got
@@ -244,29 +248,52 @@ class TieredRows:
             self._writing_seqs.discard(seq)
 
     def _write_around(self, idx, mids, values, load: bool) -> None:
-        """A write too large for the hot tier: merge it with stored rows and write back directly."""
-        # Rows already resident take the write in place; the rest go to a pending segment.
+        """A write too large for the hot tier (or larger than one slice): staged, then applied.
+
+        Every row of the call, merged with its stored record where fields are missing, is written
+        as one pending segment (streamed in blocks: bounded temporaries); only once that file is
+        whole are resident copies updated in place. A write that fails (full disk, permissions)
+        therefore leaves no row of the call applied. Caller holds the lock.
+        """
         hot = self._hot
+        rev = idx[::-1]
+        uniq, first_in_rev = np.unique(rev, return_index=True)  # of duplicate ids the last wins
+        pos = len(idx) - 1 - first_in_rev
+        cr = self._chunk_rows
+
+        def records(a: int, b: int) -> np.ndarray:
+            ids = uniq[a:b]
+            recs = np.zeros((len(ids), self._row_bytes), np.uint8)
+            slots = hot.lookup(ids)
+            res = slots >= 0
+            if res.any():
+                recs[res] = hot.pool_np[slots[res]]
+            if load and not res.all():
+                recs[~res] = self._fetch(ids[~res])
+            rec_t = torch.from_numpy(recs)
+            p = torch.from_numpy(pos[a:b])
+            for n, v in values.items():
+                self._schema.view(rec_t, n)[:] = v[p]
+            return recs
+
+        seq = self._next_seq
+        self._next_seq += 1
+        seg = self._disk.write_segment(seq, uniq, records, durable=False)  # raises: nothing applied
+        self._below_token += 1
+        self._pending.append(seg)
+        self._pending.sort(key=lambda g: g.seq)
+        self._index_add(seg)
+        self._warm.discard_many(uniq // cr)
+        # Resident copies take the write too (the hot tier is read first); they stay dirty.
         slots = hot.lookup(idx)
         res = slots >= 0
         if res.any():
             if self._cow is not None:
                 self._save_cow(slots[res])
+            at = torch.from_numpy(np.flatnonzero(res))
             for n, v in values.items():
-                self._np_views[n][slots[res]] = to_np(v[torch.from_numpy(np.flatnonzero(res))])
+                self._np_views[n][slots[res]] = to_np(v[at])
             hot.dirty[slots[res]] = 1
-        rest = np.flatnonzero(~res)
-        rid = idx[rest]
-        # last occurrence of each id wins
-        rev = rid[::-1]
-        uniq, first_in_rev = np.unique(rev, return_index=True)
-        pos = rest[::-1][first_in_rev]
-        records = self._fetch(uniq) if load else np.zeros((len(uniq), self._row_bytes), np.uint8)
-        rec_t = torch.from_numpy(records)
-        p = torch.from_numpy(pos)
-        for n, v in values.items():
-            self._schema.view(rec_t, n)[:] = v[p]
-        self._write_back(uniq, records)
 
     def _load_chunk_resident(self, chunk: int) -> None:
         lo, hi = self._hot.chunk_range(chunk)
@@ -525,6 +552,8 @@ class TieredRows:
         nbytes = budget(nbytes, "nbytes", allow_none=False)
         freed = 0
         with self._lock:
+            if self._closed:
+                raise StoreClosedError("this EmbeddingStore was closed during evict()")
             freed += self._warm.shrink(max(0, self._warm.nbytes - nbytes))
             if freed >= nbytes or self._disk is None:
                 return freed
@@ -553,9 +582,17 @@ class TieredRows:
         return freed
 
     def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
-        """Change the budgets at run time (a lower budget evicts at once). None keeps a budget."""
+        """Change the budgets at run time (a lower budget evicts at once). None keeps a budget.
+
+        Waits for a flush or background write-back in progress (rows they write cannot move)."""
         self._check_usable()
-        with self._lock:
+        if warm_bytes is not None:
+            budget(warm_bytes, "warm_bytes", allow_none=False)
+        if hot_bytes is not None:
+            budget(hot_bytes, "hot_bytes", allow_none=False)
+        with self._flush_lock, self._lock:
+            if self._closed:
+                raise StoreClosedError("this EmbeddingStore was closed during set_budget()")
             if warm_bytes is not None:
                 self._warm.budget = budget(warm_bytes, "warm_bytes", allow_none=False)
                 self._warm.shrink(self._warm.budget)
@@ -571,8 +608,8 @@ class TieredRows:
             slots = max(1, hot_bytes // (self._row_bytes + SLOT_OVERHEAD))
             if slots < hot.limit:
                 tail = np.flatnonzero(hot.id_of[slots : hot.limit] >= 0) + slots
-                if hot.inflight[tail].any():
-                    raise StoreError("set_budget() cannot shrink the hot tier while a flush is writing; retry after it")
+                if hot.inflight[tail].any():  # not while holding the writer lock; kept as a guard
+                    raise StoreBusyError("set_budget() cannot shrink the hot tier while a flush is writing; retry after it")
                 self._evict_slots(tail)
                 hot.set_limit(slots)
             else:

@@ -12,25 +12,40 @@ from .errors import InvalidArgumentError, InvalidTypeError
 
 
 def as_ids(ids: Any, num_rows: int, arg: str = "ids") -> np.ndarray:
-    """``ids`` as a 1-D int64 numpy array (zero-copy for CPU int64 tensors), bounds-checked."""
+    """``ids`` as a new 1-D int64 numpy array of the store's own, bounds-checked.
+
+    Always a copy, validated after copying: the caller's memory may change while the call runs (a
+    DataLoader reusing a shared buffer, a pinned batch refilled from numpy), and an id checked
+    in one place and read again in another could then reach a row it was never checked for. No
+    cache either: a tensor refilled through ``.data`` or a numpy view keeps its version counter.
+    """
     if type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.dim() == 1 and ids.is_cpu:
-        # the hot path: one pass. Seen as unsigned, a negative id is huge, so one max bounds both
-        # ends (numpy has no fused min/max; two reductions cost twice this).
-        arr = ids.numpy()
+        # the hot path: one copy, then one pass. Seen as unsigned, a negative id is huge, so one
+        # max bounds both ends (numpy has no fused min/max; two reductions cost twice this).
+        arr = ids.numpy().copy()
     elif isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise InvalidTypeError(f"{arg} must be an integer tensor; got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise InvalidArgumentError(f"{arg} must be 1-D; got shape {tuple(ids.shape)}")
+        if ids.device.type == "meta":
+            raise InvalidArgumentError(f"{arg} is on the 'meta' device (no data); pass ids on the CPU or a GPU")
         arr = ids.detach().to("cpu", torch.int64).numpy()  # the store is host-side
+        if arr.base is not None or not arr.flags.owndata:
+            arr = arr.copy()
     else:
-        arr = np.asarray(ids)
+        try:
+            arr = np.asarray(ids)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidTypeError(f"{arg} must be a 1-D sequence of integers; got {type(ids).__name__}") from exc
         if arr.dtype == object or arr.dtype.kind not in "iu":
             if not (arr.size == 0 and arr.dtype.kind == "f"):
                 raise InvalidTypeError(f"{arg} must hold integers; got dtype {arr.dtype}")
         if arr.ndim != 1:
             raise InvalidArgumentError(f"{arg} must be 1-D; got shape {arr.shape}")
-        arr = arr.astype(np.int64, copy=False)
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
+            raise InvalidArgumentError(f"{arg} must be in [0, {num_rows}); got max id {int(arr.max())}")
+        arr = arr.astype(np.int64)  # a copy: the caller's array may change under us
     if arr.size and _UMAX(arr.view(np.uint64)) >= num_rows:
         _raise_out_of_range(arr, num_rows, arg)
     return arr
@@ -61,8 +76,10 @@ def as_values(
     if not isinstance(values, torch.Tensor):
         try:
             values = torch.as_tensor(np.asarray(values))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
             raise InvalidTypeError(f"{arg} must be a tensor or array of numbers; got {type(values).__name__}") from exc
+    if values.device.type == "meta":
+        raise InvalidArgumentError(f"{arg} is on the 'meta' device (no data); pass values on the CPU or a GPU")
     vdtype = values.dtype
     if vdtype.is_complex or vdtype == torch.bool:
         raise InvalidTypeError(f"{arg} has dtype {vdtype}, which cannot be cast to the store dtype {dtype}")
@@ -75,11 +92,22 @@ def as_values(
     if values.requires_grad:
         values = values.detach()
     if vdtype != dtype:
+        if not dtype.is_floating_point and len(values):
+            _check_int_range(values, arg, dtype)
         values = values.to(dtype)
     # Checked after the cast: a finite float64 beyond float32's range would be stored as inf.
     if check_finite and n and dtype.is_floating_point and not _all_finite(values):
         _raise_not_finite(values, arg, dtype, vdtype)
     return values if values.is_contiguous() else values.contiguous()
+
+
+def _check_int_range(values: torch.Tensor, arg: str, dtype: torch.dtype) -> None:
+    """An integer field must hold the value written, not its low bits (2**40 + 7 as int32 is 7)."""
+    info = torch.iinfo(dtype)
+    lo, hi = int(values.min()), int(values.max())
+    if lo < info.min or hi > info.max:
+        bad = lo if lo < info.min else hi
+        raise InvalidArgumentError(f"{arg} must fit {dtype} (range [{info.min}, {info.max}]); got {bad}")
 
 
 def _raise_not_finite(values: torch.Tensor, arg: str, dtype: torch.dtype, vdtype: torch.dtype) -> None:
@@ -108,12 +136,31 @@ def _all_finite(values: torch.Tensor) -> bool:
     return math.isfinite(total) or bool(np.isfinite(arr).all())
 
 
-def positive_int(value: Any, arg: str, minimum: int = 1) -> int:
+def positive_int(value: Any, arg: str, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidTypeError(f"{arg} must be an int; got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{arg} must be >= {minimum}; got {value}")
+    if value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise InvalidArgumentError(f"{arg} must be {allowed}; got {value}")
     return int(value)
+
+
+def version_arg(value: Any, arg: str = "version") -> int:
+    """A version number: an int >= 0 (not a bool, not a float: 1.7 must not open version 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidTypeError(f"{arg} must be an int version number; got {type(value).__name__} {value!r}")
+    if value < 0 or value >= 1 << 62:
+        raise InvalidArgumentError(f"{arg} must be in [0, 2**62); got {value}")
+    return int(value)
+
+
+def finite_float(value: Any, arg: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidTypeError(f"{arg} must be a float; got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or (positive and v <= 0) or (not positive and v < 0):
+        raise InvalidArgumentError(f"{arg} must be a finite float {'> 0' if positive else '>= 0'}; got {value!r}")
+    return v
 
 
 def budget(value: Any, arg: str, allow_none: bool) -> int | None:
@@ -123,3 +170,39 @@ def budget(value: Any, arg: str, allow_none: bool) -> int | None:
         allowed = "None or an int >= 0" if allow_none else "an int >= 0"
         raise InvalidArgumentError(f"{arg} must be {allowed} (bytes); got {value!r}")
     return int(value)
+
+
+# Limits of the on-disk format and of one process's address space.
+MAX_ROWS = 1 << 48  # ids are int64; the disk-mode id map costs 4 bytes per row of address space
+MAX_CHUNK_ROWS = (1 << 31) - 1  # chunk_rows is a u32 in segment headers; chunk maps are int32
+
+
+def check_meta(meta: Any, path: Any) -> None:
+    """META of a store on disk, checked before anything is allocated from it (a crafted META
+    with num_rows=2**62 must be a named error, not a 16 PiB allocation)."""
+    from .errors import CorruptStoreError
+    from .schema import Schema
+
+    def bad(why: str) -> None:
+        raise CorruptStoreError(path, f"not a valid store description: {why}")
+
+    if not isinstance(meta, dict) or meta.get("format") != "lightning_embcache":
+        raise CorruptStoreError(path, "not a lightning_embcache store")
+    n, cr = meta.get("num_rows"), meta.get("chunk_rows")
+    if type(n) is not int or not 1 <= n <= MAX_ROWS:
+        bad(f"num_rows={n!r}")
+    if type(cr) is not int or not 1 <= cr <= MAX_CHUNK_ROWS:
+        bad(f"chunk_rows={cr!r}")
+    if meta.get("compression") not in (None, "lz4"):
+        bad(f"compression={meta.get('compression')!r}")
+    if meta.get("init") not in ("zeros", "normal", "callable"):
+        bad(f"init={meta.get('init')!r}")
+    if type(meta.get("seed")) is not int or not isinstance(meta.get("init_std"), (int, float)) \
+            or isinstance(meta.get("init_std"), bool) or not math.isfinite(float(meta["init_std"])):
+        bad("seed/init_std")
+    try:
+        schema = Schema.from_json(meta.get("schema"))
+    except Exception as exc:  # noqa: BLE001 - any malformed schema is one named corruption
+        bad(f"schema ({type(exc).__name__}: {exc})")
+    if type(schema.dim) is not int or not 1 <= schema.dim <= 1 << 20 or schema.row_bytes > 1 << 24:
+        bad(f"record of {schema.row_bytes} bytes")

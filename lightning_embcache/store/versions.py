@@ -1,7 +1,22 @@
 """Durability of EmbeddingStore: flush, versions and pins, background compaction and GC.
 
-A private base class of `EmbeddingStore`; see docs/store-format.md for the protocol. Lock order:
-`self._flush_lock` (one publisher of manifests at a time) before `self._lock` (in-memory state).
+A private base class of `EmbeddingStore`; see docs/store-format.md for the protocol.
+
+Concurrency design (docs/store.md, "Threads"): two locks, always taken in this order.
+
+* ``self._flush_lock``, the *writer lock* (re-entrant): held for the whole of every job that
+  changes what is on disk or which files the live layout reads: `flush`, the background
+  write-back `_clean`, compaction (snapshot, reading the segments, writing chunks, publishing),
+  garbage collection, retention, `pin`/`unpin` and explicit `compact()`. So these never
+  interleave: a compaction cannot fold a layout a flush or another compaction moved meanwhile,
+  and garbage collection never runs while any of them is writing.
+* ``self._lock`` (in-memory state): taken briefly inside, and by get/update/evict.
+
+Eviction write-back inside get/update holds only ``self._lock``: it only appends a *pending*
+segment with a fresh sequence number, which a flush snapshots under ``self._lock`` and garbage
+collection protects (numbers from its snapshot on). Files are never closed while another thread
+may read them: a segment dropped from the layout closes its descriptor when its last reader lets
+go of it (`Segment.__del__`); `close()` closes the rest after every thread stopped.
 """
 
 from __future__ import annotations
@@ -15,6 +30,7 @@ import numpy as np
 from .disk import Disk, Manifest, Segment
 from .errors import CorruptStoreError, StoreError
 from .memory import trim_heap
+from .validate import version_arg
 
 # Compaction folds delta segments into base chunks once they hold this share of the table's
 # bytes, or once there are this many: disk stays near 2x the table, reads touch few segments.
@@ -40,12 +56,14 @@ class Versioning:
         self._raise_bg_error()
         if self._disk is None:  # ephemeral memory store: nothing to make durable
             with self._lock:
+                self._check_open()
                 if self._hot.dirty.any():
                     self._hot.dirty[:] = 0
                     self._version += 1
                 return self._version
         with self._flush_lock:
             with self._lock:
+                self._check_open()
                 hot = self._hot
                 slots = np.flatnonzero(hot.dirty)
                 layout = (self._cmap_gen, [s.seq for s in self._committed])
@@ -66,11 +84,15 @@ class Versioning:
                 new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
                 m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
                 self._parent = self._version
-                self._disk.write_manifest(m)
+                self._disk.write_manifest(m)  # the commit point
                 self._published = (m.chunkmap, list(m.segments))
             except BaseException:
                 self._end_write_back(slots, seq, ok=False)
                 raise
+            try:
+                self._disk.write_latest(version)
+            except StoreError:
+                pass  # the version is published; the record only lags (open's check stays sound)
             with self._lock:
                 self._end_write_back(slots, seq, ok=True)
                 self._committed += pending + new
@@ -96,18 +118,30 @@ class Versioning:
     def pin(self, version: int) -> None:
         """Never reclaim ``version`` (until unpinned); persisted across opens."""
         self._check_usable(write=True)
+        version = version_arg(version, "version")
         disk = self._require_disk("pin")
-        disk.read_manifest(int(version))  # raises VersionNotFoundError
         with self._flush_lock:
-            self._pins.add(int(version))
-            disk.write_pins(self._pins)
+            disk.read_manifest(version)  # raises VersionNotFoundError
+            self._pins.add(version)
+            try:
+                disk.write_pins(self._pins)
+            except BaseException:
+                self._pins.discard(version)
+                raise
 
     def unpin(self, version: int) -> None:
         self._check_usable(write=True)
+        version = version_arg(version, "version")
         disk = self._require_disk("unpin")
         with self._flush_lock:
-            self._pins.discard(int(version))
-            disk.write_pins(self._pins)
+            was = version in self._pins
+            self._pins.discard(version)
+            try:
+                disk.write_pins(self._pins)
+            except BaseException:
+                if was:
+                    self._pins.add(version)
+                raise
             self._apply_retention()
 
     def pinned(self) -> list[int]:
@@ -115,7 +149,7 @@ class Versioning:
 
     def manifest_checksum(self, version: int) -> str:
         """Hex checksum of a version's manifest (checkpoints record it to detect a foreign store)."""
-        return self._require_disk("manifest_checksum").manifest_checksum(int(version))
+        return self._require_disk("manifest_checksum").manifest_checksum(version_arg(version, "version"))
 
     def _require_disk(self, what: str) -> Disk:
         if self._disk is None:
@@ -143,7 +177,17 @@ class Versioning:
         versions = disk.list_versions()
         if not versions:
             raise CorruptStoreError(self._root, "holds no manifest (an interrupted create?)")
-        v = versions[-1] if version is None else int(version)
+        latest = disk.read_latest(versions[-1])
+        if versions[-1] < latest:
+            # Opening the newest manifest left would silently roll back (and a writer would then
+            # collect the newer rows' segments as garbage).
+            raise CorruptStoreError(
+                disk.manifest_path(latest),
+                f"missing: version {latest} was published here but the newest manifest left is version "
+                f"{versions[-1]}; the store was damaged or rolled back (open an older version explicitly "
+                f"with version=..., read-only, to recover what it holds)",
+            )
+        v = versions[-1] if version is None else version
         if self._readonly:
             # Register as a reader first, so the writer keeps this version's files while we read.
             for _ in range(10):
@@ -174,6 +218,8 @@ class Versioning:
         return sum(s.nbytes for s in self._committed)
 
     def _maybe_compact(self) -> None:
+        """Compact in the background once segments pass the thresholds (after a flush, and at a
+        writable open: many short open/flush/close runs would otherwise never get there)."""
         table = self._num_rows * self._row_bytes
         if len(self._committed) > COMPACT_SEGMENTS or self._segment_bytes() > COMPACT_RATIO * table:
             self._submit_bg(self._compact)
@@ -209,23 +255,29 @@ class Versioning:
         self._check_usable(write=True)
         self._require_disk("compact")
         self._wait_bg()
-        self._compact()
-        self._publish_layout = True
+        with self._flush_lock:
+            self._compact()
+            self._publish_layout = True
 
     def _compact(self) -> None:
         disk = self._disk
         assert disk is not None
-        with self._lock:
-            segs = list(self._committed)
-            cmap = self._cmap.copy()
-            gen = self._next_gen
-            self._next_gen += 1
-            self._writing_gens.add(gen)
-        try:
-            self._compact_into(segs, cmap, gen)
-        finally:
+        # The writer lock for the whole job: no flush, write-back, other compaction or garbage
+        # collection can move the layout between this snapshot and its publication.
+        with self._flush_lock:
             with self._lock:
-                self._writing_gens.discard(gen)
+                if self._closed:
+                    return
+                segs = list(self._committed)
+                cmap = self._cmap.copy()
+                gen = self._next_gen
+                self._next_gen += 1
+                self._writing_gens.add(gen)
+            try:
+                self._compact_into(segs, cmap, gen)
+            finally:
+                with self._lock:
+                    self._writing_gens.discard(gen)
 
     def _compact_into(self, segs: list[Segment], cmap: np.ndarray, gen: int) -> None:
         disk = self._disk
@@ -246,29 +298,34 @@ class Versioning:
             new_cmap[c] = gen
         disk.write_chunkmap(gen, new_cmap)
         folded = {s.seq for s in segs}
-        with self._flush_lock:
-            with self._lock:
-                if self._closed:
-                    return
-                remaining = [s for s in self._committed if s.seq not in folded]
-                # Reads switch to the compacted layout now (same rows); the next flush publishes it.
-                # Manifests are never rewritten, so a reader of the current version keeps every file
-                # it uses, and version numbers only move when rows change.
-                self._cmap, self._cmap_gen, self._committed = new_cmap, gen, remaining
-                self._index_rebuild()
-                self._below_token += 1  # same rows, but the folded segments' files close below
-                self._stats.compactions += 1
-        # An earlier compaction that no flush published yet is garbage now.
+        with self._lock:  # the caller holds the writer lock: the layout is still the snapshot's
+            if self._closed:
+                return
+            assert [s.seq for s in self._committed] == [s.seq for s in segs], "layout moved during compaction"
+            remaining = [s for s in self._committed if s.seq not in folded]
+            # Reads switch to the compacted layout now (same rows); the next flush publishes it.
+            # Manifests are never rewritten, so a reader of the current version keeps every file
+            # it uses, and version numbers only move when rows change.
+            self._cmap, self._cmap_gen, self._committed = new_cmap, gen, remaining
+            self._index_rebuild()
+            self._below_token += 1  # same rows, but the folded segments are no longer read
+            self._stats.compactions += 1
+        # An earlier compaction that no flush published yet is garbage now. The folded segments'
+        # descriptors close when the last reader (a prefetch's plan) drops them.
         self._collect_garbage()
         self._trim_heap()
-        for s in segs:
-            s.close()
 
     def _collect_garbage(self, at_open: bool = False) -> None:
         disk = self._disk
         if disk is None or self._readonly:
             return
+        with self._flush_lock:  # nothing is being published or compacted while it looks
+            self._collect_garbage_locked(disk, at_open)
+
+    def _collect_garbage_locked(self, disk: Disk, at_open: bool) -> None:
         with self._lock:
+            if self._closed and not at_open:
+                return
             live_segs = {s.seq for s in self._committed + self._pending} | self._writing_seqs
             gens = {self._cmap_gen} | self._writing_gens
             # The chunk files the live layout reads: after two compactions with no flush between,
