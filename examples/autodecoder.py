@@ -4,14 +4,15 @@ The per-sample table lives on disk with a RAM budget instead of in an nn.Embeddi
 DeferredSync without stalling the step, shrinks under memory pressure, and is checkpointed exactly
 (the checkpoint names a store version; resuming reopens that version).
 
-    python examples/autodecoder.py                 # 100k samples, 2 epochs, then a resume
-    python examples/autodecoder.py --samples 1000000 --epochs 1
+    python examples/autodecoder.py                 # 100k samples, 2 epochs, evaluation, then a resume
+    python examples/autodecoder.py --samples 1000000 --epochs 1 --root runs/example
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -60,18 +61,31 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
             self.latents.update(ids, z - self.hparams.latent_lr * len(ids) * z.grad)  # direct write
         self.log("loss", loss, prog_bar=True)
 
+    def validation_step(self, batch, batch_idx):
+        ids, x = batch
+        # under inference mode (Lightning's default for validate/test/predict): reads the trained codes
+        self.log("val_loss", F.mse_loss(self.decoder(self.latents.get(ids)), x))
+
     def configure_optimizers(self):
         return torch.optim.Adam(self.decoder.parameters(), lr=1e-3)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--samples", type=int, default=100_000)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--root", default="runs/example")
-    args = p.parse_args()
-    shutil.rmtree(args.root, ignore_errors=True)
+    p.add_argument("--root", default=None, help="an empty or new folder (default: a temporary one)")
+    args = p.parse_args(argv)
+    if args.root is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return run(args, Path(tmp))
     root = Path(args.root)
+    if root.exists() and any(root.iterdir()):
+        sys.exit(f"--root {root} is not empty; choose an empty or new folder")
+    run(args, root)
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
     data = DataLoader(Targets(args.samples), batch_size=512, shuffle=True)
 
     def trainer(epochs: int) -> L.Trainer:
@@ -83,11 +97,14 @@ def main() -> None:
     model = AutoDecoder(args.samples, store_path=str(root / "latents"))
     trainer(args.epochs).fit(model, data)
 
-    # After fit the handle still reads: export the codes, or look at the store's figures.
+    # After fit the handle still reads: evaluate, export the codes, or look at the store's figures.
+    evaluation = DataLoader(Targets(args.samples), batch_size=2048)
+    print("validate:", trainer(1).validate(model, evaluation, verbose=False))
     codes = model.latents.get(torch.arange(args.samples))
     print("codes", tuple(codes.shape), "mean norm", codes.norm(dim=1).mean().item())
-    store = model.latents.store  # reopened after fit
-    print("store version", store.version, "versions", store.versions(), "pinned", store.pinned())
+    with model.latents as latents:  # close() at the end: flushes and releases the store for others
+        store = latents.store
+        print("store version", store.version, "versions", store.versions(), "pinned", store.pinned())
 
     # Resume from the first epoch's checkpoint: the store reopens at that checkpoint's version,
     # even though training flushed newer versions after it.

@@ -23,10 +23,11 @@ SAMPLES, DIM, OUT = 50_000, 32, 64
 
 
 class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, samples: int = SAMPLES) -> None:
         super().__init__()
-        # 50k x 32 codes (+ Adam moments): a 2 MiB hot budget keeps most of them on disk.
-        self.latents = self.add_embedding_store("latents", num_rows=SAMPLES, dim=DIM, path=path,
+        # 50k x 32 codes (+ Adam moments): a 2 MiB hot budget keeps most of them on disk; 256-row
+        # chunks because each batch touches rows all over the table (see docs/tuning.md).
+        self.latents = self.add_embedding_store("latents", num_rows=samples, dim=DIM, path=path,
                                                 hot_bytes=2 << 20, chunk_rows=256, init="normal",
                                                 init_std=0.01, optimizer="adam", lr=1e-2)
         self.decoder = torch.nn.Sequential(torch.nn.Linear(DIM, 128), torch.nn.GELU(), torch.nn.Linear(128, OUT))
@@ -38,32 +39,42 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         self.log("loss", loss, prog_bar=True)
         return loss
 
+    def predict_step(self, batch, batch_idx):
+        ids, _ = batch
+        return self.decoder(self.latents.lookup(ids))
+
     def configure_optimizers(self):
         return torch.optim.Adam(self.decoder.parameters(), lr=1e-3)
 
 
-def synthetic(seed: int = 0) -> TensorDataset:
+def synthetic(samples: int = SAMPLES, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randn(SAMPLES, 8, generator=g)
+    codes = torch.randn(samples, 8, generator=g)
     mix = torch.randn(8, OUT, generator=g)
-    return TensorDataset(torch.arange(SAMPLES), torch.tanh(codes @ mix))
+    return TensorDataset(torch.arange(samples), torch.tanh(codes @ mix))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--epochs", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--samples", type=int, default=SAMPLES)
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model = AutoDecoder(f"{tmp}/latents")
+        model = AutoDecoder(f"{tmp}/latents", args.samples)
         trainer = L.Trainer(max_epochs=args.epochs, accelerator="cuda" if args.gpu else "cpu", devices=1,
                             precision="bf16-mixed" if args.gpu else "32-true", logger=False,
                             enable_checkpointing=False,
                             callbacks=[DeferredSync(every_n_epochs=1), StepProfiler(log_every_n_steps=50)])
-        trainer.fit(model, DataLoader(synthetic(), batch_size=512, shuffle=True))
-        meta = model.latents.row_meta(torch.arange(SAMPLES))
-        print(f"rows trained: {int((meta['updates'] > 0).sum())} of {SAMPLES}; "
+        data = synthetic(args.samples)
+        trainer.fit(model, DataLoader(data, batch_size=512, shuffle=True))
+        meta = model.latents.row_meta(torch.arange(args.samples))
+        print(f"rows trained: {int((meta['updates'] > 0).sum())} of {args.samples}; "
               f"store: {model.latents.stats().disk_bytes / 2**20:.1f} MiB on disk")
+        # predict reads the trained codes (under inference mode); lookup without grad is get
+        predicted = torch.cat(trainer.predict(model, DataLoader(data, batch_size=4096)))
+        print(f"predict: mean squared error {torch.nn.functional.mse_loss(predicted, data.tensors[1]):.4f}")
+        model.latents.close()
 
 
 if __name__ == "__main__":
