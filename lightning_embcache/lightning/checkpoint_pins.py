@@ -19,6 +19,9 @@ from typing import Any, Callable
 
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
+from lightning_embcache.store import fileio
+from lightning_embcache.store.errors import CorruptStoreError
+
 log = logging.getLogger(__name__)
 
 REGISTRY_SUFFIX = ".checkpoints.json"
@@ -36,15 +39,31 @@ class CheckpointPins:
         self.file = registry_path(store_path)
         self.versions: dict[int, list[str]] = {}
         self._fresh: set[int] = set()  # pinned by a save whose file is not written yet
-        if self.file.exists():
-            data = json.loads(self.file.read_text())
-            self.versions = {int(v): list(files) for v, files in data.get("versions", {}).items()}
+        if self.file.exists() or self.file.is_symlink():
+            self.versions = self._parse(fileio.read_raw(self.file))
+
+    def _parse(self, raw: bytes) -> dict[int, list[str]]:
+        """The registry's table, checked: a damaged or crafted file is a named error."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise CorruptStoreError(self.file, "checkpoint registry is not valid JSON") from None
+        table = data.get("versions") if isinstance(data, dict) else None
+        if not isinstance(table, dict):
+            raise CorruptStoreError(self.file, "checkpoint registry has no 'versions' table")
+        out: dict[int, list[str]] = {}
+        for v, files in table.items():
+            if not (isinstance(v, str) and v.isdigit() and len(v) < 19) or not isinstance(files, list) \
+                    or not all(isinstance(f, str) for f in files):
+                raise CorruptStoreError(self.file, f"checkpoint registry entry {v!r} is not version -> [file, ...]")
+            out[int(v)] = list(files)
+        return out
 
     def save(self) -> None:
-        tmp = self.file.with_name(self.file.name + ".tmp")
         payload = {"format": 1, "versions": {str(v): files for v, files in sorted(self.versions.items())}}
-        tmp.write_text(json.dumps(payload, indent=1))
-        os.replace(tmp, self.file)
+        # a fresh temporary (O_EXCL | O_NOFOLLOW) renamed over the registry: a symlink planted at
+        # either name is replaced, never written through
+        fileio.write_plain(self.file, json.dumps(payload, indent=1).encode())
 
     def pin(self, store: Any, version: int) -> None:
         """Pin `version` for a checkpoint about to be written."""

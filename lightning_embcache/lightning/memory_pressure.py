@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_embcache.lightning.memory_reading import MemoryReader, MemoryReading
+from lightning_embcache.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class MemoryPressure(Callback):
         self._warned = False
         self.last_reading: MemoryReading | None = None
         self.last_metrics: dict[str, float] = {}
+        self.deferred = 0  # checks whose relief a store refused (busy, closed, I/O): retried next check
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
@@ -102,7 +104,13 @@ class MemoryPressure(Callback):
         evicted = 0
         fraction = reading.used_fraction
         if fraction > self.high:
-            evicted = self._relieve(pl_module, reading)
+            try:
+                evicted = self._relieve(pl_module, reading)
+            except StoreError as exc:
+                # Never raise into the fit it protects: a store busy with a flush, closing, or
+                # failing a write-back is asked again at the next check.
+                self.deferred += 1
+                log.debug("MemoryPressure: relief deferred to the next check: %s", exc)
         self.evicted_bytes_total += evicted
         self._log(trainer, {
             "embcache/mem_used_fraction": fraction,
@@ -124,7 +132,8 @@ class MemoryPressure(Callback):
             share = need * resident[h.name] // total if total else need // len(handles)
             shares[h.name] = share
             if share > 0:
-                freed += int(h.store.evict(share))
+                done, out = self._ask(h.store.evict, share)
+                freed += int(out) if done else 0
         if freed >= need:
             return freed
         # Not enough was clean or resident: lower the budgets so the stores stop growing back.
@@ -136,7 +145,8 @@ class MemoryPressure(Callback):
             cut = short * resident[h.name] // total if total else short // len(handles)
             new_budget = max(int(budget) - cut, self.min_hot_bytes)
             if new_budget < budget:
-                h.store.set_budget(hot_bytes=new_budget)
+                if not self._ask(h.store.set_budget, hot_bytes=new_budget)[0]:
+                    continue  # refused this time (a flush writing, an I/O error): next check retries
                 cuts.append(f"{h.name!r} {_mib(budget)} -> {_mib(new_budget)}")
         if cuts:
             self.budget_cuts += 1
@@ -150,6 +160,16 @@ class MemoryPressure(Callback):
                 "num_workers to avoid this."
             )
         return freed
+
+    def _ask(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        """One store call of the relief: (True, its result), or (False, None) when the store
+        refused it (a StoreError: busy, closed, a failed write-back); the next check asks again."""
+        try:
+            return True, fn(*args, **kwargs)
+        except StoreError as exc:
+            self.deferred += 1
+            log.debug("MemoryPressure: %s deferred to the next check: %s", getattr(fn, "__name__", fn), exc)
+            return False, None
 
     @staticmethod
     def _resident(handle: Any) -> int:

@@ -259,7 +259,7 @@ class EmbeddingStore(TieredRows, Versioning):
                     f"({'memory mode' if capacity is None else f'hot_bytes={hot_bytes}'}) needs {need} bytes of "
                     f"address space, which this machine cannot map ({type(exc).__name__}); give hot_bytes= "
                     f"(disk mode) or fewer rows") from None
-        except BaseException:
+        except BaseException as exc:
             self._release_lock()
             Disk.unlock_reader(self._reader_fd)
             self._reader_fd = None
@@ -267,6 +267,10 @@ class EmbeddingStore(TieredRows, Versioning):
                 for seg in self._committed:
                     seg.close()
                 self._disk.close()
+            if isinstance(exc, MemoryError):  # bookkeeping per chunk of an enormous table
+                raise InvalidArgumentError(
+                    f"num_rows={self._num_rows} with chunk_rows={self._chunk_rows} needs more memory for its "
+                    f"bookkeeping than this machine has; give fewer rows or larger chunks") from None
             raise
         self._warm = WarmTier(warm_bytes if root is not None else 0)
         if root is None and self._init_kind == "zeros" and not any(f.fill for f in self._schema.fields.values()):

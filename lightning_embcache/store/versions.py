@@ -178,14 +178,14 @@ class Versioning:
         if not versions:
             raise CorruptStoreError(self._root, "holds no manifest (an interrupted create?)")
         latest = disk.read_latest(versions[-1])
-        if versions[-1] < latest:
+        if versions[-1] < latest and (version is None or not self._readonly):
             # Opening the newest manifest left would silently roll back (and a writer would then
             # collect the newer rows' segments as garbage).
             raise CorruptStoreError(
                 disk.manifest_path(latest),
                 f"missing: version {latest} was published here but the newest manifest left is version "
-                f"{versions[-1]}; the store was damaged or rolled back (open an older version explicitly "
-                f"with version=..., read-only, to recover what it holds)",
+                f"{versions[-1]}; the store was damaged or rolled back (to recover what an older version "
+                f"holds, open it read-only: EmbeddingStore.open(path, version=..., readonly=True))",
             )
         v = versions[-1] if version is None else version
         if self._readonly:
