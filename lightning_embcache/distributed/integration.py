@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_embcache.distributed.exchange import sharding_active, store_group, world
 from lightning_embcache.distributed.sharding import shard_dir
-from lightning_embcache.distributed.store import RESHARD_HINT, ShardFactory
+from lightning_embcache.distributed.store import RESHARD_HINT, ShardFactory, _check_layout
 from lightning_embcache.store import InvalidArgumentError
 
 RULE = "id % world_size"
@@ -34,8 +34,12 @@ _warnings = WarningCache()
 
 
 def shard_handles(module: Any) -> None:
-    """Point every handle of `module` at this rank's shard (once per world size)."""
+    """Point every handle of `module` at this rank's shard (once per world size). In one process,
+    refuse a path that holds shards: its rows are spread over several stores."""
     if not sharding_active():
+        for handle in module._embcache_stores().values():
+            if handle.path is not None and not (handle.path / "META").exists():
+                _check_layout(handle.path, 1)
         return
     rank, world_size = world()
     pins = module.__dict__.get("_embedding_store_pins", {})

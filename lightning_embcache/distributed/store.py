@@ -268,6 +268,6 @@ def _check_layout(root: Path, world_size: int) -> None:
     others = shard_layouts(root) - {world_size}
     if others and world_size not in shard_layouts(root):
         raise InvalidArgumentError(
-            f"path={str(root)!r} holds shards for world_size={sorted(others)}, but {world_size} processes run. "
+            f"path={str(root)!r} holds shards for world_size={sorted(others)}, but {world_size} process(es) run. "
             f"Reshard them ({RESHARD_HINT}) or run with world_size={sorted(others)[0]}"
         )

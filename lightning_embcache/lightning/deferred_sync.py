@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_embcache.distributed.figures import reduce_figures, several_ranks
 from lightning_embcache.lightning.flush_worker import CoalescingWorker
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class DeferredSync(Callback):
         self.syncs = 0  # flushes completed (background and foreground)
         self._coalesced_before = 0  # by workers of earlier fits
         self.last_metrics: dict[str, float] = {}
+        self._unreported: list[SyncResult] = []  # several processes: logged at the next common point
 
     @property
     def coalesced(self) -> int:
@@ -119,15 +121,18 @@ class DeferredSync(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        self._report(trainer, self._drain())
         # Training batches, not optimizer steps: rows written directly change with every batch,
         # also in a module without optimizer (where global_step never moves). Restored on resume.
         batches = trainer.fit_loop.epoch_loop.total_batch_idx + 1
-        if self.every_n_steps and batches % self.every_n_steps == 0:
+        due = bool(self.every_n_steps) and batches % self.every_n_steps == 0
+        self._report(trainer, self._drain(), collective=due)
+        if due:
             self._request(trainer, pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if several_ranks():
+            self._report(trainer, self._drain(), collective=True)
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self._request(trainer, pl_module)
 
@@ -153,12 +158,12 @@ class DeferredSync(Callback):
         if self._worker is not None:
             self._worker.request()
         else:
-            self._report(trainer, [_flush_stores(pl_module)])
+            self._report(trainer, [_flush_stores(pl_module)], collective=True)
 
     def _flush_now(self, trainer: Trainer, pl_module: LightningModule) -> None:
         results = self._drain(wait=True)
         results.append(_flush_stores(pl_module))
-        self._report(trainer, results)
+        self._report(trainer, results, collective=True)
 
     def _drain(self, wait: bool = False) -> list[SyncResult]:
         if self._worker is None:
@@ -167,15 +172,23 @@ class DeferredSync(Callback):
             self._worker.wait_idle()
         return self._worker.drain()
 
-    def _report(self, trainer: Trainer, results: list[SyncResult]) -> None:
-        if not results:
+    def _report(self, trainer: Trainer, results: list[SyncResult], collective: bool = False) -> None:
+        # Several processes: each rank flushes its own shard, whenever its worker finishes; the
+        # figures are combined (one all-reduce) only at points every rank reaches together.
+        self._unreported.extend(results)
+        if several_ranks() and not collective:
             return
+        results, self._unreported = self._unreported, []
         self.syncs += len(results)
-        self._log(trainer, {
-            "embcache/sync_seconds": results[-1].seconds,
+        metrics = {
+            "embcache/sync_seconds": results[-1].seconds if results else 0.0,
             "embcache/synced_rows": float(sum(r.synced_rows for r in results)),
-            "embcache/dirty_rows": float(results[-1].dirty_rows),
-        })
+            "embcache/dirty_rows": float(results[-1].dirty_rows) if results else 0.0,
+        }
+        if several_ranks():
+            metrics = reduce_figures(metrics, trainer, present=bool(results))  # type: ignore[assignment]
+        if metrics is not None and (results or several_ranks()):
+            self._log(trainer, metrics)
 
     @rank_zero_only
     def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:

@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from lightning_embcache.distributed.figures import reduce_figures, several_ranks
 from lightning_embcache.lightning.memory_reading import MemoryReader, MemoryReading
 from lightning_embcache.store.errors import StoreError
 
@@ -112,11 +113,14 @@ class MemoryPressure(Callback):
                 self.deferred += 1
                 log.debug("MemoryPressure: relief deferred to the next check: %s", exc)
         self.evicted_bytes_total += evicted
-        self._log(trainer, {
+        metrics = {
             "embcache/mem_used_fraction": fraction,
             "embcache/rss_bytes": float(reading.rss_bytes),
             "embcache/evicted_bytes": float(evicted),
-        })
+        }
+        if several_ranks():  # each rank relieved its own shard; log the job's figures (one all-reduce)
+            metrics = reduce_figures(metrics, trainer) or metrics
+        self._log(trainer, metrics)
         return evicted
 
     def _relieve(self, pl_module: LightningModule, reading: MemoryReading) -> int:

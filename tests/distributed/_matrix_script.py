@@ -103,8 +103,10 @@ class StepClock(Callback):
         self.times.append(time.perf_counter() - self._t0)
 
 
-def calm() -> MemoryReading:  # MemoryPressure reads a fixed, unpressured machine
-    return MemoryReading(system_total=8 << 30, system_available=4 << 30, rss_bytes=1 << 28)
+def calm() -> MemoryReading:
+    """MemoryPressure reads an unpressured machine: rank r at (4 + r)/8 used, (1 + r) x 256 MiB RSS."""
+    r = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return MemoryReading(system_total=8 << 30, system_available=(4 - r) << 30, rss_bytes=(1 + r) << 28)
 
 
 def main(config_file: str) -> None:

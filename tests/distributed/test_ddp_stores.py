@@ -1,0 +1,103 @@
+"""Stores under Lightning DDP with 2 real Gloo processes: the three ways they used to break, resume,
+world-size changes and kill -9 of one rank. The reference is one process fed the same global batches
+(`CombinedBatches`): row sharding must train exactly what a single process would."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _launch import launch, max_diff  # noqa: E402
+
+DDP = dict(strategy="ddp", devices=2, accelerator="cpu")
+TOL = 1e-5  # the same float sums in another order (gradients averaged across ranks)
+
+
+def _reference(tmp_path, name="ref", **cfg):
+    return launch(tmp_path, name, path=str(tmp_path / name / "store"), combined_world=2, **cfg)["ranks"][0]
+
+
+def test_ddp_on_a_fresh_path_trains_the_rows_one_process_would(tmp_path):
+    """Once: rank 1 hit CorruptStoreError (no META) racing rank 0's creation of the same folder."""
+    run = launch(tmp_path, "ddp", path=str(tmp_path / "store"), **DDP)
+    r0, r1 = run["ranks"]
+    assert r0["world"] == 2 and r0["paths"]["latents"].endswith("store/rank-00000-of-00002")
+    assert r1["paths"]["latents"].endswith("store/rank-00001-of-00002")
+    for k in r0["rows"]:  # every rank sees the whole table, not only its shard
+        assert torch.equal(r0["rows"][k], r1["rows"][k]), k
+    assert max_diff(r0, _reference(tmp_path)) < TOL
+    # the callbacks acted per rank and logged the job's figures: max fraction, summed bytes and rows
+    assert r0["mem_metrics"] == {"embcache/mem_used_fraction": 5 / 8, "embcache/rss_bytes": float(3 << 28),
+                                 "embcache/evicted_bytes": 0.0}
+    assert r0["deferred_syncs"] >= 5 and r1["deferred_syncs"] >= 5
+    assert set(r0["sync_metrics"]) == {"embcache/sync_seconds", "embcache/synced_rows", "embcache/dirty_rows"}
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [
+        "rank-00000-of-00002", "rank-00000-of-00002.checkpoints.json",
+        "rank-00001-of-00002", "rank-00001-of-00002.checkpoints.json"] or not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+def test_ddp_with_path_none_shards_in_memory_and_never_diverges(tmp_path):
+    """Once: each rank trained its own in-memory table (rows trained only on rank 1 missing on rank 0)."""
+    run = launch(tmp_path, "ddp", path=None, **DDP)
+    r0, r1 = run["ranks"]
+    for k in r0["rows"]:
+        assert torch.equal(r0["rows"][k], r1["rows"][k]), k
+    ref = launch(tmp_path, "ref", path=None, combined_world=2)["ranks"][0]
+    assert max_diff(r0, ref) < TOL
+
+
+@pytest.mark.slow
+def test_ddp_on_an_existing_path_resumes_each_shard_without_store_locked_error(tmp_path):
+    """Once: rank 1 raised StoreLockedError opening the path rank 0 held."""
+    path = str(tmp_path / "store")
+    launch(tmp_path, "first", path=path, epochs=1, **DDP)
+    again = launch(tmp_path, "again", path=path, epochs=1, if_exists="resume", **DDP)
+    ref = _reference(tmp_path, "ref", epochs=1)
+    moved = max(float((again["ranks"][0]["rows"]["latents"] - ref["rows"]["latents"]).abs().max()), 0)
+    assert moved > 1e-3  # the second fit continued the first one's rows, it did not start over
+    refused = launch(tmp_path, "refused", path=path, epochs=1, expect_ok=False, **DDP)
+    assert refused["proc"].returncode != 0
+    assert "already holds a store" in refused["proc"].stderr + refused["proc"].stdout
+
+
+@pytest.mark.slow
+def test_ddp_resume_from_a_checkpoint_restores_every_shard(tmp_path):
+    full = launch(tmp_path, "full", path=str(tmp_path / "s1"), epochs=3, ckpt_dir=str(tmp_path / "ck1"), **DDP)
+    first = launch(tmp_path, "first", path=str(tmp_path / "s2"), epochs=1, ckpt_dir=str(tmp_path / "ck2"), **DDP)
+    ckpt = tmp_path / "ck2" / "epoch=0-step=8.ckpt"
+    refs = torch.load(ckpt, weights_only=False)["embedding_stores"]
+    assert refs["latents"]["shards"]["world_size"] == 2 and len(refs["latents"]["shards"]["versions"]) == 2
+    resumed = launch(tmp_path, "resumed", path=str(tmp_path / "s2"), epochs=3, resume=str(ckpt),
+                     ckpt_dir=str(tmp_path / "ck2"), **DDP)
+    assert first["ranks"][0]["world"] == 2
+    assert max_diff(resumed["ranks"][0], full["ranks"][0]) == 0.0
+
+
+@pytest.mark.slow
+def test_resuming_a_two_rank_checkpoint_in_one_process_names_the_reshard_command(tmp_path):
+    launch(tmp_path, "first", path=str(tmp_path / "s"), epochs=1, ckpt_dir=str(tmp_path / "ck"), **DDP)
+    one = launch(tmp_path, "one", path=str(tmp_path / "s"), epochs=2, resume=str(tmp_path / "ck" / "last.ckpt"),
+                 expect_ok=False)
+    err = one["proc"].stderr
+    assert one["proc"].returncode != 0
+    assert "world_size=[2]" in err and "embcache reshard" in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_then_resume_equals_an_uninterrupted_run(tmp_path):
+    full = launch(tmp_path, "full", path=str(tmp_path / "s1"), epochs=3, ckpt_dir=str(tmp_path / "ck1"), **DDP)
+    killed = launch(tmp_path, "killed", path=str(tmp_path / "s2"), epochs=3, ckpt_dir=str(tmp_path / "ck2"),
+                    kill_rank=1, kill_step=20, expect_ok=False, timeout=300, **DDP)
+    assert killed["proc"].returncode != 0 and not (killed["out"] / "result.json").exists()
+    last = tmp_path / "ck2" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 16
+    resumed = launch(tmp_path, "resumed", path=str(tmp_path / "s2"), epochs=3, resume=str(last),
+                     ckpt_dir=str(tmp_path / "ck2"), **DDP)
+    assert max_diff(resumed["ranks"][0], full["ranks"][0]) == 0.0
+    assert max_diff(resumed["ranks"][1], full["ranks"][1]) == 0.0
