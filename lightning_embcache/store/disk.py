@@ -366,13 +366,16 @@ class Disk:
             fileio.unlink(self.manifest_path(version).name, self._root_fd, self.manifest_path(version))
         except FileNotFoundError:
             pass
-        finally:
+        except OSError:  # refused: the version stays (retention tries again at the next flush)
             if fd is not None:
-                try:
-                    fileio.unlink(lock.name, self._root_fd, lock)
-                except FileNotFoundError:
-                    pass
                 os.close(fd)
+            return False
+        if fd is not None:
+            try:
+                fileio.unlink(lock.name, self._root_fd, lock)
+            except OSError:
+                pass
+            os.close(fd)
         return True
 
     # ---- manifests ---------------------------------------------------------------------------
@@ -740,9 +743,10 @@ class Disk:
             nonlocal freed
             dfd = self._dir_fd(p)
             try:
-                freed += os.stat(p.name, dir_fd=dfd, follow_symlinks=False).st_size
+                size = os.stat(p.name, dir_fd=dfd, follow_symlinks=False).st_size
                 fileio.unlink(p.name, dfd, p)  # a symlink is removed itself, never its target
-            except FileNotFoundError:  # tolerate a concurrent delete
+                freed += size
+            except OSError:  # deleted concurrently, or refused: garbage stays for the next collection
                 pass
 
         def is_temp(name: str) -> bool:

