@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench notebooks docs-api clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,14 @@ test-slow: setup
 
 bench: setup
 	$(VENV)/bin/embcache bench store
+
+# Re-execute the example notebook and store it with its outputs (the tests run it at a small size).
+notebooks: setup
+	cd examples && ../$(VENV)/bin/jupyter-execute --inplace autodecoder.ipynb
+
+# Regenerate docs/api.md from the docstrings (a test checks it is up to date).
+docs-api: setup
+	$(PY) tools/gen_api_docs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

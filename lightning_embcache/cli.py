@@ -2,10 +2,11 @@
 
     embcache --version
     embcache demo [--root runs/demo] [--samples N] ...   train the demo auto-decoder, print a report
-    embcache bench {store,optim,profiler,sync,train} [--out FILE] [...]
+    embcache bench {store,optim,profiler,sync,tuning,train} [--out FILE] [...]
     embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
+    embcache reshard --checkpoint CKPT --world-size N    a checkpoint's stores for another process count
 
 Every verb has `--help`. Verbs that delegate (demo, bench) pass their other options to the module
 that implements them, so those modules stay importable and testable on their own.
@@ -25,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "optim": ("lightning_embcache.bench.optim", "--json"),
     "profiler": ("lightning_embcache.bench.profiler", "--out"),
     "sync": ("lightning_embcache.bench.sync", "--json"),
+    "tuning": ("lightning_embcache.bench.tuning", "--out"),
     "train": ("lightning_embcache.bench.train", "--out"),
 }
 BENCHMARK_HELP = {
@@ -32,6 +34,7 @@ BENCHMARK_HELP = {
     "optim": "sparse row-wise optimizers against torch.optim.SparseAdam",
     "profiler": "StepProfiler's overhead against Lightning's profilers",
     "sync": "DeferredSync against flushing on every step",
+    "tuning": "hot_bytes, chunk_rows and warm_bytes/LZ4 settings on one table",
     "train": "end-to-end training throughput",
 }
 
@@ -56,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     # delegating verbs: their own options (and --help) belong to the module that runs them
     verbs.add_parser("demo", add_help=False, help="train the demo auto-decoder and print a report "
                      "(embcache demo --help for its options)")
+
+    verbs.add_parser("reshard", add_help=False, help="rewrite a checkpoint's stores for another number of "
+                     "processes (embcache reshard --help for its options)")
 
     bench = verbs.add_parser("bench", help="run a benchmark (embcache bench NAME --help for its options)",
                              description="Run a benchmark. Results are printed; a JSON file is written only "
@@ -101,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_module("lightning_embcache.demo", rest)
     if args.verb == "bench":
         return _bench(args, rest, parser)
+    if args.verb == "reshard":
+        return _run_module("lightning_embcache.distributed.reshard", rest)
     if rest:
         parser.error(f"unrecognized arguments for {args.verb}: {' '.join(rest)}")
     try:
