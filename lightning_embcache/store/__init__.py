@@ -6,12 +6,14 @@ from .errors import (
     InvalidArgumentError,
     InvalidTypeError,
     ReadOnlyError,
+    StoreBusyError,
     StoreClosedError,
     StoreError,
+    StoreIOError,
     StoreLockedError,
     VersionNotFoundError,
 )
-from .fileio import DiskFullError
+from .errors import DiskFullError
 from .stats import StoreStats
 from .store import EmbeddingStore
 
@@ -23,8 +25,10 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidTypeError",
     "ReadOnlyError",
+    "StoreBusyError",
     "StoreClosedError",
     "StoreError",
+    "StoreIOError",
     "StoreLockedError",
     "StoreStats",
     "VersionNotFoundError",
