@@ -49,10 +49,22 @@ def _version() -> str:
     return __version__
 
 
+def _docs_location() -> str:
+    """The user docs: the source tree's docs/ when run from a clone, else where pip installed them."""
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parents[1] / "docs" / "getting-started.md"
+    installed = Path(sys.prefix) / "share" / "doc" / "lightning_embcache" / "docs" / "getting-started.md"
+    for page in (source, installed):
+        if page.is_file():
+            return str(page)
+    return "docs/getting-started.md in the source distribution"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="embcache", description="Trainable per-sample embedding rows for PyTorch Lightning: demo, "
-        "benchmarks and tools for a store on disk.")
+        "benchmarks and tools for a store on disk.", epilog=f"Documentation: {_docs_location()}")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
 
