@@ -10,6 +10,8 @@ from lightning_embcache.profiling.timeline import PHASES
 
 log = logging.getLogger(__name__)
 
+PLOT_TITLE = "StepProfiler: where each step's time goes"
+
 
 def overall(epochs: list[dict], rank_rows: Optional[list[list[float]]] = None) -> Optional[dict]:
     """Batch-weighted means over all epochs of a summary (same keys as one epoch's dict).
@@ -57,15 +59,35 @@ def format_table(epochs: list[dict], rank_rows: Optional[list[list[float]]] = No
     last = epochs[-1]
     if last.get("samples_per_sec") is not None:
         lines.append(f"throughput (last epoch): {last['samples_per_sec']:.1f} samples/s")
-    if last.get("predicted_epoch_seconds") is not None:
-        lines.append(f"predicted epoch time ({last['epoch_batches']} batches): "
-                     f"{last['predicted_epoch_seconds']:.1f} s")
+    lines.extend(_prediction_lines(epochs))
+    if last.get("projected_epoch_seconds") is not None and last["epoch_batches"] > last["batches"]:
+        lines.append(f"a full epoch ({last['epoch_batches']} batches) at the last epoch's rate: "
+                     f"{last['projected_epoch_seconds']:.1f} s")
     if tot["world_size"] > 1:
         lines.append(f"slowest rank (last epoch): {tot['slowest_rank']}; "
                      f"spread of batch time across ranks: {tot['rank_spread_pct']:.1f}%")
     dominant = max(PHASES, key=lambda p: tot["phases_ms"][p])
     lines.append(f"dominant phase: {dominant} (see docs/profiler.md for what to do about it)")
     return "\n".join(lines)
+
+
+def _prediction_lines(epochs: list[dict]) -> list[str]:
+    """Per epoch: the wall time predicted early in the epoch against the actual one."""
+    rows = [e for e in epochs if e.get("predicted_epoch_seconds") is not None]
+    if not rows:
+        return []
+    lines = [f"{'epoch':<7}{'batches':>9}{'actual s':>11}{'predicted s':>13}{'+/- s':>9}{'at batch':>10}{'error':>9}"]
+    for e in epochs:
+        pred = e.get("predicted_epoch_seconds")
+        actual = e.get("epoch_wall_seconds", e["epoch_seconds"] + e.get("val_seconds", 0.0))
+        if pred is None:
+            lines.append(f"{e['epoch']:<7}{e['batches']:>9}{actual:>11.2f}{'-':>13}{'':>9}{'':>10}{'':>9}")
+            continue
+        err = e.get("prediction_error_pct")
+        err_s = f"{err:+.1f}%" if err is not None else "n/a"
+        lines.append(f"{e['epoch']:<7}{e['batches']:>9}{actual:>11.2f}{pred:>13.2f}"
+                     f"{e['predicted_epoch_std_seconds']:>9.2f}{e['predicted_at_batch']:>10}{err_s:>9}")
+    return ["epoch wall time (validation inside the epoch included), predicted early in each epoch:", *lines]
 
 
 def save_plot(epochs: list[dict], path: Union[str, Path]) -> bool:
@@ -79,7 +101,7 @@ def save_plot(epochs: list[dict], path: Union[str, Path]) -> bool:
         log.warning("StepProfiler(plot=%r): matplotlib is not installed, so no chart was saved "
                     "(pip install 'lightning_embcache[plot]').", str(path))
         return False
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(epochs) + 2.0), 4.0))
+    fig, ax = plt.subplots(figsize=(max(6.5, 0.6 * len(epochs) + 4.5), 4.0))
     xs = [str(e["epoch"]) for e in epochs]
     bottom = [0.0] * len(epochs)
     for p in PHASES:
@@ -88,10 +110,12 @@ def save_plot(epochs: list[dict], path: Union[str, Path]) -> bool:
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_xlabel("epoch")
     ax.set_ylabel("ms per training step")
-    ax.set_title("StepProfiler: where each step's time goes")
+    # the title on the figure, not the axes: the legend beside the bars narrows the axes, and an
+    # axes title wider than them was cut at the figure's edge
+    fig.suptitle(PLOT_TITLE)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return True

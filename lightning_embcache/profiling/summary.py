@@ -12,8 +12,8 @@ from lightning_embcache.profiling.timeline import BACKWARD, NUM_PHASES, PHASES, 
 _WALL, _BATCHES, _SAMPLES = NUM_PHASES, NUM_PHASES + 1, NUM_PHASES + 2
 
 
-def interval_row(t: Totals) -> list[float]:
-    return [*t.phase_s, t.wall_s, float(t.batches), float(t.samples)]
+def interval_row(t: Totals, fallback: Optional[Totals] = None) -> list[float]:
+    return [*t.phases(fallback), t.wall_s, float(t.batches), float(t.samples)]
 
 
 def interval_metrics(rows: list[list[float]], samples_known: bool) -> Optional[dict[str, float]]:
@@ -39,7 +39,7 @@ _E_WALL, _E_BATCHES, _E_SAMPLES, _E_STEADY_WALL, _E_STEADY_BATCHES, _E_VAL = ran
 
 
 def epoch_row(t: Totals) -> list[float]:
-    return [*t.phase_s, *t.host_phase_s, t.wall_s, float(t.batches), float(t.samples), t.steady_wall_s,
+    return [*t.phases(), *t.host_phase_s[:NUM_PHASES], t.wall_s, float(t.batches), float(t.samples), t.steady_wall_s,
             float(t.steady_batches), t.val_s]
 
 
@@ -49,8 +49,11 @@ def rank_phase_rows(rows: list[list[float]]) -> list[list[float]]:
 
 
 def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoch_batches: Optional[int],
-                  timeline: str) -> dict:
-    """One epoch's dict of ``StepProfiler.summary()`` (keys documented in docs/profiler.md)."""
+                  timeline: str, prediction: Optional[dict] = None) -> dict:
+    """One epoch's dict of ``StepProfiler.summary()`` (keys documented in docs/profiler.md).
+
+    ``prediction``: what the profiler predicted for this epoch early on (``StepProfiler.predict()``
+    at ``predict_at`` of the epoch), compared here with the epoch's actual wall time."""
     n = len(rows)
     wall_s = sum(r[_E_WALL] for r in rows) / n
     batches = round(sum(r[_E_BATCHES] for r in rows) / n)
@@ -66,20 +69,34 @@ def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoc
         return max(1e3 * r[col] / r[_E_BATCHES] if r[_E_BATCHES] else 0.0 for r in rows)
 
     _, slowest, pct = ranks.spread(rows, _E_WALL, _E_BATCHES, BACKWARD)
-    predicted = None
+    val_s = sum(r[_E_VAL] for r in rows) / n
+    projected = None
     if epoch_batches is not None and batches:
         rate_ms = steady_ms if steady_ms is not None else 1e3 * wall_s / batches
-        predicted = wall_s + 1e-3 * rate_ms * max(0, epoch_batches - batches)
+        projected = wall_s + 1e-3 * rate_ms * max(0, epoch_batches - batches)
+    predicted = predicted_std = at = error = fit = fit_std = None
+    if prediction is not None:
+        predicted, predicted_std, at = prediction["epoch_s"], prediction["epoch_std_s"], prediction["at_batch"]
+        fit, fit_std = prediction["fit_s"], prediction["fit_std_s"]
+        if prediction["epoch_batches"] == batches and wall_s + val_s > 0:
+            error = 100.0 * (predicted / (wall_s + val_s) - 1.0)
     return {
         "epoch": epoch,
         "batches": batches,
         "epoch_seconds": wall_s,
-        "val_seconds": sum(r[_E_VAL] for r in rows) / n,
+        "val_seconds": val_s,
+        "epoch_wall_seconds": wall_s + val_s,
         "avg_batch_ms": 1e3 * wall_s / batches if batches else 0.0,
         "steady_batches": round(steady_b / n),
         "steady_batch_ms": steady_ms,
         "epoch_batches": epoch_batches,
+        "projected_epoch_seconds": projected,
         "predicted_epoch_seconds": predicted,
+        "predicted_epoch_std_seconds": predicted_std,
+        "predicted_at_batch": at,
+        "prediction_error_pct": error,
+        "predicted_fit_seconds": fit,
+        "predicted_fit_std_seconds": fit_std,
         "samples": int(samples) if samples_known else None,
         "samples_per_sec": samples / wall_s if samples_known and wall_s > 0 else None,
         "phases_ms": {p: mean_ms(i) for i, p in enumerate(PHASES)},

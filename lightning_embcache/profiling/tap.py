@@ -52,14 +52,31 @@ class ProfilerTap(Profiler):
                  on_stop: dict[str, Callable[[], None]]) -> None:
         # Profiler.__init__ is deliberately not called: its attributes belong to `inner`, and
         # __getattr__ forwards them there.
-        object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "_on_start", on_start)
         object.__setattr__(self, "_on_stop", on_stop)
+        object.__setattr__(self, "_tracked", frozenset(on_start) | frozenset(on_stop))
+        self._bind(inner)
+
+    def _bind(self, inner: Profiler) -> None:
+        object.__setattr__(self, "inner", inner)
         passthrough = type(inner) is PassThroughProfiler
         object.__setattr__(self, "_inner_start", None if passthrough else inner.start)
         object.__setattr__(self, "_inner_stop", None if passthrough else inner.stop)
-        object.__setattr__(self, "_tracked", frozenset(on_start) | frozenset(on_stop))
         object.__setattr__(self, "_custom_profile", type(inner).profile is not Profiler.profile)
+
+    @staticmethod
+    def remove(top: Profiler, tap: "ProfilerTap") -> Profiler:
+        """``top`` (a chain of taps over the user's profiler) without ``tap``: two StepProfilers
+        tear down in any order and leave the Trainer its own profiler."""
+        if top is tap:
+            return tap.inner
+        node = top
+        while isinstance(node, ProfilerTap):
+            if node.inner is tap:
+                node._bind(tap.inner)
+                break
+            node = node.inner
+        return top
 
     def start(self, action_name: str) -> None:
         hook = self._on_start.get(action_name)

@@ -1,5 +1,5 @@
 """Where a training step's time goes: a phase state machine on the host clock, and optionally on
-CUDA events read lazily.
+CUDA events recorded on a sample of the steps and read lazily.
 
 The callback calls :meth:`StepTimeline.switch` at each phase boundary. Every moment between the
 start of a training epoch and its end belongs to exactly one phase, so the phases of a step add up
@@ -9,6 +9,7 @@ that no step is charged for.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from typing import Callable, Optional
@@ -23,12 +24,17 @@ NUM_PHASES = len(PHASES)
 class Totals:
     """Sums over a span of steps (an epoch or a log interval), in seconds.
 
-    ``phase_s`` is the breakdown reported (CUDA events on GPU, the host clock otherwise);
-    ``host_phase_s`` is always the host clock; ``wall_s`` is host wall time.
+    ``phase_s`` sums the phases of the steps timed on the device (every step on the host clock;
+    on GPU the sampled steps, CUDA events); ``sampled_s`` / ``sampled_steps`` the same over the
+    randomly sampled ones only (not an epoch's first step, which is always timed and not typical);
+    ``untimed_steps`` counts steps timed on the host clock alone. ``host_phase_s`` is always the
+    host clock over every step; ``wall_s`` is host wall time. :meth:`phases` gives the estimate
+    reported.
     """
 
     __slots__ = ("batches", "wall_s", "phase_s", "host_phase_s", "val_s", "samples",
-                 "steady_batches", "steady_wall_s")
+                 "steady_batches", "steady_wall_s", "device_steps", "sampled_s", "sampled_steps",
+                 "untimed_steps")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -39,9 +45,16 @@ class Totals:
         self.samples = 0
         self.steady_batches = 0
         self.steady_wall_s = 0.0
+        self.device_steps = 0
+        self.sampled_s = [0.0] * NUM_PHASES
+        self.sampled_steps = 0
+        self.untimed_steps = 0
 
     def add(self, batches: int, host: list[float], device: Optional[list[float]], samples: int,
-            steady: bool) -> None:
+            steady: bool, forced: bool = True) -> None:
+        """One step (``batches`` 1; 0 for the tail of an epoch after its last step). ``device``:
+        its device phases, None when it was timed on the host clock only; ``forced``: timed
+        because it opened the epoch, not drawn at random."""
         wall = host[DATA] + host[FORWARD] + host[BACKWARD] + host[OPTIMIZER] + host[STORE] + host[OTHER]
         self.batches += batches
         self.wall_s += wall
@@ -50,6 +63,12 @@ class Totals:
         self.host_phase_s = [a + b for a, b in zip(self.host_phase_s, host)]
         if device is not None:
             self.phase_s = [a + b for a, b in zip(self.phase_s, device)]
+            self.device_steps += 1
+            if not forced and batches:
+                self.sampled_s = [a + b for a, b in zip(self.sampled_s, device)]
+                self.sampled_steps += 1
+        elif batches:
+            self.untimed_steps += 1
         if steady and batches:
             self.steady_batches += batches
             self.steady_wall_s += wall
@@ -64,6 +83,40 @@ class Totals:
         self.phase_s = [a + b for a, b in zip(self.phase_s, other.phase_s)]
         self.steady_batches += other.steady_batches
         self.steady_wall_s += other.steady_wall_s
+        self.device_steps += other.device_steps
+        self.sampled_s = [a + b for a, b in zip(self.sampled_s, other.sampled_s)]
+        self.sampled_steps += other.sampled_steps
+        self.untimed_steps += other.untimed_steps
+
+    def phases(self, fallback: Optional["Totals"] = None) -> list[float]:
+        """Seconds of each phase over the span, adding up to ``wall_s``.
+
+        Every step timed (the host clock; CUDA with ``sample_every_n_steps=1``): the sums
+        themselves. Otherwise the timed steps' device phases plus, for each step timed on the
+        host clock only, the mean device phases of the randomly sampled steps (of ``fallback``,
+        the running epoch, when this span has none); what the wall holds beyond that estimate
+        (or lacks) is loop time between the device-timed boundaries and goes to ``other``.
+        """
+        est = list(self.phase_s)
+        if self.untimed_steps:
+            src = self if self.sampled_steps else fallback
+            if src is not None and src.sampled_steps:
+                per = [v / src.sampled_steps for v in src.sampled_s]
+            elif src is not None and src.device_steps:
+                per = [v / src.device_steps for v in src.phase_s]
+            else:
+                per = [v / max(1, self.batches) for v in self.host_phase_s[:NUM_PHASES]]
+            est = [a + self.untimed_steps * b for a, b in zip(est, per)]
+        est = est[:NUM_PHASES]
+        timed = sum(est)
+        if timed <= 0.0:
+            return [0.0] * NUM_PHASES
+        rest = self.wall_s - timed
+        if est[OTHER] + rest >= 0.0:
+            est[OTHER] += rest
+            return est
+        scale = self.wall_s / timed  # the estimate overshoots the wall by more than "other"
+        return [v * scale for v in est]
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -72,7 +125,7 @@ class Totals:
     def from_dict(cls, state: dict) -> "Totals":
         t = cls()
         for k in cls.__slots__:
-            v = state[k]
+            v = state.get(k, getattr(t, k))  # device_steps: absent from older checkpoints
             setattr(t, k, list(v) if isinstance(v, (list, tuple)) else v)
         return t
 
@@ -80,18 +133,25 @@ class Totals:
 class StepTimeline:
     """Phase state machine for one rank.
 
-    Host time is charged at every :meth:`switch`. With ``device`` a CUDA device, an event is also
-    recorded at each boundary on the current stream; a finished step's events are read only in
-    :meth:`drain`, and only once the step's last event has completed (``Event.query()``), so no
-    step ever waits for the GPU. ``store_io`` is a callable returning the cumulative seconds the
-    training thread spent waiting in embedding stores; the increase over a segment is moved out of
-    that segment's phase into ``store_io`` (never more than the segment lasted).
+    Host time is charged at every :meth:`switch`, on every step. With ``device`` a CUDA device,
+    about one step in ``sample_every`` (random gaps of 1 to ``2 * sample_every - 1`` steps, so
+    that no periodic work such as logging every n steps is always in or always out of the
+    sample; the first step of each epoch always) is also timed on the device: an event at each of
+    its phase boundaries on the current stream. Its events are read only in :meth:`drain`, and
+    only once the step's last event has completed (``Event.query()``), so no step ever waits for
+    the GPU; events are reused from a pool. Steps in between cost no device work at all: they are
+    handed to the sink at once with their host-clock phases and no device phases.
+
+    ``store_io`` is a callable returning the cumulative seconds the training thread spent waiting
+    in embedding stores; the increase over a segment is moved out of that segment's phase into
+    ``store_io`` (never more than the segment lasted).
     """
 
-    def __init__(self, sink: Callable[[int, int, list[float], Optional[list[float]], int, bool], None],
+    def __init__(self, sink: Callable[[int, int, list[float], Optional[list[float]], int, bool, bool], None],
                  device: Optional[torch.device] = None,
-                 store_io: Optional[Callable[[], float]] = None) -> None:
-        self._sink = sink  # sink(epoch, batches, host_phases, device_phases, samples, steady)
+                 store_io: Optional[Callable[[], float]] = None, sample_every: int = 1,
+                 seed: int = 0) -> None:
+        self._sink = sink  # sink(epoch, batches, host_phases, device_phases or None, samples, steady, forced)
         self._cuda = device is not None and device.type == "cuda"
         self._device = device
         self.store_io = store_io
@@ -100,8 +160,15 @@ class StepTimeline:
         self._t = 0.0
         self._io = 0.0
         self._acc = [0.0] * 7
-        # CUDA bookkeeping: events of the open step, the phase of each segment between them, the
-        # store seconds of each segment; finished steps wait in _pending until their events complete
+        self.last_host: list[float] = self._acc  # host phases of the step closed last
+        # CUDA bookkeeping: events of the sampled step being recorded, the phase of each segment
+        # between them, the store seconds of each segment; finished steps wait in _pending until
+        # their events complete
+        self._sample_every = sample_every
+        self._rng = random.Random(seed)
+        self._countdown = 0  # steps to go before the next sampled one (0: this one)
+        self._recording = False
+        self._forced = False  # the step being recorded opened the epoch
         self._stream = None
         self._dev_phase = OTHER
         self._seg_store_acc = 0.0
@@ -110,6 +177,7 @@ class StepTimeline:
         self._seg_store: list[float] = []
         self._pending: deque = deque()
         self._pool: list = []
+        self.events_recorded = 0  # over the timeline's life: for tests and the benchmark
 
     # -- recording (called from hooks; keep cheap) -------------------------------------------
 
@@ -122,24 +190,31 @@ class StepTimeline:
         if self._cuda:
             # one Stream object per epoch: torch.cuda.current_stream() builds a new one per call
             self._stream = torch.cuda.current_stream(self._device)
-            # Anchor the device chain to the host clock: with the stream idle, the first event
-            # completes when it is recorded. Otherwise work queued before the epoch (the last
-            # epoch's tail, a collective waiting for a slower rank) would be timed as this epoch's
-            # first phase. Once per epoch, outside any step.
+            # Anchor the device to the host clock: with the stream idle, the first event completes
+            # when it is recorded. Otherwise work queued before the epoch (the last epoch's tail,
+            # a collective waiting for a slower rank) would be timed as this epoch's first phase.
+            # Once per epoch, outside any step.
             self._stream.synchronize()
-            self._dev_phase = phase
-            self._seg_store_acc = 0.0
-            self._events = [self._record()]
-            self._seg_phase = []
-            self._seg_store = []
+            self._start_recording(phase)  # the first step of an epoch is always timed
+            self._forced = True
+            k = self._sample_every
+            self._countdown = self._rng.randrange(2 * k - 1) if k > 1 else 0
         self._t = time.perf_counter()
+
+    def _start_recording(self, phase: int) -> None:
+        self._recording = True
+        self._dev_phase = phase
+        self._seg_store_acc = 0.0
+        self._events = [self._record()]
+        self._seg_phase = []
+        self._seg_store = []
 
     def switch(self, phase: int, device: bool = True) -> None:
         """Charge the time since the last boundary to the current phase; enter ``phase``.
 
-        On CUDA an event is recorded only where the device-side phase changes; ``device=False``
-        keeps the device segment going (the few microseconds of loop code between the loader's
-        return and the transfer stay with data_wait there, saving an event per step).
+        On a sampled CUDA step an event is recorded only where the device-side phase changes;
+        ``device=False`` keeps the device segment going (the few microseconds of loop code
+        between the loader's return and the transfer stay with data_wait there, saving an event).
         """
         now = time.perf_counter()
         dt = now - self._t
@@ -157,7 +232,7 @@ class StepTimeline:
         self._acc[self.phase] += dt
         self._t = now
         self.phase = phase
-        if self._cuda:
+        if self._recording:
             self._seg_store_acc += moved
             if device and phase != self._dev_phase:
                 self._mark(phase)
@@ -169,49 +244,78 @@ class StepTimeline:
         self._seg_store_acc = 0.0
         self._dev_phase = phase
 
-    def end_step(self, epoch: int, samples: int, steady: bool, next_phase: int = OTHER) -> None:
+    def end_step(self, epoch: int, samples: int, steady: bool, next_phase: int = OTHER) -> list[float]:
         """Close the current step (its phases were charged by earlier switches) and enter
-        ``next_phase`` (one event on CUDA for both)."""
+        ``next_phase``; returns the closed step's host phases. On CUDA one event marks the
+        boundary when this step or the next one is timed on the device, none otherwise."""
         self.switch(next_phase, device=False)
+        host = self._acc
         if self._cuda:
-            self._mark(next_phase)
-        self._close(epoch, 1, samples, steady)
+            was = self._recording
+            if was:
+                self._mark(next_phase)
+            self._close(epoch, 1, samples, steady)
+            # is the next step timed? gaps of 1..2k-1 steps (mean k), never periodic
+            if self._countdown > 0:
+                self._countdown -= 1
+                self._recording = False
+                self._events = []
+            else:
+                k = self._sample_every
+                self._countdown = self._rng.randrange(2 * k - 1) if k > 1 else 0
+                if was:  # the boundary event starts the next step's chain
+                    self._events = [self._events[-1]]
+                    self._seg_phase = []
+                    self._seg_store = []
+                    self._dev_phase = next_phase
+                else:
+                    self._start_recording(next_phase)
+        else:
+            self._close(epoch, 1, samples, steady)
+        return host
 
     def end_epoch(self, epoch: int, last_step: Optional[tuple[int, bool]] = None) -> None:
         """Stop the chain at the epoch's end. ``last_step=(samples, steady)`` closes a still-open
         step with the time up to here; otherwise that time is kept as a 0-batch tail."""
         self.switch(OTHER, device=False)
         if self._cuda:
-            self._mark(OTHER)
-            # The epoch ends when its device work does: wait for the last event (once per epoch,
-            # outside any step) and charge the wait to the host clock's "other", so that the host
-            # and device views of the epoch span the same interval. Without it a GPU running
-            # behind the host (a rank that waits in a collective for a straggler) reported device
-            # phases summing to more than the epoch's wall time.
-            self._events[-1].synchronize()
+            # The epoch ends when its device work does: wait for the device (once per epoch,
+            # outside any step) and charge the wait to the host clock's "other", so that an epoch's
+            # wall time covers its device work. Without it a GPU running behind the host (a rank
+            # that waits in a collective for a straggler) reported device phases summing to more
+            # than the epoch's wall time.
+            if self._recording:
+                self._mark(OTHER)
+                self._events[-1].synchronize()
+            else:
+                self._stream.synchronize()
             self.switch(OTHER, device=False)
         if last_step is not None:
             self._close(epoch, 1, last_step[0], last_step[1])
         else:
             self._close(epoch, 0, 0, False)
         self.active = False
-        if self._cuda:
-            self._events = []
+        self._recording = False
+        self._events = []
+        self._countdown = 0
 
     def _close(self, epoch: int, batches: int, samples: int, steady: bool) -> None:
         host, self._acc = self._acc, [0.0] * 7
+        self.last_host = host
         if not self._cuda:
-            self._sink(epoch, batches, host, host, samples, steady)
+            self._sink(epoch, batches, host, host, samples, steady, True)
             return
-        events = self._events
-        self._pending.append((epoch, batches, host, samples, steady, events, self._seg_phase, self._seg_store))
-        self._events = [events[-1]]
-        self._seg_phase = []
-        self._seg_store = []
+        if not self._recording:
+            self._sink(epoch, batches, host, None, samples, steady, False)
+            return
+        forced, self._forced = self._forced, False
+        self._pending.append((epoch, batches, host, samples, steady, self._events, self._seg_phase,
+                              self._seg_store, forced))
 
     def _record(self):
         ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
         ev.record(self._stream)
+        self.events_recorded += 1
         return ev
 
     # -- reading ------------------------------------------------------------------------------
@@ -221,7 +325,7 @@ class StepTimeline:
         return len(self._pending)
 
     def drain(self, block: bool = False) -> int:
-        """Hand finished steps to the sink, oldest first; returns how many.
+        """Hand finished sampled steps to the sink, oldest first; returns how many.
 
         Without ``block`` it stops at the first step whose last event has not completed, so it never
         waits for the device. ``block=True`` waits for the last pending event (fit end, checkpoints).
@@ -231,7 +335,7 @@ class StepTimeline:
         if block and pending:
             pending[-1][5][-1].synchronize()
         while pending:
-            epoch, batches, host, samples, steady, events, seg_phase, seg_store = pending[0]
+            epoch, batches, host, samples, steady, events, seg_phase, seg_store, forced = pending[0]
             if not events[-1].query():
                 break
             pending.popleft()
@@ -244,8 +348,11 @@ class StepTimeline:
                     dev[STORE] += s
                     d -= s
                 dev[ph] += d
-            # the last event opens the next step's chain; the others can be recorded again
+            # the last event may open the next sampled step's chain; the others can be recorded again
             self._pool.extend(events[:-1])
-            self._sink(epoch, batches, host, dev, samples, steady)
+            last = events[-1]
+            if not (pending and pending[0][5][0] is last) and not (self._events and self._events[0] is last):
+                self._pool.append(last)
+            self._sink(epoch, batches, host, dev, samples, steady, forced)
             n += 1
         return n

@@ -29,7 +29,7 @@ def test_straggler_is_named_even_though_ddp_evens_out_whole_steps():
     assert math.isclose(e["rank_spread_pct"], 120.0)
     assert math.isclose(e["avg_batch_ms"], 50.0) and math.isclose(sum(e["phases_ms"].values()), 50.0)
     assert e["samples"] == 160 and math.isclose(e["samples_per_sec"], 160 / 0.5)
-    assert math.isclose(e["predicted_epoch_seconds"], 0.5 + 90 * 0.05)
+    assert math.isclose(e["projected_epoch_seconds"], 0.5 + 90 * 0.05)
 
     m = interval_metrics([interval_row(fast), interval_row(slow)], True)
     assert m["profile/slowest_rank"] == 1.0 and math.isclose(m["profile/rank_spread_pct"], 120.0)
@@ -42,7 +42,7 @@ def test_steady_excludes_warmup_and_single_rank_has_no_spread():
     t.steady_batches = 6
     e = epoch_summary(0, [epoch_row(t)], False, None, "host-clock")
     assert math.isclose(e["steady_batch_ms"], 8.0) and e["steady_batches"] == 6
-    assert e["samples"] is None and e["samples_per_sec"] is None and e["predicted_epoch_seconds"] is None
+    assert e["samples"] is None and e["samples_per_sec"] is None and e["projected_epoch_seconds"] is None
     assert e["rank_spread_pct"] == 0.0 and e["slowest_rank"] == 0
 
 

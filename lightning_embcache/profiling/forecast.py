@@ -1,0 +1,169 @@
+"""Predicting an epoch's (and a fit's) wall time from its first steps.
+
+Pure arithmetic on the host-clock wall time of each finished step; the callback feeds it and
+tells it what the Trainer will still run (batches, validation runs, checkpoint saves).
+
+What makes early steps unrepresentative, and how each is handled:
+
+- **Loader warm-up**: the epoch's first step holds the iterator's creation and the workers'
+  start-up. It is counted once in the time so far, never in the rate; each later epoch of the fit
+  is charged the same extra time again.
+- **Early transients** (allocator, caches, JIT, the loader filling its prefetch queue): the rate
+  is the mean wall of the *later half* of the steps so far, so the first half's transients age
+  out as the epoch goes on.
+- **A trend in store_io** (a cold store tier warming up, a hot tier filling): if the store time
+  per step differs between the two halves of that later half by more than twice its standard
+  error, the trend is carried on, at its measured slope, for as many steps as the epoch has run
+  so far, then held level; the store time per step is never projected below zero.
+- **Validation**: runs inside the epoch are timed apart; the runs still to come (from the
+  Trainer's ``val_check_batch``) are charged at the measured mean time of a run, or before the
+  first run at the sanity check's time per batch times the validation batches.
+- **Checkpoint saves**: steps during which a checkpoint was saved are kept out of the rate; the
+  saves still to come (``ModelCheckpoint(every_n_train_steps=...)``) are charged at the measured
+  extra time of a save. Saves not measured yet are counted in ``unmeasured_saves``.
+
+The uncertainty (one standard deviation) comes from the spread of the step times: the standard
+error of the rate by the method of batch means (blocks of consecutive steps, so that steps that
+are slow together count as one observation), times the batches to go, combined with the
+step-to-step spread over those batches, and half the size of any trend correction.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Optional
+
+import numpy as np
+
+MIN_STEPS = 8  # steps (after the first) before a prediction is made
+
+
+class Forecast:
+    """One epoch's steps so far, and what follows from them."""
+
+    def __init__(self, start_batches: int = 0, start_seconds: float = 0.0) -> None:
+        # a resumed epoch: batches and training seconds of the earlier run, not in the steps below
+        self.start_batches = start_batches
+        self.start_seconds = start_seconds
+        self.wall = array("d")    # per step, host wall seconds (validation excluded)
+        self.store = array("d")   # per step, store_io seconds
+        self.saves: list[int] = []  # indices of steps during which a checkpoint was saved
+        self.val_runs: list[float] = []  # seconds of each validation run in this epoch
+        self.elapsed = 0.0
+        self._save_pending = False
+
+    # -- feeding ------------------------------------------------------------------------------
+
+    def add_step(self, wall: float, store: float) -> None:
+        if self._save_pending:
+            self._save_pending = False
+            self.saves.append(len(self.wall))
+        self.wall.append(wall)
+        self.store.append(store)
+        self.elapsed += wall
+
+    def mark_save(self) -> None:
+        """A checkpoint is being saved during the step now running."""
+        self._save_pending = True
+
+    def add_validation(self, seconds: float) -> None:
+        self.val_runs.append(seconds)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def batches(self) -> int:
+        return self.start_batches + len(self.wall)
+
+    @property
+    def first_step_s(self) -> Optional[float]:
+        return self.wall[0] if self.wall and not self.start_batches else None
+
+    def rate(self) -> Optional[dict]:
+        """The steady rate and its spread; None before ``MIN_STEPS`` steps after the first.
+        Vectorised: called at log intervals over up to an epoch of steps."""
+        n = len(self.wall)
+        if n - 1 < MIN_STEPS:
+            return None
+        wall = np.frombuffer(self.wall, dtype=np.float64, count=n)
+        store = np.frombuffer(self.store, dtype=np.float64, count=n)
+        keep = np.ones(n, dtype=bool)
+        keep[0] = False
+        if self.saves:
+            keep[self.saves] = False
+        lo = max(1, n // 2)
+        idx = np.flatnonzero(keep[lo:]) + lo
+        if idx.size < MIN_STEPS // 2:
+            idx = np.flatnonzero(keep)
+        m = int(idx.size)
+        if m < 2:
+            return None
+        w = wall[idx]
+        mean = float(w.mean())
+        std = float(w.std(ddof=1))
+        # standard error of the mean by batch means: consecutive steps are not independent
+        blocks = min(8, m // 4)
+        if blocks >= 2:
+            size = m // blocks
+            means = w[:blocks * size].reshape(blocks, size).mean(axis=1)
+            se = float(means.std(ddof=1)) / math.sqrt(blocks)
+        else:
+            se = std / math.sqrt(m)
+        # a trend in store time: the two halves of the window
+        half = m // 2
+        s_a, s_b = store[idx[:half]], store[idx[half:]]
+        slope = 0.0
+        level = float(s_b.mean()) if s_b.size else 0.0
+        if s_a.size >= 2 and s_b.size >= 2:
+            ma = float(s_a.mean())
+            se_d = math.sqrt(float(s_a.var(ddof=1)) / s_a.size + float(s_b.var(ddof=1)) / s_b.size)
+            if abs(level - ma) > 2.0 * se_d and level != ma:
+                slope = (level - ma) / max(1.0, (int(idx[-1]) - int(idx[0]) + 1) / 2.0)
+        # the extra time of a checkpoint save: a save step's wall over the rate
+        extra = [self.wall[i] - mean for i in self.saves if i > 0]
+        return {"mean": mean, "std": std, "se": se, "steps": m, "slope": slope, "store_level": level,
+                "window_center": (int(idx[0]) + int(idx[-1])) / 2.0, "n": n,
+                "save_s": max(0.0, math.fsum(extra) / len(extra)) if extra else None}
+
+    @staticmethod
+    def trend_seconds(r: dict, start: float, count: int) -> float:
+        """Extra seconds over ``count`` steps from step ``start`` on (step indices of this epoch)
+        from the store trend: linear from the window's centre, held level after ``2 * n`` steps
+        into the epoch, never driving the store time per step below zero."""
+        slope = r["slope"]
+        if slope == 0.0 or count <= 0:
+            return 0.0
+        c, n = r["window_center"], r["n"]
+        stop = 2.0 * n  # the trend lasts as long again as the epoch so far, then levels off
+        a, b = start, start + count  # steps a .. b-1
+
+        def integral(x0: float, x1: float) -> float:  # sum of slope * (x - c) for x in [x0, x1)
+            if x1 <= x0:
+                return 0.0
+            return slope * ((x1 - x0) * ((x0 + x1 - 1) / 2.0 - c))
+
+        extra = integral(a, min(b, stop)) + slope * (stop - c) * max(0.0, b - max(a, stop))
+        # store time per step cannot go below zero
+        return max(extra, -r["store_level"] * count) if slope < 0 else extra
+
+    def predict(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
+                saves_left: int) -> Optional[dict]:
+        """Predicted wall seconds of the epoch (training and the validation inside it) when it has
+        run ``total_batches`` batches; None before enough steps."""
+        r = self.rate()
+        if r is None:
+            return None
+        done = self.batches
+        left = max(0, total_batches - done)
+        steps_s = left * r["mean"]
+        trend = self.trend_seconds(r, len(self.wall), left)
+        save_s = r["save_s"]
+        saves_s = saves_left * save_s if save_s is not None else 0.0
+        val_s = (val_runs_left * val_run_s) if val_run_s is not None else 0.0
+        total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
+                 + val_s)
+        std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2)
+        return {"seconds": total, "std": std, "at_batch": done, "rate_s": r["mean"], "rate": r,
+                "trend_s": trend, "unmeasured_saves": saves_left if save_s is None else 0,
+                "val_known": val_run_s is not None or val_runs_left == 0}

@@ -1,0 +1,104 @@
+"""StepProfiler follows Lightning's conventions: the Trainer's log interval, its own checkpoint
+entry (state_key), a clear error as Trainer(profiler=...), a chart whose title is whole."""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+
+from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
+from lightning_embcache import StepProfiler
+from lightning_embcache.profiling.tap import ProfilerTap
+
+
+def _fit(callbacks, batches=6, clock=None, **kw):
+    clock = clock or FakeClock()
+    cost = Cost(clock)
+    ckpt_path = kw.pop("ckpt_path", None)
+    with mock.patch("time.perf_counter", clock):
+        t = trainer(max_epochs=kw.pop("epochs", 1), callbacks=[*callbacks, LoopOverhead(cost, 1 * MS)], **kw)
+        t.fit(CostModel(cost, 5 * MS, 7 * MS, 4 * MS), loader(BatchDataset(batches, cost, 2 * MS)),
+              ckpt_path=ckpt_path)
+    return t
+
+
+def test_default_log_interval_is_the_trainers(tmp_path):
+    logger = mock.Mock()
+    logger.save_dir = logger.log_dir = str(tmp_path)
+    sp = StepProfiler(report=False)
+    _fit([sp], batches=6, logger=logger, log_every_n_steps=3)
+    steps = [c.kwargs["step"] for c in logger.log_metrics.call_args_list
+             if "profile/step_ms" in c.kwargs["metrics"]]
+    assert steps == [3, 6] and sp.log_every_n_steps == 3
+
+
+def test_passing_it_as_the_trainers_profiler_is_a_clear_error():
+    with pytest.raises(MisconfigurationException, match=r"Trainer\(callbacks=\[StepProfiler\(\)\]\)"):
+        _fit([], profiler=StepProfiler())
+
+
+def test_two_profilers_keep_their_own_checkpoint_entries_and_both_measure(tmp_path):
+    a, b = StepProfiler(report=False, log_every_n_steps=2), StepProfiler(report=False, warmup_steps=1)
+    assert a.state_key != b.state_key
+    simple = SimpleProfiler()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    t = _fit([a, b, ckpt], batches=6, profiler=simple, enable_checkpointing=True)
+    assert t.profiler is simple  # both taps removed, whatever the teardown order
+    for sp in (a, b):
+        ph = sp.summary()[0]["phases_ms"]
+        assert math.isclose(ph["data_wait"], 2.0) and math.isclose(ph["optimizer"], 4.0), ph
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]
+    assert a.state_key in saved and b.state_key in saved
+    assert saved[a.state_key]["summaries"][0]["batches"] == 6
+    # resuming gives each profiler its own entry back
+    a2, b2 = StepProfiler(report=False, log_every_n_steps=2), StepProfiler(report=False, warmup_steps=1)
+    _fit([a2, b2], batches=6, epochs=2, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert [e["epoch"] for e in a2.summary()] == [0, 1] and [e["epoch"] for e in b2.summary()] == [0, 1]
+    assert a2.summary()[0]["steady_batches"] == 6 and b2.summary()[0]["steady_batches"] == 5
+
+
+def test_two_profilers_with_the_same_settings_are_refused_by_lightning():
+    with pytest.raises(RuntimeError, match="state_key"):
+        _fit([StepProfiler(report=False), StepProfiler(report=False)])
+
+
+def test_invalid_new_arguments():
+    with pytest.raises(ValueError, match="sample_every_n_steps=0"):
+        StepProfiler(sample_every_n_steps=0)
+    with pytest.raises(ValueError, match="predict_at=1.5"):
+        StepProfiler(predict_at=1.5)
+    with pytest.raises(ValueError, match="log_every_n_steps=0"):
+        StepProfiler(log_every_n_steps=0)
+
+
+def test_the_tap_chain_unwinds_in_any_order():
+    inner = PassThroughProfiler()
+    first = ProfilerTap(inner, {}, {})
+    second = ProfilerTap(first, {}, {})
+    top = ProfilerTap.remove(second, first)  # the inner one leaves first
+    assert top is second and second.inner is inner
+    assert ProfilerTap.remove(top, second) is inner
+
+
+def test_plot_title_is_whole(tmp_path, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from lightning_embcache.profiling import report
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    sp = StepProfiler(report=False, plot=tmp_path / "phases.png")
+    _fit([sp], batches=3)
+    assert (tmp_path / "phases.png").stat().st_size > 0
+    fig = figures[-1]
+    title = fig._suptitle
+    assert title is not None and title.get_text() == report.PLOT_TITLE
+    fig.canvas.draw()
+    box = title.get_window_extent()
+    width, height = fig.canvas.get_width_height()
+    assert 0 <= box.x0 and box.x1 <= width and box.y1 <= height, (box, width, height)

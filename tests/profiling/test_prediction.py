@@ -1,0 +1,230 @@
+"""The epoch-time prediction against the epochs' actual wall time, under a mocked clock
+(``time.perf_counter`` patched as Lightning's own tests do), with the exact logged keys."""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import pytest
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, FakeStore, LoopOverhead, loader, trainer
+from lightning_embcache import StepProfiler
+from lightning_embcache.profiling import PHASES
+from lightning_embcache.profiling.forecast import Forecast
+
+DATA, FWD, BWD, OPT, OTHER = 2 * MS, 5 * MS, 7 * MS, 4 * MS, 1 * MS
+STEP = DATA + FWD + BWD + OPT + OTHER  # 19 ms
+PRED_KEYS = {"profile/predicted_epoch_s", "profile/predicted_epoch_std_s"}
+FIT_KEYS = {"profile/predicted_fit_s", "profile/predicted_fit_std_s"}
+INTERVAL_KEYS = {f"profile/{p}_ms" for p in PHASES} | {
+    "profile/step_ms", "profile/step_max_ms", "profile/slowest_rank", "profile/rank_spread_pct",
+    "profile/samples_per_sec"}
+
+
+class WarmLoader(BatchDataset):
+    """Each epoch's first batch costs `first_s` more (iterator creation, worker start-up)."""
+
+    def __init__(self, n, cost, data_s, first_s):
+        super().__init__(n, cost, data_s)
+        self.first_s = first_s
+
+    def __getitem__(self, i):
+        if i == 0:
+            self.cost(self.first_s)
+        return super().__getitem__(i)
+
+
+class SaveCost(Callback):
+    """A checkpoint save costs `seconds` (standing in for writing the file)."""
+
+    def __init__(self, cost, seconds):
+        self.cost, self.seconds, self.saves = cost, seconds, 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saves += 1
+        self.cost(self.seconds)
+
+
+class ActualWall(Callback):
+    """Independent reference: each epoch's wall time, validation inside it included."""
+
+    def __init__(self):
+        self.epochs = []
+
+    def on_train_epoch_start(self, *args):
+        import time
+
+        self.t0 = time.perf_counter()
+
+    def on_train_epoch_end(self, *args):
+        import time
+
+        self.epochs.append(time.perf_counter() - self.t0)
+
+
+def _logger(tmp_path):
+    logger = mock.Mock()
+    logger.save_dir = logger.log_dir = str(tmp_path)
+    logger.name, logger.version = "mock", 0
+    return logger
+
+
+def _fit(sp, batches, epochs=1, first_s=0.0, model=None, clock=None, val_batches=0, extra=(), **kw):
+    clock = clock or FakeClock()
+    cost = Cost(clock)
+    wall = ActualWall()
+    with mock.patch("time.perf_counter", clock):
+        model = model or CostModel(cost, FWD, BWD, OPT, val_s=3 * MS)
+        model.cost = cost
+        t = trainer(max_epochs=epochs, callbacks=[wall, sp, LoopOverhead(cost, OTHER), *extra], **kw)
+        val = loader(BatchDataset(val_batches, cost, 0.0)) if val_batches else None
+        t.fit(model, loader(WarmLoader(batches, cost, DATA, first_s)), val)
+    return t, wall, cost
+
+
+def _close(a, b, rel=1e-9):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-9)
+
+
+def test_prediction_after_5_percent_matches_the_epoch_and_fit_and_is_logged(tmp_path):
+    logger = _logger(tmp_path)
+    sp = StepProfiler(report=False, log_every_n_steps=10)
+    _, wall, _ = _fit(sp, batches=200, epochs=2, first_s=150 * MS, logger=logger)
+    s = sp.summary()
+    for e, actual in zip(s, wall.epochs):
+        # the first batch's loader start-up is counted once, the rate is the steady steps'
+        assert _close(actual, 200 * STEP + 0.150)
+        assert _close(e["epoch_wall_seconds"], actual)
+        assert e["predicted_at_batch"] == 10  # 5% of 200
+        assert _close(e["predicted_epoch_seconds"], actual), e
+        assert abs(e["prediction_error_pct"]) < 1e-6
+        assert e["predicted_epoch_std_seconds"] < 1e-6  # every step alike: no spread
+    # epoch 0's early prediction of the whole fit: the second epoch pays the loader start-up again
+    assert _close(s[0]["predicted_fit_seconds"], sum(wall.epochs))
+    assert _close(s[1]["predicted_fit_seconds"], sum(wall.epochs))
+    calls = [c.kwargs for c in logger.log_metrics.call_args_list
+             if any(k.startswith("profile/") for k in c.kwargs["metrics"])]
+    assert [c["step"] for c in calls] == list(range(10, 401, 10))
+    for c in calls:
+        assert set(c["metrics"]) == INTERVAL_KEYS | PRED_KEYS | FIT_KEYS, c
+        assert _close(c["metrics"]["profile/predicted_epoch_s"], wall.epochs[0])
+        assert _close(c["metrics"]["profile/predicted_fit_s"], sum(wall.epochs))
+
+
+def test_no_prediction_before_enough_steps_and_no_fit_keys_without_a_limit(tmp_path):
+    logger = _logger(tmp_path)
+    sp = StepProfiler(report=False, log_every_n_steps=4)
+
+    class StopAfterOneEpoch(Callback):
+        def on_train_epoch_end(self, trainer, *args):
+            trainer.should_stop = True
+
+    _fit(sp, batches=24, epochs=-1, logger=logger, extra=(StopAfterOneEpoch(),))
+    calls = [c.kwargs["metrics"] for c in logger.log_metrics.call_args_list
+             if any(k.startswith("profile/") for k in c.kwargs["metrics"])]
+    # steps 4 and 8: fewer than 9 steps seen; from 12 on the epoch is predicted, the fit is not
+    assert set(calls[0]) == set(calls[1]) == INTERVAL_KEYS
+    for m in calls[2:6]:
+        assert set(m) == INTERVAL_KEYS | PRED_KEYS
+
+
+def test_max_steps_ends_the_predicted_epoch_early():
+    sp = StepProfiler(report=False)
+    _, wall, _ = _fit(sp, batches=400, epochs=3, max_steps=300)
+    e = sp.summary()[0]
+    assert e["batches"] == 300 and e["epoch_batches"] == 400
+    assert _close(e["predicted_epoch_seconds"], wall.epochs[0]) and e["predicted_at_batch"] == 15
+    assert _close(e["predicted_fit_seconds"], wall.epochs[0])
+
+
+def test_validation_runs_are_predicted_from_the_sanity_check():
+    sp = StepProfiler(report=False)
+    # 4 validation runs of 5 batches (3 ms each) inside each epoch; the sanity check ran 2 batches
+    _, wall, _ = _fit(sp, batches=200, epochs=2, val_batches=5, val_check_interval=50, num_sanity_val_steps=2)
+    for e, actual in zip(sp.summary(), wall.epochs):
+        assert _close(e["val_seconds"], 4 * 5 * 3 * MS)
+        assert _close(actual, 200 * STEP + 4 * 5 * 3 * MS)
+        assert _close(e["predicted_epoch_seconds"], actual), e  # no run had been seen at batch 10
+    assert _close(sp.summary()[0]["predicted_fit_seconds"], sum(wall.epochs))
+
+
+def test_checkpoint_saves_are_kept_out_of_the_rate_and_charged_per_save(tmp_path):
+    clock = FakeClock()
+    saves = SaveCost(Cost(clock), 40 * MS)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=50, save_top_k=-1)
+    sp = StepProfiler(report=False, predict_at=0.3)  # at batch 60: the save at step 50 measured
+    _, wall, _ = _fit(sp, batches=200, epochs=1, clock=clock, extra=(ckpt, saves), enable_checkpointing=True)
+    e = sp.summary()[0]
+    assert saves.saves == 4
+    assert _close(wall.epochs[0], 200 * STEP + 4 * 0.040)
+    assert e["predicted_at_batch"] == 60
+    assert _close(e["predicted_epoch_seconds"], wall.epochs[0]), e
+
+
+def test_unmeasured_saves_are_reported_and_a_store_trend_is_carried_on():
+    clock = FakeClock()
+    cost = Cost(clock)
+
+    class WarmingStore(FakeStore):
+        """A cold tier warming up: 12 ms per step falling by 0.25 ms a step to 2 ms, then level."""
+
+        def __init__(self):
+            super().__init__(cost, 0.0)
+            self.calls = 0
+
+        def get(self, ids):
+            self.seconds = max(2 * MS, 12 * MS - 0.25 * MS * self.calls)
+            self.calls += 1
+            return super().get(ids)
+
+    model = CostModel(cost, FWD, BWD, OPT, store_s=1.0)
+    model.embedding_stores = {"rows": WarmingStore()}
+    sp = StepProfiler(report=False, predict_at=0.1)  # at batch 20 of 200: halfway down the slope
+    _, wall, _ = _fit(sp, batches=200, epochs=1, clock=clock, model=model)
+    e = sp.summary()[0]
+    actual = wall.epochs[0]
+    assert e["predicted_at_batch"] == 20
+    store_ms = [max(2.0, 12.0 - 0.25 * c) for c in range(200)]
+    assert _close(actual, 200 * STEP + sum(store_ms) * MS)
+    # without the trend, the mean of steps 10-19 taken as the rate would give +25%; with it, within 3%
+    naive = 20 * STEP + sum(store_ms[:20]) * MS + 180 * (STEP + sum(store_ms[10:20]) / 10 * MS)
+    assert naive / actual - 1 > 0.2
+    assert abs(e["prediction_error_pct"]) < 3.0, e
+    assert e["predicted_epoch_std_seconds"] > 0
+
+
+def test_forecast_spread_gives_the_uncertainty():
+    f = Forecast()
+    f.add_step(0.5, 0.0)  # the loader's start-up
+    for i in range(99):
+        f.add_step(0.010 if i % 2 else 0.012, 0.0)
+    p = f.predict(1000, 0, None, 0)
+    assert _close(p["rate_s"], 0.011, rel=1e-3)
+    assert _close(p["seconds"], f.elapsed + 900 * p["rate_s"])
+    # 900 steps to go, each +/-1 ms around the rate: sqrt(900) * 1 ms plus the rate's standard error
+    assert 0.03 <= p["std"] <= 0.2, p
+    assert p["unmeasured_saves"] == 0
+    f.mark_save()
+    f.add_step(0.2, 0.0)
+    p = f.predict(1000, 0, None, 3)
+    assert p["unmeasured_saves"] == 0 and p["rate"]["save_s"] > 0.18
+    assert Forecast().predict(100, 0, None, 0) is None
+
+
+@pytest.mark.parametrize("level", ["WARNING", "ERROR"])
+def test_the_table_reaches_the_user_with_logging_at_warning(level, capsys):
+    import logging
+
+    lg = logging.getLogger("lightning.pytorch")
+    old = lg.level
+    lg.setLevel(level)
+    try:
+        sp = StepProfiler()
+        _fit(sp, batches=40, epochs=1)
+    finally:
+        lg.setLevel(old)
+    out = capsys.readouterr().out
+    assert "data_wait" in out and "dominant phase" in out and "predicted s" in out
+    assert sp.report_table() in out
