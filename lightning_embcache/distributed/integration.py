@@ -82,11 +82,17 @@ def gather_shard_refs(module: Any, refs: dict[str, dict[str, Any]]) -> None:
     for name, ref in refs.items():
         if ref.get("version") is None:
             continue
-        path = table_path(stores[name])
-        ref["path"] = str(path)
+        handle = stores[name]
+        init = handle._create_options.get("init", "zeros")
+        ref["path"] = str(table_path(handle))
         ref["shards"] = {
             "world_size": world_size,
             "rule": RULE,
+            "num_rows": handle.num_rows,
+            "dim": handle.dim,
+            "init": init if isinstance(init, str) else "callable",
+            "seed": int(handle._create_options.get("seed", 0)),
+            "init_std": float(handle._create_options.get("init_std", 1.0)),
             "dirs": [shard_dir(Path(""), r, world_size).as_posix() for r in range(world_size)],
             "versions": [int(e[name][0]) for e in every],
             "manifest_checksums": [e[name][1] for e in every],

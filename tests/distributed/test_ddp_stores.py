@@ -101,3 +101,28 @@ def test_kill_9_of_one_rank_then_resume_equals_an_uninterrupted_run(tmp_path):
                      ckpt_dir=str(tmp_path / "ck2"), **DDP)
     assert max_diff(resumed["ranks"][0], full["ranks"][0]) == 0.0
     assert max_diff(resumed["ranks"][1], full["ranks"][1]) == 0.0
+
+
+@pytest.mark.slow
+def test_reshard_a_two_rank_checkpoint_then_resume_in_one_process(tmp_path):
+    """`embcache reshard` rewrites every shard for one process; a single process fed the same global
+    batches then finishes the run as the two ranks would have."""
+    from lightning_embcache.cli import main as cli
+
+    full = launch(tmp_path, "full", path=str(tmp_path / "s1"), epochs=3, **DDP)
+    launch(tmp_path, "first", path=str(tmp_path / "s2"), epochs=1, ckpt_dir=str(tmp_path / "ck"), **DDP)
+    ckpt = tmp_path / "ck" / "last.ckpt"
+    one = tmp_path / "one"
+    assert cli(["reshard", "--checkpoint", str(ckpt), "--world-size", "1", "--path", f"latents={one}",
+                "--path", f"bank={one}_bank"]) == 0
+    new = tmp_path / "ck" / "last.world1.ckpt"
+    refs = torch.load(new, weights_only=False)["embedding_stores"]
+    assert "shards" not in refs["latents"] and refs["latents"]["path"] == str(one)
+    resumed = launch(tmp_path, "resumed", path=str(one), epochs=3, resume=str(new), combined_world=2)
+    assert max_diff(resumed["ranks"][0], full["ranks"][0]) < TOL
+    # and back to two ranks, beside the old shards
+    assert cli(["reshard", "--checkpoint", str(new), "--world-size", "2", "--path", f"latents={tmp_path / 's3'}",
+                "--path", f"bank={tmp_path / 's3'}_bank"]) == 0
+    again = launch(tmp_path, "again", path=str(tmp_path / "s3"), epochs=3,
+                   resume=str(tmp_path / "ck" / "last.world1.world2.ckpt"), **DDP)
+    assert max_diff(again["ranks"][0], full["ranks"][0]) < TOL
