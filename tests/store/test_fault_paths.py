@@ -276,3 +276,20 @@ def test_dropping_the_last_reference_with_a_prefetch_in_flight_releases_the_lock
         except StoreError:
             assert time.monotonic() < deadline, "the writer lock was never released"
             time.sleep(0.05)
+
+
+def test_a_flush_loop_keeps_disk_use_near_the_documented_bound(shm_path):
+    """docs/store-format.md: ~table x 1.25 plus one generation of replaced chunks (2.25x); the
+    flush loop of a 3 MiB table reached 3.9x while compactions raced garbage collection."""
+    n, dim = 24576, 32
+    table = n * dim * 4
+    s = EmbeddingStore.create(shm_path / "store", n, dim, chunk_rows=1024, hot_bytes=1 << 20)
+    rng = np.random.default_rng(0)
+    peak = 0
+    for _ in range(60):
+        ids = torch.from_numpy(rng.choice(n, 1000, replace=False))
+        s.update(ids, torch.randn(1000, dim))
+        s.flush()
+        peak = max(peak, s.stats().disk_bytes)
+    s.close()
+    assert peak <= 2.5 * table, f"disk use reached {peak / table:.2f}x the table"

@@ -53,6 +53,14 @@ def _build(root: Path, compression) -> dict:
 _TEMPLATES: dict = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _remove_templates():
+    yield
+    for t in _TEMPLATES.values():
+        shutil.rmtree(t["path"].parent, ignore_errors=True)
+    _TEMPLATES.clear()
+
+
 def _template(compression):
     if compression not in _TEMPLATES:
         root = Path(tempfile.mkdtemp(prefix="embcache-fuzz-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
