@@ -12,8 +12,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .chunkrows import ChunkRows
 from .errors import InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
 from .hot import SLOT_OVERHEAD
+from .initrows import normal_rows
+from .rowindex import RowIndex, gather_deltas, trust
 from .validate import budget
 
 
@@ -39,6 +42,8 @@ class TieredRows:
     _hot: Any
     _warm: Any
     _disk: Any
+    _rows: RowIndex | None = None  # newest delta record of each id (built at open)
+    _chunkrows: ChunkRows | None = None  # batched reads of base chunk files (made on first miss)
 
     def _field_np(self, name: str) -> np.ndarray:
         f = self._schema.fields[name]
@@ -300,111 +305,141 @@ class TieredRows:
         self._hot.pool_np[lo:hi] = self._below(chunk)
         self._hot.loaded[chunk] = True
 
+    # ---- the miss path: one plan per batch, vectorised reads ----------------------------------
     def _fetch(self, ids: np.ndarray) -> np.ndarray:
-        """Records of sorted unique ``ids`` from the warm tier or disk."""
-        out = np.empty((len(ids), self._row_bytes), np.uint8)
-        chunks = ids // self._chunk_rows
-        bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
-        holding = None  # computed at the first sparse read (whole-chunk reads need every segment)
-        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            c = int(chunks[a])
-            local = ids[a:b] - c * self._chunk_rows
-            rows = None
-            if self._sparse_read(c, b - a):
-                if holding is None and len(bounds) > 2:
-                    holding = self._chunks_held(ids)
-                rows = self._rows_below(c, local, holding)
-            out[a:b] = rows if rows is not None else self._below(c)[local]
-        return out
+        """Records of sorted unique ``ids`` from the warm tier or disk. Caller holds the lock."""
+        plan = self._plan_below(ids)
+        records, whole = self._read_below(plan)
+        self._stats.cold_reads += self._chunks_read(plan)
+        if self._warm.budget:
+            for c, recs in whole:
+                self._warm.put(c, recs)
+        return records
 
-    def _chunks_held(self, ids: np.ndarray) -> dict[int, set]:
-        """Per delta segment (by seq), the chunks in which it holds any of sorted ``ids``: one
-        vectorised lookup per segment, so that a sparse read asks only the segments that hold
-        one of its rows (a segment indexed under a chunk often holds none of the rows wanted)."""
-        held: dict[int, set] = {}
+    @staticmethod
+    def _chunks_read(plan: tuple) -> int:
+        """Chunks a plan reads below the hot tier (the ``cold_reads`` count): every chunk of its
+        rows except those served by a warm copy."""
+        chunks, whole = plan[1], plan[6]
+        if not len(chunks):
+            return 0
+        n = 1 + int(np.count_nonzero(chunks[1:] != chunks[:-1]))
+        return n - sum(1 for w in whole if w[3] is not None)
+
+    def _plan_below(self, ids: np.ndarray) -> tuple:
+        """Where the records of sorted unique ``ids`` live below the hot tier (caller holds the lock).
+
+        One lookup in the row index finds every id's newest delta record; the rest come from base
+        chunks (generation from the chunk map) or are never written. Chunks the warm tier holds,
+        and chunks most of whose rows are wanted when there is a warm tier to keep them in, are
+        read whole. The plan names only immutable files, so `_read_below` runs without the lock.
+        """
         cr = self._chunk_rows
-        for seg in self._committed + self._pending:
-            n = len(seg.ids)
-            if not n:
-                held[seg.seq] = set()
-                continue
-            pos = seg.ids.searchsorted(ids)
-            pos[pos >= n] = n - 1
-            hit = ids[seg.ids[pos] == ids]
-            held[seg.seq] = set((hit // cr).tolist()) if len(hit) else set()
-        return held
+        chunks = ids // cr
+        rows = self._rows
+        if rows is not None and len(rows):
+            seg, pos = rows.find(ids)
+        else:
+            seg, pos = np.full(len(ids), -1, np.int32), None
+        gens = self._cmap[chunks] if self._disk is not None else np.zeros(len(ids), np.int32)
+        whole = []
+        warm = self._warm
+        if len(ids) and (warm.budget or len(warm)):
+            bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
+            uc = chunks[bounds[:-1]]
+            pick = np.zeros(len(uc), np.bool_)
+            if len(warm):
+                pick |= np.isin(uc, warm.chunks())
+            if warm.budget:
+                pick |= np.diff(bounds) * 8 > cr  # dense: read whole and keep it warm
+            for i in np.flatnonzero(pick).tolist():
+                c = int(uc[i])
+                cached = warm.get(c)
+                whole.append((c, int(bounds[i]), int(bounds[i + 1]), cached,
+                              None if cached is not None else self._layout_of(c)))
+        self._chunkrows_reader()
+        return ids, chunks, seg, pos, gens, (rows.segs if rows is not None else []), whole
 
-    # ---- which delta segments hold rows of a chunk ------------------------------------------
-    def _segments_of(self, chunk: int) -> list:
-        """Segments (oldest first) with rows of ``chunk``: a miss looks at these, not at all."""
-        return self._seg_index.get(chunk, ())
+    def _read_below(self, plan: tuple) -> tuple[np.ndarray, list]:
+        """Run a `_plan_below` plan: (records of its ids, [(chunk, records)] read whole).
 
+        Touches no mutable store state (the prefetch thread runs it without the lock): rows of
+        base chunks are gathered from maps of their files, delta records with one gather per
+        segment touched, never-written rows computed per row.
+        """
+        ids, chunks, seg, pos, gens, segs, whole = plan
+        cr, rb = self._chunk_rows, self._row_bytes
+        out = np.empty((len(ids), rb), np.uint8)
+        sparse = np.ones(len(ids), np.bool_)
+        read_whole = []
+        for c, a, b, cached, layout in whole:
+            sparse[a:b] = False
+            if cached is None:
+                cached = self._read_chunk_below(c, *layout)
+                read_whole.append((c, cached))
+            out[a:b] = cached.reshape(-1, rb)[ids[a:b] - c * cr]
+        below = seg < 0
+        if whole:
+            below &= sparse
+        base = below & (gens > 0)
+        if base.any():
+            sel = np.flatnonzero(base)
+            c = chunks[sel]
+            out[sel] = self._chunkrows.read(c, ids[sel] - c * cr, gens[sel])
+        fresh = below & (gens == 0)
+        if fresh.any():
+            sel = np.flatnonzero(fresh)
+            out[sel] = self._init_rows(ids[sel])
+        if pos is not None:
+            delta = seg >= 0
+            if whole:
+                delta &= sparse
+            if delta.any():
+                sel = np.flatnonzero(delta)
+                gather_deltas(out, sel, seg[sel], pos[sel], segs)
+        return out, read_whole
+
+    def _chunkrows_reader(self) -> ChunkRows | None:
+        r = self._chunkrows
+        if r is None and self._disk is not None:
+            r = self._chunkrows = ChunkRows(self._disk)
+        return r
+
+    # ---- the delta segments: one index over all of them ----------------------------------------
     def _index_add(self, seg: Any) -> None:
-        for c in seg.idx_chunk.tolist():
-            lst = self._seg_index.setdefault(c, [])
-            lst.append(seg)
-            if len(lst) > 1 and lst[-2].seq > seg.seq:
-                lst.sort(key=lambda g: g.seq)
+        """Index a segment this handle just wrote (a flush or a write-back): newest of all."""
+        trust(seg)  # written by us a moment ago: the page cache holds what was checksummed
+        if self._rows is None:
+            self._rows = RowIndex()
+        self._rows.add(seg)
 
     def _index_rebuild(self) -> None:
-        self._seg_index = {}
-        for seg in sorted(self._committed + self._pending, key=lambda g: g.seq):
-            self._index_add(seg)
-
-    def _sparse_read(self, chunk: int, n: int) -> bool:
-        """Read only the wanted rows when few rows of a chunk are wanted (random access to a table
-        larger than RAM); a whole-chunk read would multiply the bytes read."""
-        return self._disk is not None and n * 8 <= self._chunk_rows and chunk not in self._warm
-
-    def _rows_below(self, chunk: int, local: np.ndarray, holding: dict[int, set] | None = None) -> np.ndarray | None:
-        """Rows ``local`` of ``chunk``: raw base rows (or initial values) + delta segments; None if
-        the chunk must be read whole (LZ4 base, or a per-chunk random init). Caller holds the lock.
-        ``holding`` (from `_chunks_held`) skips segments that hold none of the rows."""
-        gen, segs = self._layout_of(chunk)
-        if holding is not None:
-            segs = tuple(g for g in segs if chunk in holding.get(g.seq, (chunk,)))
-        recs = self._read_rows_below(chunk, local, gen, segs)
-        if recs is not None:
-            self._stats.cold_reads += 1
-        return recs
+        self._rows = RowIndex(sorted(self._committed + self._pending, key=lambda g: g.seq))
 
     def _layout_of(self, chunk: int) -> tuple[int, tuple]:
         """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =
-        never written) and its delta segments, oldest first. Files are immutable, so this
-        snapshot can be read without the lock (caller holds it while taking the snapshot)."""
+        never written) and its newest delta records (ids, segment numbers, positions, segments).
+        Files are immutable, so this snapshot can be read without the lock (caller holds it while
+        taking the snapshot)."""
         gen = int(self._cmap[chunk]) if self._disk is not None else 0
-        return gen, tuple(self._segments_of(chunk))
-
-    def _read_rows_below(self, chunk: int, local: np.ndarray, gen: int, segs: tuple) -> np.ndarray | None:
-        """`_rows_below` from a `_layout_of` snapshot; touches no mutable store state."""
-        if gen:
-            recs = self._disk.read_chunk_rows(chunk, gen, local)
-            if recs is None:
-                return None
-        elif self._init_kind == "normal":
-            return None
-        else:
-            recs = self._init_rows(chunk * self._chunk_rows + local)
+        rows = self._rows
+        if rows is None or not len(rows):
+            return gen, None
         lo = chunk * self._chunk_rows
-        for seg in segs:
-            got = seg.rows_for(chunk, local + lo)
-            if got is not None:
-                recs[got[0]] = got[1]
-        return recs
+        ids, seg, pos = rows.in_range(lo, lo + self._chunk_rows)
+        return gen, (ids, seg, pos, rows.segs) if len(ids) else None
 
-    def _read_chunk_below(self, chunk: int, gen: int, segs: tuple) -> np.ndarray:
+    def _read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
         """A whole chunk's records from a `_layout_of` snapshot; touches no mutable store state."""
         rows = min(self._chunk_rows, self._num_rows - chunk * self._chunk_rows)
         recs = self._disk.read_chunk(chunk, gen) if gen else self._init_records(chunk, rows)
-        lo = chunk * self._chunk_rows
-        for seg in segs:
-            got = seg.rows_of_chunk(chunk)
-            if got is not None:
-                recs[got[0] - lo] = got[1]
+        if delta is not None:
+            ids, seg, pos, segs = delta
+            gather_deltas(recs, ids - chunk * self._chunk_rows, seg, pos, segs)
         return recs
 
     def _init_rows(self, ids: np.ndarray) -> np.ndarray:
-        """Records of never-written ``ids`` for zeros or callable init (no whole chunk needed)."""
+        """Records of never-written ``ids`` (sorted), computed per row (no whole chunk needed)."""
         recs = np.zeros((len(ids), self._row_bytes), np.uint8)
         t = torch.from_numpy(recs)
         if self._init_kind == "callable":
@@ -415,6 +450,19 @@ class TieredRows:
                     f"{tuple(vals.shape) if isinstance(vals, torch.Tensor) else type(vals).__name__}"
                 )
             self._schema.view(t, "weight")[:] = vals.detach().cpu().to(self.dtype)
+        elif self._init_kind == "normal":
+            if self._meta.get("init_version", 1) >= 2:
+                vals = normal_rows(ids, self.dim, self._seed, self._init_std)
+                self._schema.view(t, "weight")[:] = torch.from_numpy(vals).to(self.dtype)
+            else:  # a store created before per-row init: its rows come from a per-chunk generator
+                cr = self._chunk_rows
+                chunks = ids // cr
+                bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
+                for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                    c = int(chunks[a])
+                    rows = min(cr, self._num_rows - c * cr)
+                    recs[a:b] = self._init_records(c, rows)[ids[a:b] - c * cr]
+                return recs
         for f in self._schema.fields.values():
             if f.name != "weight" and f.fill:
                 self._schema.view(t, f.name)[:] = f.fill
@@ -438,8 +486,12 @@ class TieredRows:
         lo = chunk * self._chunk_rows
         w = self._schema.view(t, "weight")
         if self._init_kind == "normal":
-            g = torch.Generator().manual_seed(self._seed * 1_000_003 + chunk)
-            w[:] = (torch.randn(rows, self.dim, generator=g, dtype=torch.float32) * self._init_std).to(self.dtype)
+            if self._meta.get("init_version", 1) >= 2:
+                w[:] = torch.from_numpy(normal_rows(np.arange(lo, lo + rows), self.dim, self._seed,
+                                                    self._init_std)).to(self.dtype)
+            else:  # stores created before per-row init keep their per-chunk generator
+                g = torch.Generator().manual_seed(self._seed * 1_000_003 + chunk)
+                w[:] = (torch.randn(rows, self.dim, generator=g, dtype=torch.float32) * self._init_std).to(self.dtype)
         elif self._init_kind == "callable":
             assert self._init_fn is not None
             ids = torch.arange(lo, lo + rows)
@@ -465,86 +517,73 @@ class TieredRows:
         compactions move it); otherwise the prefetch is dropped (it is a hint).
         """
         try:
-            with self._lock:
-                if self._closed:
-                    return
-                hot = self._hot
-                cr = self._chunk_rows
-                if hot.resident:  # memory mode over a store on disk: whole chunks
-                    chunks = np.unique(idx // cr)
-                    chunks = chunks[~hot.loaded[chunks]]
-                    if not len(chunks):
-                        return
-                    miss = None
-                    tasks = [(c, None) for c in chunks.tolist()]
-                else:
-                    miss = np.unique(idx[hot.lookup(idx) < 0])
-                    if len(miss) > hot.limit // 2:
-                        miss = miss[: hot.limit // 2]
-                    if not len(miss):
-                        return
-                    chunks = miss // cr
-                    bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
-                    tasks = [(int(chunks[a]), miss[a:b] - int(chunks[a]) * cr)
-                             for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
-                token = self._below_token
-                holding = None  # computed at the first sparse read
-                plan = []
-                for c, local in tasks:
-                    cached = self._warm.get(c)
-                    if cached is not None:
-                        plan.append((c, local, cached.reshape(-1, self._row_bytes), None))
-                    else:
-                        sparse = local is not None and self._sparse_read(c, len(local))
-                        gen, segs = self._layout_of(c)
-                        held = segs  # a sparse read asks only the segments holding its rows
-                        if sparse and len(tasks) > 1:
-                            if holding is None:
-                                holding = self._chunks_held(miss)
-                            held = tuple(g for g in segs if c in holding.get(g.seq, (c,)))
-                        plan.append((c, local, None, (sparse, gen, segs, held)))
-            # -- the reads, without the lock ------------------------------------------------
-            results = []
-            for c, local, recs, how in plan:
-                whole = recs is not None or local is None
-                if recs is None:
-                    sparse, gen, segs, held = how
-                    recs = self._read_rows_below(c, local, gen, held) if sparse else None
-                    whole = recs is None
-                    if recs is None:  # the whole chunk (it may go to the warm tier): every segment
-                        recs = self._read_chunk_below(c, gen, segs)
-                results.append((c, local, recs, whole, how is not None))
-            # -- install, if still wanted and still current ------------------------------------
-            with self._lock:
-                if self._closed or self._below_token != token:
-                    return
-                for c, local, recs, whole, read in results:
-                    if read:
-                        self._stats.cold_reads += 1
-                        if whole and self._warm.budget:
-                            self._warm.put(c, recs)
-                if miss is None:
-                    for c, _, recs, _, _ in results:
-                        if not hot.loaded[c]:
-                            lo, hi = hot.chunk_range(c)
-                            hot.pool_np[lo:hi] = recs
-                            hot.loaded[c] = True
-                            self._stats.prefetched_rows += hi - lo
-                    hot.all_loaded = bool(hot.loaded.all())
-                    return
-                records = np.concatenate([r[l] if w else r for _, l, r, w, _ in results])
-                want = hot.lookup(miss) < 0  # the training thread may have loaded some meanwhile
-                if not want.any():
-                    return
-                mids, records = miss[want], records[want]
-                got = self._allocate(len(mids))
-                if len(got) < len(mids):  # no room now (rows in flight or in use): drop the hint
-                    hot.free.extend(got.tolist())
-                    return
-                hot.install(mids, got, records)
-                self._stats.prefetched_rows += len(mids)
+            self._prefetch_once(idx)
         except (StoreError, OSError):
             pass  # a hint: the foreground read will report the problem
+
+    def _prefetch_once(self, idx: np.ndarray) -> bool:
+        """One attempt of `_prefetch`; False if rows below the hot tier changed during the read."""
+        with self._lock:
+            if self._closed:
+                return True
+            hot = self._hot
+            cr = self._chunk_rows
+            token = self._below_token
+            compactions = self._stats.compactions
+            if hot.resident:  # memory mode over a store on disk: whole chunks
+                chunks = np.unique(idx // cr)
+                chunks = chunks[~hot.loaded[chunks]]
+                if not len(chunks):
+                    return True
+                layouts = [(c, self._layout_of(c)) for c in chunks.tolist()]
+            else:
+                miss = np.unique(idx[hot.lookup(idx) < 0])
+                if len(miss) > hot.limit // 2:
+                    miss = miss[: hot.limit // 2]
+                if not len(miss):
+                    return True
+                plan = self._plan_below(miss)
+        # -- the reads, without the lock ------------------------------------------------
+        if hot.resident:
+            results = [(c, self._read_chunk_below(c, *layout)) for c, layout in layouts]
+        else:
+            records, whole = self._read_below(plan)
+        # -- install, if still wanted and still current ------------------------------------
+        with self._lock:
+            if self._closed:
+                return True
+            if self._below_token - token != self._stats.compactions - compactions:
+                # rows below changed (a write-back or flush): what was read may be stale. A
+                # compaction alone moves the token without changing a row, and the maps read
+                # stay valid after it, so a prefetch overtaken only by compactions installs.
+                return False
+            if hot.resident:
+                for c, recs in results:
+                    self._stats.cold_reads += 1
+                    if self._warm.budget:
+                        self._warm.put(c, recs)
+                    if not hot.loaded[c]:
+                        lo, hi = hot.chunk_range(c)
+                        hot.pool_np[lo:hi] = recs
+                        hot.loaded[c] = True
+                        self._stats.prefetched_rows += hi - lo
+                hot.all_loaded = bool(hot.loaded.all())
+                return True
+            self._stats.cold_reads += self._chunks_read(plan)
+            if self._warm.budget:
+                for c, recs in whole:
+                    self._warm.put(c, recs)
+            want = hot.lookup(miss) < 0  # the training thread may have loaded some meanwhile
+            if not want.any():
+                return True
+            mids, records = miss[want], records[want]
+            got = self._allocate(len(mids))
+            if len(got) < len(mids):  # no room now (rows in flight or in use): drop the hint
+                hot.free.extend(got.tolist())
+                return True
+            hot.install(mids, got, records)
+            self._stats.prefetched_rows += len(mids)
+        return True
 
     def evict(self, nbytes: int) -> int:
         """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""

@@ -23,6 +23,13 @@ class WarmTier:
     def __contains__(self, chunk: int) -> bool:
         return chunk in self._items
 
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def chunks(self) -> np.ndarray:
+        """The chunks held now (for a vectorised membership test of a batch's chunks)."""
+        return np.fromiter(self._items, np.int64, len(self._items))
+
     def get(self, chunk: int) -> np.ndarray | None:
         """The chunk's records as a flat uint8 array (a fresh buffer), or None."""
         item = self._items.get(chunk)

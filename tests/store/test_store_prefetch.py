@@ -94,11 +94,12 @@ class _BlockPrefetchReads:
     def __init__(self, monkeypatch):
         import threading
 
+        from lightning_embcache.store.chunkrows import ChunkRows
         from lightning_embcache.store.disk import Disk, Segment
 
         self.entered = threading.Event()
         self.release = threading.Event()
-        for cls, name in ((Disk, "read_chunk"), (Disk, "read_chunk_rows"), (Segment, "_read")):
+        for cls, name in ((Disk, "read_chunk"), (Disk, "read_chunk_rows"), (ChunkRows, "read"), (Segment, "_read")):
             original = getattr(cls, name)
 
             def held(obj, *args, _original=original):

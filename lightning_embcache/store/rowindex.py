@@ -1,0 +1,159 @@
+"""One index over every delta segment: where the newest record of each id lives.
+
+A miss asks it once per batch (two ``searchsorted`` over sorted arrays), instead of asking each
+of dozens of segments. New segments (flushes, write-backs of evicted rows) merge into a small
+*recent* run; the recent run merges into the main run once it holds an eighth as many entries,
+so adding a segment costs O(its rows + recent) and each entry is re-merged O(1) times on average
+(the LSM-tree idea). Memory: 16 bytes per entry (id, segment number, row position).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import CorruptStoreError
+from .fileio import crc32
+
+_EMPTY_I64 = np.zeros(0, np.int64)
+_EMPTY_I32 = np.zeros(0, np.int32)
+
+
+def _merge(a: tuple, b: tuple) -> tuple:
+    """(ids, seg, pos) runs ``a`` then ``b`` merged by id; of equal ids the entry of ``b`` wins."""
+    if not len(a[0]):
+        return b
+    ids = np.concatenate([a[0], b[0]])
+    order = np.argsort(ids, kind="stable")  # two sorted runs: timsort merges them in O(n)
+    ids = ids[order]
+    keep = np.r_[ids[1:] != ids[:-1], True]  # the last of equal ids is b's (stable sort)
+    sel = order[keep]
+    return ids[keep], np.concatenate([a[1], b[1]])[sel], np.concatenate([a[2], b[2]])[sel]
+
+
+class RowIndex:
+    """Newest (segment, row position) of each id over the segments added, in order."""
+
+    def __init__(self, segments: list | tuple = ()) -> None:
+        self.segs: list = []  # segment number -> Segment; a snapshot of this list stays valid
+        self._main = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
+        self._recent = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
+        if segments:
+            parts = []
+            for seg in segments:
+                k = len(self.segs)
+                self.segs.append(seg)
+                parts.append((seg.ids, np.full(len(seg.ids), k, np.int32), np.arange(len(seg.ids), dtype=np.int32)))
+            ids = np.concatenate([p[0] for p in parts])
+            order = np.argsort(ids, kind="stable")
+            ids = ids[order]
+            keep = np.r_[ids[1:] != ids[:-1], True] if len(ids) else np.zeros(0, np.bool_)
+            sel = order[keep]
+            self._main = (ids[keep], np.concatenate([p[1] for p in parts])[sel],
+                          np.concatenate([p[2] for p in parts])[sel])
+
+    def __len__(self) -> int:
+        return len(self._main[0]) + len(self._recent[0])
+
+    @property
+    def nbytes(self) -> int:
+        return 16 * len(self)
+
+    def add(self, seg) -> None:
+        """Index ``seg`` (newer than every segment added so far)."""
+        k = len(self.segs)
+        self.segs.append(seg)
+        n = len(seg.ids)
+        if not n:
+            return
+        run = (seg.ids, np.full(n, k, np.int32), np.arange(n, dtype=np.int32))
+        self._recent = _merge(self._recent, run)
+        if len(self._recent[0]) > max(4096, len(self._main[0]) // 8):
+            self._main = _merge(self._main, self._recent)
+            self._recent = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
+
+    @staticmethod
+    def _find_in(run: tuple, ids: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> None:
+        rid = run[0]
+        n = len(rid)
+        if not n:
+            return
+        at = rid.searchsorted(ids)
+        at[at >= n] = n - 1
+        hit = rid[at] == ids
+        seg[hit] = run[1][at[hit]]
+        pos[hit] = run[2][at[hit]]
+
+    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each id: (segment number, row position) of its newest record; segment -1 if none."""
+        seg = np.full(len(ids), -1, np.int32)
+        pos = np.zeros(len(ids), np.int32)
+        self._find_in(self._main, ids, seg, pos)
+        self._find_in(self._recent, ids, seg, pos)  # newer: overrides
+        return seg, pos
+
+    def in_range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, segment numbers, row positions) of every indexed id in [lo, hi)."""
+        parts = []
+        for run in (self._main, self._recent):
+            a, b = run[0].searchsorted([lo, hi])
+            parts.append((run[0][a:b], run[1][a:b], run[2][a:b]))
+        (mi, ms, mp), (ri, rs, rp) = parts
+        if len(ri) and len(mi):
+            old = ~np.isin(mi, ri, assume_unique=True)
+            mi, ms, mp = mi[old], ms[old], mp[old]
+        return np.concatenate([mi, ri]), np.concatenate([ms, rs]), np.concatenate([mp, rp])
+
+
+def trust(seg) -> None:
+    """Mark every record of ``seg`` verified: this handle wrote them a moment ago (a flush or a
+    write-back), so the page cache holds exactly what was checksummed."""
+    seg._verified = np.ones(len(seg.idx_chunk), np.bool_)
+
+
+def segment_gather(seg, pos: np.ndarray) -> np.ndarray:
+    """Records at sorted row positions ``pos`` of ``seg``, checksum-verified.
+
+    Each chunk range of a segment carries one checksum: the first read of a range through this
+    handle reads and verifies it whole; later reads fetch only the rows asked for, one read per
+    run of adjacent rows, through the segment's long-lived descriptor.
+    """
+    rb = seg.row_bytes
+    out = np.empty((len(pos), rb), np.uint8)
+    verified = seg._verified
+    if verified is None:
+        verified = seg._verified = np.zeros(len(seg.idx_chunk), np.bool_)
+    ent = seg.idx_start.searchsorted(pos, "right") - 1
+    todo = ~verified[ent]
+    if todo.any():
+        for e in np.unique(ent[todo]).tolist():
+            a, c = int(seg.idx_start[e]), int(seg.idx_count[e])
+            data = seg._read(seg.records_offset + a * rb, c * rb)
+            if crc32(data) != int(seg.idx_crc[e]):
+                raise CorruptStoreError(seg.path, f"records of chunk {int(seg.idx_chunk[e])} fail their checksum")
+            verified[e] = True
+            mine = np.flatnonzero(ent == e)
+            out[mine] = np.frombuffer(data, np.uint8).reshape(c, rb)[pos[mine] - a]
+    rest = np.flatnonzero(~todo)
+    if len(rest):
+        p = pos[rest]
+        brk = np.flatnonzero(np.r_[True, p[1:] != p[:-1] + 1, True])
+        pl, rl = p.tolist(), rest.tolist()
+        for a, b in zip(brk[:-1].tolist(), brk[1:].tolist()):
+            data = seg._read(seg.records_offset + pl[a] * rb, (b - a) * rb)
+            out[rl[a] : rl[a] + b - a] = np.frombuffer(data, np.uint8).reshape(b - a, rb)
+    return out
+
+
+def gather_deltas(out: np.ndarray, rows: np.ndarray, seg: np.ndarray, pos: np.ndarray, segs: list) -> None:
+    """``out[rows[i]] = record pos[i] of segment seg[i]``: one gather per segment touched."""
+    if not len(seg):
+        return
+    if len(seg) == 1 or (seg[1:] == seg[:-1]).all():
+        out[rows] = segment_gather(segs[int(seg[0])], pos)
+        return
+    order = np.argsort(seg, kind="stable")
+    s = seg[order]
+    bounds = np.flatnonzero(np.r_[True, s[1:] != s[:-1], True])
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        sel = order[a:b]
+        out[rows[sel]] = segment_gather(segs[int(s[a])], pos[sel])

@@ -1,0 +1,230 @@
+"""Disk mode's miss path: one index over all delta segments, batched reads through long-lived
+descriptors, adjacent rows merged, per-row initial values; every value checked against a model."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_embcache import CorruptStoreError, EmbeddingStore
+from lightning_embcache.store import chunkrows, initrows
+from lightning_embcache.store.rowindex import RowIndex
+
+N, DIM, CHUNK = 8192, 16, 256
+ROW = DIM * 4
+HOT_ROWS = 300
+HOT = HOT_ROWS * (ROW + 11)
+
+
+class _Seg:
+    def __init__(self, ids):
+        self.ids = np.asarray(ids, np.int64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 300), max_size=80), min_size=1, max_size=12),
+       st.integers(0, 300), st.integers(0, 300))
+def test_row_index_finds_the_newest_record_like_a_dict(segments, lo, width):
+    """RowIndex answers 'which segment and position holds the newest record of id i' exactly as
+    a dict filled segment by segment (newest last), whether built at once or added one by one."""
+    model = {}
+    for k, ids in enumerate(segments):
+        for p, i in enumerate(sorted(ids)):
+            model[i] = (k, p)
+    built = RowIndex([_Seg(sorted(s)) for s in segments])
+    added = RowIndex()
+    for s in segments:
+        added.add(_Seg(sorted(s)))
+    probe = np.arange(0, 302, dtype=np.int64)
+    for index in (built, added):
+        seg, pos = index.find(probe)
+        got = {int(i): (int(s), int(p)) for i, s, p in zip(probe, seg, pos) if s >= 0}
+        assert got == model
+        ids, seg, pos = index.in_range(lo, lo + width)
+        assert {int(i): (int(s), int(p)) for i, s, p in zip(ids, seg, pos)} == \
+            {i: v for i, v in model.items() if lo <= i < lo + width}
+
+
+def test_row_index_merges_its_recent_run_into_the_main_one():
+    """Many small segments (write-backs) end up in the main run: the structure stays two runs."""
+    index = RowIndex()
+    rng = np.random.default_rng(0)
+    model = {}
+    for k in range(200):
+        ids = np.unique(rng.integers(0, 50_000, 100))
+        index.add(_Seg(ids))
+        model.update({int(i): (k, p) for p, i in enumerate(ids)})
+    assert len(index._main[0]) > len(index._recent[0])
+    keys = np.array(sorted(model), np.int64)
+    seg, pos = index.find(keys)
+    assert [(int(s), int(p)) for s, p in zip(seg, pos)] == [model[int(k)] for k in keys]
+
+
+def _layered_store(path, compression=None, init="zeros"):
+    """A store whose rows live in base chunks, under many delta segments, partly never written."""
+    model = torch.zeros(N, DIM)
+    s = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, compression=compression, init=init)
+    half = torch.arange(0, N // 2)
+    vals = torch.randint(0, 5, (len(half), DIM)).float() if compression else torch.randn(len(half), DIM)
+    s.update(half, vals)
+    model[half] = vals
+    s.flush()
+    s.compact()
+    s.flush()
+    rng = np.random.default_rng(1)
+    for _ in range(12):  # delta segments over the base and over never-written rows
+        ids = torch.from_numpy(np.unique(rng.integers(0, N, 120)))
+        v = torch.randn(len(ids), DIM)
+        s.update(ids, v)
+        model[ids] = v
+        s.flush()
+    written = torch.zeros(N, dtype=torch.bool)
+    written[half] = True
+    for seg in s._committed:
+        written[torch.from_numpy(seg.ids)] = True
+    s.close()
+    return model, written
+
+
+@pytest.mark.parametrize("compression", [None, "lz4"])
+def test_random_misses_over_base_deltas_and_unwritten_rows_match_the_model(shm_path, compression):
+    model, _ = _layered_store(shm_path / "s", compression)
+    rng = np.random.default_rng(2)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        assert s.stats().segments >= 10
+        for _ in range(40):
+            ids = torch.from_numpy(rng.integers(0, N, 257))
+            assert torch.equal(s.get(ids), model[ids])
+            v = torch.randn(len(ids), DIM)
+            s.update(ids, v)
+            model.numpy()[ids.numpy()] = v.numpy()  # numpy assigns in order: the last duplicate wins, as in the store
+        s.flush()
+        assert torch.equal(s.get(torch.arange(N)), model)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        ids = torch.from_numpy(rng.permutation(N)[:3000])
+        assert torch.equal(s.get(ids), model[ids])
+
+
+def test_a_miss_batch_looks_up_the_delta_segments_once(shm_path, monkeypatch):
+    """One index lookup per batch, however many segments: no per-segment search per call."""
+    model, _ = _layered_store(shm_path / "s")
+    calls = []
+    original = RowIndex.find
+
+    def counting(self, ids):
+        calls.append(len(ids))
+        return original(self, ids)
+
+    monkeypatch.setattr(RowIndex, "find", counting)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        ids = torch.from_numpy(np.random.default_rng(3).choice(N, 200, replace=False))
+        assert torch.equal(s.get(ids), model[ids])
+    assert calls == [200]
+
+
+def test_misses_open_no_file_per_read_and_merge_adjacent_rows(shm_path, monkeypatch):
+    """After a chunk file was first read, later misses in it neither open nor close a file, and a
+    run of adjacent rows is one preadv."""
+    model, _ = _layered_store(shm_path / "s")
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        run = torch.arange(CHUNK + 10, CHUNK + 74)  # 64 adjacent base rows with no delta...
+        run = run[~torch.isin(run, torch.from_numpy(np.concatenate([g.ids for g in s._committed])))]
+        assert len(run) > 40
+        assert torch.equal(s.get(run), model[run])  # first read: opens, verifies the blocks
+        s.evict(1 << 30)
+        opens, preads = [], []
+        real_open, real_preadv = os.open, os.preadv
+        monkeypatch.setattr(os, "open", lambda *a, **k: opens.append(a[0]) or real_open(*a, **k))
+        monkeypatch.setattr(os, "preadv", lambda *a: preads.append(a[2]) or real_preadv(*a))
+        assert torch.equal(s.get(run), model[run])
+        runs = 1 + int((run[1:] != run[:-1] + 1).sum())
+    assert opens == [], f"opened {opens} on a repeated miss"
+    assert len(preads) == runs, f"{len(preads)} reads for {runs} runs of adjacent rows"
+
+
+def _open_chunk_files(root) -> int:
+    chunks = str(root / "chunks")
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(chunks)
+        except OSError:
+            pass
+    return n
+
+
+def test_open_chunk_files_stay_bounded(shm_path, monkeypatch):
+    """Descriptors of chunk files are kept, but at most max(bound, chunks of one batch)."""
+    monkeypatch.setattr(chunkrows, "_max_files", lambda: 8)
+    model, _ = _layered_store(shm_path / "s")
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        rng = np.random.default_rng(4)
+        peak = 0
+        for _ in range(30):  # each batch: rows of 4 of the 16 base chunks
+            chunks = rng.choice(N // 2 // CHUNK, 4, replace=False)
+            ids = torch.from_numpy((chunks[:, None] * CHUNK + rng.integers(0, CHUNK, (4, 20))).reshape(-1))
+            assert torch.equal(s.get(ids), model[ids])
+            peak = max(peak, _open_chunk_files(shm_path / "s"))
+        assert 4 <= peak <= 8 + 4
+    assert _open_chunk_files(shm_path / "s") == 0, "close() left chunk files open"
+
+
+def test_a_truncated_chunk_file_is_a_named_corruption(shm_path):
+    _layered_store(shm_path / "s")
+    f = sorted((shm_path / "s" / "chunks").glob("c00000003-*"))[-1]
+    f.write_bytes(f.read_bytes()[:-3000])
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        with pytest.raises(CorruptStoreError) as info:
+            s.get(torch.tensor([3 * CHUNK + 1]))
+        assert f.name in str(info.value)
+
+
+def test_normal_init_is_per_row_and_deterministic(shm_path, monkeypatch):
+    """A never-written row's initial value depends only on (seed, id): the same whichever rows
+    are read with it, in memory and disk mode, and a miss of one row computes one row."""
+    sizes = []
+    original = initrows.normal_rows
+
+    def counting(ids, *a):
+        sizes.append(len(ids))
+        return original(ids, *a)
+
+    with EmbeddingStore.create(shm_path / "a", N, DIM, chunk_rows=CHUNK, init="normal", seed=7, init_std=0.5,
+                               hot_bytes=HOT) as s:
+        monkeypatch.setattr("lightning_embcache.store.tiers.normal_rows", counting)
+        one = s.get(torch.tensor([1234]))
+        assert sizes == [1], f"a miss of one row computed {sizes} rows"
+        many = s.get(torch.tensor([5, 1234, 4000]))
+    with EmbeddingStore.create(None, N, DIM, chunk_rows=CHUNK, init="normal", seed=7, init_std=0.5) as m:
+        table = m.get(torch.arange(N))
+    assert torch.equal(one[0], many[1]) and torch.equal(one[0], table[1234])
+    assert torch.equal(many, table[[5, 1234, 4000]])
+    assert abs(float(table.mean())) < 0.01 and abs(float(table.std()) - 0.5) < 0.01
+    with EmbeddingStore.create(None, N, DIM, chunk_rows=CHUNK, init="normal", seed=8, init_std=0.5) as other:
+        assert not torch.equal(other.get(torch.arange(N)), table)
+
+
+def test_stores_created_with_per_chunk_init_keep_their_initial_values(shm_path):
+    """A store whose META predates per-row init still reads its never-written rows from the
+    per-chunk generator it was created with."""
+    from lightning_embcache.store.disk import Disk
+
+    path = shm_path / "old"
+    EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="normal", seed=3).close()
+    meta = Disk.read_meta(path)
+    del meta["init_version"]
+    (path / "META").unlink()
+    Disk.write_meta(path, meta)
+    chunk = 5
+    g = torch.Generator().manual_seed(3 * 1_000_003 + chunk)
+    expect = torch.randn(CHUNK, DIM, generator=g)
+    with EmbeddingStore.open(path, hot_bytes=HOT) as s:
+        ids = torch.tensor([chunk * CHUNK + 3, chunk * CHUNK + 200])
+        assert torch.equal(s.get(ids), expect[[3, 200]])
+    with EmbeddingStore.open(path) as s:
+        assert torch.equal(s.get(torch.arange(chunk * CHUNK, (chunk + 1) * CHUNK)), expect)
