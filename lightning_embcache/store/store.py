@@ -122,7 +122,6 @@ class EmbeddingStore(TieredRows, Versioning):
             "init": init if isinstance(init, str) else "callable",
             "seed": int(seed),
             "init_std": float(init_std),
-            "init_version": 2,  # init="normal" per row from (seed, id); absent = per chunk (older stores)
         }
         ephemeral = path is None
         if ephemeral and hot_bytes is None:
@@ -436,6 +435,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._check_usable()
         idx = self._valid_ids(ids)
         with self._lock:
+            self._check_open()
             if self._hot.all_loaded:
                 out = torch.from_numpy(self._hot.pool_np[idx])
             else:
@@ -467,6 +467,7 @@ class EmbeddingStore(TieredRows, Versioning):
         if self._check_finite and len(idx):
             as_values(w.contiguous(), len(idx), self.dim, self.dtype, arg="records (weight)", check_finite=True)
         with self._lock:
+            self._check_open()
             fast = self._hot.all_loaded and self._cow is None
             if fast:
                 self._hot.pool_np[idx] = records.numpy()
@@ -566,8 +567,6 @@ class EmbeddingStore(TieredRows, Versioning):
             with self._lock:
                 for s in self._committed + self._pending:
                     s.close()
-                if self._chunkrows is not None:
-                    self._chunkrows.close()
                 self._hot.close()
                 self._np_views = {}
                 self._weight_np = self._weight_t = None

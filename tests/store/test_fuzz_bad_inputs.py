@@ -220,3 +220,66 @@ def test_an_ephemeral_store_closed_in_a_forked_child_keeps_the_parents_files():
     assert torch.equal(s.get(torch.arange(N)), torch.ones(N, DIM))
     s.close()
     assert not root.exists()
+
+
+_ARG = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                 st.text(max_size=4), st.sampled_from([torch.float32, torch.int8, torch.bfloat16, "lz4", "zeros",
+                                                        "normal", [1], {"a": (torch.int32, 1)}]))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(num_rows=_ARG, dim=_ARG, chunk_rows=_ARG, hot_bytes=_ARG, dtype=_ARG, compression=_ARG, init=_ARG,
+       seed=_ARG, init_std=_ARG, fields=_ARG, small=st.booleans())
+def test_any_create_arguments_give_a_store_or_a_named_error(tmp_path_factory, num_rows, dim, chunk_rows, hot_bytes,
+                                                            dtype, compression, init, seed, init_std, fields, small):
+    if small:  # mostly valid sizes, so the other arguments are reached
+        num_rows, dim, chunk_rows = 100, 4, 16
+    kwargs = dict(num_rows=num_rows, dim=dim, chunk_rows=chunk_rows, hot_bytes=hot_bytes, compression=compression,
+                  init=init, seed=seed, init_std=init_std, fields=fields)
+    if isinstance(dtype, torch.dtype):
+        kwargs["dtype"] = dtype
+    path = tmp_path_factory.mktemp("c") / "s"
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        s = EmbeddingStore.create(path if hot_bytes is not None or small else None, **kwargs)
+    except StoreError:
+        assert len(os.listdir("/proc/self/fd")) == fds
+        return
+    with s:
+        s.update(torch.tensor([0]), torch.ones(1, s.dim))
+        assert torch.equal(s.get(torch.tensor([0])).float(), torch.ones(1, s.dim))
+
+
+_VAL = st.one_of(st.none(), st.integers(), st.floats(allow_nan=True), st.text(max_size=3),
+                 st.builds(torch.zeros, st.integers(0, 3), st.integers(0, 5)),
+                 st.builds(lambda n: torch.full((n, DIM), float("nan")), st.integers(1, 3)),
+                 st.builds(lambda n: torch.ones(n, DIM, dtype=torch.complex64), st.integers(1, 3)),
+                 st.builds(lambda n: torch.ones(n, DIM, dtype=torch.bool), st.integers(1, 3)),
+                 st.builds(lambda n: torch.ones(n, DIM, requires_grad=True), st.integers(1, 3)),
+                 st.builds(lambda n: np.ones((n, DIM), dtype=object), st.integers(1, 3)),
+                 st.builds(lambda n: torch.full((n, 1), 2**40, dtype=torch.int64), st.integers(1, 3)))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ids=_ids, values=_VAL, field=st.sampled_from(["weight", "step", "nope"]))
+def test_any_update_gives_the_rows_or_a_named_error_and_changes_nothing_when_rejected(ids, values, field):
+    store = _fuzz_fields_store()
+    before = store.get_fields(torch.arange(N), store.field_names)
+    try:
+        store.update_fields(ids, {field: values})
+    except StoreError:
+        after = store.get_fields(torch.arange(N), store.field_names)
+        assert all(torch.equal(before[k], after[k]) for k in before), "a rejected update changed rows"
+        return
+    store.update_fields(torch.arange(N), before)  # accepted: restore the reference for the next example
+
+
+_FUZZ_FIELDS: list = []
+
+
+def _fuzz_fields_store():
+    if not _FUZZ_FIELDS:
+        s = EmbeddingStore.create(None, N, DIM, fields={"step": (torch.int32, 1)})
+        s.update(torch.arange(N), torch.arange(N * DIM, dtype=torch.float32).reshape(N, DIM))
+        _FUZZ_FIELDS.append(s)
+    return _FUZZ_FIELDS[0]
