@@ -122,6 +122,7 @@ class EmbeddingStore(TieredRows, Versioning):
             "init": init if isinstance(init, str) else "callable",
             "seed": int(seed),
             "init_std": float(init_std),
+            "init_version": 2,  # init="normal" per row from (seed, id); absent = per chunk (older stores)
         }
         ephemeral = path is None
         if ephemeral and hot_bytes is None:
@@ -567,6 +568,8 @@ class EmbeddingStore(TieredRows, Versioning):
             with self._lock:
                 for s in self._committed + self._pending:
                     s.close()
+                if self._chunkrows is not None:
+                    self._chunkrows.close()
                 self._hot.close()
                 self._np_views = {}
                 self._weight_np = self._weight_t = None
