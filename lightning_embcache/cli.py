@@ -7,7 +7,6 @@
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
     embcache reshard --checkpoint CKPT --world-size N    a checkpoint's stores for another process count
-    embcache reshard --checkpoint CKPT --world-size N    a checkpoint's stores for another process count
 
 Every verb has `--help`. Verbs that delegate (demo, bench) pass their other options to the module
 that implements them, so those modules stay importable and testable on their own.
@@ -76,9 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("reshard", add_help=False, help="rewrite a checkpoint's stores for another number of "
                      "processes (embcache reshard --help for its options)")
 
-    verbs.add_parser("reshard", add_help=False, help="rewrite a checkpoint's stores for another number of "
-                     "processes (embcache reshard --help for its options)")
-
     bench = verbs.add_parser("bench", help="run a benchmark (embcache bench NAME --help for its options)",
                              description="Run a benchmark. Results are printed; a JSON file is written only "
                              "with --out FILE.")
@@ -123,8 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_module("lightning_embcache.demo", rest)
     if args.verb == "bench":
         return _bench(args, rest, parser)
-    if args.verb == "reshard":
-        return _run_module("lightning_embcache.distributed.reshard", rest)
     if args.verb == "reshard":
         return _run_module("lightning_embcache.distributed.reshard", rest)
     if rest:
