@@ -4,8 +4,9 @@
 
 The dataset costs `--load-ms` per batch to produce (standing in for decoding), a callback adds
 some per-batch loop work (standing in for logging), and the model is a small MLP. The printed
-table splits each step into data_wait, forward, backward, optimizer, store_io and other; see
-docs/profiler.md for what to do about the dominant phase.
+table splits each step into data_wait, forward, backward, optimizer, store_io and other, and
+compares each epoch's wall time with what the profiler predicted after 5% of it; see
+docs/profiler.md for how to read both.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
 
-    profiler = StepProfiler(log_every_n_steps=50, warmup_steps=10, plot=args.plot)
+    # a callback (not Trainer(profiler=...)); it logs every Trainer(log_every_n_steps) batches
+    profiler = StepProfiler(warmup_steps=10, plot=args.plot)
     trainer = L.Trainer(max_epochs=args.epochs, callbacks=[profiler, BusyLoop(args.loop_ms)], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=50)
     loader = DataLoader(SlowBatches(args.batches, args.load_ms), batch_size=None, num_workers=args.workers,
                         persistent_workers=args.workers > 0)
     trainer.fit(Model(), loader)
@@ -80,6 +83,11 @@ def main() -> None:
           f"-> true average {last['avg_batch_ms']:.2f} ms/batch (steady {last['steady_batch_ms']:.2f})")
     for phase, ms in last["phases_ms"].items():
         print(f"  {phase:<10} {ms:7.3f} ms")
+    for e in profiler.summary():
+        if e["predicted_epoch_seconds"] is not None:
+            print(f"epoch {e['epoch']}: predicted {e['predicted_epoch_seconds']:.2f} "
+                  f"+/- {e['predicted_epoch_std_seconds']:.2f} s after {e['predicted_at_batch']} batches, "
+                  f"took {e['epoch_wall_seconds']:.2f} s ({e['prediction_error_pct']:+.1f}%)")
     dominant = max(last["phases_ms"], key=last["phases_ms"].get)
     print(f"dominant: {dominant}; try --workers 2 when it is data_wait (docs/profiler.md)")
 

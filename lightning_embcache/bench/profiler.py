@@ -528,6 +528,17 @@ def gpu_checks(out: dict, reps: int = 3, batches: int = 200) -> None:
     out["gpu"]["overhead"] = overhead_check(batches=batches, warmup=20, reps=reps)
 
 
+def _print_prediction(agg: dict) -> None:
+    def pct(v: Optional[float]) -> str:
+        return "n/a" if v is None else f"{v:.2f}%"
+
+    print("\nprediction after 5% of each epoch vs the actual epoch:")
+    for label, a in agg.items():
+        fit = ", ".join(f"{x:+.2f}%" for x in a["fit_error_pct"]) or "n/a"
+        print(f"  {label:<28} |error| median {pct(a['epoch_abs_error_pct_median'])}, "
+              f"max {pct(a['epoch_abs_error_pct_max'])}; fit {fit}; epoch ~{a['actual_epoch_s_median']:.1f} s")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="embcache bench profiler", description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
@@ -538,6 +549,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=10, help="batches left out of steady figures")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--prediction", action="store_true",
+                    help="measure the epoch-time prediction instead (after 5%% of each epoch, against the actual "
+                         "epoch; CPU models and the demo, or the GPU models with --device cuda)")
+    ap.add_argument("--no-demo", action="store_true", help="with --prediction: leave the demo out")
     ap.add_argument("--out", default=None, help="write the JSON results here (default: print only)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -559,7 +574,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "runs": [],
     }
     t_start = time.perf_counter()
-    if args.device == "cpu":
+    if args.prediction:
+        from lightning_embcache.bench import prediction
+
+        chosen = args.models.split(",") if args.models != ap.get_default("models") else None
+        result["prediction"] = prediction.run(args.device, args.reps, chosen, demo=not args.no_demo)
+        _print_prediction(result["prediction"]["aggregate"])
+    elif args.device == "cpu":
         for model in models:
             for w in workers:
                 for rep in range(args.reps):

@@ -300,6 +300,7 @@ class StepProfiler(Callback):
         store_io = self._store_io if self._stores is not None else None
         self._timeline = StepTimeline(self._on_step_done, self._device, store_io,
                                       sample_every=self.sample_every_n_steps)
+        self._timeline.on_device_step = self._on_device_step
 
     def _fit_rank_rows(self) -> list[list[float]]:
         """Per rank, phase seconds and batches summed over the epochs (ranks as in the last epoch)."""
@@ -604,6 +605,10 @@ class StepProfiler(Callback):
                 if self._kept_prediction is None and fc.batches >= self._landmark + 64:
                     self._landmark = -1  # the epoch is too short to predict; stop trying
 
+    def _on_device_step(self, index: int, seconds: float) -> None:
+        if self._forecast is not None:
+            self._forecast.add_device_step(index, seconds)
+
     def _epoch_target(self, trainer: Trainer) -> Optional[int]:
         """Batches the running epoch will have when it ends (the predicted epoch)."""
         if self.epoch_batches is not None:
@@ -630,6 +635,10 @@ class StepProfiler(Callback):
         target = self._epoch_target(trainer)
         if fc is None or target is None:
             return None
+        tl = self._timeline
+        if tl is not None and tl._cuda:
+            tl.drain()  # never waits: reads the sampled steps the GPU has finished
+            fc.backlog = tl.device_backlog()
         epoch, done = self._open_epoch, fc.batches
         start_total = self._batches_seen - self._step_in_epoch
         acc = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))

@@ -50,6 +50,10 @@ class Forecast:
         self.store = array("d")   # per step, store_io seconds
         self.saves: list[int] = []  # indices of steps during which a checkpoint was saved
         self.val_runs: list[float] = []  # seconds of each validation run in this epoch
+        # on a GPU: the device's time for sampled steps (event to event), by step index
+        self.device_index: list[int] = []
+        self.device_wall = array("d")
+        self.backlog = 0  # steps closed on the host that the device may still be running
         self.elapsed = 0.0
         self._save_pending = False
 
@@ -62,6 +66,10 @@ class Forecast:
         self.wall.append(wall)
         self.store.append(store)
         self.elapsed += wall
+
+    def add_device_step(self, index: int, seconds: float) -> None:
+        self.device_index.append(index)
+        self.device_wall.append(seconds)
 
     def mark_save(self) -> None:
         """A checkpoint is being saved during the step now running."""
@@ -120,9 +128,26 @@ class Forecast:
             se_d = math.sqrt(float(s_a.var(ddof=1)) / s_a.size + float(s_b.var(ddof=1)) / s_b.size)
             if abs(level - ma) > 2.0 * se_d and level != ma:
                 slope = (level - ma) / max(1.0, (int(idx[-1]) - int(idx[0]) + 1) / 2.0)
+        # On a GPU the host can run ahead of the device by many steps (until the launch queue or
+        # the allocator makes it wait): its early step times then say how fast it launches, not
+        # how fast the GPU runs. The sampled steps' device time (event to event: the longer of
+        # the two) is the rate there, over the same later half of the epoch.
+        device = False
+        if self.device_index:
+            di = np.asarray(self.device_index)
+            dw = np.frombuffer(self.device_wall, dtype=np.float64, count=len(self.device_index))
+            sel = (di >= lo) & ~np.isin(di, self.saves) if self.saves else di >= lo
+            if sel.sum() < 3:
+                sel = di >= 1
+            if sel.sum() >= 3:
+                d = dw[sel]
+                mean, std = float(d.mean()), float(d.std(ddof=1))
+                se = std / math.sqrt(d.size) if blocks < 2 else max(se, std / math.sqrt(d.size))
+                device = True
         # the extra time of a checkpoint save: a save step's wall over the rate
         extra = [self.wall[i] - mean for i in self.saves if i > 0]
         return {"mean": mean, "std": std, "se": se, "steps": m, "slope": slope, "store_level": level,
+                "device": device,
                 "window_center": (int(idx[0]) + int(idx[-1])) / 2.0, "n": n,
                 "save_s": max(0.0, math.fsum(extra) / len(extra)) if extra else None}
 
@@ -156,7 +181,8 @@ class Forecast:
             return None
         done = self.batches
         left = max(0, total_batches - done)
-        steps_s = left * r["mean"]
+        # steps the host has closed but the device may not have run yet cost their time again
+        steps_s = (left + (self.backlog if r["device"] else 0)) * r["mean"]
         trend = self.trend_seconds(r, len(self.wall), left)
         save_s = r["save_s"]
         saves_s = saves_left * save_s if save_s is not None else 0.0

@@ -178,6 +178,10 @@ class StepTimeline:
         self._pending: deque = deque()
         self._pool: list = []
         self.events_recorded = 0  # over the timeline's life: for tests and the benchmark
+        self.steps_closed = 0  # steps of this epoch closed so far
+        # told (step index in the epoch, seconds) of each randomly sampled step once its events
+        # are read: the device's own time per step, which the prediction prefers on a GPU
+        self.on_device_step: Optional[Callable[[int, float], None]] = None
 
     # -- recording (called from hooks; keep cheap) -------------------------------------------
 
@@ -187,6 +191,7 @@ class StepTimeline:
         self._io = self.store_io() if self.store_io is not None else 0.0
         self.phase = phase
         self.active = True
+        self.steps_closed = 0
         if self._cuda:
             # one Stream object per epoch: torch.cuda.current_stream() builds a new one per call
             self._stream = torch.cuda.current_stream(self._device)
@@ -302,6 +307,8 @@ class StepTimeline:
     def _close(self, epoch: int, batches: int, samples: int, steady: bool) -> None:
         host, self._acc = self._acc, [0.0] * 7
         self.last_host = host
+        index = self.steps_closed
+        self.steps_closed += batches
         if not self._cuda:
             self._sink(epoch, batches, host, host, samples, steady, True)
             return
@@ -310,7 +317,7 @@ class StepTimeline:
             return
         forced, self._forced = self._forced, False
         self._pending.append((epoch, batches, host, samples, steady, self._events, self._seg_phase,
-                              self._seg_store, forced))
+                              self._seg_store, forced, index))
 
     def _record(self):
         ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
@@ -324,6 +331,13 @@ class StepTimeline:
     def pending(self) -> int:
         return len(self._pending)
 
+    def device_backlog(self) -> int:
+        """Steps of this epoch the host has closed whose device work may not have run yet: from
+        the oldest sampled step still in flight to now (0 when none is)."""
+        if not self._pending:
+            return 0
+        return max(0, self.steps_closed - self._pending[0][9])
+
     def drain(self, block: bool = False) -> int:
         """Hand finished sampled steps to the sink, oldest first; returns how many.
 
@@ -335,7 +349,7 @@ class StepTimeline:
         if block and pending:
             pending[-1][5][-1].synchronize()
         while pending:
-            epoch, batches, host, samples, steady, events, seg_phase, seg_store, forced = pending[0]
+            epoch, batches, host, samples, steady, events, seg_phase, seg_store, forced, index = pending[0]
             if not events[-1].query():
                 break
             pending.popleft()
@@ -354,5 +368,7 @@ class StepTimeline:
             if not (pending and pending[0][5][0] is last) and not (self._events and self._events[0] is last):
                 self._pool.append(last)
             self._sink(epoch, batches, host, dev, samples, steady, forced)
+            if self.on_device_step is not None and batches and not forced:
+                self.on_device_step(index, events[0].elapsed_time(events[-1]) * 1e-3)
             n += 1
         return n

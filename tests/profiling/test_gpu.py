@@ -40,3 +40,26 @@ def test_cuda_forward_is_device_time_not_launch_time():
     # big matmuls: the host returns from launching long before the GPU finishes
     assert e["phases_ms"]["backward"] > 2 * e["host_phases_ms"]["backward"] or \
         e["phases_ms"]["forward"] > 2 * e["host_phases_ms"]["forward"], e
+
+
+def test_sampled_events_no_syncs_and_a_prediction():
+    """~1 step in 8 timed on the device: few events, none waited for inside steps, phases that
+    still add up to the wall, and an epoch prediction within reach of the actual epoch."""
+    from lightning_embcache.bench.profiler import _gpu_fit, _ListLogger, _SyncGuard
+
+    guard = _SyncGuard(10, 390)
+    sp = StepProfiler(log_every_n_steps=50, report=False)
+    logger = _ListLogger()
+    _gpu_fit("gpu_small", [guard, sp], batches=400, logger=logger)
+    assert guard.steps_guarded == 381
+    tl = sp._timeline
+    # 5 events a timed step, one more when the step before was not timed, the epoch's two anchors
+    assert tl.events_recorded <= 6.3 * 400 / 8 + 12, tl.events_recorded
+    assert len(tl._pool) + tl.pending <= 64  # events are reused
+    e = sp.summary()[0]
+    assert e["timeline"] == "cuda-events" and e["batches"] == 400
+    assert abs(sum(e["phases_ms"].values()) / e["avg_batch_ms"] - 1) < 1e-6
+    assert e["phases_ms"]["forward"] > 0 and e["phases_ms"]["backward"] > 0 and e["phases_ms"]["optimizer"] > 0
+    assert e["predicted_at_batch"] == 20 and abs(e["prediction_error_pct"]) < 25.0, e
+    keys = set().union(*(m for _, m in logger.rows if "profile/step_ms" in m))
+    assert {"profile/predicted_epoch_s", "profile/predicted_epoch_std_s"} <= keys

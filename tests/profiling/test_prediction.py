@@ -228,3 +228,16 @@ def test_the_table_reaches_the_user_with_logging_at_warning(level, capsys):
     out = capsys.readouterr().out
     assert "data_wait" in out and "dominant phase" in out and "predicted s" in out
     assert sp.report_table() in out
+
+
+def test_on_a_gpu_the_device_rate_and_backlog_are_used():
+    # the host launches a step in 1 ms and runs ahead; the GPU needs 10 ms a step
+    f = Forecast()
+    for i in range(100):
+        f.add_step(0.001, 0.0)
+    for i in range(1, 70, 3):  # sampled steps the GPU has finished
+        f.add_device_step(i, 0.010)
+    f.backlog = 30  # steps 70..99 launched, not yet run
+    p = f.predict(1000, 0, None, 0)
+    assert p["rate"]["device"] and _close(p["rate_s"], 0.010)
+    assert _close(p["seconds"], 0.1 + (900 + 30) * 0.010)

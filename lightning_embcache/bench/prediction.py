@@ -1,0 +1,166 @@
+"""How good StepProfiler's epoch-time prediction is: `embcache bench profiler --prediction`.
+
+Each run is a real fit; the profiler keeps the prediction it made after 5% of each epoch
+(``predict_at=0.05``) and its summary compares it with the epoch's actual wall time (training
+and the validation inside the epoch, measured by the profiler and checked here against an
+independent callback). Runs:
+
+- the CPU benchmark models (``tiny``, ``small``, ``large``), 2 epochs, with 0 and 2 loader
+  workers, plain and with validation twice per epoch plus a checkpoint every quarter epoch;
+- the demo (``embcache demo``) on a fresh, cold store: the default 400-step run and a full epoch;
+- on CUDA, the GPU models.
+
+Error = predicted / actual - 1, per epoch; the fit's prediction made in epoch 0 against the
+fit's actual training wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
+from lightning_embcache.profiling import StepProfiler
+
+# model -> batches per epoch for the prediction runs (5% of it is the prediction point)
+EPOCH_BATCHES = {"tiny": 2000, "small": 1000, "large": 200, "gpu_small": 2000, "gpu_large": 400}
+
+
+class _Wall(L.Callback):
+    """Independent reference: each training epoch's wall time, validation inside it included."""
+
+    def __init__(self) -> None:
+        self.epochs: list[float] = []
+
+    def on_train_epoch_start(self, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self.epochs.append(time.perf_counter() - self._t0)
+
+
+class _ValMLP(MLP):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = None) -> dict:
+    s = sp.summary()
+    epochs = []
+    for e, ref in zip(s, wall.epochs):
+        epochs.append({"epoch": e["epoch"], "batches": e["batches"], "actual_s": e["epoch_wall_seconds"],
+                       "reference_s": ref, "predicted_s": e["predicted_epoch_seconds"],
+                       "std_s": e["predicted_epoch_std_seconds"], "at_batch": e["predicted_at_batch"],
+                       "error_pct": e["prediction_error_pct"]})
+    fit_actual = sum(e["epoch_wall_seconds"] for e in s)
+    fit_pred = s[0]["predicted_fit_seconds"] if s else None
+    out = {"run": label, "epochs": epochs, "fit_actual_s": fit_actual, "fit_predicted_s": fit_pred,
+           "fit_error_pct": 100 * (fit_pred / fit_actual - 1) if fit_pred else None,
+           "loadavg": os.getloadavg()}
+    out.update(extra or {})
+    return out
+
+
+def model_run(model_name: str, workers: int, extras: bool, device: str = "cpu", epochs: int = 2) -> dict:
+    """One fit of a benchmark model; ``extras``: validation twice an epoch (10 batches, a sanity
+    check of 2) and a checkpoint every quarter epoch."""
+    width, depth, batch, _, load_ms = MODELS[model_name]
+    n = EPOCH_BATCHES[model_name]
+    torch.manual_seed(0)
+    model = _ValMLP(width, depth) if extras else MLP(width, depth)
+    dl = DataLoader(SleepyBatches(n, batch, width, load_ms), batch_size=None, num_workers=workers,
+                    persistent_workers=False, pin_memory=(device == "cuda"))
+    val = DataLoader(SleepyBatches(10, batch, width, load_ms), batch_size=None) if extras else None
+    sp, wall = StepProfiler(report=False), _Wall()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        callbacks: list = [wall, sp]
+        if extras:
+            callbacks.append(ModelCheckpoint(dirpath=tmp, every_n_train_steps=n // 4, save_top_k=-1))
+        trainer = L.Trainer(accelerator=device, devices=1, max_epochs=epochs, logger=False,
+                            enable_checkpointing=extras, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=2 if extras else 0, val_check_interval=0.5 if extras else 1.0,
+                            callbacks=callbacks, default_root_dir=tmp)
+        trainer.fit(model, dl, val)
+    label = f"{model_name}/workers={workers}/{'val+ckpt' if extras else 'plain'}"
+    return _result(label, sp, wall, {"model": model_name, "workers": workers, "extras": extras})
+
+
+def demo_run(max_steps: int, samples: int = 1_000_000) -> dict:
+    """``embcache demo`` on a new folder (a cold store: every row created and first written in
+    this epoch), with its own StepProfiler replaced by one that keeps the prediction."""
+    from lightning_embcache import demo
+
+    sp, wall = StepProfiler(report=False), _Wall()
+    root = tempfile.mkdtemp(prefix="embcache-demo-")
+    shutil.rmtree(root)  # the demo creates its run folder itself
+    original = demo._optional_profiler
+    demo._optional_profiler = lambda: [wall, sp]
+    try:
+        demo.main(["--root", root, "--max-steps", str(max_steps), "--samples", str(samples)])
+    finally:
+        demo._optional_profiler = original
+        shutil.rmtree(root, ignore_errors=True)
+    return _result(f"demo/max_steps={max_steps}", sp, wall, {"model": "demo", "max_steps": max_steps})
+
+
+def run(device: str = "cpu", reps: int = 3, models: Optional[list[str]] = None, demo: bool = True) -> dict:
+    runs: list[dict] = []
+    models = models or (["tiny", "small", "large"] if device == "cpu" else ["gpu_small", "gpu_large"])
+    for rep in range(reps):
+        for model in models:
+            for workers in ((0, 2) if device == "cpu" else (0,)):
+                for extras in (False, True):
+                    r = model_run(model, workers, extras, device)
+                    r["rep"] = rep
+                    runs.append(r)
+                    _print(r)
+        if demo and device == "cpu":
+            for steps in (400, -1):
+                r = demo_run(steps)
+                r["rep"] = rep
+                runs.append(r)
+                _print(r)
+    return {"runs": runs, "aggregate": aggregate(runs)}
+
+
+def _print(r: dict) -> None:
+    errs = " ".join(f"e{e['epoch']} {e['error_pct']:+.2f}% ({e['predicted_s']:.2f}+/-{e['std_s']:.2f} s at "
+                    f"batch {e['at_batch']} vs {e['actual_s']:.2f} s)" if e["error_pct"] is not None else
+                    f"e{e['epoch']} n/a" for e in r["epochs"])
+    fit = f"{r['fit_error_pct']:+.2f}%" if r["fit_error_pct"] is not None else "n/a"
+    print(f"prediction {r['run']} rep={r.get('rep')}: {errs}; fit {fit}; load {r['loadavg'][0]:.1f}", flush=True)
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Per run label: median and worst |error| of the epoch predictions and of the fit's."""
+    out: dict[str, Any] = {}
+    for label in dict.fromkeys(r["run"] for r in runs):
+        mine = [r for r in runs if r["run"] == label]
+        epoch_errs = [e["error_pct"] for r in mine for e in r["epochs"] if e["error_pct"] is not None]
+        first = [r["epochs"][0]["error_pct"] for r in mine if r["epochs"] and r["epochs"][0]["error_pct"] is not None]
+        fit = [r["fit_error_pct"] for r in mine if r["fit_error_pct"] is not None]
+        within = [abs(e["predicted_s"] - e["actual_s"]) <= e["std_s"] * 2 for r in mine for e in r["epochs"]
+                  if e["error_pct"] is not None]
+        out[label] = {
+            "epoch_error_pct_median": statistics.median(epoch_errs) if epoch_errs else None,
+            "epoch_abs_error_pct_median": statistics.median(abs(x) for x in epoch_errs) if epoch_errs else None,
+            "epoch_abs_error_pct_max": max(abs(x) for x in epoch_errs) if epoch_errs else None,
+            "first_epoch_error_pct": first,
+            "fit_error_pct": fit,
+            "within_2_std_share": sum(within) / len(within) if within else None,
+            "actual_epoch_s_median": statistics.median(e["actual_s"] for r in mine for e in r["epochs"]),
+            "runs": len(mine),
+        }
+    return out
