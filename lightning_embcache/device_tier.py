@@ -19,7 +19,10 @@ No Lightning imports; `TrainableRows` and the Lightning handle drive it.
 from __future__ import annotations
 
 import threading
-from typing import Any
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -39,6 +42,7 @@ class _PinnedRing:
     copy that last used it has finished (its event), which by then it normally has."""
 
     def __init__(self, slots: int = 4) -> None:
+        self.size = slots
         self._bufs: list[Tensor | None] = [None] * slots
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
@@ -82,7 +86,8 @@ class DeviceTier:
           guarantees. Rows evicted in between reach the store within the next step or two.
         * NaN/Inf in trained rows are reported when the rows reach the host store (eviction or
           flush): checking on the device would make every step wait for the GPU.
-        * Thread-safe: a background flush may call `write_down()` while the training thread runs.
+        * Thread-safe: a background flush may call `write_down()` while the training thread runs;
+          `prefetch` works in a thread of its own, joined by the next call that needs the slots.
     """
 
     def __init__(self, store: EmbeddingStore, device: torch.device | str, budget_bytes: int) -> None:
@@ -105,18 +110,25 @@ class DeviceTier:
                 f"give at least {per_slot}, or 0 for no device tier")
         self.capacity = capacity
         self.resident = capacity >= n
+        # _lock: slot maps, free list, rows on their way down. _step_lock: a training step's
+        # kernels are queued as a whole, so a flush from another thread sees all of a step or none.
         self._lock = threading.RLock()
+        self._step_lock = threading.Lock()
+        self._ring_lock = threading.Lock()
         self._stream = torch.cuda.current_stream(device)
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetching: Future | None = None
         self.pool = torch.empty((capacity, rb), dtype=torch.uint8, device=device)
         self._views = {name: store.record_view(self.pool, name) for name in store.field_names}
         self.dirty = np.zeros(capacity, np.bool_)
         self._up = _PinnedRing()      # host -> device
         self._idx = _PinnedRing(8)    # small index tensors host -> device
         self._down: list[tuple[np.ndarray, Tensor, torch.cuda.Event]] = []  # evicted, in flight
-        self._down_ring = _PinnedRing()
+        self._down_ring = _PinnedRing(8)  # one buffer per row set in `_down`, never more
         self.loaded_rows = 0
         self.evicted_rows = 0
         self.written_down_rows = 0
+        self.io_seconds = 0.0  # host time moving rows up and down, beyond the store's own io_wait
         if self.resident:
             self._load_all()
         else:
@@ -126,6 +138,17 @@ class DeviceTier:
             self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
             self._nfree = capacity
             self._hand = 0
+            self._stamp = np.zeros(capacity, np.int64)  # == _stamp_id: kept by the current call
+            self._stamp_id = 0
+
+    @contextmanager
+    def _io(self) -> Iterator[None]:
+        """Count this block's time as I/O, minus what the store already counts as its own."""
+        t0, w0 = time.perf_counter(), self.store.io_wait_seconds
+        try:
+            yield
+        finally:
+            self.io_seconds += time.perf_counter() - t0 - (self.store.io_wait_seconds - w0)
 
     # ------------------------------------------------------------------ fields and indices
     def view(self, name: str) -> Tensor:
@@ -134,15 +157,89 @@ class DeviceTier:
 
     def to_device(self, arr: np.ndarray) -> Tensor:
         """A small host array on the device through a pinned buffer, without waiting."""
-        i, buf = self._idx.take(arr.nbytes)
-        out = _as_pinned(buf, arr).to(self.device, non_blocking=True)
-        self._idx.done(i, self._stream)
+        with self._ring_lock:  # the training thread and the prefetch thread both use it
+            i, buf = self._idx.take(arr.nbytes)
+            out = _as_pinned(buf, arr).to(self.device, non_blocking=True)
+            self._idx.done(i, self._stream)
         return out
 
     @property
     def nbytes(self) -> int:
         """Device memory held by the rows (the budget's part that is allocated)."""
         return self.pool.numel()
+
+    # ------------------------------------------------------------------ rows in and out
+    def prefetch(self, ids: np.ndarray, protect: np.ndarray | None = None) -> None:
+        """Start bringing validated ``ids`` to the device in a background thread; returns at once.
+
+        ``protect``: slots the training thread still uses until the next lookup (this step's
+        rows): they are never chosen for eviction. The thread's reads of the host tiers overlap
+        the rest of the training step; its copies are queued on the training stream, so the next
+        lookup (which waits for the thread first) sees the rows without waiting for the device.
+        """
+        if self.resident:
+            return
+        self._join()
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-device-prefetch")
+        ids = np.unique(ids)
+        if len(ids) > self.capacity // 2:
+            ids = ids[: self.capacity // 2]
+        keep = None if protect is None else protect.copy()
+        self._prefetching = self._prefetcher.submit(self._prefetch_job, ids, keep)
+
+    def _prefetch_job(self, ids: np.ndarray, keep: np.ndarray | None) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            self._slots(ids, keep)
+
+    def _join(self) -> None:
+        """Wait for a prefetch in flight (and raise its error, if any)."""
+        fut, self._prefetching = self._prefetching, None
+        if fut is not None:
+            fut.result()
+
+    def positions(self, ids: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
+        """The device slot of every position of validated ``ids`` (duplicates allowed)."""
+        if self.resident:
+            return ids
+        uniq, inv = np.unique(ids, return_inverse=True)
+        return self.slots(uniq, protect)[inv]
+
+    def gather(self, ids: np.ndarray, name: str = "weight", protect: np.ndarray | None = None) -> Tensor:
+        """Field ``name`` of validated ``ids`` as a new tensor on the device.
+
+        A read of more distinct rows than half the tier (e.g. the whole table for evaluation)
+        is served without caching it: rows on the device from there, the rest from the store.
+        """
+        if self.resident or len(ids) <= self.capacity // 2:
+            return self.view(name).index_select(0, self.to_device(self.positions(ids, protect)))
+        uniq, inv = np.unique(ids, return_inverse=True)
+        if len(uniq) <= self.capacity // 2:
+            return self.view(name).index_select(0, self.to_device(self.slots(uniq, protect)[inv]))
+        self._join()
+        with self._lock:
+            self.drain()
+            s = self.slot_of[uniq].astype(np.int64) - 1
+            on = np.flatnonzero(s >= 0)
+            off = np.flatnonzero(s < 0)
+            dtype, cols = self.store.field_spec(name)
+            out = torch.empty((len(uniq), cols), dtype=dtype, device=self.device)
+            if len(on):
+                out[self.to_device(on)] = self.view(name).index_select(0, self.to_device(s[on]))
+            if len(off):
+                host = self.store.get_fields(torch.from_numpy(uniq[off]), (name,))[name]
+                out[self.to_device(off)] = host.to(self.device)
+            return out.index_select(0, self.to_device(inv))
+
+    def scatter(self, ids: np.ndarray, values: Tensor, protect: np.ndarray | None = None) -> None:
+        """Write weights ``values`` (on the device, store dtype) to validated ``ids``; of
+        duplicate ids the last one wins, as in `EmbeddingStore.update`."""
+        rev_uniq, first_in_rev = np.unique(ids[::-1], return_index=True)
+        last = len(ids) - 1 - first_in_rev
+        with self._step_lock:
+            slots = self.slots(rev_uniq, protect)
+            self.view("weight").index_copy_(0, self.to_device(slots), values.index_select(0, self.to_device(last)))
+            self.dirty[slots] = True
 
     # ------------------------------------------------------------------ residency
     def slots(self, ids: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
@@ -152,6 +249,10 @@ class DeviceTier:
         """
         if self.resident:
             return ids
+        self._join()
+        return self._slots(ids, protect)
+
+    def _slots(self, ids: np.ndarray, protect: np.ndarray | None) -> np.ndarray:
         with self._lock:
             s = self.slot_of[ids].astype(np.int64) - 1
             miss = s < 0
@@ -173,28 +274,39 @@ class DeviceTier:
         return got
 
     def _evict(self, k: int, keep: np.ndarray) -> None:
-        """Free ``k`` slots by CLOCK over the occupied slots not in ``keep``; dirty ones go down."""
+        """Free ``k`` slots by CLOCK over the occupied slots not in ``keep``; dirty ones go down.
+
+        The hand sweeps windows of a few times ``k`` slots, never the whole tier: a step's cost
+        follows the batch, not the table.
+        """
         cap = self.capacity
-        blocked = self.id_of < 0  # free slots are not victims
-        if len(keep):
-            blocked[keep] = True
-        order = np.r_[np.arange(self._hand, cap), np.arange(0, self._hand)]
-        cand = order[~blocked[order]]
-        if len(cand) < k:
-            need = cap - len(cand) + k - self._nfree
+        kept = np.unique(keep) if len(keep) else keep
+        if k > cap - self._nfree - len(kept):
+            need = len(kept) + k
             raise StoreError(
                 f"the device tier holds {cap} rows (device_bytes={self.budget_bytes}) but this step "
                 f"needs {need} at once (the batch plus rows whose gradients are not applied yet); "
                 f"raise device_bytes to at least {need * (self.store.row_bytes + SLOT_OVERHEAD)} "
                 f"or use a smaller batch")
-        referenced = self.ref[cand] != 0
-        cold = cand[~referenced]
-        pick = cold[:k] if len(cold) >= k else np.concatenate([cold, cand[referenced][: k - len(cold)]])
-        # the hand sweeps past the victims: rows it passed lose their second chance
-        last = int(np.flatnonzero(cand == pick[-1])[0])
-        self.ref[cand[: last + 1]] = 0
-        self._hand = int(pick[-1] + 1) % cap
-        self._drop(pick)
+        self._stamp_id += 1
+        self._stamp[kept] = self._stamp_id
+        victims: list[np.ndarray] = []
+        need = k
+        while need:
+            win = (self._hand + np.arange(min(cap, max(4 * need, 1024)))) % cap
+            ok = (self.id_of[win] >= 0) & (self._stamp[win] != self._stamp_id)
+            cold = np.flatnonzero(ok & (self.ref[win] == 0))
+            if len(cold) >= need:
+                end = int(cold[need - 1]) + 1
+                cold = cold[:need]
+            else:
+                end = len(win)
+            self.ref[win[:end]] = 0  # the hand passed them: their second chance is used
+            self._stamp[win[cold]] = self._stamp_id  # chosen: a later window must not pick them again
+            victims.append(win[cold])
+            need -= len(cold)
+            self._hand = int(self._hand + end) % cap
+        self._drop(np.concatenate(victims))
 
     def _drop(self, slots: np.ndarray) -> None:
         d = slots[self.dirty[slots]]
@@ -210,37 +322,50 @@ class DeviceTier:
 
     def _upload(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Bring rows ``ids`` from the host store into device ``slots`` (non-blocking)."""
+        with self._io():
+            self._upload_rows(ids, slots)
+
+    def _upload_rows(self, ids: np.ndarray, slots: np.ndarray) -> None:
         if self._down and self._pending_overlap(ids):
             self.drain()  # a row on its way down must reach the store before it is read again
-        recs = self.store.read_records(torch.from_numpy(ids)).numpy()
-        i, buf = self._up.take(recs.nbytes)
-        staged = _as_pinned(buf, recs).to(self.device, non_blocking=True)
-        self._up.done(i, self._stream)
+        staged = self._stage_up(ids).to(self.device, non_blocking=True)
+        self._up.done(self._up_slot, self._stream)
         self.pool.index_copy_(0, self.to_device(slots), staged)
         self.id_of[slots] = ids
         self.slot_of[ids] = (slots + 1).astype(np.int32)
         self.ref[slots] = 1
         self.loaded_rows += len(ids)
 
+    def _stage_up(self, ids: np.ndarray) -> Tensor:
+        """Records of ``ids`` read from the store straight into the next pinned buffer."""
+        rb = self.pool.shape[1]
+        self._up_slot, buf = self._up.take(len(ids) * rb)
+        return self.store.read_records(torch.from_numpy(ids), out=buf[: len(ids) * rb].view(len(ids), rb))
+
     def _load_all(self) -> None:
         n = self.store.num_rows
         for a in range(0, n, TRANSFER_ROWS):
             b = min(n, a + TRANSFER_ROWS)
-            recs = self.store.read_records(torch.arange(a, b)).numpy()
-            i, buf = self._up.take(recs.nbytes)
-            self.pool[a:b].copy_(_as_pinned(buf, recs), non_blocking=True)
-            self._up.done(i, self._stream)
+            self.pool[a:b].copy_(self._stage_up(np.arange(a, b)), non_blocking=True)
+            self._up.done(self._up_slot, self._stream)
         self.loaded_rows = n
 
     # ------------------------------------------------------------------ writes
     def mark_dirty(self, slots: np.ndarray) -> None:
-        with self._lock:
-            self.dirty[slots] = True
+        """Rows a step changed (caller holds `step_lock`; a prefetch never evicts these slots)."""
+        self.dirty[slots] = True
+
+    @property
+    def step_lock(self) -> threading.Lock:
+        """Held while a training step queues its kernels; `write_down` takes it too."""
+        return self._step_lock
 
     def _send_down(self, slots: np.ndarray, *, evicted: bool) -> tuple[np.ndarray, Tensor, torch.cuda.Event]:
         """Queue a device->host copy of ``slots``' records; applied to the store by `drain`."""
         ids = slots if self.resident else self.id_of[slots].copy()
         nbytes = len(slots) * self.pool.shape[1]
+        while len(self._down) >= self._down_ring.size:
+            self._apply_oldest()  # its buffer is the one the ring hands out next
         i, buf = self._down_ring.take(nbytes)
         host = buf[:nbytes].view(len(slots), self.pool.shape[1])
         host.copy_(self.pool.index_select(0, self.to_device(slots)), non_blocking=True)
@@ -250,26 +375,30 @@ class DeviceTier:
         self.dirty[slots] = False
         return item
 
+    def _apply_oldest(self) -> int:
+        """Write the oldest row set on its way down into the store (waits for its copy)."""
+        ids, host, ev = self._down[0]
+        ev.synchronize()
+        self.store.write_records(torch.from_numpy(ids), host)  # ids are unique: any order
+        self._down.pop(0)
+        self.written_down_rows += len(ids)
+        return len(ids)
+
     def _pending_overlap(self, ids: np.ndarray) -> bool:
         return any(np.isin(ids, item[0], assume_unique=True).any() for item in self._down)
 
     def drain(self) -> int:
         """Write the rows sent down so far into the host store (waits for their copies)."""
-        with self._lock:
+        with self._lock, self._io():
             n = 0
             while self._down:
-                ids, host, ev = self._down[0]
-                ev.synchronize()
-                order = np.argsort(ids, kind="stable")
-                self.store.write_records(torch.from_numpy(ids[order]), host[torch.from_numpy(order)])
-                self._down.pop(0)
-                n += len(ids)
-            self.written_down_rows += n
+                n += self._apply_oldest()
             return n
 
     def write_down(self) -> int:
         """Bring every dirty row down into the host store (before a flush); returns rows written."""
-        with self._lock, torch.cuda.stream(self._stream):
+        self._join()
+        with self._step_lock, self._lock, torch.cuda.stream(self._stream), self._io():
             self.drain()
             dirty = np.flatnonzero(self.dirty)
             n = 0
@@ -280,13 +409,12 @@ class DeviceTier:
 
     def settle_evictions(self) -> None:
         """Apply evicted rows whose copies have finished (non-blocking; called once per step)."""
-        with self._lock:
+        if not self._down:
+            return
+        self._join()
+        with self._lock, self._io():
             while self._down and self._down[0][2].query():
-                ids, host, _ = self._down[0]
-                order = np.argsort(ids, kind="stable")
-                self.store.write_records(torch.from_numpy(ids[order]), host[torch.from_numpy(order)])
-                self._down.pop(0)
-                self.written_down_rows += len(ids)
+                self._apply_oldest()
 
     def stats(self) -> dict[str, Any]:
         used = self.capacity if self.resident else self.capacity - self._nfree
@@ -296,6 +424,13 @@ class DeviceTier:
 
     def close(self) -> None:
         """Free the device memory (after `write_down()`: unwritten rows are discarded)."""
+        try:
+            self._join()
+        except Exception:  # closing: a failed hint does not matter any more
+            pass
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
         with self._lock:
             self._down.clear()
             self.pool = torch.empty(0, dtype=torch.uint8)

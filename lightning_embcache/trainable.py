@@ -136,16 +136,14 @@ class TrainableRows:
         return rows
 
     def _device_slots(self, idx: np.ndarray) -> np.ndarray:
-        """Device slot of every position of validated ``idx``, rows brought up as needed; rows
-        with gradients not yet applied are never pushed out meanwhile."""
-        tier = self.device_tier
-        assert tier is not None
-        if tier.resident:
-            return idx
-        uniq, inv = np.unique(idx, return_inverse=True)
+        """Device slot of every position of validated ``idx``, rows brought up as needed."""
+        assert self.device_tier is not None
+        return self.device_tier.positions(idx, self.held_slots())
+
+    def held_slots(self) -> np.ndarray | None:
+        """Device slots of rows whose gradients are not applied yet: they must stay on the device."""
         held = [p for p, _, _ in self._dev_leaves] + [p for p, _, _ in self._dev_grads]
-        protect = np.concatenate(held) if held else None
-        return tier.slots(uniq, protect)[inv]
+        return np.concatenate(held) if held else None
 
     def prefetch(self, ids: Any) -> None:
         """Bring rows `ids` to the device tier now (copies queued without waiting), so that the
@@ -153,7 +151,7 @@ class TrainableRows:
         if self.device_tier is None:
             self.store.prefetch(ids)
             return
-        self._device_slots(as_ids(ids, self.store.num_rows))
+        self.device_tier.prefetch(as_ids(ids, self.store.num_rows), self.held_slots())
 
     # ---- backward ------------------------------------------------------------------------------
     def collect(self) -> int:
@@ -241,7 +239,7 @@ class TrainableRows:
         lr_now = self.optimizer.lr if lr is None else lr
         weight = tier.view("weight")
         state = {n: tier.view(n) for n in self._state_names}
-        with tier._lock:  # a background write_down sees the whole step or none of it
+        with tier.step_lock:  # a background write_down sees the whole step or none of it
             done = self.max_grad_norm is None and fused_adam_step_rows(
                 self.optimizer, weight, state, pos_d, grads, step=step, lr=lr_now)
             if not done:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
+from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.lightning.staging import PinnedStaging
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.trainable import TrainableRows
@@ -98,8 +99,11 @@ class EmbeddingStoreHandle:
         optim_config: dict[str, Any],
         module: torch.nn.Module | None = None,
         if_exists: str = "error",
+        device_bytes: int | None = None,
     ) -> None:
         self.name = name
+        self.device_bytes = device_bytes
+        self._device_tier: DeviceTier | None = None
         self.num_rows = num_rows
         self.dim = dim
         self.path = path
@@ -143,6 +147,9 @@ class EmbeddingStoreHandle:
         """Rows for `ids` as a fresh tensor on the module's device, in the store dtype."""
         self._settle()
         store = self._ensure_open(writable=False)
+        tier = self._tier(store)
+        if tier is not None:
+            return tier.gather(self._valid_ids(store, ids), protect=self._held_slots())
         rows = store.get(self._host_ids(ids))
         device = self._device()
         if device.type == "cpu":
@@ -153,6 +160,15 @@ class EmbeddingStoreHandle:
     def update(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values` (any device, detached, cast to the store dtype) to rows `ids`."""
         store = self._ensure_open(writable=True)
+        tier = self._tier(store)
+        if tier is not None:
+            idx = self._valid_ids(store, ids)
+            values = values.detach()
+            if tuple(values.shape) != (len(idx), self.dim):
+                raise _store_errors().InvalidArgumentError(
+                    f"values must have shape ({len(idx)}, {self.dim}) to match ids; got {tuple(values.shape)}")
+            tier.scatter(idx, values.to(tier.device, self.dtype), protect=self._held_slots())
+            return
         ids = self._host_ids(ids)
         values = values.detach()
         if values.device.type != "cpu" or values.dtype != self.dtype:
@@ -161,15 +177,26 @@ class EmbeddingStoreHandle:
 
     @_store_call
     def prefetch(self, ids: torch.Tensor) -> None:
-        """Non-blocking hint: bring rows `ids` into the hot tier before they are needed."""
-        self._ensure_open(writable=False).prefetch(self._host_ids(ids))
+        """Non-blocking hint: bring rows `ids` into the hot tier (or the device tier) before they
+        are needed. With a device tier the rows' copies are queued at once, so call it with the
+        next batch's ids after this step's lookups."""
+        store = self._ensure_open(writable=False)
+        tier = self._tier(store)
+        if tier is not None:
+            tier.prefetch(self._valid_ids(store, ids), self._held_slots())
+            return
+        store.prefetch(self._host_ids(ids))
 
     @_store_call
     def flush(self) -> int:
         """Make all updates durable; returns the store version. Safe to call from another thread."""
         with self._lifecycle:
             self._settle()
-            version = self._ensure_open(writable=True).flush()
+            store = self._ensure_open(writable=True)
+            tier = self._device_tier
+            if tier is not None and tier.store is store:
+                tier.write_down()  # the device's newer rows first: the flush holds every update
+            version = store.flush()
             self._target_version, self._target_checksum = None, None
             self._target_from_checkpoint = False
             return version
@@ -177,8 +204,9 @@ class EmbeddingStoreHandle:
     @property
     def io_wait_seconds(self) -> float:
         """The store's cumulative ``io_wait_seconds`` without the cost of a full ``stats()``."""
-        store = self._store
-        return store.io_wait_seconds if store is not None and not store.closed else 0.0
+        store, tier = self._store, self._device_tier
+        seconds = store.io_wait_seconds if store is not None and not store.closed else 0.0
+        return seconds + (tier.io_seconds if tier is not None else 0.0)
 
     @_store_call
     def stats(self) -> StoreStats:
@@ -203,7 +231,7 @@ class EmbeddingStoreHandle:
     def row_meta(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per row: the step it was last trained at (``last_step``) and how often (``updates``)."""
         meta = self._trainable_rows("row_meta").row_meta(self._host_ids(ids))
-        device = self._device()
+        device = self._device() if self._device_tier is None else self._device_tier.device
         return {k: v.to(device) for k, v in meta.items()}
 
     @property
@@ -234,9 +262,42 @@ class EmbeddingStoreHandle:
             if self._trainable is None or self._trainable.store is not store:
                 self._trainable = store.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm)
             return self._trainable
-        if self._trainable is None or self._trainable.store is not store:
-            self._trainable = TrainableRows(store, self._row_optimizer, max_grad_norm=self._max_grad_norm)
+        tier = self._tier(store)
+        if self._trainable is None or self._trainable.store is not store or self._trainable.device_tier is not tier:
+            self._trainable = TrainableRows(store, self._row_optimizer, max_grad_norm=self._max_grad_norm,
+                                            device_tier=tier)
         return self._trainable
+
+    # ------------------------------------------------------------------ the device tier
+    def _tier(self, store: EmbeddingStore) -> DeviceTier | None:
+        """The device tier of ``store`` on a CUDA module (None: the rows stay on the host)."""
+        device = self._device()
+        if device.type != "cuda" or self.device_bytes == 0:
+            return None
+        tier = self._device_tier
+        if tier is not None and tier.store is store and tier.device.index == (device.index or 0):
+            return tier
+        if tier is not None:
+            tier.close()
+        budget = self.device_bytes if self.device_bytes is not None else self._auto_device_bytes(store, device)
+        self._device_tier = DeviceTier(store, device, budget)
+        return self._device_tier
+
+    @staticmethod
+    def _auto_device_bytes(store: EmbeddingStore, device: torch.device) -> int:
+        """``device_bytes=None`` on a CUDA module: the whole table if it takes at most a quarter of
+        the GPU's memory, else a quarter of the GPU's memory."""
+        table = store.num_rows * (store.row_bytes + SLOT_OVERHEAD)
+        return min(table, torch.cuda.get_device_properties(device).total_memory // 4)
+
+    def _held_slots(self) -> Any:
+        t = self._trainable
+        return t.held_slots() if t is not None and t.device_tier is self._device_tier else None
+
+    def _valid_ids(self, store: EmbeddingStore, ids: torch.Tensor) -> Any:
+        from lightning_embcache.store.validate import as_ids
+
+        return as_ids(self._host_ids(ids), store.num_rows)
 
     def _settle(self) -> None:
         """Run a scheduled row update before anything reads or flushes the rows."""
@@ -419,6 +480,9 @@ class EmbeddingStoreHandle:
             self._stand_in = False
             if self.path is not None and _writers.get(self.path, lambda: None)() is self:
                 del _writers[self.path]
+            tier, self._device_tier = self._device_tier, None
+            if tier is not None:
+                tier.close()  # after a flush it holds nothing the store lacks; else, as the store
             if store is not None and not store.closed:
                 store.close()
 
@@ -457,7 +521,7 @@ class EmbeddingStoreHandle:
         # Pickled with its module (deepcopy, spawn): the open store, locks and buffers stay behind.
         state = self.__dict__.copy()
         state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None, _trainable=None,
-                     _stand_in=False, _in_fit=False)
+                     _stand_in=False, _in_fit=False, _device_tier=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

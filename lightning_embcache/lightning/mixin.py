@@ -80,6 +80,7 @@ class EmbeddingStoreMixin:
         path: str | os.PathLike[str] | None = None,
         hot_bytes: int | None = None,
         warm_bytes: int = 0,
+        device_bytes: int | None = None,
         dtype: torch.dtype = torch.float32,
         chunk_rows: int = 1024,
         compression: str | None = None,
@@ -100,6 +101,11 @@ class EmbeddingStoreMixin:
             num_rows, dim: table shape.
             path: store directory; ``None`` keeps the table in memory (not checkpointed).
             hot_bytes: RAM budget of uncompressed rows; ``None`` keeps the whole table resident.
+            device_bytes: GPU memory for the device tier of a CUDA module: rows *and* their
+                optimizer state live there, `lookup`, the row-wise update and `get`/`update` run on
+                the GPU, and only rows missing from it travel from host RAM. ``None`` (default):
+                the whole table if it takes at most a quarter of the GPU's memory, else a quarter
+                of it. ``0``: no device tier (rows stay in host RAM). Ignored on CPU.
             warm_bytes, dtype, chunk_rows, compression, init, seed, init_std, check_finite, fields:
                 passed to ``EmbeddingStore.create`` (``warm_bytes``, ``hot_bytes`` and
                 ``check_finite`` also to ``EmbeddingStore.open``).
@@ -120,6 +126,9 @@ class EmbeddingStoreMixin:
             raise ValueError(f"Invalid value for name={name!r}. Must be a Python identifier")
         if name in stores:
             raise ValueError(f"Invalid value for name={name!r}. An embedding store of that name already exists")
+        if device_bytes is not None and (isinstance(device_bytes, bool) or not isinstance(device_bytes, int)
+                                         or device_bytes < 0):
+            raise ValueError(f"Invalid value for device_bytes={device_bytes!r}. Must be None or an int >= 0 (bytes)")
         if optim_kwargs and optimizer is None:
             raise TypeError(
                 f"add_embedding_store() got unexpected keyword arguments {sorted(optim_kwargs)}; store options "
@@ -149,6 +158,7 @@ class EmbeddingStoreMixin:
             optim_config=dict(optimizer=optimizer, lr=lr, **optim_kwargs),
             module=self,  # type: ignore[arg-type]
             if_exists=if_exists,
+            device_bytes=device_bytes,
         )
         handle._row_optimizer, handle._max_grad_norm = row_optimizer, max_grad_norm
         stores[name] = handle

@@ -34,6 +34,7 @@ from .errors import (
     StoreClosedError,
     StoreLockedError,
 )
+from . import rowcopy
 from .hot import SLOT_OVERHEAD, HotTier
 from .schema import DTYPES, Schema
 from .stats import StoreStats
@@ -425,25 +426,33 @@ class EmbeddingStore(TieredRows, Versioning):
         """Bytes of one record: the weight and every per-row field, packed and aligned."""
         return self._row_bytes
 
-    def read_records(self, ids: Any) -> torch.Tensor:
-        """Whole records of ``ids`` (weight and every field) as a new ``(n, row_bytes)`` uint8 tensor.
+    def read_records(self, ids: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole records of ``ids`` (weight and every field) as a ``(n, row_bytes)`` uint8 tensor.
 
         For trainers that update a row and its optimizer state together: one gather of whole
         records from the contiguous pool, where `get_fields` gathers each field separately. The
-        fields are read through `record_view`.
+        fields are read through `record_view`. ``out``: a contiguous CPU uint8 tensor of that
+        shape to fill (e.g. pinned memory on its way to a GPU); default: a new one.
         """
         t0 = time.perf_counter()
         self._check_usable()
         idx = self._valid_ids(ids)
+        shape = (len(idx), self._row_bytes)
+        if out is not None and (type(out) is not torch.Tensor or out.dtype != torch.uint8 or out.is_cuda
+                                or tuple(out.shape) != shape or not out.is_contiguous()):
+            raise InvalidArgumentError(f"out must be a contiguous CPU uint8 tensor of shape {shape}; got "
+                                       f"{getattr(out, 'dtype', type(out).__name__)} of shape "
+                                       f"{tuple(getattr(out, 'shape', ()))}")
+        if out is None:
+            out = torch.empty(shape, dtype=torch.uint8)
         with self._lock:
             self._check_open()
-            if self._hot.all_loaded:
-                out = torch.from_numpy(self._hot.pool_np[idx])
-            else:
-                out = None
-        if out is None:  # cold rows, or a cache of slots: field by field through the tiers
+            done = self._hot.all_loaded
+            if done:
+                rowcopy.gather(self._hot.pool_np, idx, out.numpy())
+        if not done:  # cold rows, or a cache of slots: field by field through the tiers
             fields = self.get_fields(idx, self._schema.names)
-            out = torch.empty((len(idx), self._row_bytes), dtype=torch.uint8)
+            out.zero_()  # the padding between fields reads as zeros, as in the pool
             for n, v in fields.items():
                 self._schema.view(out, n).copy_(v)
         self._stats.gets += 1
@@ -471,7 +480,7 @@ class EmbeddingStore(TieredRows, Versioning):
             self._check_open()
             fast = self._hot.all_loaded and self._cow is None
             if fast:
-                self._hot.pool_np[idx] = records.numpy()
+                rowcopy.scatter(self._hot.pool_np, idx, records.numpy())
                 self._hot.dirty[idx] = 1
         if not fast:
             self.update_fields(idx, {n: self._schema.view(records, n) for n in self._schema.names})
@@ -536,6 +545,8 @@ class EmbeddingStore(TieredRows, Versioning):
             s.warm_bytes = self._warm.nbytes
             s.warm_budget_bytes = self._warm.budget
             s.warm_hits, s.warm_misses = self._warm.hits, self._warm.misses
+            s.warm_bytes_read, s.warm_bytes_written = self._warm.bytes_read, self._warm.bytes_written
+            s.table_bytes = self._num_rows * self._row_bytes
             s.dirty_rows = int(np.count_nonzero(self._hot.dirty)) if not self._closed else 0
             s.compression_ratio = self._warm.compression_ratio
             s.bytes_read = self._disk.total_bytes_read if self._disk else 0

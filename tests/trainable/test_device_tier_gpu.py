@@ -1,0 +1,153 @@
+"""The device tier: rows and optimizer state on the GPU, against nn.Embedding + SparseAdam on the
+same GPU (the reference), with the table inside and 4x over the device budget."""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_embcache import EmbeddingStore, EmbeddingStoreMixin, TrainableRows, make_row_optimizer, trainable_fields
+from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+N, DIM, STEPS = 3000, 16, 200
+
+
+def _store(tmp_path, name: str, hot_bytes=None):
+    opt = make_row_optimizer(name, lr=0.05 if name != "sgd" else 0.5)
+    store = EmbeddingStore.create(tmp_path / "s", N, DIM, init="normal", seed=1, chunk_rows=128, hot_bytes=hot_bytes,
+                                  fields=trainable_fields(opt, DIM, torch.float32))
+    return opt, store
+
+
+def _budget(store, fraction):
+    return int(N * fraction) * (store.row_bytes + SLOT_OVERHEAD)
+
+
+def _reference(name, w0):
+    emb = torch.nn.Embedding(N, DIM, sparse=True, device="cuda")
+    with torch.no_grad():
+        emb.weight.copy_(w0)
+    if name == "adam":
+        return emb, torch.optim.SparseAdam(emb.parameters(), lr=0.05)
+    if name == "adagrad":
+        return emb, torch.optim.Adagrad(emb.parameters(), lr=0.05)
+    return emb, torch.optim.SGD(emb.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize("name", ["adam", "adagrad", "sgd"])
+@pytest.mark.parametrize("fraction", [1.0, 0.25], ids=["inside-budget", "4x-over-budget"])
+def test_device_tier_trains_like_nn_embedding_on_the_gpu(tmp_path, name, fraction):
+    opt, store = _store(tmp_path, name, hot_bytes=None if fraction == 1.0 else 400 * 200)
+    tier = DeviceTier(store, "cuda", _budget(store, fraction))
+    assert tier.resident == (fraction == 1.0)
+    rows = TrainableRows(store, opt, device_tier=tier)
+    emb, ref = _reference(name, store.get(torch.arange(N)).cuda())
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, STEPS + 1):
+        ref.zero_grad()
+        for _ in range(2):  # two micro-batches, duplicates within and across them
+            ids = torch.randint(0, N, (96,), generator=g)
+            tgt = torch.randn(96, DIM, generator=g).cuda()
+            ((emb(ids.cuda()) - tgt) ** 2).sum().backward()
+            z = rows.lookup(ids)
+            assert z.is_cuda
+            ((z - tgt) ** 2).sum().backward()
+            rows.collect()
+        ref.step()
+        rows.apply(step=step)
+        if step % 50 == 0:
+            rows.write_down()
+            store.flush()
+    got = tier.gather(np.arange(N))
+    torch.testing.assert_close(got, emb.weight.detach(), rtol=1e-5, atol=1e-5)
+    # the store holds the same after a write-down and a flush, and so does a reopened store
+    rows.write_down()
+    version = store.flush()
+    torch.testing.assert_close(store.get(torch.arange(N)).cuda(), emb.weight.detach(), rtol=1e-5, atol=1e-5)
+    store.close()
+    again = EmbeddingStore.open(tmp_path / "s", version=version, readonly=True)
+    torch.testing.assert_close(again.get(torch.arange(N)).cuda(), got, rtol=0, atol=0)
+    again.close()
+
+
+def test_device_tier_steps_make_no_device_sync(tmp_path):
+    opt, store = _store(tmp_path, "adam", hot_bytes=None)
+    for fraction in (1.0, 0.25):
+        tier = DeviceTier(store, "cuda", _budget(store, fraction))
+        rows = TrainableRows(store, opt, device_tier=tier)
+        g = torch.Generator().manual_seed(0)
+        for step in range(1, 40):
+            ids = torch.randint(0, N, (256,), generator=g)
+            if step > 5:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                z = rows.lookup(ids)
+                (z * z).sum().backward()
+                rows.apply(step=step)
+                rows.prefetch(torch.randint(0, N, (256,), generator=g))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        rows.write_down()
+        tier.close()
+    store.close()
+
+
+def test_direct_writes_through_the_device_tier_match_a_dict(tmp_path):
+    store = EmbeddingStore.create(tmp_path / "s", N, DIM, hot_bytes=None)
+    tier = DeviceTier(store, "cuda", _budget(store, 0.1))
+    ref = {i: torch.zeros(DIM) for i in range(N)}
+    g = torch.Generator().manual_seed(2)
+    for _ in range(60):
+        ids = torch.randint(0, N, (128,), generator=g)
+        vals = torch.randn(128, DIM, generator=g)
+        tier.scatter(ids.numpy(), vals.cuda())
+        for i, v in zip(ids.tolist(), vals):  # last write of a duplicate wins
+            ref[i] = v
+        probe = torch.randint(0, N, (64,), generator=g)
+        torch.testing.assert_close(tier.gather(probe.numpy()).cpu(), torch.stack([ref[i] for i in probe.tolist()]))
+    tier.write_down()
+    torch.testing.assert_close(store.get(torch.arange(N)), torch.stack([ref[i] for i in range(N)]))
+    store.close()
+
+
+class _Decoder(EmbeddingStoreMixin, L.LightningModule):
+    def __init__(self, path, device_bytes):
+        super().__init__()
+        self.latents = self.add_embedding_store("latents", num_rows=N, dim=DIM, path=path, chunk_rows=128,
+                                                device_bytes=device_bytes, init="normal", optimizer="adam", lr=0.05)
+        self.net = torch.nn.Linear(DIM, 8)
+
+    def training_step(self, batch, batch_idx):
+        ids, target = batch
+        return torch.nn.functional.mse_loss(self.net(self.latents.lookup(ids)), target)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.0)  # the decoder stays fixed
+
+
+@pytest.mark.parametrize("fraction", [None, 0.25], ids=["auto", "quarter"])
+def test_fit_on_the_device_tier_matches_the_host_path_and_reopens(tmp_path, fraction):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, N, (4096,), generator=g)
+    target = torch.randn(4096, 8, generator=g)
+    results = {}
+    for mode in ("host", "device"):
+        L.seed_everything(0)
+        record = 3 * DIM * 4 + 8  # weight, two Adam moments, last_step + updates
+        budget = 0 if mode == "host" else (None if fraction is None else int(N * fraction) * (record + SLOT_OVERHEAD))
+        model = _Decoder(tmp_path / mode, budget)
+        trainer = L.Trainer(max_epochs=2, accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, DataLoader(TensorDataset(ids, target), batch_size=256, shuffle=False))
+        if mode == "device":
+            assert model.latents._device_tier is None  # released after fit, its rows flushed
+        results[mode] = EmbeddingStore.open(tmp_path / mode, readonly=True)
+    torch.testing.assert_close(results["device"].get(torch.arange(N)), results["host"].get(torch.arange(N)),
+                               rtol=1e-5, atol=1e-5)
+    for s in results.values():
+        s.close()
