@@ -49,10 +49,11 @@ def shard_handles(module: Any) -> None:
             continue
         handle._close()  # a plain store opened before torch.distributed started
         handle._trainable = None
-        if getattr(handle, "device_bytes", 0):
+        if getattr(handle, "device_bytes", 0) != 0:
             # the device tier holds a whole table's rows; a shard's owner serves them from the host
-            _warnings.warn(f"Embedding store {handle.name!r} is row-sharded over {world_size} processes; its "
-                           "rows stay in host memory (the device tier is single-process for now).")
+            if handle.device_bytes:
+                _warnings.warn(f"Embedding store {handle.name!r} is row-sharded over {world_size} processes; its "
+                               "rows stay in host memory (the device tier is single-process for now).")
             handle.device_bytes = 0
         factory = ShardFactory(handle.num_rows, handle.dim, handle._create_options)
         table = getattr(handle, "_table_path", None) or handle.path

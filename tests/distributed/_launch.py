@@ -28,8 +28,9 @@ def launch(root: Path, name: str, timeout: float = 600, expect_ok: bool = True, 
                           timeout=timeout, env=env, cwd=str(SCRIPT.parent))
     if expect_ok:
         assert proc.returncode == 0 and (out / "result.json").exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
-    ranks = [torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
-    return {"proc": proc, "ranks": ranks, "out": out}
+    ranks = [torch.load(p, weights_only=False) for p in sorted(out.glob("rank[0-9].pt"))]
+    resumed = [torch.load(p, weights_only=False) for p in sorted(out.glob("rank[0-9]_resumed.pt"))]
+    return {"proc": proc, "ranks": ranks, "resumed": resumed, "out": out}
 
 
 def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:

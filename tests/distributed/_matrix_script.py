@@ -109,24 +109,20 @@ def calm() -> MemoryReading:
     return MemoryReading(system_total=8 << 30, system_available=(4 - r) << 30, rss_bytes=(1 + r) << 28)
 
 
-def main(config_file: str) -> None:
-    cfg = json.loads(Path(config_file).read_text())
-    out = Path(cfg["out"])
-    out.mkdir(parents=True, exist_ok=True)
+def fit(cfg: dict, out: Path, tag: str, resume: str | None, ckpt_dir: str | None) -> L.Trainer:
     model = RowsModel(cfg.get("path"), cfg.get("if_exists", "error"), cfg.get("hot_bytes"))
     fit_model = torch.compile(model) if cfg.get("compile") else model
     clock = StepClock()
     callbacks = [DeferredSync(every_n_steps=3), MemoryPressure(check_every_n_steps=2, reader=calm),
                  StepProfiler(log_every_n_steps=4, report=False), clock]
-    ckpt_dir = cfg.get("ckpt_dir")
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=True))
     if cfg.get("kill_step") is not None:
         callbacks.append(Killer(cfg.get("kill_rank", 1), cfg["kill_step"]))
     devices = cfg.get("devices", 1)
-    world = devices if cfg.get("strategy", "auto") != "auto" else 1
     trainer = L.Trainer(accelerator=cfg.get("accelerator", "cpu"), devices=devices, strategy=cfg.get("strategy", "auto"),
-                        precision=cfg.get("precision", "32-true"), max_epochs=cfg.get("epochs", 2), max_steps=cfg.get("max_steps", -1), logger=False,
+                        precision=cfg.get("precision", "32-true"), max_epochs=cfg.get("epochs", 2),
+                        max_steps=cfg.get("max_steps", -1), logger=False,
                         callbacks=callbacks, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=True)
     batch = cfg.get("batch", 16)
@@ -134,7 +130,7 @@ def main(config_file: str) -> None:
         loader = DataLoader(Targets(), batch_sampler=CombinedBatches(cfg["combined_world"], batch))
     else:
         loader = DataLoader(Targets(), batch_size=batch)
-    trainer.fit(fit_model, loader, ckpt_path=cfg.get("resume"))
+    trainer.fit(fit_model, loader, ckpt_path=resume)
     rank = trainer.global_rank
     with torch.no_grad():
         rows = {"latents": model.latents.get(torch.arange(N)), "bank": model.bank.get(torch.arange(N))}
@@ -143,8 +139,20 @@ def main(config_file: str) -> None:
                 "decoder": {k: v.detach().clone() for k, v in model.decoder.state_dict().items()},
                 "paths": {n: str(h.path) for n, h in model.embedding_stores.items()},
                 "deferred_syncs": callbacks[0].syncs, "mem_metrics": callbacks[1].last_metrics,
-                "sync_metrics": callbacks[0].last_metrics, "profile": callbacks[2].summary()}, out / f"rank{rank}.pt")
-    if rank == 0:
+                "sync_metrics": callbacks[0].last_metrics, "profile": callbacks[2].summary()},
+               out / f"rank{rank}{tag}.pt")
+    return trainer
+
+
+def main(config_file: str) -> None:
+    cfg = json.loads(Path(config_file).read_text())
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = fit(cfg, out, "", cfg.get("resume"), cfg.get("ckpt_dir"))
+    if cfg.get("resume_after"):  # then, in the same processes, resume a fresh model from a checkpoint
+        fit(cfg, out, "_resumed", cfg["resume_after"], cfg.get("ckpt_dir_after"))
+    if trainer.global_rank == 0:
+        world = trainer.world_size
         (out / "result.json").write_text(json.dumps({"ok": True, "world": world, "steps": trainer.global_step}))
 
 

@@ -54,3 +54,23 @@ def test_sharded_trainable_rows_equal_sparse_adam_with_mean_gradients(tmp_path):
 
 def test_bytes_exchanged_per_get_follow_the_batch_not_the_table(tmp_path):
     run_ranks(_rank_fns.exchange_is_o_batch, 2, str(tmp_path))
+
+
+def test_a_path_laid_out_for_another_world_size_is_refused_naming_the_reshard_command(tmp_path):
+    from lightning_embcache import InvalidArgumentError
+    from lightning_embcache.distributed.sharding import shard_dir
+    from lightning_embcache.distributed.store import _check_layout
+
+    single = tmp_path / "single"
+    EmbeddingStore.create(single, 10, 4).close()
+    with pytest.raises(InvalidArgumentError, match=r"holds a single-process store, but 2 processes run.*embcache reshard"):
+        _check_layout(single, 2)
+    sharded = tmp_path / "sharded"
+    for r in range(2):
+        EmbeddingStore.create(shard_dir(sharded, r, 2), 5, 4).close()
+    with pytest.raises(InvalidArgumentError, match=r"shards for world_size=\[2\], but 4 process\(es\) run.*embcache reshard"):
+        _check_layout(sharded, 4)
+    _check_layout(sharded, 2)  # its own layout is fine
+    for r in range(4):  # after resharding both layouts live side by side
+        EmbeddingStore.create(shard_dir(sharded, r, 4), 3, 4).close()
+    _check_layout(sharded, 4)

@@ -1,0 +1,198 @@
+"""Scaling of an auto-decoder whose per-sample codes are trainable rows of a row-sharded store.
+
+    python -m lightning_embcache.bench.distributed --world-sizes 1 2 4 --rows 10000000 --dim 64 \\
+        --batch 4096 --steps 50 --out bench-results/distributed-scaling.json [--dense]
+
+Each world size runs in fresh processes (one per GPU; NCCL for the decoder's DDP, the store's own
+Gloo group for rows). Per step and rank: `lookup` of `--batch` random ids (rows fetched from their
+owners), a 3-layer MLP decoder under DDP, backward, the rows' gradients sent to their owners and
+applied by Adam there, the decoder's Adam step. World size 1 is the single-process path
+(`TrainableRows` on one `EmbeddingStore`, no exchange). Weak scaling: the per-rank batch is fixed,
+so samples/s should grow with the world size.
+
+Reported per world size: samples/s (steady, after `--warmup` steps), ms per step, the bytes each
+rank sent for the store per step (ids, split sizes, rows, gradient rows), and the bytes DDP would
+all-reduce per rank per step for the same table as a dense ``nn.Embedding`` (ring all-reduce:
+2 (W-1)/W x rows x dim x 4). ``--dense`` also times DDP + a dense ``nn.Embedding`` + Adam.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OUT_DIM = 32
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _decoder(dim: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(dim, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                               torch.nn.Linear(512, OUT_DIM))
+
+
+def _targets(ids: torch.Tensor) -> torch.Tensor:
+    f = torch.arange(1, OUT_DIM + 1, device=ids.device, dtype=torch.float32)
+    return torch.sin(ids[:, None].float() * 1e-4 * f)
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -> None:
+    from lightning_embcache import EmbeddingStore, TrainableRows, make_row_optimizer, trainable_fields
+    from lightning_embcache.distributed import ShardedStore
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    n, dim, batch = cfg["rows"], cfg["dim"], cfg["batch"]
+    opt = make_row_optimizer("adam", lr=1e-3)
+    fields = trainable_fields(opt, dim, torch.float32)
+    if world == 1:
+        store: Any = EmbeddingStore.create(None, n, dim, fields=fields)
+        rows: Any = TrainableRows(store, opt)
+    else:
+        store = ShardedStore.open_or_create(None, n, dim, fields=fields)
+        rows = store.trainable_rows(opt)
+    decoder = _decoder(dim).to(device)
+    model = torch.nn.parallel.DistributedDataParallel(decoder, device_ids=[rank] if cuda else None)
+    dense_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    sent0 = t0 = 0.0
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        if step == cfg["warmup"]:
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            sent0 = getattr(store, "exchanged_bytes", 0)
+        ids = torch.randint(0, n, (batch,), generator=gen)
+        z = rows.lookup(ids, device)
+        loss = torch.nn.functional.mse_loss(model(z), _targets(ids.to(device, non_blocking=True)))
+        loss.backward()
+        rows.collect()
+        rows.apply(step + 1)
+        dense_opt.step()
+        dense_opt.zero_grad(set_to_none=True)
+    rows.settle()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    sent = (getattr(store, "exchanged_bytes", 0) - sent0) / cfg["steps"]
+    out = {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach())}
+    if cfg.get("dense") and world > 1:
+        out["dense"] = _dense(rank, world, cfg, device)
+    queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dense(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> dict[str, float]:
+    """DDP + a dense nn.Embedding of the same table + Adam: what rows as parameters cost."""
+    n, dim, batch = cfg["rows"], cfg["dim"], cfg["batch"]
+
+    class Dense(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.codes = torch.nn.Embedding(n, dim)
+            self.decoder = _decoder(dim)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.decoder(self.codes(ids))
+
+    model = torch.nn.parallel.DistributedDataParallel(Dense().to(device), device_ids=[rank])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(2000 + rank)
+    steps, warm = max(5, cfg["steps"] // 5), 3
+    for step in range(warm + steps):
+        if step == warm:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        ids = torch.randint(0, n, (batch,), generator=gen).to(device)
+        torch.nn.functional.mse_loss(model(ids), _targets(ids)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    ms = 1e3 * (time.perf_counter() - t0) / steps
+    del model, opt
+    torch.cuda.empty_cache()
+    return {"ms_per_step": ms, "samples_per_s": world * batch / (ms / 1e3)}
+
+
+def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, _port() if r < 0 else cfg["_port"], cfg, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=cfg.get("timeout", 600)) for _ in range(world)]
+    for p in procs:
+        p.join(60)
+    elapsed = max(g["elapsed_s"] for g in got)
+    res = {"world_size": world, "samples_per_s": world * cfg["batch"] * cfg["steps"] / elapsed,
+           "ms_per_step": 1e3 * elapsed / cfg["steps"],
+           "store_bytes_per_step_per_rank": sum(g["store_bytes_per_step"] for g in got) / world,
+           "dense_allreduce_bytes_per_step_per_rank": 2 * (world - 1) / world * cfg["rows"] * cfg["dim"] * 4,
+           "final_loss_rank0": sorted(got, key=lambda g: g["rank"])[0]["loss"]}
+    dense = [g["dense"] for g in got if "dense" in g]
+    if dense:
+        res["dense_embedding_ddp"] = {"ms_per_step": max(d["ms_per_step"] for d in dense),
+                                      "samples_per_s": min(d["samples_per_s"] for d in dense)}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lightning_embcache.bench.distributed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4096, help="ids per rank per step")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--dense", action="store_true", help="also time DDP + a dense nn.Embedding (CUDA only)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense)
+    results = []
+    for w in args.world_sizes:
+        cfg["_port"] = _port()
+        r = run(w, cfg)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    base = results[0]["samples_per_s"]
+    for r in results:
+        r["speedup_vs_first"] = r["samples_per_s"] / base
+    report = {"config": {k: v for k, v in cfg.items() if not k.startswith("_")},
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "cpu_count": os.cpu_count(), "results": results}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    for r in results:
+        print(f"world {r['world_size']}: {r['samples_per_s']:,.0f} samples/s ({r['speedup_vs_first']:.2f}x), "
+              f"{r['ms_per_step']:.1f} ms/step, store {r['store_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank, "
+              f"dense all-reduce {r['dense_allreduce_bytes_per_step_per_rank'] / 1e9:.2f} GB/step/rank")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
