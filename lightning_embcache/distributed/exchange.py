@@ -9,7 +9,8 @@ single-process store does. Gloo's ``all_to_all_single`` takes uneven splits (tes
 ``tests/distributed``), so no send/recv pairs are needed. A separate group keeps the store's
 collectives out of the order of DDP's gradient buckets and of the profiler's reduction.
 
-One request costs three collectives, each O(batch) and never O(table):
+A read costs three collectives, a write two (the ids travel with the rows), each O(batch) and
+never O(table):
 
 1. split sizes (``world_size`` x 2 int64: how many unique ids go to each owner, and an
    ok flag, so one rank's invalid ids fail every rank with a clear error instead of leaving the
@@ -62,12 +63,17 @@ def store_group() -> object:
 class Route:
     """Where the unique ids of one batch go, and which local rows this rank serves in return.
 
+    A route that only delivers rows to their owners (``deliver=True``: writes, gradient rows)
+    sends the ids with the rows in :meth:`push`, one collective fewer.
+
     Attributes:
-        served: local row ids this rank is asked for, grouped by requesting rank (in rank order).
+        served: local row ids this rank is asked for (or receives rows for), grouped by the
+            sending rank in rank order; for ``deliver=True`` known after :meth:`push`.
         bytes_sent: payload + id bytes this rank sent for the route so far (for the benchmarks).
     """
 
-    def __init__(self, group: object, sharding: RowSharding, ids: Tensor, error: str | None = None) -> None:
+    def __init__(self, group: object, sharding: RowSharding, ids: Tensor, error: str | None = None,
+                 deliver: bool = False) -> None:
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.world_size = group, world_size
         if error is None:
@@ -94,10 +100,15 @@ class Route:
             )
         self.send_splits = counts.tolist()
         self.recv_splits = got[:, 0].tolist()
-        recv = torch.empty(sum(self.recv_splits), dtype=torch.int64)
-        dist.all_to_all_single(recv, send_ids, self.recv_splits, self.send_splits, group=group)
-        self.served = sharding.local(recv)
-        self.bytes_sent = int(send_ids.numel()) * 8 + world_size * 16
+        self.sharding = sharding
+        self.bytes_sent = world_size * 16
+        self.served: Tensor | None = None
+        self._send_ids = send_ids
+        if not deliver:
+            recv = torch.empty(sum(self.recv_splits), dtype=torch.int64)
+            dist.all_to_all_single(recv, send_ids, self.recv_splits, self.send_splits, group=group)
+            self.served = sharding.local(recv)
+            self.bytes_sent += int(send_ids.numel()) * 8
 
     def fetch(self, served_rows: Tensor | Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
         """Send the rows this rank serves back to their requesters; returns one row per requested id."""
@@ -114,9 +125,15 @@ class Route:
         this rank receives, aligned with :attr:`served`."""
         packed, unpack = _pack(unique_rows)
         packed = packed.index_select(0, self.order)
-        out = torch.empty((len(self.served), packed.shape[1]), dtype=torch.uint8)
+        with_ids = self.served is None
+        if with_ids:  # the ids travel in the same transfer, 8 bytes in front of each row
+            packed = torch.cat([self._send_ids.view(torch.uint8).reshape(-1, 8), packed], dim=1)
+        out = torch.empty((sum(self.recv_splits), packed.shape[1]), dtype=torch.uint8)
         dist.all_to_all_single(out, packed, self.recv_splits, self.send_splits, group=self.group)
         self.bytes_sent += packed.numel()
+        if with_ids:
+            self.served = self.sharding.local(out[:, :8].contiguous().view(torch.int64).reshape(-1))
+            out = out[:, 8:]
         return unpack(out)
 
 

@@ -107,17 +107,19 @@ class ShardedStore:
 
     def update_fields(self, ids: Any, values: Mapping[str, Any]) -> None:
         """Write several fields of global `ids` at their owners."""
-        idx, vals, route = self.route(ids, values)
+        idx, vals, route = self.route(ids, values, deliver=True)
         with self._clock:
             # of duplicate ids within this call the last one wins, as in EmbeddingStore.update
             last = torch.full((route.num_unique,), -1, dtype=torch.int64)
             last.scatter_reduce_(0, route.inverse, torch.arange(len(idx)), reduce="amax")
             got = route.push({n: v.index_select(0, last) for n, v in vals.items()})
+            assert route.served is not None
             if len(route.served):
                 self.local.update_fields(route.served, got)
             self._clock.bytes_sent += route.bytes_sent
 
-    def route(self, ids: Any, values: Mapping[str, Any] | None = None) -> tuple[Tensor, dict[str, Tensor], Route]:
+    def route(self, ids: Any, values: Mapping[str, Any] | None = None,
+              deliver: bool = False) -> tuple[Tensor, dict[str, Tensor], Route]:
         """Validate `ids` (and `values`) on this rank, then agree with every rank on who sends what.
 
         A rank whose arguments are invalid raises its own error; the others raise one naming it.
@@ -136,7 +138,7 @@ class ShardedStore:
             error, idx, vals = exc, torch.empty(0, dtype=torch.int64), {}
         with self._clock:
             try:
-                route = Route(self.group, self.sharding, idx, None if error is None else str(error))
+                route = Route(self.group, self.sharding, idx, None if error is None else str(error), deliver)
             except InvalidArgumentError:
                 if error is not None:
                     raise error from None

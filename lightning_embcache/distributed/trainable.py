@@ -87,11 +87,11 @@ class ShardedTrainableRows:
         else:
             ids, grads = torch.empty(0, dtype=torch.int64), torch.empty((0, self.store.dim), dtype=torch.float32)
         grads = grads.float() / self.store.world_size
-        _, _, route = self.store.route(ids)
+        _, _, route = self.store.route(ids, deliver=True)
         with self.store._clock:
             got = route.push(grads)  # ids are unique and ascending: the route's own order
             self.store._clock.bytes_sent += route.bytes_sent
-        if len(route.served):
+        if route.served is not None and len(route.served):
             with self._lock:
                 self.local._grads.add(route.served, got)
                 self.local.apply(step, lr)
