@@ -20,15 +20,17 @@ import json
 import sys
 from typing import Any, Sequence
 
-# benchmark -> (module with main(argv), the module's own name for the output file flag)
-BENCHMARKS: dict[str, tuple[str, str]] = {
-    "store": ("lightning_embcache.bench.store", "--json"),
-    "optim": ("lightning_embcache.bench.optim", "--json"),
-    "profiler": ("lightning_embcache.bench.profiler", "--out"),
-    "sync": ("lightning_embcache.bench.sync", "--json"),
-    "tuning": ("lightning_embcache.bench.tuning", "--out"),
-    "train": ("lightning_embcache.bench.train", "--out"),
+# benchmark -> module with main(argv)
+BENCHMARKS: dict[str, str] = {
+    "store": "lightning_embcache.bench.store",
+    "optim": "lightning_embcache.bench.optim",
+    "profiler": "lightning_embcache.bench.profiler",
+    "sync": "lightning_embcache.bench.sync",
+    "tuning": "lightning_embcache.bench.tuning",
+    "train": "lightning_embcache.bench.train",
 }
+# the module's own name for its output file flag, where it is not --out
+OUTPUT_FLAG = {"store": "--json", "optim": "--json", "sync": "--json"}
 BENCHMARK_HELP = {
     "store": "store get/update/flush against in-RAM and on-disk baselines",
     "optim": "sparse row-wise optimizers against torch.optim.SparseAdam",
@@ -144,7 +146,7 @@ def _run_module(module: str, argv: list[str]) -> int:
 def _bench(args: argparse.Namespace, rest: list[str], parser: argparse.ArgumentParser) -> int:
     if args.benchmark is None:
         parser.parse_args(["bench", "--help"])  # prints the benchmarks and exits
-    module, out_flag = BENCHMARKS[args.benchmark]
+    module, out_flag = BENCHMARKS[args.benchmark], OUTPUT_FLAG.get(args.benchmark, "--out")
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as exc:

@@ -54,7 +54,7 @@ def test_unknown_verbs_and_benchmarks_get_a_message(capsys):
 
 
 def test_a_benchmark_module_that_is_not_installed_is_named(monkeypatch, capsys):
-    monkeypatch.setitem(cli.BENCHMARKS, "train", ("lightning_embcache.bench.not_here", "--out"))
+    monkeypatch.setitem(cli.BENCHMARKS, "train", "lightning_embcache.bench.not_here")
     code, _, err = run(["bench", "train"], capsys)
     assert code == 2 and "has no lightning_embcache.bench.not_here" in err
 
@@ -64,7 +64,7 @@ def test_bench_passes_out_under_each_modules_own_flag(monkeypatch, tmp_path):
     fake = types.ModuleType("fake_bench")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, "fake_bench", fake)
-    monkeypatch.setitem(cli.BENCHMARKS, "store", ("fake_bench", "--json"))
+    monkeypatch.setitem(cli.BENCHMARKS, "store", "fake_bench")
     assert embcache(["bench", "store", "--quick", "--out", str(tmp_path / "r.json")]) == 0
     assert seen["argv"] == ["--quick", "--json", str(tmp_path / "r.json")]
 

@@ -14,8 +14,10 @@ import re
 import sys
 from pathlib import Path
 
-import lightning_embcache
-from lightning_embcache.lightning import EmbeddingStoreHandle
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # document this source tree, not an installed copy
+
+import lightning_embcache  # noqa: E402
+from lightning_embcache.lightning import EmbeddingStoreHandle  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
