@@ -234,10 +234,23 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 RUN_MARKER = ".embcache-demo"  # written into the run folder; only a folder holding it is ever emptied
 
 
+# what a run folder of a demo version before RUN_MARKER holds: recognised so that `make demo` runs again
+_OLD_RUN_LAYOUT = {"latents", "latents.checkpoints.json", "checkpoints"}
+
+
+def _made_by_demo(root: Path) -> bool:
+    if not root.is_dir() or root.is_symlink():
+        return False
+    if (root / RUN_MARKER).is_file():
+        return True
+    names = {p.name for p in root.iterdir()}
+    return names <= _OLD_RUN_LAYOUT and (root / "latents" / "META").is_file()
+
+
 def prepare_run_folder(root: Path) -> str | None:
     """Make `root` an empty run folder; returns why not (nothing deleted) when it holds files the demo did not make."""
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        if not (root.is_dir() and not root.is_symlink() and (root / RUN_MARKER).is_file()):
+        if not _made_by_demo(root):
             return (f"--root {root} is not empty and was not made by the demo; refusing to delete it. "
                     f"Choose an empty or new folder.")
         shutil.rmtree(root)

@@ -99,6 +99,14 @@ def test_demo_empties_only_its_own_folder(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == [RUN_MARKER]
     (tmp_path / "file").write_text("x")
     assert "not empty" in prepare_run_folder(tmp_path)
+    old = tmp_path / "old-demo"  # a run folder of a demo version that wrote no marker
+    (old / "latents").mkdir(parents=True)
+    (old / "latents" / "META").write_bytes(b"x")
+    (old / "checkpoints").mkdir()
+    assert prepare_run_folder(old) is None and sorted(p.name for p in old.iterdir()) == [RUN_MARKER]
+    (old / "notes.txt").write_text("mine")
+    (old / RUN_MARKER).unlink()
+    assert prepare_run_folder(old) is not None and (old / "notes.txt").exists()
     link = tmp_path / "link"
     link.symlink_to(root, target_is_directory=True)
     (root / "keep").write_text("x")

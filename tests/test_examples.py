@@ -48,6 +48,7 @@ def test_memory_bank_learns_neighbours():
     assert result["after"] > max(0.5, result["before"] + 0.2), result
 
 
+@pytest.mark.slow  # a subprocess importing Lightning: ~5-10 s on 2 cores
 def test_profile_training_prints_the_phases():
     got = subprocess.run([sys.executable, str(EXAMPLES / "profile_training.py"), "--batches", "30", "--epochs", "1",
                           "--load-ms", "0.5", "--loop-ms", "0.2"], capture_output=True, text=True, timeout=240)
