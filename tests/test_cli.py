@@ -4,6 +4,7 @@ inspect / verify / compact report what a reference (the files, a dict of rows) s
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -33,6 +34,9 @@ def test_version_matches_the_package_and_python_m_works():
     got = subprocess.run([sys.executable, "-m", "lightning_embcache", "--version"], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).parents[1])
     assert got.stdout.strip() == f"embcache {lightning_embcache.__version__}"
+    # one version source: the installed metadata is read from lightning_embcache.__version__
+    assert importlib.metadata.version("lightning_embcache") == lightning_embcache.__version__
+    assert "version =" not in (Path(__file__).parents[1] / "pyproject.toml").read_text().split("[project]")[1].split("[")[0]
 
 
 @pytest.mark.parametrize("argv", [

@@ -55,7 +55,9 @@ def test_every_python_block_runs(page, tmp_path, monkeypatch):
             try:
                 exec(compile(tree, where, "exec"), namespace)
             except Exception as exc:
-                raise AssertionError(f"the python block at {where} raised {type(exc).__name__}: {exc}") from exc
+                raise AssertionError(
+                    f"the python block at {where} raised {type(exc).__name__}: {exc} (a fragment that is not "
+                    "meant to run is fenced ```python no-run; see tests/test_docs_blocks.py)") from exc
     os.chdir(ROOT)
 
 
