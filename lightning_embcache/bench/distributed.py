@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     elapsed = time.perf_counter() - t0
     sent = (getattr(store, "exchanged_bytes", 0) - sent0) / cfg["steps"]
     out = {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach())}
-    if cfg.get("dense") and world > 1:
+    if cfg.get("dense") and world > 1 and cuda:
         out["dense"] = _dense(rank, world, cfg, device)
     queue.put(out)
     dist.barrier()
