@@ -131,9 +131,15 @@ def format_inspection(s: dict[str, Any]) -> str:
 class VersionCheck:
     version: int
     ok: bool
-    damaged: str | None = None  # the file named by the error
-    reason: str | None = None
+    damaged: list[str] = field(default_factory=list)  # the files named by the errors
+    reasons: list[str] = field(default_factory=list)
     parent: int | None = None
+
+    def fail(self, where: str | None, reason: str) -> None:
+        self.ok = False
+        if where is not None and where not in self.damaged:
+            self.damaged.append(where)
+        self.reasons.append(reason if where is None else f"{where}: {reason}")
 
 
 @dataclass
@@ -183,22 +189,37 @@ def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
         try:
             check.parent = _manifest_parent(root, version)
             if check.parent is not None and check.parent >= version:
-                check.ok, check.damaged = False, f"manifest-{version:012d}"
-                check.reason = f"names parent version {check.parent}, not an earlier one"
-            with EmbeddingStore.open(root, version=version, readonly=True, hot_bytes=64 << 20) as store:
-                for lo in range(0, num_rows, VERIFY_BATCH_ROWS):
-                    ids = torch.arange(lo, min(num_rows, lo + VERIFY_BATCH_ROWS))
-                    store.get_fields(ids, tuple(store.field_names))
-                    progress(f"version {version}", int(ids[-1]) + 1, num_rows)
+                check.fail(str(root / f"manifest-{version:012d}"),
+                           f"names parent version {check.parent}, not an earlier one")
+            _read_every_row(root, version, num_rows, check, progress)
         except CorruptStoreError as exc:
-            check.ok, check.damaged, check.reason = False, exc.path, exc.reason
+            check.fail(exc.path, exc.reason)
         except StoreError as exc:
-            check.ok, check.reason = False, str(exc)
+            check.fail(None, str(exc))
         if previous is not None and version <= previous:
             report.problems.append(f"versions out of order: {previous} then {version}")
         previous = version
         report.versions.append(check)
     return report
+
+
+def _read_every_row(root: Path, version: int, num_rows: int, check: VersionCheck, progress: Progress) -> None:
+    """Read all records of `version` in batches; a batch that fails is read again chunk by chunk,
+    so every damaged file is named, not only the first."""
+    with EmbeddingStore.open(root, version=version, readonly=True, hot_bytes=64 << 20) as store:
+        names, chunk = tuple(store.field_names), store.chunk_rows
+        batch = max(chunk, VERIFY_BATCH_ROWS // chunk * chunk)
+        for lo in range(0, num_rows, batch):
+            hi = min(num_rows, lo + batch)
+            try:
+                store.get_fields(torch.arange(lo, hi), names)
+            except CorruptStoreError:
+                for c in range(lo, hi, chunk):
+                    try:
+                        store.get_fields(torch.arange(c, min(hi, c + chunk)), names)
+                    except CorruptStoreError as exc:
+                        check.fail(exc.path, exc.reason)
+            progress(f"version {version}", hi, num_rows)
 
 
 def format_verification(r: Verification) -> str:
@@ -207,7 +228,8 @@ def format_verification(r: Verification) -> str:
         if v.ok:
             lines.append(f"version {v.version}: ok" + (f" (parent {v.parent})" if v.parent is not None else ""))
         else:
-            lines.append(f"version {v.version}: DAMAGED {v.damaged or ''}: {v.reason}")
+            lines.append(f"version {v.version}: DAMAGED")
+            lines += [f"  {reason}" for reason in v.reasons]
     lines += [f"DAMAGED {p}" for p in r.problems]
     lines.append(f"{r.path}: " + ("every checksum and the manifest chain verified" if r.ok else "damaged"))
     return "\n".join(lines)

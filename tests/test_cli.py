@@ -176,8 +176,26 @@ def test_verify_passes_a_sound_store_and_names_a_damaged_file(tmp_path, capsys):
     report = json.loads(out)
     assert code == 1 and not report["ok"]
     damaged = [v for v in report["versions"] if not v["ok"]]
-    assert damaged and all(newest.name in v["damaged"] for v in damaged)
+    assert damaged and all(any(newest.name in f for f in v["damaged"]) for v in damaged)
     assert report["versions"][0]["ok"], "version 1 does not include the newest segment"
+
+
+def test_verify_names_every_damaged_chunk(tmp_path, capsys):
+    path = tmp_path / "s"
+    with EmbeddingStore.create(path, num_rows=N, dim=DIM, chunk_rows=CHUNK, hot_bytes=64 << 10) as store:
+        store.update(torch.arange(N), torch.randn(N, DIM))
+        store.flush()
+        store.compact()
+        store.flush()
+    chunks = sorted((path / "chunks").iterdir())
+    for victim in (chunks[2], chunks[7]):
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    code, out, _ = run(["verify", str(path), "--latest"], capsys)
+    assert code == 1
+    assert chunks[2].name in out and chunks[7].name in out
+    assert sum(c.name in out for c in chunks) == 2
 
 
 def test_verify_names_a_damaged_manifest(tmp_path, capsys):
