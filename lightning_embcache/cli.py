@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "sync": "lightning_embcache.bench.sync",
     "tuning": "lightning_embcache.bench.tuning",
     "train": "lightning_embcache.bench.train",
+    "distributed": "lightning_embcache.bench.distributed",
 }
 # the module's own name for its output file flag, where it is not --out
 OUTPUT_FLAG = {"store": "--json", "optim": "--json", "sync": "--json"}
@@ -38,6 +39,7 @@ BENCHMARK_HELP = {
     "sync": "DeferredSync against flushing on every step",
     "tuning": "hot_bytes, chunk_rows and warm_bytes/LZ4 settings on one table",
     "train": "end-to-end training throughput",
+    "distributed": "auto-decoder with row-sharded trainable rows at 1, 2, 4 processes",
 }
 
 EXIT_DAMAGED = 1

@@ -70,9 +70,27 @@ def table(files: list[str], label: str) -> str:
     return "\n".join(lines)
 
 
+def merge(out: str, files: list[str]) -> None:
+    """One result file from several lanes; a cell no lane finished is reported as such."""
+    results: dict[str, Any] = {}
+    for f in files:
+        results.update(json.loads(Path(f).read_text()))
+    merged = {}
+    for strategy in STRATEGIES:
+        for precision in PRECISIONS:
+            for compile in COMPILE:
+                name = cell_name(strategy, precision, compile)
+                merged[name] = results.get(name, {"status": "did not finish",
+                                                  "note": "its lane was stopped at the run's time limit"})
+    Path(out).write_text(json.dumps(merged, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["--table"]:
         print(table(sys.argv[3:], sys.argv[2]))
+        return 0
+    if argv is None and sys.argv[1:2] == ["--merge"]:
+        merge(sys.argv[2], sys.argv[3:])
         return 0
     p = argparse.ArgumentParser()
     p.add_argument("--accelerator", default="cpu")
