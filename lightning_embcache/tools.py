@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,8 +69,24 @@ def _chunk_raw_bytes(path: Path, store: EmbeddingStore) -> int:
     return raw
 
 
+def shard_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """The per-rank shards of a row-sharded store (``rank-RRRRR-of-WWWWW/``), or [] for a plain store."""
+    root = Path(path)
+    if (root / "META").is_file() or not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and re.fullmatch(r"rank-\d{5}-of-\d{5}", p.name) and (p / "META").is_file())
+
+
 def inspect_store(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A summary of the store at `path` (opened read-only at its latest version)."""
+    """A summary of the store at `path` (opened read-only at its latest version); a row-sharded
+    store is summarised per shard under ``"shards"``, with the totals on disk."""
+    shards = shard_dirs(path)
+    if shards:
+        parts = [inspect_store(p) for p in shards]
+        total = sum(p["disk"]["total_bytes"] for p in parts)
+        return {"path": str(Path(path).resolve()), "shards": parts, "rows": sum(p["rows"] for p in parts),
+                "dim": parts[0]["dim"], "dtype": parts[0]["dtype"], "disk": {"total_bytes": total}}
     root = Path(path)
     with EmbeddingStore.open(root, readonly=True) as store:
         fields = {name: {"dtype": str(store.field_spec(name)[0]).replace("torch.", ""), "dim": store.field_spec(name)[1]}
@@ -111,6 +128,10 @@ def human_bytes(n: float) -> str:
 
 
 def format_inspection(s: dict[str, Any]) -> str:
+    if "shards" in s:
+        head = (f"row-sharded store {s['path']}: {len(s['shards'])} shards, {s['rows']:,} rows x {s['dim']} "
+                f"{s['dtype']}, {human_bytes(s['disk']['total_bytes'])} on disk")
+        return "\n\n".join([head, *(format_inspection(part) for part in s["shards"])])
     d = s["disk"]
     lines = [
         f"store        {s['path']}",
@@ -171,7 +192,18 @@ def _manifest_parent(path: Path, version: int) -> int | None:
 def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
                  progress: Progress = _no_progress) -> Verification:
     """Read every row of every retained version (each read checks the checksums of the chunk and
-    segment records it touches) and the manifest chain; report each damaged file by name."""
+    segment records it touches) and the manifest chain; report each damaged file by name. A
+    row-sharded store is verified shard by shard (problems name the shard's files)."""
+    shards = shard_dirs(path)
+    if shards:
+        report = Verification(str(Path(path).resolve()))
+        for shard in shards:
+            part = verify_store(shard, latest_only=latest_only, progress=progress)
+            report.problems += [f"{shard.name}: {p}" for p in part.problems]
+            for v in part.versions:
+                v.reasons = [f"{shard.name}: {r}" for r in v.reasons] if not v.ok else v.reasons
+            report.versions += part.versions
+        return report
     root = Path(path)
     report = Verification(str(root.resolve()))
     try:
@@ -238,7 +270,17 @@ def format_verification(r: Verification) -> str:
 def compact_store(path: str | os.PathLike[str], *, progress: Progress = _no_progress) -> dict[str, Any]:
     """Fold the delta segments into base chunks, publish that layout as a new version (same rows)
     and reclaim the versions no one pins or reads. Interrupting it at any point leaves the store
-    at its last published version: every step writes new files and commits by an atomic rename."""
+    at its last published version: every step writes new files and commits by an atomic rename.
+    A row-sharded store is compacted shard by shard."""
+    shards = shard_dirs(path)
+    if shards:
+        parts = [compact_store(p, progress=progress) for p in shards]
+        return {"path": str(Path(path).resolve()), "shards": parts,
+                "version": [p["version"] for p in parts], "versions_before": [p["versions_before"] for p in parts],
+                "versions": [p["versions"] for p in parts], "pinned": [p["pinned"] for p in parts],
+                "bytes_before": sum(p["bytes_before"] for p in parts),
+                "bytes_after": sum(p["bytes_after"] for p in parts),
+                "seconds": round(sum(p["seconds"] for p in parts), 3)}
     root = Path(path)
     before, _ = _dir_totals(root)
     started = time.perf_counter()
