@@ -10,6 +10,8 @@ import pytest
 import torch
 from _everyday_model import N, Model, data, on_disk, trainer
 
+from lightning_embcache import EmbeddingStore
+
 
 @pytest.mark.parametrize("inference_mode", [True, False], ids=["inference_mode", "no_grad"])
 @pytest.mark.parametrize("read", ["get", "lookup"])
@@ -56,3 +58,23 @@ def test_bare_store_calls_inside_inference_mode(tmp_path):
     model.latents.update(ids, again * 2)  # the store holds no inference tensor: in-place updates still work
     assert torch.equal(model.latents.get(ids), (z + 1) * 2)
     model.latents.close()
+
+
+def test_predict_with_a_model_loaded_from_a_checkpoint_reads_its_version(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    path = tmp_path / "latents"
+    model = Model(path, "lookup")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1)
+    trainer(tmp_path, max_epochs=2, enable_checkpointing=True, callbacks=[ckpt]).fit(model, data())
+    first = tmp_path / "ck" / "epoch=0-step=6.ckpt"
+    at_first = torch.load(first, weights_only=False)["embedding_stores"]["latents"]["version"]
+    with EmbeddingStore.open(path, version=at_first, readonly=True) as store:
+        expected = store.get(torch.arange(N))
+    loaded = Model.load_from_checkpoint(first, path=path, read="lookup")  # another process would do the same
+    out = trainer(tmp_path).predict(loaded, data())
+    ids = torch.cat([i for i, _ in loaded.seen["predict"]])
+    torch.testing.assert_close(torch.cat([z for _, z in loaded.seen["predict"]]), expected[ids], rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(out), loaded.decoder(expected[ids]))
+    assert not torch.equal(on_disk(path), expected), "the newest version differs: the checkpoint's was read"
