@@ -128,3 +128,14 @@ def test_the_mixin_after_lightning_module_is_a_loud_error():
     with pytest.raises(TypeError, match="EmbeddingStoreMixin before LightningModule"):
         class Wrong(L.LightningModule, EmbeddingStoreMixin):  # noqa: F841
             pass
+
+
+def test_validate_before_the_first_fit_then_fit_keeps_the_training(tmp_path):
+    path = tmp_path / "latents"
+    model = Model(path, "get")
+    trainer(tmp_path).validate(model, data())  # reads the initial rows; nothing exists on disk
+    assert not path.exists()
+    fit(tmp_path, model)
+    assert (model.latents.row_meta(torch.arange(N))["updates"] == 1).all()
+    torch.testing.assert_close(on_disk(path), model.latents.get(torch.arange(N)), rtol=0, atol=0)
+    model.latents.close()
