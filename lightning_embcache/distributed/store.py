@@ -200,13 +200,33 @@ class ShardedStore:
         s.io_wait_seconds += self._clock.seconds
         return s
 
-    def __getattr__(self, name: str) -> Any:
-        # per-shard operations: pin, unpin, pinned, versions, manifest_checksum, evict,
-        # set_budget, compact, close, ...
-        if name in {"pin", "unpin", "pinned", "versions", "manifest_checksum", "evict", "set_budget", "compact",
-                    "close"}:
-            return getattr(self.__dict__["local"], name)
-        raise AttributeError(name)
+    # per-shard operations, as on an EmbeddingStore
+    def pin(self, version: int) -> None:
+        self.local.pin(version)
+
+    def unpin(self, version: int) -> None:
+        self.local.unpin(version)
+
+    def pinned(self) -> list[int]:
+        return self.local.pinned()
+
+    def versions(self) -> list[int]:
+        return self.local.versions()
+
+    def manifest_checksum(self, version: int) -> str:
+        return self.local.manifest_checksum(version)
+
+    def evict(self, nbytes: int) -> int:
+        return self.local.evict(nbytes)
+
+    def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
+        self.local.set_budget(hot_bytes=hot_bytes, warm_bytes=warm_bytes)
+
+    def compact(self) -> None:
+        self.local.compact()
+
+    def close(self) -> None:
+        self.local.close()
 
     def __repr__(self) -> str:
         return (f"ShardedStore(path={str(self.path) if self.path else None!r}, num_rows={self.num_rows}, "
