@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_embcache.distributed.figures import reduce_figures, several_ranks
@@ -115,6 +115,12 @@ class DeferredSync(Callback):
                 f"DeferredSync flushes the embedding stores of a module with EmbeddingStoreMixin; "
                 f"{type(pl_module).__name__} does not have it, so there is nothing to flush. Add the mixin "
                 f"(class {type(pl_module).__name__}(EmbeddingStoreMixin, L.LightningModule)) or remove the callback"
+            )
+        stores = pl_module.embedding_stores
+        if not any(handle.path is not None for handle in stores.values()):
+            rank_zero_warn(
+                f"DeferredSync: {type(pl_module).__name__} has no embedding store with a path "
+                f"({len(stores)} in memory only), so its flushes make nothing durable"
             )
         if self.background and self._worker is None:
             self._worker = CoalescingWorker(lambda: _flush_stores(pl_module))

@@ -25,3 +25,10 @@ def test_deferred_sync_on_a_module_without_the_mixin_is_an_error(tmp_path):
 def test_deferred_sync_rejects_bad_arguments_by_name(kwargs, error, message):
     with pytest.raises(error, match=message):
         DeferredSync(**kwargs)
+
+
+def test_deferred_sync_on_in_memory_stores_only_warns(tmp_path):
+    from _everyday_model import Model, data
+
+    with pytest.warns(UserWarning, match="no embedding store with a path"):
+        trainer(tmp_path, max_steps=1, callbacks=[DeferredSync()]).fit(Model(None, "get"), data())
