@@ -5,8 +5,9 @@ Each run is a real fit; the profiler keeps the prediction it made after 5% of ea
 and the validation inside the epoch, measured by the profiler and checked here against an
 independent callback). Runs:
 
-- the CPU benchmark models (``tiny``, ``small``, ``large``), 2 epochs, with 0 and 2 loader
-  workers, plain and with validation twice per epoch plus a checkpoint every quarter epoch;
+- the CPU benchmark models (``tiny``, ``small``, ``large``), 2 epochs of a few seconds each: with
+  no loader worker, plain and with validation twice per epoch plus a checkpoint every quarter
+  epoch; and with 2 workers, plain;
 - the demo (``embcache demo``) on a fresh, cold store: the default 400-step run and a full epoch;
 - on CUDA, the GPU models.
 
@@ -32,8 +33,9 @@ from torch.utils.data import DataLoader
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
 
-# model -> batches per epoch for the prediction runs (5% of it is the prediction point)
-EPOCH_BATCHES = {"tiny": 2000, "small": 1000, "large": 200, "gpu_small": 2000, "gpu_large": 400}
+# model -> batches per epoch for the prediction runs (5% of it is the prediction point): epochs
+# of a few seconds, so that 5% of one is more than a blink of the host's scheduler
+EPOCH_BATCHES = {"tiny": 8000, "small": 5000, "large": 400, "gpu_small": 4000, "gpu_large": 400}
 
 
 class _Wall(L.Callback):
@@ -49,20 +51,43 @@ class _Wall(L.Callback):
         self.epochs.append(time.perf_counter() - self._t0)
 
 
+class _Probe(L.Callback):
+    """Asks the profiler for its prediction after 5, 10, 25, 50 and 75% of each epoch's batches:
+    how the prediction converges."""
+
+    FRACTIONS = (0.05, 0.10, 0.25, 0.50, 0.75)
+
+    def __init__(self, sp: StepProfiler, epoch_batches: int) -> None:
+        self.sp, self.n = sp, epoch_batches
+        self.at = {max(1, round(f * epoch_batches)): f for f in self.FRACTIONS}
+        self.seen: dict[int, dict[float, Optional[float]]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        f = self.at.get(batch_idx)  # batch_idx batches have finished (the last one closes at this fetch)
+        if f is not None:
+            p = self.sp.predict()
+            self.seen.setdefault(trainer.current_epoch, {})[f] = None if p is None else p["epoch_s"]
+
+
 class _ValMLP(MLP):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
 
-def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = None) -> dict:
+def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = None,
+            probe: Optional[_Probe] = None) -> dict:
     s = sp.summary()
     epochs = []
     for e, ref in zip(s, wall.epochs):
+        later = (probe.seen.get(e["epoch"], {}) if probe is not None else {})
         epochs.append({"epoch": e["epoch"], "batches": e["batches"], "actual_s": e["epoch_wall_seconds"],
                        "reference_s": ref, "predicted_s": e["predicted_epoch_seconds"],
                        "std_s": e["predicted_epoch_std_seconds"], "at_batch": e["predicted_at_batch"],
-                       "error_pct": e["prediction_error_pct"]})
+                       "error_pct": e["prediction_error_pct"],
+                       "unmeasured_saves": e.get("predicted_unmeasured_saves"),
+                       "error_pct_by_fraction": {f: (100 * (v / e["epoch_wall_seconds"] - 1) if v else None)
+                                                 for f, v in later.items()}})
     fit_actual = sum(e["epoch_wall_seconds"] for e in s)
     fit_pred = s[0]["predicted_fit_seconds"] if s else None
     out = {"run": label, "epochs": epochs, "fit_actual_s": fit_actual, "fit_predicted_s": fit_pred,
@@ -83,9 +108,10 @@ def model_run(model_name: str, workers: int, extras: bool, device: str = "cpu", 
                     persistent_workers=False, pin_memory=(device == "cuda"))
     val = DataLoader(SleepyBatches(10, batch, width, load_ms), batch_size=None) if extras else None
     sp, wall = StepProfiler(report=False), _Wall()
+    probe = _Probe(sp, n)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        callbacks: list = [wall, sp]
+        callbacks: list = [wall, sp, probe]
         if extras:
             callbacks.append(ModelCheckpoint(dirpath=tmp, every_n_train_steps=n // 4, save_top_k=-1))
         trainer = L.Trainer(accelerator=device, devices=1, max_epochs=epochs, logger=False,
@@ -94,7 +120,7 @@ def model_run(model_name: str, workers: int, extras: bool, device: str = "cpu", 
                             callbacks=callbacks, default_root_dir=tmp)
         trainer.fit(model, dl, val)
     label = f"{model_name}/workers={workers}/{'val+ckpt' if extras else 'plain'}"
-    return _result(label, sp, wall, {"model": model_name, "workers": workers, "extras": extras})
+    return _result(label, sp, wall, {"model": model_name, "workers": workers, "extras": extras}, probe)
 
 
 def demo_run(max_steps: int, samples: int = 1_000_000) -> dict:
@@ -103,29 +129,32 @@ def demo_run(max_steps: int, samples: int = 1_000_000) -> dict:
     from lightning_embcache import demo
 
     sp, wall = StepProfiler(report=False), _Wall()
+    batches = -(-samples // 1024)
+    probe = _Probe(sp, batches if max_steps < 0 else min(batches, max_steps))
     root = tempfile.mkdtemp(prefix="embcache-demo-")
     shutil.rmtree(root)  # the demo creates its run folder itself
     original = demo._optional_profiler
-    demo._optional_profiler = lambda: [wall, sp]
+    demo._optional_profiler = lambda: [wall, sp, probe]
     try:
         demo.main(["--root", root, "--max-steps", str(max_steps), "--samples", str(samples)])
     finally:
         demo._optional_profiler = original
         shutil.rmtree(root, ignore_errors=True)
-    return _result(f"demo/max_steps={max_steps}", sp, wall, {"model": "demo", "max_steps": max_steps})
+    return _result(f"demo/max_steps={max_steps}", sp, wall, {"model": "demo", "max_steps": max_steps}, probe)
 
 
-def run(device: str = "cpu", reps: int = 3, models: Optional[list[str]] = None, demo: bool = True) -> dict:
+def run(device: str = "cpu", reps: int = 3, models: Optional[list[str]] = None, demo: bool = True,
+        workers: tuple[int, ...] = (0, 2)) -> dict:
     runs: list[dict] = []
     models = models or (["tiny", "small", "large"] if device == "cpu" else ["gpu_small", "gpu_large"])
+    configs = [(w, extras) for w in workers for extras in ((False, True) if w == 0 else (False,))]
     for rep in range(reps):
         for model in models:
-            for workers in ((0, 2) if device == "cpu" else (0,)):
-                for extras in (False, True):
-                    r = model_run(model, workers, extras, device)
-                    r["rep"] = rep
-                    runs.append(r)
-                    _print(r)
+            for w, extras in configs:
+                r = model_run(model, w, extras, device)
+                r["rep"] = rep
+                runs.append(r)
+                _print(r)
         if demo and device == "cpu":
             for steps in (400, -1):
                 r = demo_run(steps)
@@ -140,6 +169,10 @@ def _print(r: dict) -> None:
                     f"batch {e['at_batch']} vs {e['actual_s']:.2f} s)" if e["error_pct"] is not None else
                     f"e{e['epoch']} n/a" for e in r["epochs"])
     fit = f"{r['fit_error_pct']:+.2f}%" if r["fit_error_pct"] is not None else "n/a"
+    for e in r["epochs"]:
+        later = " ".join(f"{int(100 * f)}%:{v:+.1f}" for f, v in e["error_pct_by_fraction"].items() if v is not None)
+        if later:
+            errs += f" [e{e['epoch']} error when predicted after {later}]"
     print(f"prediction {r['run']} rep={r.get('rep')}: {errs}; fit {fit}; load {r['loadavg'][0]:.1f}", flush=True)
 
 

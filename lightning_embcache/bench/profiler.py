@@ -411,6 +411,8 @@ def sync_check(batches: int, warmup: int) -> dict:
                      "profile_log_calls": sum(1 for _, m in logger.rows if "profile/step_ms" in m)}
         if prof is not None and prof.summary():
             out[name]["summary"] = prof.summary()[0]
+            out[name]["events_recorded"] = prof._timeline.events_recorded
+            out[name]["events_per_step"] = prof._timeline.events_recorded / batches
     return out
 
 
@@ -451,7 +453,7 @@ class _Annotate(L.Callback):
         self._enter(None)
 
 
-def trace_check(model_name: str = "gpu_large", batches: int = 30) -> dict:
+def trace_check(model_name: str = "gpu_large", batches: int = 60) -> dict:
     """Device time of the kernels launched in each window (torch.profiler trace) against
     StepProfiler's CUDA-event phases, over the same epoch."""
     from torch.profiler import ProfilerActivity, profile
@@ -523,7 +525,7 @@ def overhead_check(batches: int, warmup: int, reps: int) -> dict:
 def gpu_checks(out: dict, reps: int = 3, batches: int = 200) -> None:
     """Zero added syncs in steady steps, and phases against a torch.profiler trace (CUDA only)."""
     out["gpu"] = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    out["gpu"]["sync"] = sync_check(batches=60, warmup=10)
+    out["gpu"]["sync"] = sync_check(batches=200, warmup=10)
     out["gpu"]["trace"] = trace_check()
     out["gpu"]["overhead"] = overhead_check(batches=batches, warmup=20, reps=reps)
 
@@ -577,8 +579,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.prediction:
         from lightning_embcache.bench import prediction
 
+        # --models and --workers as given; by default every CPU model (or both GPU models)
         chosen = args.models.split(",") if args.models != ap.get_default("models") else None
-        result["prediction"] = prediction.run(args.device, args.reps, chosen, demo=not args.no_demo)
+        result["prediction"] = prediction.run(args.device, args.reps, chosen, demo=not args.no_demo,
+                                              workers=tuple(workers))
         _print_prediction(result["prediction"]["aggregate"])
     elif args.device == "cpu":
         for model in models:

@@ -180,6 +180,7 @@ class StepProfiler(Callback):
         self._sanity_t0 = 0.0
         self._sanity_batch_s: Optional[float] = None
         self._first_extra_s: Optional[float] = None
+        self._save_s: Optional[float] = None
         self._landmark: Optional[int] = None
         # per epoch, per rank: [phase seconds..., batches]; a resumed epoch replaces its entry
         self._rank_rows: dict[int, list[list[float]]] = {}
@@ -646,7 +647,7 @@ class StepProfiler(Callback):
         val_left = schedule.val_runs(trainer, epoch, done, target, start_total) or 0
         g_now = int(trainer.global_step)
         g_end = g_now + (target - done) // acc
-        p = fc.predict(target, val_left, val_s, schedule.saves(trainer, g_now, g_end))
+        p = fc.predict(target, val_left, val_s, schedule.saves(trainer, g_now, g_end), self._save_s)
         if p is None:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,
@@ -691,6 +692,10 @@ class StepProfiler(Callback):
 
     def _finish_epoch(self, trainer: Trainer) -> None:
         self._fold_steps()
+        if self._forecast is not None and self._forecast.saves:
+            extra = self._forecast.save_extra()
+            if extra is not None:
+                self._save_s = extra  # for the next epochs' predictions
         t, epoch = self._open, self._open_epoch
         self._open = None
         self._raw[epoch] = t

@@ -172,10 +172,16 @@ class Forecast:
         # store time per step cannot go below zero
         return max(extra, -r["store_level"] * count) if slope < 0 else extra
 
+    def save_extra(self) -> Optional[float]:
+        """Mean extra seconds of the checkpoint saves seen in this epoch (None: none seen)."""
+        r = self.rate()
+        return None if r is None else r["save_s"]
+
     def predict(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
-                saves_left: int) -> Optional[dict]:
+                saves_left: int, save_s: Optional[float] = None) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
-        run ``total_batches`` batches; None before enough steps."""
+        run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
+        measured in an earlier epoch, used until this epoch has measured one."""
         r = self.rate()
         if r is None:
             return None
@@ -184,7 +190,8 @@ class Forecast:
         # steps the host has closed but the device may not have run yet cost their time again
         steps_s = (left + (self.backlog if r["device"] else 0)) * r["mean"]
         trend = self.trend_seconds(r, len(self.wall), left)
-        save_s = r["save_s"]
+        save_s = r["save_s"] if r["save_s"] is not None else save_s
+        r["save_s"] = save_s
         saves_s = saves_left * save_s if save_s is not None else 0.0
         val_s = (val_runs_left * val_run_s) if val_run_s is not None else 0.0
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s

@@ -163,7 +163,21 @@ def test_checkpoint_saves_are_kept_out_of_the_rate_and_charged_per_save(tmp_path
     assert _close(e["predicted_epoch_seconds"], wall.epochs[0]), e
 
 
-def test_unmeasured_saves_are_reported_and_a_store_trend_is_carried_on():
+def test_a_save_measured_in_one_epoch_is_charged_in_the_next(tmp_path):
+    clock = FakeClock()
+    saves = SaveCost(Cost(clock), 40 * MS)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=50, save_top_k=-1)
+    sp = StepProfiler(report=True)  # at 5% (batch 10) no save of the epoch has happened yet
+    _, wall, _ = _fit(sp, batches=200, epochs=2, clock=clock, extra=(ckpt, saves), enable_checkpointing=True)
+    first, second = sp.summary()
+    assert first["predicted_unmeasured_saves"] == 4
+    assert _close(first["predicted_epoch_seconds"], wall.epochs[0] - 4 * 0.040)  # counted as free
+    assert second["predicted_unmeasured_saves"] == 0
+    assert _close(second["predicted_epoch_seconds"], wall.epochs[1]), second
+    assert "counts those as free" in sp.report_table()
+
+
+def test_a_warming_store_tier_trend_is_carried_on():
     clock = FakeClock()
     cost = Cost(clock)
 
