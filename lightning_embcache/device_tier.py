@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -75,12 +75,26 @@ def _as_pinned(buf: Tensor, arr: np.ndarray) -> Tensor:
     return buf[: flat.numel()].view(dtype).view(arr.shape)
 
 
+class _Down(NamedTuple):
+    """Rows on their way from the device to the store: sorted ids, their pinned host copy, the
+    event that says the copy is done, the device copy it was made from, and a sequence number."""
+
+    ids: np.ndarray
+    host: Tensor
+    event: torch.cuda.Event
+    dev: Tensor
+    seq: int
+
+
 class DeviceTier:
     """The hot rows of ``store`` on ``device``, within ``budget_bytes`` (see module docstring).
 
     Notes:
         * Holds ``min(num_rows, budget_bytes // (row_bytes + 10))`` rows; ``10`` bytes per slot
-          are host bookkeeping. A table that fits is loaded once and stays (slot == id).
+          are host bookkeeping. A table that fits is loaded once and stays (slot == id). A
+          table larger than the tier also keeps two int32 per table row on the host (where each
+          id sits, and whether it is on its way down), and up to 8 sets of evicted records on
+          the GPU beyond the budget while their copies to the host run.
         * The store behind it is the truth at every flush: `write_down()` brings every dirty row
           down before the store flushes, so a flush, a checkpoint and a crash keep their
           guarantees. Rows evicted in between reach the store within the next step or two.
@@ -123,7 +137,11 @@ class DeviceTier:
         self.dirty = np.zeros(capacity, np.bool_)
         self._up = _PinnedRing()      # host -> device
         self._idx = _PinnedRing(8)    # small index tensors host -> device
-        self._down: list[tuple[np.ndarray, Tensor, torch.cuda.Event]] = []  # evicted, in flight
+        self._down: list[_Down] = []  # row sets on their way down, oldest first (under _down_cv)
+        self._down_cv = threading.Condition()
+        self._seq = 0
+        self._writer: ThreadPoolExecutor | None = None  # writes `_down` into the store, in order
+        self._writer_error: BaseException | None = None
         self._down_ring = _PinnedRing(8)  # one buffer per row set in `_down`, never more
         self.loaded_rows = 0
         self.evicted_rows = 0
@@ -139,6 +157,7 @@ class DeviceTier:
             self._nfree = capacity
             self._hand = 0
             self._stamp = np.zeros(capacity, np.int64)  # == _stamp_id: kept by the current call
+            self._down_seq = np.zeros(n, np.int32)  # seq of the newest `_Down` holding the id; 0 = none
             self._stamp_id = 0
 
     @contextmanager
@@ -326,15 +345,30 @@ class DeviceTier:
             self._upload_rows(ids, slots)
 
     def _upload_rows(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        if self._down and self._pending_overlap(ids):
-            self.drain()  # a row on its way down must reach the store before it is read again
-        staged = self._stage_up(ids).to(self.device, non_blocking=True)
-        self._up.done(self._up_slot, self._stream)
-        self.pool.index_copy_(0, self.to_device(slots), staged)
-        self.id_of[slots] = ids
-        self.slot_of[ids] = (slots + 1).astype(np.int32)
-        self.ref[slots] = 1
-        self.loaded_rows += len(ids)
+        ids_all, slots_all = ids, slots
+        from_store = np.ones(len(ids), np.bool_)
+        with self._down_cv:
+            # A row still on its way down is newer than the store's copy: take it from the device
+            # copy its write-down was made from (stream order makes that copy current), never wait.
+            seqs = self._down_seq[ids] if self._down else None
+            if seqs is not None and seqs.any():
+                for item in self._down:
+                    mine = np.flatnonzero(seqs == item.seq)
+                    if len(mine):
+                        pos = np.searchsorted(item.ids, ids[mine])
+                        self.pool.index_copy_(0, self.to_device(slots[mine]),
+                                              item.dev.index_select(0, self.to_device(pos)))
+                        from_store[mine] = False
+        if not from_store.all():
+            ids, slots = ids[from_store], slots[from_store]
+        if len(ids):
+            staged = self._stage_up(ids).to(self.device, non_blocking=True)
+            self._up.done(self._up_slot, self._stream)
+            self.pool.index_copy_(0, self.to_device(slots), staged)
+        self.id_of[slots_all] = ids_all
+        self.slot_of[ids_all] = (slots_all + 1).astype(np.int32)
+        self.ref[slots_all] = 1
+        self.loaded_rows += len(ids_all)
 
     def _stage_up(self, ids: np.ndarray) -> Tensor:
         """Records of ``ids`` read from the store straight into the next pinned buffer."""
@@ -360,40 +394,61 @@ class DeviceTier:
         """Held while a training step queues its kernels; `write_down` takes it too."""
         return self._step_lock
 
-    def _send_down(self, slots: np.ndarray, *, evicted: bool) -> tuple[np.ndarray, Tensor, torch.cuda.Event]:
-        """Queue a device->host copy of ``slots``' records; applied to the store by `drain`."""
-        ids = slots if self.resident else self.id_of[slots].copy()
-        nbytes = len(slots) * self.pool.shape[1]
-        while len(self._down) >= self._down_ring.size:
-            self._apply_oldest()  # its buffer is the one the ring hands out next
-        i, buf = self._down_ring.take(nbytes)
-        host = buf[:nbytes].view(len(slots), self.pool.shape[1])
-        host.copy_(self.pool.index_select(0, self.to_device(slots)), non_blocking=True)
-        ev = self._down_ring.done(i, self._stream)
-        item = (ids, host, ev)
-        self._down.append(item)
+    def _send_down(self, slots: np.ndarray, *, evicted: bool) -> None:
+        """Queue a device->host copy of ``slots``' records; applied to the store in order."""
+        ids = slots if self.resident else self.id_of[slots]
+        order = np.argsort(ids)
+        ids, slots = ids[order], slots[order]  # sorted: a later upload finds its rows by bisection
+        rb = self.pool.shape[1]
+        with self._down_cv:
+            while len(self._down) >= self._down_ring.size:  # the ring's next buffer is still in use
+                self._raise_writer_error()
+                self._down_cv.wait()
+            i, buf = self._down_ring.take(len(slots) * rb)
+            host = buf[: len(slots) * rb].view(len(slots), rb)
+            dev = self.pool.index_select(0, self.to_device(slots))
+            host.copy_(dev, non_blocking=True)
+            self._seq += 1
+            item = _Down(ids, host, self._down_ring.done(i, self._stream), dev, self._seq)
+            self._down.append(item)
+            if not self.resident:
+                self._down_seq[ids] = self._seq
         self.dirty[slots] = False
-        return item
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="embcache-device-writeback")
+        self._writer.submit(self._write_item, item)
 
-    def _apply_oldest(self) -> int:
-        """Write the oldest row set on its way down into the store (waits for its copy)."""
-        ids, host, ev = self._down[0]
-        ev.synchronize()
-        self.store.write_records(torch.from_numpy(ids), host)  # ids are unique: any order
-        self._down.pop(0)
-        self.written_down_rows += len(ids)
-        return len(ids)
+    def _write_item(self, item: _Down) -> None:
+        """The write-back thread: wait for one row set's copy, write it into the store, in order."""
+        try:
+            item.event.synchronize()
+            self.store.write_records(torch.from_numpy(item.ids), item.host)
+        except BaseException as exc:  # kept in `_down` (nothing lost) and raised by the next wait
+            with self._down_cv:
+                self._writer_error = exc
+                self._down_cv.notify_all()
+            return
+        with self._down_cv:
+            self._down.remove(item)
+            if not self.resident:
+                mine = item.ids[self._down_seq[item.ids] == item.seq]
+                self._down_seq[mine] = 0  # the store has their newest value now
+            self.written_down_rows += len(item.ids)
+            self._down_cv.notify_all()
 
-    def _pending_overlap(self, ids: np.ndarray) -> bool:
-        return any(np.isin(ids, item[0], assume_unique=True).any() for item in self._down)
+    def _raise_writer_error(self) -> None:
+        if self._writer_error is not None:
+            raise StoreError(f"writing rows from the device tier into the store failed: {self._writer_error}") \
+                from self._writer_error
 
     def drain(self) -> int:
-        """Write the rows sent down so far into the host store (waits for their copies)."""
-        with self._lock, self._io():
-            n = 0
+        """Wait until every row sent down so far is in the host store; returns rows written."""
+        with self._io(), self._down_cv:
+            before = self.written_down_rows
             while self._down:
-                n += self._apply_oldest()
-            return n
+                self._raise_writer_error()
+                self._down_cv.wait()
+            return self.written_down_rows - before
 
     def write_down(self) -> int:
         """Bring every dirty row down into the host store (before a flush); returns rows written."""
@@ -407,15 +462,6 @@ class DeviceTier:
                 n += self.drain()
             return n
 
-    def settle_evictions(self) -> None:
-        """Apply evicted rows whose copies have finished (non-blocking; called once per step)."""
-        if not self._down:
-            return
-        self._join()
-        with self._lock, self._io():
-            while self._down and self._down[0][2].query():
-                self._apply_oldest()
-
     def stats(self) -> dict[str, Any]:
         used = self.capacity if self.resident else self.capacity - self._nfree
         return {"device_rows": used, "device_capacity_rows": self.capacity, "device_bytes": self.nbytes,
@@ -428,10 +474,11 @@ class DeviceTier:
             self._join()
         except Exception:  # closing: a failed hint does not matter any more
             pass
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
-            self._prefetcher = None
-        with self._lock:
+        for pool in (self._prefetcher, self._writer):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._prefetcher = self._writer = None
+        with self._lock, self._down_cv:
             self._down.clear()
             self.pool = torch.empty(0, dtype=torch.uint8)
             self._views = {}

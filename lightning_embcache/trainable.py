@@ -126,7 +126,6 @@ class TrainableRows:
     def _lookup_on_device(self, idx: np.ndarray) -> Tensor:
         tier = self.device_tier
         assert tier is not None
-        tier.settle_evictions()
         pos = self._device_slots(idx)
         pos_d = tier.to_device(pos)
         rows = tier.view("weight").index_select(0, pos_d)
