@@ -96,18 +96,17 @@ class Forecast:
             return None
         wall = np.frombuffer(self.wall, dtype=np.float64, count=n)
         store = np.frombuffer(self.store, dtype=np.float64, count=n)
-        keep = np.ones(n, dtype=bool)
-        keep[0] = False
-        if self.saves:
-            keep[self.saves] = False
         lo = max(1, n // 2)
-        idx = np.flatnonzero(keep[lo:]) + lo
-        if idx.size < MIN_STEPS // 2:
-            idx = np.flatnonzero(keep)
-        m = int(idx.size)
+        # views of the window, copied only when a checkpoint save falls inside it
+        w, st = wall[lo:], store[lo:]
+        inside = [i - lo for i in self.saves if i >= lo]
+        if inside:
+            keep = np.ones(n - lo, dtype=bool)
+            keep[inside] = False
+            w, st = w[keep], st[keep]
+        m = int(w.size)
         if m < 2:
             return None
-        w = wall[idx]
         mean = float(w.mean())
         std = float(w.std(ddof=1))
         # standard error of the mean by batch means: consecutive steps are not independent
@@ -120,14 +119,14 @@ class Forecast:
             se = std / math.sqrt(m)
         # a trend in store time: the two halves of the window
         half = m // 2
-        s_a, s_b = store[idx[:half]], store[idx[half:]]
+        s_a, s_b = st[:half], st[half:]
         slope = 0.0
         level = float(s_b.mean()) if s_b.size else 0.0
         if s_a.size >= 2 and s_b.size >= 2:
             ma = float(s_a.mean())
             se_d = math.sqrt(float(s_a.var(ddof=1)) / s_a.size + float(s_b.var(ddof=1)) / s_b.size)
             if abs(level - ma) > 2.0 * se_d and level != ma:
-                slope = (level - ma) / max(1.0, (int(idx[-1]) - int(idx[0]) + 1) / 2.0)
+                slope = (level - ma) / max(1.0, (n - lo) / 2.0)
         # On a GPU the host can run ahead of the device by many steps (until the launch queue or
         # the allocator makes it wait): its early step times then say how fast it launches, not
         # how fast the GPU runs. The sampled steps' device time (event to event: the longer of
@@ -148,7 +147,7 @@ class Forecast:
         extra = [self.wall[i] - mean for i in self.saves if i > 0]
         return {"mean": mean, "std": std, "se": se, "steps": m, "slope": slope, "store_level": level,
                 "device": device,
-                "window_center": (int(idx[0]) + int(idx[-1])) / 2.0, "n": n,
+                "window_center": (lo + n - 1) / 2.0, "n": n,
                 "save_s": max(0.0, math.fsum(extra) / len(extra)) if extra else None}
 
     @staticmethod
