@@ -12,6 +12,9 @@ for the MLP and a sparse Adam for the codes, in a real ``lightning.Trainer.fit``
 * ``device`` (CUDA): the device tier holding the whole table on the GPU (``device_bytes=None``).
 * ``device_4x`` (CUDA): a device tier of a quarter of the table, the rest in host RAM, the next
   batch's ids prefetched (``handle.prefetch``) after each lookup.
+* ``memory_small``: ``memory`` with a table of only ``--id-range`` rows: with ``--id-range``,
+  ``memory`` against ``memory_small`` shows whether a step's cost grows with the table (the same
+  ids, a table 50x larger).
 
 Each fit runs two epochs of ``--steps`` batches: the first warms up (tiers filled, kernels
 compiled), the second is timed, by the wall clock (device drained at both ends) and by
@@ -40,7 +43,7 @@ from typing import Any, Sequence
 
 import torch
 
-VARIANTS = ("anchor", "memory", "disk", "device", "device_4x")
+VARIANTS = ("anchor", "memory", "disk", "device", "device_4x", "memory_small")
 CUDA_ONLY = ("device", "device_4x")
 
 
@@ -52,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="ids per step (default 4096 on CUDA, 2048 on CPU)")
     p.add_argument("--hidden", type=int, default=None, help="MLP width (default 1024 on CUDA, 128 on CPU)")
     p.add_argument("--out-dim", type=int, default=None, help="target width (default 256 on CUDA, 64 on CPU)")
+    p.add_argument("--id-range", type=int, default=None,
+                   help="draw ids from [0, N) only (default: the whole table); needed by memory_small")
     p.add_argument("--steps", type=int, default=60, help="batches per epoch (one warm-up epoch, one timed)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--reps", type=int, default=1, help="round-robin repetitions (median reported)")
@@ -169,8 +174,9 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     L, Data, Anchor, Store = _model_classes()
     from lightning_embcache import StepProfiler
 
-    rows, dim = args.rows, args.dim
-    steps = args.steps
+    dim, steps = args.dim, args.steps
+    rows = args.id_range if name == "memory_small" else args.rows
+    id_range = args.id_range or rows
     if name == "anchor":
         model = Anchor(rows, dim, args.hidden, args.out_dim)
     else:
@@ -187,7 +193,7 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     clock = _WallClock(args.device)
     trainer = L.Trainer(max_epochs=2, accelerator=args.device, devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[prof, clock.callback()])
-    data = torch.utils.data.DataLoader(Data(rows, args.batch, steps), batch_size=None, shuffle=False,
+    data = torch.utils.data.DataLoader(Data(id_range, args.batch, steps), batch_size=None, shuffle=False,
                                        pin_memory=args.device == "cuda")
     t = time.perf_counter()
     trainer.fit(model, data)
@@ -216,8 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out_dim = args.out_dim or (256 if cuda else 64)
     if not cuda and args.threads:
         torch.set_num_threads(args.threads)
-    names = args.variants.split(",") if args.variants else [v for v in VARIANTS if cuda or v not in CUDA_ONLY]
-    bad = [v for v in names if v not in VARIANTS or (v in CUDA_ONLY and not cuda)]
+    names = args.variants.split(",") if args.variants else [
+        v for v in VARIANTS if (cuda or v not in CUDA_ONLY) and (v != "memory_small" or args.id_range)]
+    bad = [v for v in names if v not in VARIANTS or (v in CUDA_ONLY and not cuda)
+           or (v == "memory_small" and not args.id_range)]
     if bad:
         print(f"embcache bench train: unknown or CUDA-only variants {bad}; choose from {VARIANTS}", file=sys.stderr)
         return 2
