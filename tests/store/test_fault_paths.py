@@ -250,6 +250,7 @@ def test_many_short_runs_keep_segments_compacted(shm_path, cycles):
             model[ids] = float(i)
             s.flush()
     segs = len(list((path / "segments").iterdir()))
+    print(f"\nLEAKS segments after {cycles} short runs: {segs}")
     assert segs <= COMPACT_SEGMENTS + 2, f"{segs} segments after {cycles} short runs"
     with EmbeddingStore.open(path) as s:
         assert torch.equal(s.get(torch.arange(N)), model)
@@ -292,4 +293,5 @@ def test_a_flush_loop_keeps_disk_use_near_the_documented_bound(shm_path):
         s.flush()
         peak = max(peak, s.stats().disk_bytes)
     s.close()
+    print(f"\nLEAKS flush loop peak disk use: {peak / table:.2f}x the table")
     assert peak <= 2.5 * table, f"disk use reached {peak / table:.2f}x the table"
