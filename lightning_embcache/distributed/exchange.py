@@ -69,7 +69,8 @@ class Route:
     Attributes:
         served: local row ids this rank is asked for (or receives rows for), grouped by the
             sending rank in rank order; for ``deliver=True`` known after :meth:`push`.
-        bytes_sent: payload + id bytes this rank sent for the route so far (for the benchmarks).
+        bytes_sent: bytes this rank sent to other ranks for the route so far (split sizes, ids,
+            rows; what stays on this rank is not counted), for the benchmarks.
     """
 
     def __init__(self, group: object, sharding: RowSharding, ids: Tensor, error: str | None = None,
@@ -101,21 +102,24 @@ class Route:
         self.send_splits = counts.tolist()
         self.recv_splits = got[:, 0].tolist()
         self.sharding = sharding
-        self.bytes_sent = world_size * 16
+        # rows this rank sends to others when it pushes, and when it serves others' requests
+        self._out_push = sum(self.send_splits) - self.send_splits[rank]
+        self._out_serve = sum(self.recv_splits) - self.recv_splits[rank]
+        self.bytes_sent = (world_size - 1) * 16
         self.served: Tensor | None = None
         self._send_ids = send_ids
         if not deliver:
             recv = torch.empty(sum(self.recv_splits), dtype=torch.int64)
             dist.all_to_all_single(recv, send_ids, self.recv_splits, self.send_splits, group=group)
             self.served = sharding.local(recv)
-            self.bytes_sent += int(send_ids.numel()) * 8
+            self.bytes_sent += self._out_push * 8
 
     def fetch(self, served_rows: Tensor | Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
         """Send the rows this rank serves back to their requesters; returns one row per requested id."""
         packed, unpack = _pack(served_rows)
         out = torch.empty((self.num_unique, packed.shape[1]), dtype=torch.uint8)
         dist.all_to_all_single(out, packed, self.send_splits, self.recv_splits, group=self.group)
-        self.bytes_sent += packed.numel()
+        self.bytes_sent += self._out_serve * packed.shape[1]
         rows = torch.empty_like(out)
         rows[self.order] = out
         return unpack(rows.index_select(0, self.inverse))
@@ -130,7 +134,7 @@ class Route:
             packed = torch.cat([self._send_ids.view(torch.uint8).reshape(-1, 8), packed], dim=1)
         out = torch.empty((sum(self.recv_splits), packed.shape[1]), dtype=torch.uint8)
         dist.all_to_all_single(out, packed, self.recv_splits, self.send_splits, group=self.group)
-        self.bytes_sent += packed.numel()
+        self.bytes_sent += self._out_push * packed.shape[1]
         if with_ids:
             self.served = self.sharding.local(out[:, :8].contiguous().view(torch.int64).reshape(-1))
             out = out[:, 8:]

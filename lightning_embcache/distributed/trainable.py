@@ -49,6 +49,7 @@ class ShardedTrainableRows:
             served = self.store.local.get(route.served) if len(route.served) else torch.empty(
                 (0, self.store.dim), dtype=self.store.dtype)
             rows = route.fetch(served)
+            self.store._clock.bytes_sent += route.bytes_sent
         if device is not None and torch.device(device).type != "cpu":
             rows = rows.pin_memory().to(device, non_blocking=True)
         if torch.is_grad_enabled():
