@@ -67,7 +67,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     fields = trainable_fields(opt, dim, torch.float32)
     if world == 1:
         store: Any = EmbeddingStore.create(None, n, dim, fields=fields)
-        rows: Any = TrainableRows(store, opt)
+        tier = None
+        if cfg.get("device_tier") and cuda:  # the single-process GPU path: rows in GPU memory
+            from lightning_embcache.device_tier import DeviceTier
+
+            tier = DeviceTier(store, device, cfg["device_tier"])
+        rows: Any = TrainableRows(store, opt, device_tier=tier)
     else:
         store = ShardedStore.open_or_create(None, n, dim, fields=fields)
         rows = store.trainable_rows(opt)
@@ -75,7 +80,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     model = torch.nn.parallel.DistributedDataParallel(decoder, device_ids=[rank] if cuda else None)
     dense_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
-    sent0 = t0 = 0.0
+    sent0 = t0 = io0 = 0.0
     for step in range(cfg["warmup"] + cfg["steps"]):
         if step == cfg["warmup"]:
             if cuda:
@@ -83,6 +88,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
             dist.barrier()
             t0 = time.perf_counter()
             sent0 = getattr(store, "exchanged_bytes", 0)
+            io0 = store.io_wait_seconds
         ids = torch.randint(0, n, (batch,), generator=gen)
         z = rows.lookup(ids, device)
         loss = torch.nn.functional.mse_loss(model(z), _targets(ids.to(device, non_blocking=True)))
@@ -97,7 +103,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     dist.barrier()
     elapsed = time.perf_counter() - t0
     sent = (getattr(store, "exchanged_bytes", 0) - sent0) / cfg["steps"]
-    out = {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach())}
+    out = {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach()),
+           "store_ms_per_step": 1e3 * (store.io_wait_seconds - io0) / cfg["steps"]}
     if cfg.get("dense") and world > 1 and cuda:
         out["dense"] = _dense(rank, world, cfg, device)
     queue.put(out)
@@ -152,6 +159,7 @@ def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
            "ms_per_step": 1e3 * elapsed / cfg["steps"],
            "store_bytes_per_step_per_rank": sum(g["store_bytes_per_step"] for g in got) / world,
            "dense_allreduce_bytes_per_step_per_rank": 2 * (world - 1) / world * cfg["rows"] * cfg["dim"] * 4,
+           "store_ms_per_step_max_rank": max(g["store_ms_per_step"] for g in got),
            "final_loss_rank0": sorted(got, key=lambda g: g["rank"])[0]["loss"]}
     dense = [g["dense"] for g in got if "dense" in g]
     if dense:
@@ -169,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--dense", action="store_true", help="also time DDP + a dense nn.Embedding (CUDA only)")
+    p.add_argument("--device-tier-baseline", action="store_true",
+                   help="also run 1 process with the whole table in a GPU device tier (CUDA only)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense)
@@ -178,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         r = run(w, cfg)
         results.append(r)
         print(json.dumps(r), flush=True)
+    if args.device_tier_baseline and torch.cuda.is_available():
+        cfg["_port"] = _port()
+        opt_bytes = args.rows * (args.dim * 4 * 3 + 8 + 64)  # weight + 2 moments + metadata + slot bookkeeping
+        r = run(1, {**cfg, "device_tier": int(opt_bytes * 1.1)})
+        r["world_size"] = "1 (device tier)"
+        print(json.dumps(r), flush=True)
+        results.append(r)
     base = results[0]["samples_per_s"]
     for r in results:
         r["speedup_vs_first"] = r["samples_per_s"] / base
@@ -189,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(report, indent=1))
     for r in results:
         print(f"world {r['world_size']}: {r['samples_per_s']:,.0f} samples/s ({r['speedup_vs_first']:.2f}x), "
-              f"{r['ms_per_step']:.1f} ms/step, store {r['store_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank, "
+              f"{r['ms_per_step']:.1f} ms/step (store {r['store_ms_per_step_max_rank']:.1f}), "
+              f"sent {r['store_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank, "
               f"dense all-reduce {r['dense_allreduce_bytes_per_step_per_rank'] / 1e9:.2f} GB/step/rank")
     return 0
 

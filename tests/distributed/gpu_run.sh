@@ -29,6 +29,6 @@ if [[ $what == matrix || $what == all ]]; then
 fi
 if [[ $what == scaling || $what == all ]]; then
   timeout ${SCALING_S:-130} python3 -m lightning_embcache.bench.distributed --world-sizes 1 2 4 --rows ${ROWS:-10000000} --dim 64 \
-    --batch ${BATCH:-8192} --steps ${STEPS:-50} --warmup 10 --dense --out $OUT/scaling.json >> $LOG 2>&1
+    --batch ${BATCH:-8192} --steps ${STEPS:-50} --warmup 10 --dense --device-tier-baseline --out $OUT/scaling.json >> $LOG 2>&1
 fi
 grep -h "^single\|^ddp\|^fsdp\|^world\|Error\|error" $LOG | cut -c1-400 | tail -60
