@@ -74,11 +74,14 @@ class Route:
     """
 
     def __init__(self, group: object, sharding: RowSharding, ids: Tensor, error: str | None = None,
-                 deliver: bool = False) -> None:
+                 deliver: bool = False, unique: bool = False) -> None:
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.world_size = group, world_size
         if error is None:
-            uniq, self.inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            if unique:  # already unique and ascending (coalesced gradient rows)
+                uniq, self.inverse = ids, torch.arange(len(ids))
+            else:
+                uniq, self.inverse = torch.unique(ids, sorted=True, return_inverse=True)
             owner = sharding.owner(uniq)
             self.order = torch.argsort(owner, stable=True)
             send_ids = uniq.index_select(0, self.order)

@@ -118,8 +118,8 @@ class ShardedStore:
                 self.local.update_fields(route.served, got)
             self._clock.bytes_sent += route.bytes_sent
 
-    def route(self, ids: Any, values: Mapping[str, Any] | None = None,
-              deliver: bool = False) -> tuple[Tensor, dict[str, Tensor], Route]:
+    def route(self, ids: Any, values: Mapping[str, Any] | None = None, deliver: bool = False,
+              unique: bool = False) -> tuple[Tensor, dict[str, Tensor], Route]:
         """Validate `ids` (and `values`) on this rank, then agree with every rank on who sends what.
 
         A rank whose arguments are invalid raises its own error; the others raise one naming it.
@@ -138,7 +138,7 @@ class ShardedStore:
             error, idx, vals = exc, torch.empty(0, dtype=torch.int64), {}
         with self._clock:
             try:
-                route = Route(self.group, self.sharding, idx, None if error is None else str(error), deliver)
+                route = Route(self.group, self.sharding, idx, None if error is None else str(error), deliver, unique)
             except InvalidArgumentError:
                 if error is not None:
                     raise error from None

@@ -88,7 +88,7 @@ class ShardedTrainableRows:
         else:
             ids, grads = torch.empty(0, dtype=torch.int64), torch.empty((0, self.store.dim), dtype=torch.float32)
         grads = grads.float() / self.store.world_size
-        _, _, route = self.store.route(ids, deliver=True)
+        _, _, route = self.store.route(ids, deliver=True, unique=True)
         with self.store._clock:
             got = route.push(grads)  # ids are unique and ascending: the route's own order
             self.store._clock.bytes_sent += route.bytes_sent
