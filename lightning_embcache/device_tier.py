@@ -136,7 +136,7 @@ class DeviceTier:
         self._views = {name: store.record_view(self.pool, name) for name in store.field_names}
         self.dirty = np.zeros(capacity, np.bool_)
         self._up = _PinnedRing()      # host -> device
-        self._idx = _PinnedRing(8)    # small index tensors host -> device
+        self._idx = _PinnedRing(32)   # small index tensors host -> device (several per step)
         self._down: list[_Down] = []  # row sets on their way down, oldest first (under _down_cv)
         self._down_cv = threading.Condition()
         self._seq = 0
@@ -201,13 +201,13 @@ class DeviceTier:
         self._join()
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-device-prefetch")
+        keep = None if protect is None else protect.copy()
+        self._prefetching = self._prefetcher.submit(self._prefetch_job, ids.copy(), keep)
+
+    def _prefetch_job(self, ids: np.ndarray, keep: np.ndarray | None) -> None:
         ids = np.unique(ids)
         if len(ids) > self.capacity // 2:
             ids = ids[: self.capacity // 2]
-        keep = None if protect is None else protect.copy()
-        self._prefetching = self._prefetcher.submit(self._prefetch_job, ids, keep)
-
-    def _prefetch_job(self, ids: np.ndarray, keep: np.ndarray | None) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             self._slots(ids, keep)
 
@@ -221,8 +221,14 @@ class DeviceTier:
         """The device slot of every position of validated ``ids`` (duplicates allowed)."""
         if self.resident:
             return ids
+        self._join()
+        with self._lock:
+            s = self.slot_of[ids].astype(np.int64) - 1
+            if (s >= 0).all():  # every row already on the device (the prefetched case): no unique()
+                self.ref[s] = 1
+                return s
         uniq, inv = np.unique(ids, return_inverse=True)
-        return self.slots(uniq, protect)[inv]
+        return self._slots(uniq, protect)[inv]
 
     def gather(self, ids: np.ndarray, name: str = "weight", protect: np.ndarray | None = None) -> Tensor:
         """Field ``name`` of validated ``ids`` as a new tensor on the device.
@@ -299,19 +305,21 @@ class DeviceTier:
         follows the batch, not the table.
         """
         cap = self.capacity
-        kept = np.unique(keep) if len(keep) else keep
-        if k > cap - self._nfree - len(kept):
-            need = len(kept) + k
-            raise StoreError(
-                f"the device tier holds {cap} rows (device_bytes={self.budget_bytes}) but this step "
-                f"needs {need} at once (the batch plus rows whose gradients are not applied yet); "
-                f"raise device_bytes to at least {need * (self.store.row_bytes + SLOT_OVERHEAD)} "
-                f"or use a smaller batch")
         self._stamp_id += 1
-        self._stamp[kept] = self._stamp_id
+        self._stamp[keep] = self._stamp_id  # duplicates welcome: no unique() of the batch
         victims: list[np.ndarray] = []
         need = k
+        swept = 0
         while need:
+            if swept > 2 * cap:  # two full turns of the hand: fewer evictable rows than needed
+                for v in victims:  # undo the picks, nothing changed
+                    self._stamp[v] = 0
+                kept = len(np.unique(keep)) if len(keep) else 0
+                raise StoreError(
+                    f"the device tier holds {cap} rows (device_bytes={self.budget_bytes}) but this step "
+                    f"needs {kept + k} at once (the batch plus rows whose gradients are not applied "
+                    f"yet); raise device_bytes to at least "
+                    f"{(kept + k) * (self.store.row_bytes + SLOT_OVERHEAD)} or use a smaller batch")
             win = (self._hand + np.arange(min(cap, max(4 * need, 1024)))) % cap
             ok = (self.id_of[win] >= 0) & (self._stamp[win] != self._stamp_id)
             cold = np.flatnonzero(ok & (self.ref[win] == 0))
@@ -325,6 +333,7 @@ class DeviceTier:
             victims.append(win[cold])
             need -= len(cold)
             self._hand = int(self._hand + end) % cap
+            swept += end
         self._drop(np.concatenate(victims))
 
     def _drop(self, slots: np.ndarray) -> None:

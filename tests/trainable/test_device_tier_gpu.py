@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_embcache import EmbeddingStore, EmbeddingStoreMixin, TrainableRows, make_row_optimizer, trainable_fields
+from lightning_embcache import (EmbeddingStore, EmbeddingStoreMixin, StoreError, TrainableRows, make_row_optimizer,
+                               trainable_fields)
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -151,3 +152,20 @@ def test_fit_on_the_device_tier_matches_the_host_path_and_reopens(tmp_path, frac
                                rtol=1e-5, atol=1e-5)
     for s in results.values():
         s.close()
+
+
+def test_a_batch_larger_than_the_tier_is_refused_by_name_and_changes_nothing(tmp_path):
+    opt, store = _store(tmp_path, "adam", hot_bytes=None)
+    tier = DeviceTier(store, "cuda", _budget(store, 0.05))  # 150 rows
+    rows = TrainableRows(store, opt, device_tier=tier)
+    z = rows.lookup(torch.arange(100))  # held until apply
+    (z * z).sum().backward()
+    rows.collect()
+    before = tier.gather(np.arange(100)).clone()
+    with pytest.raises(StoreError, match="device_bytes"):
+        rows.lookup(torch.arange(100, 200))  # 200 rows at once in a tier of 150
+    rows.apply(step=1)  # the held rows were not pushed out: the update lands on them
+    assert not torch.equal(tier.gather(np.arange(100)), before)
+    rows.write_down()
+    torch.testing.assert_close(store.get(torch.arange(100)).cuda(), tier.gather(np.arange(100)))
+    store.close()
