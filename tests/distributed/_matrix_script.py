@@ -116,7 +116,9 @@ def fit(cfg: dict, out: Path, tag: str, resume: str | None, ckpt_dir: str | None
     callbacks = [DeferredSync(every_n_steps=3), MemoryPressure(check_every_n_steps=2, reader=calm),
                  StepProfiler(log_every_n_steps=4, report=False), clock]
     if ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=True))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=cfg.get("save_top_k", -1),
+                                         monitor="step" if cfg.get("save_top_k", -1) > 0 else None, mode="max",
+                                         save_last=True))
     if cfg.get("kill_step") is not None:
         callbacks.append(Killer(cfg.get("kill_rank", 1), cfg["kill_step"]))
     devices = cfg.get("devices", 1)

@@ -126,3 +126,27 @@ def test_reshard_a_two_rank_checkpoint_then_resume_in_one_process(tmp_path):
     again = launch(tmp_path, "again", path=str(tmp_path / "s3"), epochs=3,
                    resume=str(tmp_path / "ck" / "last.world1.world2.ckpt"), **DDP)
     assert max_diff(again["ranks"][0], full["ranks"][0]) < TOL
+
+
+@pytest.mark.slow
+def test_every_rank_releases_the_versions_of_checkpoints_modelcheckpoint_removed(tmp_path):
+    """Lightning writes and removes checkpoint files on rank 0 only; rank 1's shard must still
+    unpin the versions whose files are gone, and keep those of the files that remain."""
+    import json
+
+    from lightning_embcache import EmbeddingStore
+
+    launch(tmp_path, "run", path=str(tmp_path / "s"), epochs=3, ckpt_dir=str(tmp_path / "ck"), save_top_k=1, **DDP)
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert files == ["epoch=2-step=24.ckpt", "last.ckpt"], files
+    refs = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)["embedding_stores"]["latents"]["shards"]
+    for rank in range(2):
+        registry = json.loads((tmp_path / "s" / f"rank-0000{rank}-of-00002.checkpoints.json").read_text())
+        assert registry["versions"] == {str(refs["versions"][rank]): [
+            str(tmp_path / "ck" / "epoch=2-step=24.ckpt"), str(tmp_path / "ck" / "last.ckpt")]}, registry
+        shard = EmbeddingStore.open(tmp_path / "s" / f"rank-0000{rank}-of-00002", readonly=True,
+                                    init=lambda ids: torch.zeros(len(ids), 8))
+        try:
+            assert shard.pinned() == [refs["versions"][rank]], (rank, shard.pinned())
+        finally:
+            shard.close()
