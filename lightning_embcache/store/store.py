@@ -308,7 +308,10 @@ class EmbeddingStore(TieredRows, Versioning):
         return self._io_wait
 
     def field_spec(self, name: str) -> tuple[torch.dtype, int]:
-        f = self._schema.fields[name]
+        """(dtype, columns) of field ``name``."""
+        f = self._schema.fields.get(name) if isinstance(name, str) else None
+        if f is None:
+            raise InvalidArgumentError(f"field {name!r} does not exist; this store has {list(self._schema.names)}")
         return f.dtype, f.cols
 
     # ------------------------------------------------------------------ public row API
@@ -634,9 +637,14 @@ class EmbeddingStore(TieredRows, Versioning):
             )
 
     def _check_names(self, names: Sequence[str]) -> tuple[str, ...]:
-        names = tuple(names)
+        if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) and not hasattr(names, "__iter__"):
+            raise InvalidTypeError(f"names must be a sequence of field names; got {type(names).__name__} {names!r}")
+        try:
+            names = tuple(names)
+        except TypeError:
+            raise InvalidTypeError(f"names must be a sequence of field names; got {type(names).__name__}") from None
         for n in names:
-            if n not in self._schema.fields:
+            if not isinstance(n, str) or n not in self._schema.fields:
                 raise InvalidArgumentError(f"field {n!r} does not exist; this store has {list(self._schema.names)}")
         return names
 

@@ -283,3 +283,37 @@ def _fuzz_fields_store():
         s.update(torch.arange(N), torch.arange(N * DIM, dtype=torch.float32).reshape(N, DIM))
         _FUZZ_FIELDS.append(s)
     return _FUZZ_FIELDS[0]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(method=st.sampled_from(["get_fields", "evict", "set_budget_hot", "set_budget_warm", "pin", "unpin",
+                               "manifest_checksum", "prefetch", "field_spec", "open_hot", "open_warm"]),
+       arg=_ARG)
+def test_any_argument_to_the_other_calls_gives_a_result_or_a_named_error(tmp_path_factory, method, arg):
+    path = tmp_path_factory.mktemp("m") / "s"
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=16, hot_bytes=16 * (DIM * 4 + 11)) as s:
+        s.update(torch.arange(N), torch.ones(N, DIM))
+        s.flush()
+        calls = {
+            "get_fields": lambda: s.get_fields(torch.tensor([1]), arg),
+            "evict": lambda: s.evict(arg),
+            "set_budget_hot": lambda: s.set_budget(hot_bytes=arg),
+            "set_budget_warm": lambda: s.set_budget(warm_bytes=arg),
+            "pin": lambda: s.pin(arg),
+            "unpin": lambda: s.unpin(arg),
+            "manifest_checksum": lambda: s.manifest_checksum(arg),
+            "prefetch": lambda: s.prefetch(arg),
+            "field_spec": lambda: s.field_spec(arg),
+        }
+        if method in calls:
+            try:
+                calls[method]()
+            except StoreError:
+                pass
+            assert torch.equal(s.get(torch.arange(N)), torch.ones(N, DIM))
+    if method.startswith("open"):
+        kw = {"hot_bytes": arg} if method == "open_hot" else {"warm_bytes": arg}
+        try:
+            EmbeddingStore.open(path, **kw).close()
+        except StoreError:
+            pass
