@@ -17,7 +17,7 @@ import numpy as np
 #: batches below this many rows are copied on the calling thread
 PARALLEL_MIN_ROWS = 2048
 #: at most this many threads (and never more than the machine's cores)
-MAX_THREADS = 8
+MAX_THREADS = 4
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
