@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, StoreError
 from lightning_embcache.store.errors import InvalidArgumentError
 
@@ -35,44 +36,6 @@ from lightning_embcache.store.errors import InvalidArgumentError
 SLOT_OVERHEAD = 10
 #: rows per host<->device transfer when a whole table is loaded or written down
 TRANSFER_ROWS = 65_536
-
-
-class _PinnedRing:
-    """Reused pinned host buffers for non-blocking copies; a buffer is refilled only after the
-    copy that last used it has finished (its event), which by then it normally has."""
-
-    def __init__(self, slots: int = 4) -> None:
-        self.size = slots
-        self._bufs: list[Tensor | None] = [None] * slots
-        self._events: list[torch.cuda.Event | None] = [None] * slots
-        self._next = 0
-
-    def take(self, nbytes: int) -> tuple[int, Tensor]:
-        i = self._next
-        self._next = (i + 1) % len(self._bufs)
-        ev = self._events[i]
-        if ev is not None:
-            ev.synchronize()  # waits for that one old copy, not for the device
-            self._events[i] = None
-        buf = self._bufs[i]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 4096) * 5 // 4, dtype=torch.uint8, pin_memory=True)
-            self._bufs[i] = buf
-        return i, buf
-
-    def done(self, i: int, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        self._events[i] = ev
-        return ev
-
-
-def _as_pinned(buf: Tensor, arr: np.ndarray) -> Tensor:
-    """``arr`` copied into the front of pinned ``buf``, as a tensor of arr's dtype and shape."""
-    flat = torch.from_numpy(np.ascontiguousarray(arr)).reshape(-1).view(torch.uint8)
-    buf[: flat.numel()].copy_(flat)
-    dtype = torch.from_numpy(arr[:0]).dtype
-    return buf[: flat.numel()].view(dtype).view(arr.shape)
 
 
 class _Down(NamedTuple):
@@ -135,14 +98,14 @@ class DeviceTier:
         self.pool = torch.empty((capacity, rb), dtype=torch.uint8, device=device)
         self._views = {name: store.record_view(self.pool, name) for name in store.field_names}
         self.dirty = np.zeros(capacity, np.bool_)
-        self._up = _PinnedRing()      # host -> device
-        self._idx = _PinnedRing(32)   # small index tensors host -> device (several per step)
+        self._up = PinnedRing()      # host -> device
+        self._idx = PinnedRing(32)   # small index tensors host -> device (several per step)
         self._down: list[_Down] = []  # row sets on their way down, oldest first (under _down_cv)
         self._down_cv = threading.Condition()
         self._seq = 0
         self._writer: ThreadPoolExecutor | None = None  # writes `_down` into the store, in order
         self._writer_error: BaseException | None = None
-        self._down_ring = _PinnedRing(8)  # one buffer per row set in `_down`, never more
+        self._down_ring = PinnedRing(8)  # one buffer per row set in `_down`, never more
         self.loaded_rows = 0
         self.evicted_rows = 0
         self.written_down_rows = 0
@@ -176,11 +139,8 @@ class DeviceTier:
 
     def to_device(self, arr: np.ndarray) -> Tensor:
         """A small host array on the device through a pinned buffer, without waiting."""
-        with self._ring_lock:  # the training thread and the prefetch thread both use it
-            i, buf = self._idx.take(arr.nbytes)
-            out = _as_pinned(buf, arr).to(self.device, non_blocking=True)
-            self._idx.done(i, self._stream)
-        return out
+        with self._ring_lock, torch.cuda.stream(self._stream):  # the training and prefetch threads
+            return self._idx.to_device(arr, self.device)
 
     @property
     def nbytes(self) -> int:

@@ -23,9 +23,10 @@ from torch import Tensor
 
 import numpy as np
 
-from lightning_embcache.device_tier import DeviceTier, _PinnedRing
+from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.optim.fused import fused_adam_step_rows
+from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.optim.clip import clip_rows_by_norm_
 from lightning_embcache.optim.coalesce import RowGradBuffer
 from lightning_embcache.store import EmbeddingStore, InvalidArgumentError
@@ -88,7 +89,7 @@ class TrainableRows:
         self._grads = RowGradBuffer()
         self._pending: tuple[int, float | None, torch.cuda.Event | None] | None = None
         # host path on CUDA: reused pinned buffers for rows going up and gradients coming down
-        self._up_ring: _PinnedRing | None = None
+        self._up_ring: PinnedRing | None = None
         self._grad_bufs: list[Tensor] = []  # one per micro-batch of a step, reused every step
         self._grad_k = 0
         # device path: per lookup (host slots per position, device slots, leaf)
@@ -115,13 +116,8 @@ class TrainableRows:
 
     def _to_cuda(self, rows: Tensor, device: torch.device) -> Tensor:
         if self._up_ring is None:
-            self._up_ring = _PinnedRing()
-        i, buf = self._up_ring.take(rows.numel() * rows.element_size())
-        staged = buf[: rows.numel() * rows.element_size()].view(rows.dtype).view(rows.shape)
-        staged.copy_(rows)
-        out = staged.to(device, non_blocking=True)
-        self._up_ring.done(i, torch.cuda.current_stream(device))
-        return out
+            self._up_ring = PinnedRing()
+        return self._up_ring.to_device(rows, device)
 
     def _lookup_on_device(self, idx: np.ndarray) -> Tensor:
         tier = self.device_tier

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
-from lightning_embcache.lightning.staging import PinnedStaging
+from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.trainable import TrainableRows
 
@@ -131,7 +131,7 @@ class EmbeddingStoreHandle:
         # Serialises open/flush/close; get/update never take it, so a background flush does not
         # stall the training thread.
         self._lifecycle = threading.RLock()
-        self._staging = PinnedStaging()
+        self._staging = PinnedRing(2)
         self._module_ref: Callable[[], torch.nn.Module | None] = lambda: None
         if module is not None:
             self._bind(module)
@@ -527,5 +527,5 @@ class EmbeddingStoreHandle:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update({"if_exists": "error", "_claimed": False, "_stand_in": False, "_in_fit": False, **state})
         self._lifecycle = threading.RLock()
-        self._staging = PinnedStaging()
+        self._staging = PinnedRing(2)
         self._module_ref = lambda: None
