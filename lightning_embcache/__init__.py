@@ -28,6 +28,7 @@ from lightning_embcache.store import (
     VersionNotFoundError,
 )
 from lightning_embcache.trainable import TrainableRows, trainable_fields
+from lightning_embcache.data import ChunkShuffleSampler, LookaheadSampler
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ChunkShuffleSampler",
     "CorruptStoreError",
     "DeferredSync",
     "DiskFullError",
@@ -61,6 +63,7 @@ __all__ = [
     "ForkedWriterError",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "LookaheadSampler",
     "MemoryPressure",
     "ReadOnlyError",
     "RowOptimizer",

@@ -64,6 +64,7 @@ class ChunkRows:
         self._ok = zeros(nc * self.bpc, np.uint8)  # block verified (for _ok_gen)
         self._ok_gen = zeros(nc, np.int32)  # generation the chunk's flags are for
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self._active = 0
         self._retired: list[int] = []  # descriptors to close once no read is in progress
 
@@ -135,7 +136,12 @@ class ChunkRows:
                 pass
 
     def close(self) -> None:
-        """Close every descriptor (the store is closing: no read is in progress)."""
+        """Close every descriptor (the store is closing: no read is in progress).
+
+        In a forked child (a DataLoader worker) this does nothing: the lock may have been held
+        by a thread of the parent at the fork, and the descriptors are the parent's to close."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             fds = [int(x) for x in self._fd[self._fd >= 0]] + self._retired
             self._fd[:] = -1

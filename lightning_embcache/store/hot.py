@@ -32,6 +32,7 @@ class HotTier:
         # memory mode's steady state (every chunk loaded): lookups and the store's get/update skip
         # all residency checks. Never true for a cache of slots.
         self.all_loaded = False
+        self.want: np.ndarray | None = None  # per id: reads still expected in the lookahead window
         if self.resident:
             num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
             self.loaded = zeros(num_chunks, np.bool_)
@@ -68,28 +69,65 @@ class HotTier:
 
     # ---- cached layout: allocation and eviction ----------------------------------------------
     def victims(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
-        """Choose ``n`` occupied slots to evict by CLOCK (skipping in-flight and protected)."""
+        """Choose ``n`` occupied slots to evict by CLOCK (skipping in-flight and protected).
+
+        With a lookahead window known (`want`), rows a coming batch will read are skipped on a
+        first lap: rows needed in the window stay, rows not needed in it go first (Belady's rule
+        with "not in the window" as "furthest in the future"). If that finds too few, a second
+        lap takes any row, as plain CLOCK does.
+        """
         out: list[np.ndarray] = []
         need = n
-        scanned = 0
-        cap = self.limit
-        while need > 0 and scanned < 3 * cap:
-            w = min(max(4 * need, 1024), cap)
-            idx = (np.arange(self.hand, self.hand + w) % cap)
-            occupied = self.id_of[idx] >= 0
-            cand = occupied & (self.ref[idx] == 0) & ~self.inflight[idx]
-            if protect is not None and len(protect):
-                cand &= ~np.isin(idx, protect)
-            picked = idx[cand][:need]
-            # Second chance: clear reference bits of what the hand passed over.
-            stop = w if len(picked) < need else int(np.flatnonzero(cand)[need - 1]) + 1
-            self.ref[idx[:stop]] = 0
-            self.hand = (self.hand + stop) % cap
-            scanned += stop
-            out.append(picked)
-            need -= len(picked)
+        for honour_want in ((True, False) if self.want is not None else (False,)):
+            scanned = 0
+            cap = self.limit
+            while need > 0 and scanned < 3 * cap:
+                w = min(max(4 * need, 1024), cap)
+                idx = (np.arange(self.hand, self.hand + w) % cap)
+                ids = self.id_of[idx]
+                occupied = ids >= 0
+                cand = occupied & (self.ref[idx] == 0) & ~self.inflight[idx]
+                if honour_want:
+                    cand &= self.want[np.maximum(ids, 0)] == 0
+                if protect is not None and len(protect):
+                    cand &= ~np.isin(idx, protect)
+                picked = idx[cand][:need]
+                # Second chance: clear reference bits of what the hand passed over.
+                stop = w if len(picked) < need else int(np.flatnonzero(cand)[need - 1]) + 1
+                self.ref[idx[:stop]] = 0
+                self.hand = (self.hand + stop) % cap
+                scanned += stop
+                out.append(picked)
+                need -= len(picked)
+            if need <= 0:
+                break
+            if out:  # a second lap must not count slots picked on the first
+                got = np.unique(np.concatenate(out))
+                out, need = [got], n - len(got)
+                if protect is not None and len(protect):
+                    protect = np.concatenate([protect, got])
+                else:
+                    protect = got
         # A second lap of the hand can meet slots picked on the first: never hand one out twice.
         return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+
+    # ---- lookahead -----------------------------------------------------------------------------
+    def expect(self, ids: np.ndarray) -> None:
+        """Rows ``ids`` (unique) will be read by a coming batch: count them in the window."""
+        if self.want is None:
+            self.want = zeros(self.num_rows, np.uint8)  # 1 byte per table row, touched pages only
+        w = self.want[ids]
+        self.want[ids] = np.minimum(w.astype(np.int16) + 1, 255).astype(np.uint8)
+
+    def consumed(self, ids: np.ndarray) -> np.ndarray | None:
+        """A batch read rows ``ids`` (unique): they leave the window once; returns which of them
+        were expected (None without a window)."""
+        if self.want is None:
+            return None
+        w = self.want[ids]
+        hinted = w > 0
+        self.want[ids] = w - hinted
+        return hinted
 
     def take_free(self, n: int) -> np.ndarray:
         k = min(n, len(self.free))

@@ -39,9 +39,16 @@ class StoreStats:
     updates: int = 0
     segments: int = 0
     pending_segments: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    stall_seconds: float = 0.0
+    warm_bytes_read: int = 0
+    warm_bytes_written: int = 0
+    table_bytes: int = 0
 
     _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions",
-                 "prefetched_rows", "evicted_bytes", "cleaned_rows", "gets", "updates")
+                 "prefetched_rows", "evicted_bytes", "cleaned_rows", "gets", "updates",
+                 "prefetch_hits", "prefetch_misses", "stall_seconds")
 
     @classmethod
     def counter_fields(cls) -> tuple[str, ...]:
@@ -51,6 +58,22 @@ class StoreStats:
     def hot_hit_rate(self) -> float:
         total = self.hot_hits + self.hot_misses
         return self.hot_hits / total if total else 1.0
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        """Of the rows a lookahead hint announced, the share that was hot when read (1.0 if none)."""
+        total = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / total if total else 1.0
+
+    @property
+    def stall_seconds_per_get(self) -> float:
+        """Mean time a get (or update) waited on reads below the hot tier."""
+        return self.stall_seconds / self.gets if self.gets else 0.0
+
+    @property
+    def disk_use_ratio(self) -> float:
+        """Bytes of the store directory over the table's bytes (rows x record bytes)."""
+        return self.disk_bytes / self.table_bytes if self.table_bytes else 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

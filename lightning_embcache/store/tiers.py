@@ -7,6 +7,7 @@ method says so.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -135,6 +136,8 @@ class TieredRows:
         missing = slots < 0
         n_miss = int(missing.sum())
         self._stats.hot_hits += len(idx) - n_miss
+        if hot.want is not None:
+            self._follow_window(idx, slots, missing, for_write)
         if not n_miss:
             return slots
         self._stats.hot_misses += n_miss
@@ -157,6 +160,36 @@ class TieredRows:
         hot.install(mids, got, records)
         slots = hot.slot_of[idx].astype(np.int64) - 1
         return slots
+
+    def _follow_window(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray, for_write: bool) -> None:
+        """With a lookahead window (`upcoming`): a read consumes its rows' expected reads and
+        counts whether the prefetch had them hot; a write of rows no coming batch reads marks
+        them not recently used, so the background write-back cleans them and eviction drops
+        them first (rows read once per epoch do not fill the cache)."""
+        hot = self._hot
+        if for_write:
+            done = hot.want[idx] == 0
+            if done.any():
+                hot.ref[slots[done & ~missing]] = 0
+            return
+        u, first = np.unique(idx, return_index=True)
+        hinted = hot.consumed(u)
+        if hinted is not None and hinted.any():
+            hit = ~missing[first]
+            self._stats.prefetch_hits += int(np.count_nonzero(hinted & hit))
+            self._stats.prefetch_misses += int(np.count_nonzero(hinted & ~hit))
+
+    def upcoming(self, ids: Any) -> None:
+        """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
+        entering its window). They are loaded in the background like `prefetch`, and until
+        that get reads them, eviction prefers rows no coming batch reads. Returns at once.
+        In memory mode, or for a store without a path, this is `prefetch`."""
+        self._check_usable()
+        idx = self._valid_ids(ids)
+        if self._disk is not None and not self._hot.resident:
+            with self._lock:
+                self._hot.expect(np.unique(idx))
+        self.prefetch(idx)
 
     def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
         """n free slots, evicting (and writing back) cold rows by CLOCK as needed."""
@@ -301,16 +334,20 @@ class TieredRows:
             hot.dirty[slots[res]] = 1
 
     def _load_chunk_resident(self, chunk: int) -> None:
+        t0 = time.perf_counter()
         lo, hi = self._hot.chunk_range(chunk)
         self._hot.pool_np[lo:hi] = self._below(chunk)
         self._hot.loaded[chunk] = True
+        self._stats.stall_seconds += time.perf_counter() - t0
 
     # ---- the miss path: one plan per batch, vectorised reads ----------------------------------
     def _fetch(self, ids: np.ndarray) -> np.ndarray:
         """Records of sorted unique ``ids`` from the warm tier or disk. Caller holds the lock."""
+        t0 = time.perf_counter()
         plan = self._plan_below(ids)
         records, whole = self._read_below(plan)
         self._stats.cold_reads += self._chunks_read(plan)
+        self._stats.stall_seconds += time.perf_counter() - t0
         if self._warm.budget:
             for c, recs in whole:
                 self._warm.put(c, recs)

@@ -19,6 +19,8 @@ class WarmTier:
         self.raw_bytes = 0
         self.hits = 0
         self.misses = 0
+        self.bytes_read = 0  # raw bytes served from the tier
+        self.bytes_written = 0  # bytes stored into it (compressed where LZ4 paid)
 
     def __contains__(self, chunk: int) -> bool:
         return chunk in self._items
@@ -39,6 +41,7 @@ class WarmTier:
         self._items.move_to_end(chunk)
         self.hits += 1
         data, compressed, raw_len = item
+        self.bytes_read += raw_len
         if compressed:
             data = lz4.block.decompress(data, uncompressed_size=raw_len)
         return np.frombuffer(bytearray(data), dtype=np.uint8)
@@ -54,6 +57,7 @@ class WarmTier:
             return
         self.discard(chunk)
         self._items[chunk] = (data, compressed, len(raw))
+        self.bytes_written += len(data)
         self.nbytes += len(data)
         self.raw_bytes += len(raw)
         self.shrink(self.budget)
