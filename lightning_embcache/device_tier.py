@@ -36,6 +36,8 @@ from lightning_embcache.store.errors import InvalidArgumentError
 SLOT_OVERHEAD = 10
 #: rows per host<->device transfer when a whole table is loaded or written down
 TRANSFER_ROWS = 65_536
+#: rows per store write of the write-back thread (it holds the store's lock for one slice at a time)
+WRITE_SLICE_ROWS = 1024
 
 
 class _Down(NamedTuple):
@@ -391,7 +393,10 @@ class DeviceTier:
         """The write-back thread: wait for one row set's copy, write it into the store, in order."""
         try:
             item.event.synchronize()
-            self.store.write_records(torch.from_numpy(item.ids), item.host)
+            ids = torch.from_numpy(item.ids)
+            # in slices: the store's lock is free in between for the prefetch thread's reads
+            for a in range(0, len(ids), WRITE_SLICE_ROWS):
+                self.store.write_records(ids[a : a + WRITE_SLICE_ROWS], item.host[a : a + WRITE_SLICE_ROWS])
         except BaseException as exc:  # kept in `_down` (nothing lost) and raised by the next wait
             with self._down_cv:
                 self._writer_error = exc
