@@ -32,6 +32,7 @@ from .errors import (
     InvalidTypeError,
     ReadOnlyError,
     StoreClosedError,
+    StoreError,
     StoreLockedError,
 )
 from . import rowcopy
@@ -105,7 +106,14 @@ class EmbeddingStore(TieredRows, Versioning):
         warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
         if not isinstance(dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype; got {dtype!r}")
-        schema = Schema(dim, dtype, dict(fields or {}))
+        if fields is not None and not isinstance(fields, Mapping):
+            raise InvalidTypeError(f"fields must be a mapping name -> (dtype, cols[, fill]); got {type(fields).__name__}")
+        try:
+            schema = Schema(dim, dtype, dict(fields or {}))
+        except (TypeError, ValueError, OverflowError) as exc:
+            if isinstance(exc, StoreError):
+                raise
+            raise InvalidArgumentError(f"fields={fields!r} is not name -> (dtype, cols[, fill]): {exc}") from None
         if compression not in (None, "lz4"):
             raise InvalidArgumentError(f"compression must be None or 'lz4'; got {compression!r}")
         if isinstance(init, str):
