@@ -287,6 +287,8 @@ class Versioning:
         touched = np.unique(np.concatenate([s.idx_chunk for s in segs]))
         new_cmap = cmap.copy()
         for c in touched.tolist():
+            if self._closed:  # close() waits for the writer lock: stop here (the next open collects the rest)
+                return
             rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
             recs = disk.read_chunk(c, int(cmap[c])) if cmap[c] else self._init_records(c, rows)
             lo = c * self._chunk_rows
