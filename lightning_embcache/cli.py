@@ -2,7 +2,7 @@
 
     embcache --version
     embcache demo [--root runs/demo] [--samples N] ...   train the demo auto-decoder, print a report
-    embcache bench {store,optim,profiler,sync,tuning,train} [--out FILE] [...]
+    embcache bench {store,disk,optim,profiler,sync,tuning,train} [--out FILE] [...]
     embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
@@ -23,6 +23,7 @@ from typing import Any, Sequence
 # benchmark -> module with main(argv)
 BENCHMARKS: dict[str, str] = {
     "store": "lightning_embcache.bench.store",
+    "disk": "lightning_embcache.bench.disk",
     "optim": "lightning_embcache.bench.optim",
     "profiler": "lightning_embcache.bench.profiler",
     "sync": "lightning_embcache.bench.sync",
@@ -31,9 +32,10 @@ BENCHMARKS: dict[str, str] = {
     "distributed": "lightning_embcache.bench.distributed",
 }
 # the module's own name for its output file flag, where it is not --out
-OUTPUT_FLAG = {"store": "--json", "optim": "--json", "sync": "--json"}
+OUTPUT_FLAG = {"store": "--json", "disk": "--json", "optim": "--json", "sync": "--json"}
 BENCHMARK_HELP = {
     "store": "store get/update/flush against in-RAM and on-disk baselines",
+    "disk": "disk mode (miss path, lookahead, disk use) against numpy.memmap",
     "optim": "sparse row-wise optimizers against torch.optim.SparseAdam",
     "profiler": "StepProfiler's overhead against Lightning's profilers",
     "sync": "DeferredSync against flushing on every step",

@@ -27,7 +27,9 @@ from .fileio import HEADER_SIZE, crc32
 from .memory import zeros
 
 BLOCK = 4096
+WHOLE_AFTER = 4  # block-wise first reads of a chunk before a cached chunk is verified whole
 _FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux: a read that fails instead of waiting for the disk
 
 
 def _max_files() -> int:
@@ -63,6 +65,7 @@ class ChunkRows:
         self._order: list[int] = []  # chunks in the order they were opened (closing oldest first)
         self._ok = zeros(nc * self.bpc, np.uint8)  # block verified (for _ok_gen)
         self._ok_gen = zeros(nc, np.int32)  # generation the chunk's flags are for
+        self._first_reads = zeros(nc, np.int64)  # block-wise first reads per chunk so far
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._active = 0
@@ -215,8 +218,54 @@ class ChunkRows:
             self.disk.bytes_read += len(sel) * rb
         return out
 
+    def _verify_cached_chunks(self, out, rows, chunks, local, gens, fds, base, crcs) -> np.ndarray:
+        """Chunks whose every page is in the page cache are read and verified whole, in one read
+        and one pass of checksums (``RWF_NOWAIT`` fails rather than wait for the disk, so a cold
+        chunk is never read whole for a few rows). Returns the rows still to read block-wise."""
+        c = chunks[rows]
+        bounds = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True])
+        left = np.ones(len(rows), np.bool_)
+        rb = self.rb
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            ch = int(c[a])
+            n = min(self.cr, self.disk.num_rows - ch * self.cr) * rb
+            buf = bytearray(n)
+            try:
+                got = os.preadv(int(fds[rows[a]]), [buf], int(base[rows[a]]), _RWF_NOWAIT)
+            except OSError:  # not cached (EAGAIN), or unsupported here: block-wise
+                got = -1
+            if got != n:
+                continue
+            cl = crcs[ch]
+            view = memoryview(buf)
+            for k in range(len(cl)):
+                if crc32(view[k * BLOCK : (k + 1) * BLOCK]) != cl[k]:
+                    raise CorruptStoreError(self.disk.chunk_path(ch, int(gens[rows[a]])),
+                                            f"block {k} of chunk {ch} fails its checksum")
+            recs = np.frombuffer(buf, np.uint8).reshape(-1, rb)
+            out[rows[a:b]] = recs[local[rows[a:b]]]
+            left[a:b] = False
+            self.disk.bytes_read += n
+            gen = int(gens[rows[a]])
+            with self._lock:
+                self._ok_gen[ch] = gen
+                self._ok[ch * self.bpc : ch * self.bpc + len(cl)] = 1
+        return rows[left]
+
     def _read_verifying(self, out, rows, chunks, local, gens, fds, base, crcs) -> None:
         """Rows whose blocks were not verified yet: read their blocks whole and check them."""
+        if _RWF_NOWAIT:
+            # A chunk that keeps needing first reads of its blocks (an epoch over the table) is
+            # verified whole once it is cached; a few random rows still read only their blocks.
+            c = chunks[rows]
+            seen = self._first_reads[c]
+            np.add.at(self._first_reads, c, 1)
+            busy = seen >= WHOLE_AFTER
+            if busy.any():
+                rest = self._verify_cached_chunks(out, rows[busy], chunks, local, gens, fds, base, crcs)
+                rows = np.sort(np.concatenate([rows[~busy], rest]))
+                if not len(rows):
+                    return
         rb = self.rb
         c = chunks[rows]
         off = local[rows] * rb

@@ -1,0 +1,314 @@
+"""`embcache bench disk`: disk mode against numpy.memmap on the same rows.
+
+One table of ``--rows`` x ``--dim`` float32 rows, written once as a compacted store and as a
+``.npy`` file. Every (system, phase) runs in its own subprocess (peak RSS is per process), the
+systems interleaved within each repetition; figures are medians over repetitions.
+
+* ``warm``: the files in the page cache; epoch order (a random permutation in batches of
+  ``--batch``), per batch ``get`` then ``update`` of the rows got (+1), ``flush`` every
+  ``--flush-every`` batches. Store: ``hot_bytes`` = table / ``--table-factor`` (4x), with and
+  without ``LookaheadSampler``; memmap: fancy index + fancy assignment, ``flush()`` (msync).
+* ``cold``: the same loop after dropping the page cache (``/proc/sys/vm/drop_caches`` when
+  permitted, else ``posix_fadvise(DONTNEED)`` on every file); stall = time ``get`` waited on reads.
+* ``space``: a fresh store, ``--flushes`` flushes that each rewrite ``--flush-frac`` of the rows
+  (random, nothing pinned): disk use / table after each, ``close()`` time.
+
+    embcache bench disk [--quick] [--json PATH] [--reps R] [--rows N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="embcache bench disk", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, one repetition")
+    p.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    p.add_argument("--reps", type=int, help="repetitions (default 3; quick 1)")
+    p.add_argument("--rows", type=int, help="table rows (default 500,000; quick 60,000)")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--batches", type=int, help="timed batches per process (default 300; quick 60)")
+    p.add_argument("--flush-every", type=int, default=50)
+    p.add_argument("--table-factor", type=float, default=4.0, help="table bytes / hot_bytes (default 4)")
+    p.add_argument("--lookahead", type=int, default=8, help="batches announced ahead (default 8)")
+    p.add_argument("--flushes", type=int, default=40)
+    p.add_argument("--flush-frac", type=float, default=0.1)
+    p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
+    p.add_argument("--phases", default="warm,cold,space")
+    p.add_argument("--workdir", help="where the files go (default: a temp dir under /var/tmp, removed after)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+def _rss_peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def drop_cache(paths: list[Path]) -> str:
+    """Drop the page cache of ``paths`` (whole cache if permitted); returns the method used."""
+    try:
+        subprocess.run(["sync"], check=False)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for root in paths:
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for p in files:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
+
+
+def warm_cache(paths: list[Path]) -> None:
+    for root in paths:
+        for p in ([root] if root.is_file() else [q for q in root.rglob("*") if q.is_file()]):
+            with open(p, "rb") as f:
+                while f.read(16 * MiB):
+                    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------
+def _setup(cfg: dict) -> dict:
+    import numpy as np
+    import torch
+
+    from lightning_embcache import EmbeddingStore
+
+    wd = Path(cfg["workdir"])
+    n, dim = cfg["rows"], cfg["dim"]
+    t0 = time.perf_counter()
+    with EmbeddingStore.create(wd / "store", n, dim) as s:
+        step = 65536
+        for a in range(0, n, step):
+            ids = torch.arange(a, min(n, a + step))
+            s.update(ids, ids[:, None].float().expand(-1, dim).contiguous())
+        s.flush()
+        s.compact()
+        s.flush()
+    mm = np.lib.format.open_memmap(wd / "table.npy", "w+", np.float32, (n, dim))
+    for a in range(0, n, 65536):
+        mm[a : a + 65536] = np.arange(a, min(n, a + 65536), dtype=np.float32)[:, None]
+    mm.flush()
+    del mm
+    return {"setup_s": time.perf_counter() - t0}
+
+
+def _loop(cfg: dict) -> dict:
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    wd = Path(cfg["workdir"])
+    n, dim, bsz = cfg["rows"], cfg["dim"], cfg["batch"]
+    system, phase = cfg["system"], cfg["phase"]
+    perm = np.random.default_rng(cfg["seed"]).permutation(n)
+    nb = min(cfg["batches"], n // bsz)
+    batches = [perm[i * bsz : (i + 1) * bsz].tolist() for i in range(nb)]
+    base_rss = _rss_now()
+    out: dict = {"system": system, "phase": phase}
+    if phase == "cold":
+        out["drop"] = drop_cache([wd / "store", wd / "table.npy"])
+    if system == "memmap":
+        mm = np.load(wd / "table.npy", mmap_mode="r+")
+
+        def step(ids):
+            x = torch.from_numpy(mm[ids])
+            mm[ids] = (x + 1).numpy()
+
+        flush, stats, close = mm.flush, (lambda: None), (lambda: None)
+        order = batches
+    else:
+        from lightning_embcache import EmbeddingStore, LookaheadSampler
+
+        table = n * dim * 4
+        store = EmbeddingStore.open(wd / "store", hot_bytes=int(table / cfg["table_factor"]))
+
+        def step(ids):
+            t = torch.tensor(ids)
+            x = store.get(t)
+            store.update(t, x + 1)
+
+        flush, stats, close = store.flush, store.stats, store.close
+        order = LookaheadSampler(batches, store, lookahead=cfg["lookahead"]) if system == "store+lookahead" else batches
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    done = 0
+    for i, ids in enumerate(order):
+        step(ids)
+        done += 1
+        if (i + 1) % cfg["flush_every"] == 0:
+            flush()
+    flush()
+    wall = time.perf_counter() - t0
+    out.update(rows_per_s=done * bsz / wall, wall_s=wall, cpu_s=time.process_time() - cpu0, batches=done)
+    st = stats()
+    if st is not None:
+        out.update(stall_ms_per_step=1e3 * st.stall_seconds / max(done, 1), prefetch_hit_rate=st.prefetch_hit_rate,
+                   bytes_read=st.bytes_read, bytes_written=st.bytes_written, disk_use_ratio=st.disk_use_ratio)
+    t1 = time.perf_counter()
+    close()
+    out["close_s"] = time.perf_counter() - t1
+    out["rss_peak_over_start_mib"] = (_rss_peak() - base_rss) / MiB
+    if system != "memmap":
+        out["budget_mib"] = n * dim * 4 / cfg["table_factor"] / MiB
+    return out
+
+
+def _space(cfg: dict) -> dict:
+    import numpy as np
+    import torch
+
+    from lightning_embcache import EmbeddingStore
+
+    wd = Path(cfg["workdir"]) / "space"
+    shutil.rmtree(wd, ignore_errors=True)
+    n, dim = cfg["space_rows"], cfg["dim"]
+    rng = np.random.default_rng(cfg["seed"])
+    ratios, flush_s = [], []
+    s = EmbeddingStore.create(wd, n, dim)
+    s.update(torch.arange(n), torch.zeros(n, dim))
+    s.flush()
+    k = int(n * cfg["flush_frac"])
+    for i in range(cfg["flushes"]):
+        ids = torch.from_numpy(np.sort(rng.choice(n, k, replace=False)))
+        s.update(ids, torch.full((k, dim), float(i)))
+        t0 = time.perf_counter()
+        s.flush()
+        flush_s.append(time.perf_counter() - t0)
+        ratios.append(s.stats().disk_use_ratio)
+    t0 = time.perf_counter()
+    s.close()
+    close_s = time.perf_counter() - t0
+    table = n * dim * 4
+    disk = sum(p.stat().st_size for p in wd.rglob("*") if p.is_file())
+    return {"phase": "space", "system": "store", "ratio_after_each_flush": ratios, "max_ratio": max(ratios),
+            "final_ratio_after_close": disk / table, "close_s": close_s, "flush_s_median": statistics.median(flush_s),
+            "flush_s_max": max(flush_s)}
+
+
+def _run_worker(cfg: dict) -> dict:
+    fn = {"setup": _setup, "space": _space}.get(cfg["phase"], _loop)
+    return fn(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+def _spawn(cfg: dict) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "lightning_embcache.bench.disk", "--worker", json.dumps(cfg)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"worker {cfg.get('system')}/{cfg['phase']} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        print(json.dumps(_run_worker(json.loads(args.worker))))
+        return 0
+    q = args.quick
+    cfg = {
+        "rows": args.rows or (60_000 if q else 500_000), "dim": args.dim, "batch": args.batch,
+        "batches": args.batches or (60 if q else 300), "flush_every": args.flush_every,
+        "table_factor": args.table_factor, "lookahead": args.lookahead, "flushes": args.flushes,
+        "flush_frac": args.flush_frac, "space_rows": args.space_rows or (30_000 if q else 200_000), "seed": 0,
+    }
+    reps = args.reps or (1 if q else 3)
+    phases = args.phases.split(",")
+    own = args.workdir is None
+    wd = Path(args.workdir or tempfile.mkdtemp(prefix="embcache-bench-disk-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    wd.mkdir(parents=True, exist_ok=True)
+    cfg["workdir"] = str(wd)
+    runs: list[dict] = []
+    try:
+        print(f"setup: {cfg['rows']} x {cfg['dim']} rows ({cfg['rows'] * cfg['dim'] * 4 / MiB:.0f} MiB) in {wd}", flush=True)
+        _spawn(dict(cfg, phase="setup"))
+        systems = ["memmap", "store", "store+lookahead"]
+        for rep in range(reps):
+            for phase in ("warm", "cold"):
+                if phase not in phases:
+                    continue
+                for k in range(len(systems)):
+                    system = systems[(k + rep) % len(systems)]
+                    if phase == "warm":
+                        warm_cache([wd / "store", wd / "table.npy"])
+                    res = _spawn(dict(cfg, phase=phase, system=system, seed=rep + 1))
+                    res["rep"] = rep
+                    runs.append(res)
+                    print(f"  rep {rep} {phase:5s} {system:16s} {res['rows_per_s']:10.0f} rows/s  "
+                          f"stall {res.get('stall_ms_per_step', 0):.2f} ms/step  close {res['close_s']:.2f} s  "
+                          f"RSS +{res['rss_peak_over_start_mib']:.0f} MiB", flush=True)
+        if "space" in phases:
+            res = _spawn(dict(cfg, phase="space"))
+            runs.append(res)
+            print(f"  space: max disk/table {res['max_ratio']:.2f}x over {cfg['flushes']} flushes of "
+                  f"{cfg['flush_frac']:.0%}; after close {res['final_ratio_after_close']:.2f}x; close {res['close_s']:.2f} s",
+                  flush=True)
+    finally:
+        if own:
+            shutil.rmtree(wd, ignore_errors=True)
+    summary: dict = {}
+    for phase in ("warm", "cold"):
+        for system in ("memmap", "store", "store+lookahead"):
+            rs = [r for r in runs if r.get("phase") == phase and r.get("system") == system]
+            if rs:
+                summary[f"{phase}/{system}"] = {k: statistics.median([r[k] for r in rs if k in r])
+                                                for k in ("rows_per_s", "stall_ms_per_step", "close_s",
+                                                          "rss_peak_over_start_mib") if any(k in r for r in rs)}
+        mm = summary.get(f"{phase}/memmap", {}).get("rows_per_s")
+        for system in ("store", "store+lookahead"):
+            key = f"{phase}/{system}"
+            if mm and key in summary:
+                summary[key]["vs_memmap"] = summary[key]["rows_per_s"] / mm
+    print(json.dumps(summary, indent=1))
+    result = {"command": "embcache bench disk " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "config": cfg, "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                      "load_avg": os.getloadavg()},
+              "summary": summary, "runs": runs, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
