@@ -97,13 +97,16 @@ class TrainableRows:
         self._dev_grads: list[tuple[np.ndarray, Tensor, Tensor]] = []
 
     # ---- forward -------------------------------------------------------------------------------
-    def lookup(self, ids: Any, device: torch.device | str | None = None) -> Tensor:
+    def lookup(self, ids: Any, device: torch.device | str | None = None, *,
+               device_ids: Tensor | None = None) -> Tensor:
         """Rows of `ids` as a leaf with `requires_grad=True` (when grad is enabled).
 
         On the device tier's GPU with a tier; else on `device` (default: the host).
+        ``device_ids``: the same ids already on the tier's GPU (e.g. the batch Lightning moved
+        there); a tier holding the whole table then gathers with them instead of copying `ids` up.
         """
         if self.device_tier is not None:
-            return self._lookup_on_device(as_ids(ids, self.store.num_rows))
+            return self._lookup_on_device(as_ids(ids, self.store.num_rows), device_ids)
         self.settle()
         idx = torch.from_numpy(as_ids(ids, self.store.num_rows).copy())
         rows = self.store.get(idx)
@@ -119,11 +122,17 @@ class TrainableRows:
             self._up_ring = PinnedRing()
         return self._up_ring.to_device(rows, device)
 
-    def _lookup_on_device(self, idx: np.ndarray) -> Tensor:
+    def _lookup_on_device(self, idx: np.ndarray, device_ids: Tensor | None) -> Tensor:
         tier = self.device_tier
         assert tier is not None
-        pos = self._device_slots(idx)
-        pos_d = tier.to_device(pos)
+        if tier.resident:  # slot == id; a copy: the caller may refill its ids before apply()
+            pos = idx.copy()
+            same = (device_ids is not None and device_ids.device == tier.device and device_ids.dim() == 1
+                    and device_ids.dtype in (torch.int64, torch.int32) and device_ids.numel() == len(idx))
+            pos_d = device_ids if same else tier.to_device(pos)
+        else:
+            pos = self._device_slots(idx)
+            pos_d = tier.to_device(pos)
         rows = tier.view("weight").index_select(0, pos_d)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)

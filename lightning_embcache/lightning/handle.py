@@ -67,6 +67,13 @@ def _store_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(call)
 
 
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return -1
+
+
 class EmbeddingStoreHandle:
     """A per-sample table owned by a LightningModule.
 
@@ -225,7 +232,10 @@ class EmbeddingStoreHandle:
         if not torch.is_grad_enabled():
             return self.get(ids)
         rows = self._trainable_rows("lookup")
-        return rows.lookup(self._host_ids(ids), self._device())
+        # GPU ids untouched since Lightning moved them (version 0) equal their host copy: a tier
+        # holding the whole table gathers with them directly
+        return rows.lookup(self._host_ids(ids), self._device(),
+                           device_ids=ids if ids.is_cuda and _version(ids) == 0 else None)
 
     @_store_call
     def row_meta(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
