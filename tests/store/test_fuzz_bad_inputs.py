@@ -285,7 +285,7 @@ def _fuzz_fields_store():
     return _FUZZ_FIELDS[0]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(method=st.sampled_from(["get_fields", "evict", "set_budget_hot", "set_budget_warm", "pin", "unpin",
                                "manifest_checksum", "prefetch", "field_spec", "open_hot", "open_warm"]),
        arg=_ARG)
