@@ -213,7 +213,11 @@ class EmbeddingStoreHandle:
         """The store's cumulative ``io_wait_seconds`` without the cost of a full ``stats()``."""
         store, tier = self._store, self._device_tier
         seconds = store.io_wait_seconds if store is not None and not store.closed else 0.0
-        return seconds + (tier.io_seconds if tier is not None else 0.0)
+        if tier is not None:  # the tier's store calls (some on its threads) count as its own wait
+            seconds += tier.io_seconds - tier.store_seconds
+            # the two store counters tick a moment apart: never report a step's wait as negative
+            seconds = self._io_reported = max(seconds, getattr(self, "_io_reported", 0.0))
+        return seconds
 
     @_store_call
     def stats(self) -> StoreStats:
@@ -235,7 +239,8 @@ class EmbeddingStoreHandle:
         # GPU ids untouched since Lightning moved them (version 0) equal their host copy: a tier
         # holding the whole table gathers with them directly
         return rows.lookup(self._host_ids(ids), self._device(),
-                           device_ids=ids if ids.is_cuda and _version(ids) == 0 else None)
+                           device_ids=ids if isinstance(ids, torch.Tensor) and ids.is_cuda and _version(ids) == 0
+                           else None)
 
     @_store_call
     def row_meta(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -327,7 +332,16 @@ class EmbeddingStoreHandle:
 
     def _host_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` on the host: the batch's own host copy when Lightning moved it to the GPU
-        (no device sync), else a copy (a sync, warned once: pass host ids to avoid it)."""
+        (no device sync), else a copy (a sync, warned once: pass host ids to avoid it). A list,
+        range or numpy array becomes a tensor (the store checks its dtype and values)."""
+        if not isinstance(ids, torch.Tensor):
+            try:
+                ids = torch.as_tensor(ids)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise _store_errors().InvalidTypeError(
+                    f"ids must be a tensor, list, range or numpy array of integer row ids; got {type(ids).__name__} "
+                    f"({exc})"
+                ) from None
         if ids.device.type == "cpu":
             return ids
         module = self._module_ref()

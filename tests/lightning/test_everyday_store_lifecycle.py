@@ -139,3 +139,21 @@ def test_validate_before_the_first_fit_then_fit_keeps_the_training(tmp_path):
     assert (model.latents.row_meta(torch.arange(N))["updates"] == 1).all()
     torch.testing.assert_close(on_disk(path), model.latents.get(torch.arange(N)), rtol=0, atol=0)
     model.latents.close()
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 3], range(1, 4)], ids=["list", "range"])
+def test_handle_calls_take_plain_python_ids(tmp_path, ids):
+    import numpy as np
+
+    model = Model(tmp_path / "latents", "lookup")
+    reference = model.latents.get(torch.tensor([1, 2, 3]))
+    for form in (ids, np.asarray(list(ids))):
+        assert torch.equal(model.latents.get(form), reference)
+        assert torch.equal(model.latents.lookup(form).detach(), reference)
+    model.latents.update(ids, torch.zeros(3, 4))
+    assert torch.equal(model.latents.get(torch.tensor([1, 2, 3])), torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="integer"):
+        model.latents.get([1.5, 2.0])
+    with pytest.raises(TypeError, match="ids must be a tensor, list, range or numpy array"):
+        model.latents.get([[1], [2, 3]])
+    model.latents.close()
