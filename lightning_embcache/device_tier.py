@@ -40,6 +40,18 @@ TRANSFER_ROWS = 65_536
 WRITE_SLICE_ROWS = 1024
 
 
+def _entry(method: Any) -> Any:
+    """A tier call of the training thread: its wall time (waits for the prefetch thread, misses
+    served from the store) counts as the thread's store I/O (`DeviceTier.io_seconds`)."""
+
+    def call(self: "DeviceTier", *args: Any, **kwargs: Any) -> Any:
+        with self._io():
+            return method(self, *args, **kwargs)
+
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
+
+
 class _Down(NamedTuple):
     """Rows on their way from the device to the store: sorted ids, their pinned host copy, the
     event that says the copy is done, the device copy it was made from, and a sequence number."""
@@ -111,7 +123,12 @@ class DeviceTier:
         self.loaded_rows = 0
         self.evicted_rows = 0
         self.written_down_rows = 0
-        self.io_seconds = 0.0  # host time moving rows up and down, beyond the store's own io_wait
+        # I/O accounting for the profiler's store_io: wall time the calling (training) thread spent
+        # in the tier's entry points, and the time of every store call the tier made (any thread),
+        # which the store also counts in its own io_wait_seconds
+        self.io_seconds = 0.0
+        self.store_seconds = 0.0
+        self._depth = threading.local()
         if self.resident:
             self._load_all()
         else:
@@ -127,12 +144,23 @@ class DeviceTier:
 
     @contextmanager
     def _io(self) -> Iterator[None]:
-        """Count this block's time as I/O, minus what the store already counts as its own."""
-        t0, w0 = time.perf_counter(), self.store.io_wait_seconds
+        """Count the outermost entry point's wall time as this thread's I/O wait."""
+        depth = getattr(self._depth, "n", 0)
+        self._depth.n = depth + 1
+        t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.io_seconds += time.perf_counter() - t0 - (self.store.io_wait_seconds - w0)
+            self._depth.n = depth
+            if not depth:
+                self.io_seconds += time.perf_counter() - t0
+
+    def _timed_store(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.store_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ fields and indices
     def view(self, name: str) -> Tensor:
@@ -150,6 +178,7 @@ class DeviceTier:
         return self.pool.numel()
 
     # ------------------------------------------------------------------ rows in and out
+    @_entry
     def prefetch(self, ids: np.ndarray, protect: np.ndarray | None = None) -> None:
         """Start bringing validated ``ids`` to the device in a background thread; returns at once.
 
@@ -179,6 +208,7 @@ class DeviceTier:
         if fut is not None:
             fut.result()
 
+    @_entry
     def positions(self, ids: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
         """The device slot of every position of validated ``ids`` (duplicates allowed)."""
         if self.resident:
@@ -192,6 +222,7 @@ class DeviceTier:
         uniq, inv = np.unique(ids, return_inverse=True)
         return self._slots(uniq, protect)[inv]
 
+    @_entry
     def gather(self, ids: np.ndarray, name: str = "weight", protect: np.ndarray | None = None) -> Tensor:
         """Field ``name`` of validated ``ids`` as a new tensor on the device.
 
@@ -214,10 +245,11 @@ class DeviceTier:
             if len(on):
                 out[self.to_device(on)] = self.view(name).index_select(0, self.to_device(s[on]))
             if len(off):
-                host = self.store.get_fields(torch.from_numpy(uniq[off]), (name,))[name]
+                host = self._timed_store(self.store.get_fields, torch.from_numpy(uniq[off]), (name,))[name]
                 out[self.to_device(off)] = host.to(self.device)
             return out.index_select(0, self.to_device(inv))
 
+    @_entry
     def scatter(self, ids: np.ndarray, values: Tensor, protect: np.ndarray | None = None) -> None:
         """Write weights ``values`` (on the device, store dtype) to validated ``ids``; of
         duplicate ids the last one wins, as in `EmbeddingStore.update`."""
@@ -229,6 +261,7 @@ class DeviceTier:
             self.dirty[slots] = True
 
     # ------------------------------------------------------------------ residency
+    @_entry
     def slots(self, ids: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
         """Device slots of validated, unique ``ids``, bringing missing rows up first.
 
@@ -312,8 +345,7 @@ class DeviceTier:
 
     def _upload(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Bring rows ``ids`` from the host store into device ``slots`` (non-blocking)."""
-        with self._io():
-            self._upload_rows(ids, slots)
+        self._upload_rows(ids, slots)
 
     def _upload_rows(self, ids: np.ndarray, slots: np.ndarray) -> None:
         ids_all, slots_all = ids, slots
@@ -345,7 +377,8 @@ class DeviceTier:
         """Records of ``ids`` read from the store straight into the next pinned buffer."""
         rb = self.pool.shape[1]
         self._up_slot, buf = self._up.take(len(ids) * rb)
-        return self.store.read_records(torch.from_numpy(ids), out=buf[: len(ids) * rb].view(len(ids), rb))
+        return self._timed_store(self.store.read_records, torch.from_numpy(ids),
+                                 out=buf[: len(ids) * rb].view(len(ids), rb))
 
     def _load_all(self) -> None:
         n = self.store.num_rows
@@ -396,7 +429,8 @@ class DeviceTier:
             ids = torch.from_numpy(item.ids)
             # in slices: the store's lock is free in between for the prefetch thread's reads
             for a in range(0, len(ids), WRITE_SLICE_ROWS):
-                self.store.write_records(ids[a : a + WRITE_SLICE_ROWS], item.host[a : a + WRITE_SLICE_ROWS])
+                self._timed_store(self.store.write_records, ids[a : a + WRITE_SLICE_ROWS],
+                                  item.host[a : a + WRITE_SLICE_ROWS])
         except BaseException as exc:  # kept in `_down` (nothing lost) and raised by the next wait
             with self._down_cv:
                 self._writer_error = exc
