@@ -17,6 +17,7 @@ fit's actual training wall time.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -97,11 +98,12 @@ def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = N
     return out
 
 
-def model_run(model_name: str, workers: int, extras: bool, device: str = "cpu", epochs: int = 2) -> dict:
+def model_run(model_name: str, workers: int, extras: bool, device: str = "cpu", epochs: int = 2,
+              batches: Optional[int] = None) -> dict:
     """One fit of a benchmark model; ``extras``: validation twice an epoch (10 batches, a sanity
     check of 2) and a checkpoint every quarter epoch."""
     width, depth, batch, _, load_ms = MODELS[model_name]
-    n = EPOCH_BATCHES[model_name]
+    n = batches or EPOCH_BATCHES[model_name]
     torch.manual_seed(0)
     model = _ValMLP(width, depth) if extras else MLP(width, depth)
     dl = DataLoader(SleepyBatches(n, batch, width, load_ms), batch_size=None, num_workers=workers,
@@ -144,23 +146,32 @@ def demo_run(max_steps: int, samples: int = 1_000_000) -> dict:
 
 
 def run(device: str = "cpu", reps: int = 3, models: Optional[list[str]] = None, demo: bool = True,
-        workers: tuple[int, ...] = (0, 2)) -> dict:
+        workers: tuple[int, ...] = (0, 2), demo_steps: tuple[int, ...] = (400, -1),
+        partial: Optional[str] = None, batches: Optional[int] = None) -> dict:
+    """Every run; ``partial``: a JSON-lines file each run is appended to as it ends (a run cut
+    short by a time limit keeps what it measured)."""
     runs: list[dict] = []
+
+    def keep(r: dict) -> None:
+        runs.append(r)
+        _print(r)
+        if partial:
+            with open(partial, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
     models = models or (["tiny", "small", "large"] if device == "cpu" else ["gpu_small", "gpu_large"])
     configs = [(w, extras) for w in workers for extras in ((False, True) if w == 0 else (False,))]
     for rep in range(reps):
         for model in models:
             for w, extras in configs:
-                r = model_run(model, w, extras, device)
+                r = model_run(model, w, extras, device, batches=batches)
                 r["rep"] = rep
-                runs.append(r)
-                _print(r)
+                keep(r)
         if demo and device == "cpu":
-            for steps in (400, -1):
+            for steps in demo_steps:
                 r = demo_run(steps)
                 r["rep"] = rep
-                runs.append(r)
-                _print(r)
+                keep(r)
     return {"runs": runs, "aggregate": aggregate(runs)}
 
 

@@ -555,6 +555,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="measure the epoch-time prediction instead (after 5%% of each epoch, against the actual "
                          "epoch; CPU models and the demo, or the GPU models with --device cuda)")
     ap.add_argument("--no-demo", action="store_true", help="with --prediction: leave the demo out")
+    ap.add_argument("--demo-steps", default="400,-1",
+                    help="with --prediction: the demo's --max-steps values (default 400,-1: its default run and "
+                         "a full epoch)")
     ap.add_argument("--out", default=None, help="write the JSON results here (default: print only)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -581,8 +584,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         # --models and --workers as given; by default every CPU model (or both GPU models)
         chosen = args.models.split(",") if args.models != ap.get_default("models") else None
-        result["prediction"] = prediction.run(args.device, args.reps, chosen, demo=not args.no_demo,
-                                              workers=tuple(workers))
+        result["prediction"] = prediction.run(
+            args.device, args.reps, chosen, demo=not args.no_demo, workers=tuple(workers),
+            demo_steps=tuple(int(x) for x in args.demo_steps.split(",")),
+            partial=f"{args.out}.partial.jsonl" if args.out else None, batches=args.batches)
         _print_prediction(result["prediction"]["aggregate"])
     elif args.device == "cpu":
         for model in models:

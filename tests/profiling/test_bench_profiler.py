@@ -18,3 +18,21 @@ def test_bench_profiler_quick_run_writes_json(tmp_path, capsys):
     assert agg["phase_sum_vs_ref_wall_err_pct_max"] < 2.0
     assert res["own_cost"]["own_us_per_step"] > 0
     assert "wrote" in capsys.readouterr().out
+
+
+def test_bench_profiler_prediction_quick_run(tmp_path, capsys):
+    out = tmp_path / "pred.json"
+    rc = cli_main(["bench", "profiler", "--prediction", "--reps", "1", "--models", "small", "--workers", "0",
+                   "--batches", "200", "--no-demo", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["prediction"]
+    assert [r["run"] for r in res["runs"]] == ["small/workers=0/plain", "small/workers=0/val+ckpt"]
+    for r in res["runs"]:
+        assert len(r["epochs"]) == 2
+        for e in r["epochs"]:
+            assert e["at_batch"] == 10 and e["predicted_s"] > 0 and e["error_pct"] is not None
+            # the profiler's own epoch wall agrees with the independent callback's
+            assert abs(e["actual_s"] / e["reference_s"] - 1) < 0.01
+    assert set(res["aggregate"]) == {"small/workers=0/plain", "small/workers=0/val+ckpt"}
+    assert (tmp_path / "pred.json.partial.jsonl").read_text().count("\n") == 2
+    assert "prediction after 5% of each epoch" in capsys.readouterr().out
