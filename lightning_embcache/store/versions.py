@@ -73,7 +73,7 @@ class Versioning:
                 # same rows), so that reopening does not find the old segments and compact them
                 # again. A background compaction waits for the next flush with new rows, so a
                 # flush with nothing new keeps returning the same version.
-                self._publish_layout = False
+                publish_layout, self._publish_layout = self._publish_layout, False
                 ids, slots, records, seq = self._begin_write_back(slots)
                 pending = list(self._pending)
                 version = self._max_version + 1
@@ -88,6 +88,7 @@ class Versioning:
                 self._published = (m.chunkmap, list(m.segments))
             except BaseException:
                 self._end_write_back(slots, seq, ok=False)
+                self._publish_layout = self._publish_layout or publish_layout  # retried by the next flush
                 raise
             try:
                 self._disk.write_latest(version)
