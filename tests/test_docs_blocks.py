@@ -69,3 +69,22 @@ def test_the_api_reference_is_generated_from_the_current_docstrings():
     spec.loader.exec_module(gen)
     assert (ROOT / "docs" / "api.md").read_text() == gen.render(), (
         "docs/api.md is out of date: run `make docs-api` (python tools/gen_api_docs.py)")
+
+
+@pytest.mark.slow  # builds a wheel (a few seconds, writes build/ in the source tree, which git ignores)
+def test_the_wheel_carries_the_docs_license_types_and_one_version(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+
+    import lightning_embcache
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("lightning_embcache-*.whl")
+    assert wheel.name.startswith(f"lightning_embcache-{lightning_embcache.__version__}-")
+    names = zipfile.ZipFile(wheel).namelist()
+    data = f"lightning_embcache-{lightning_embcache.__version__}.data/data/share/doc/lightning_embcache/"
+    assert "lightning_embcache/py.typed" in names
+    for page in ["README.md", "CHANGELOG.md", "LICENSE", *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]:
+        assert data + page in names, page
