@@ -34,7 +34,7 @@ def test_cuda_phases_with_sync_debug_error_around_steady_steps():
 def test_cuda_forward_is_device_time_not_launch_time():
     from lightning_embcache.bench.profiler import _gpu_fit
 
-    sp = StepProfiler(report=False)
+    sp = StepProfiler(report=False, sample_every_n_steps=1)  # every step timed on the device
     _gpu_fit("gpu_large", [sp], batches=12)
     e = sp.summary()[0]
     # big matmuls: the host returns from launching long before the GPU finishes
