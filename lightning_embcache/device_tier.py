@@ -34,8 +34,9 @@ from lightning_embcache.store.errors import InvalidArgumentError
 
 #: host bookkeeping per device slot: id (8) + reference bit (1) + dirty (1)
 SLOT_OVERHEAD = 10
-#: rows per host<->device transfer when a whole table is loaded or written down
-TRANSFER_ROWS = 65_536
+#: rows per host<->device transfer when a whole table is loaded or written down (a pinned buffer
+#: of this many records stays allocated: 25 MiB for 1.5 KiB records)
+TRANSFER_ROWS = 16_384
 #: rows per store write of the write-back thread (it holds the store's lock for one slice at a time)
 WRITE_SLICE_ROWS = 1024
 
