@@ -8,6 +8,7 @@ method says so.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -186,10 +187,16 @@ class TieredRows:
         In memory mode, or for a store without a path, this is `prefetch`."""
         self._check_usable()
         idx = self._valid_ids(ids)
-        if self._disk is not None and not self._hot.resident:
-            with self._lock:
-                self._hot.expect(np.unique(idx))
-        self.prefetch(idx)
+        if self._disk is None:
+            return
+        if self._hot.resident:
+            self.prefetch(idx)
+            return
+        with self._lock:
+            self._hot.expect(np.unique(idx))
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
+            self._prefetcher.submit(self._prefetch, idx.copy(), True)
 
     def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
         """n free slots, evicting (and writing back) cold rows by CLOCK as needed."""
@@ -352,6 +359,31 @@ class TieredRows:
             for c, recs in whole:
                 self._warm.put(c, recs)
         return records
+
+    def _moved_since(self, plan: tuple) -> np.ndarray:
+        """For each row of a `_plan_below` plan: has its newest record below the hot tier moved
+        since (a write-back or flush wrote a newer one)? Caller holds the lock. Every change of a
+        row below the hot tier writes a new record (records are never modified in place), so a
+        row whose record is where the plan found it still has the value that was read."""
+        ids, _, seg, pos, _, segs, whole = plan
+        rows = self._rows
+        if rows is not None and len(rows):
+            now_seg, now_pos = rows.find(ids)
+        else:
+            now_seg, now_pos = np.full(len(ids), -1, np.int32), np.zeros(len(ids), np.int32)
+
+        def seqs(lst: list, numbers: np.ndarray) -> np.ndarray:
+            table = np.fromiter((g.seq for g in lst), np.int64, len(lst)) if lst else np.zeros(1, np.int64)
+            return np.where(numbers >= 0, table[np.maximum(numbers, 0)], -1)
+
+        before = seqs(segs, seg)
+        after = seqs(rows.segs if rows is not None else [], now_seg)
+        moved = before != after
+        if pos is not None:
+            moved |= (now_pos != pos) & (after >= 0)
+        for c, a, b, cached, _ in whole:  # whole chunks (warm copies) carry no positions: redo
+            moved[a:b] = True
+        return moved
 
     @staticmethod
     def _chunks_read(plan: tuple) -> int:
@@ -544,7 +576,7 @@ class TieredRows:
                 self._schema.view(t, f.name)[:] = f.fill
         return recs
 
-    def _prefetch(self, idx: np.ndarray) -> None:
+    def _prefetch(self, idx: np.ndarray, upcoming: bool = False) -> None:
         """Bring ``idx`` into the hot tier (the prefetch thread).
 
         The disk reads run without the store lock, so a get/update of the training thread never
@@ -554,11 +586,11 @@ class TieredRows:
         compactions move it); otherwise the prefetch is dropped (it is a hint).
         """
         try:
-            self._prefetch_once(idx)
+            self._prefetch_once(idx, upcoming)
         except (StoreError, OSError):
             pass  # a hint: the foreground read will report the problem
 
-    def _prefetch_once(self, idx: np.ndarray) -> bool:
+    def _prefetch_once(self, idx: np.ndarray, upcoming: bool = False) -> bool:
         """One attempt of `_prefetch`; False if rows below the hot tier changed during the read."""
         with self._lock:
             if self._closed:
@@ -574,6 +606,8 @@ class TieredRows:
                     return True
                 layouts = [(c, self._layout_of(c)) for c in chunks.tolist()]
             else:
+                if upcoming:  # rows a get already read (the hint's batch went by): skip them
+                    idx = idx[hot.want[idx] > 0]
                 miss = np.unique(idx[hot.lookup(idx) < 0])
                 if len(miss) > hot.limit // 2:
                     miss = miss[: hot.limit // 2]
@@ -589,11 +623,14 @@ class TieredRows:
         with self._lock:
             if self._closed:
                 return True
+            moved = None
             if self._below_token - token != self._stats.compactions - compactions:
-                # rows below changed (a write-back or flush): what was read may be stale. A
-                # compaction alone moves the token without changing a row, and the maps read
-                # stay valid after it, so a prefetch overtaken only by compactions installs.
-                return False
+                # Rows below changed (a write-back or flush) while we read: a row whose newest
+                # record is no longer where the plan found it may have been read stale, so it is
+                # not installed; the others are (a compaction alone changes no row).
+                if hot.resident:
+                    return False
+                moved = self._moved_since(plan)
             if hot.resident:
                 for c, recs in results:
                     self._stats.cold_reads += 1
@@ -607,10 +644,12 @@ class TieredRows:
                 hot.all_loaded = bool(hot.loaded.all())
                 return True
             self._stats.cold_reads += self._chunks_read(plan)
-            if self._warm.budget:
+            if self._warm.budget and moved is None:  # whole chunks read stale stay out of warm
                 for c, recs in whole:
                     self._warm.put(c, recs)
             want = hot.lookup(miss) < 0  # the training thread may have loaded some meanwhile
+            if moved is not None:
+                want &= ~moved
             if not want.any():
                 return True
             mids, records = miss[want], records[want]
