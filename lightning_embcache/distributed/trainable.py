@@ -42,8 +42,9 @@ class ShardedTrainableRows:
         self._grads = RowGradBuffer()
         self._lock = threading.Lock()  # apply (training thread) vs settle (a flush thread)
 
-    def lookup(self, ids: Any, device: torch.device | str | None = None) -> Tensor:
-        """Rows of global `ids` on `device`, a leaf with ``requires_grad=True`` when grad is enabled."""
+    def lookup(self, ids: Any, device: torch.device | str | None = None, device_ids: Tensor | None = None) -> Tensor:
+        """Rows of global `ids` on `device`, a leaf with ``requires_grad=True`` when grad is enabled.
+        (`device_ids`, the same ids on the GPU, serve a device tier; sharded rows come from the host.)"""
         idx, _, route = self.store.route(ids)
         with self.store._clock:
             served = self.store.local.get(route.served) if len(route.served) else torch.empty(
