@@ -169,3 +169,42 @@ def test_a_batch_larger_than_the_tier_is_refused_by_name_and_changes_nothing(tmp
     rows.write_down()
     torch.testing.assert_close(store.get(torch.arange(100)).cuda(), tier.gather(np.arange(100)))
     store.close()
+
+
+class _PrefetchingDecoder(_Decoder):
+    """Looks up a batch, then tells the tier the next batch's ids (as a lookahead sampler would)."""
+
+    def training_step(self, batch, batch_idx):
+        ids, nxt, target = batch
+        z = self.latents.lookup(ids)
+        self.latents.prefetch(nxt)
+        return torch.nn.functional.mse_loss(self.net(z), target)
+
+
+def test_background_flushes_during_prefetching_fit_lose_nothing(tmp_path):
+    """DeferredSync flushes from its thread while the prefetch and write-back threads move rows:
+    the rows after fit equal the host path's, and every flushed version reopens."""
+    from lightning_embcache import DeferredSync
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, N, (256 * 24,), generator=g)
+    nxt = torch.cat([ids[256:], ids[:256]])
+    target = torch.randn(len(ids), 8, generator=g)
+    results = {}
+    for mode in ("host", "device"):
+        L.seed_everything(0)
+        record = 3 * DIM * 4 + 8
+        model = _PrefetchingDecoder(tmp_path / mode, 0 if mode == "host" else int(N * 0.2) * (record + SLOT_OVERHEAD))
+        sync = DeferredSync(every_n_steps=3, background=True)
+        trainer = L.Trainer(max_epochs=2, accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[sync])
+        trainer.fit(model, DataLoader(TensorDataset(ids, nxt, target), batch_size=256, shuffle=False))
+        assert sync.syncs >= 10
+        results[mode] = EmbeddingStore.open(tmp_path / mode, readonly=True)
+    torch.testing.assert_close(results["device"].get(torch.arange(N)), results["host"].get(torch.arange(N)),
+                               rtol=1e-5, atol=1e-5)
+    versions = results["device"].versions()
+    for s in results.values():
+        s.close()
+    for v in versions:  # every version a background flush published is whole
+        EmbeddingStore.open(tmp_path / "device", version=v, readonly=True).close()
