@@ -89,13 +89,17 @@ def test_a_rejected_update_leaves_no_row_applied(shm_path, faults, err, size):
         assert torch.equal(r.get(torch.arange(N)), before), "the next flush made a rejected update durable"
 
 
-def test_flush_permission_error_is_a_named_error_and_keeps_the_rows(shm_path, faults):
-    faults.err = errno.EACCES
+@pytest.mark.parametrize("err, named", [(errno.EACCES, StoreIOError), (errno.EIO, StoreIOError),
+                                        (errno.EFBIG, DiskFullError), (errno.EDQUOT, DiskFullError)],
+                         ids=["EACCES", "EIO", "EFBIG", "EDQUOT"])
+def test_flush_os_errors_are_named_errors_and_keep_the_rows(shm_path, faults, err, named):
+    faults.err = err
     s = _flushed_store(shm_path / "store")
     s.update(torch.tensor([5, 6]), torch.full((2, DIM), 3.0))
     faults.armed = True
-    with pytest.raises(StoreIOError, match="EACCES"):
+    with pytest.raises(named, match=errno.errorcode[err]) as info:
         s.flush()
+    assert info.value.errno == err and info.value.filename
     faults.armed = False
     v = s.flush()
     s.close()
