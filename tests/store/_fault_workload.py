@@ -22,6 +22,18 @@ from lightning_embcache.store import fileio
 
 N, DIM, CHUNK = 512, 8, 32
 HOT = 96 * (DIM * 4 + 11)  # a sixth of the table: updates evict and write back
+MODES = {"disk": HOT, "memory": None}  # memory mode: the whole table resident, chunks loaded on touch
+_mode = "disk"
+
+
+def set_mode(name: str) -> None:
+    """Run the workload in disk mode (hot tier of a sixth of the table) or memory mode."""
+    global _mode
+    _mode = name
+
+
+def _hot():
+    return MODES[_mode]
 OPS = ("write", "fsync", "rename", "link", "unlink", "open", "truncate")
 
 
@@ -97,7 +109,7 @@ def run_workload(path, faults, on_ack=None) -> dict:
     try:
         for _ in range(5):  # the create itself may hit the fault: it leaves nothing behind
             try:
-                store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=HOT)
+                store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=_hot())
                 break
             except StoreError:
                 assert not path.exists() or not any(path.iterdir()), "a failed create left files behind"
@@ -148,10 +160,10 @@ def run_workload(path, faults, on_ack=None) -> dict:
 def _reopen(path):
     for _ in range(5):
         try:
-            return EmbeddingStore.open(path, hot_bytes=HOT)
+            return EmbeddingStore.open(path, hot_bytes=_hot())
         except StoreError:
             continue
-    return EmbeddingStore.open(path, hot_bytes=HOT)
+    return EmbeddingStore.open(path, hot_bytes=_hot())
 
 
 def _which(store, acked: torch.Tensor, candidates: list[torch.Tensor]) -> torch.Tensor:
@@ -165,7 +177,7 @@ def _which(store, acked: torch.Tensor, candidates: list[torch.Tensor]) -> torch.
 
 def rows_lost(path, acked: torch.Tensor, candidates: list[torch.Tensor]) -> int:
     """Rows of the reopened store (no faults) that differ from every acceptable durable state."""
-    with EmbeddingStore.open(path, hot_bytes=HOT) as s:
+    with EmbeddingStore.open(path, hot_bytes=_hot()) as s:
         got = s.get(torch.arange(N))
     best = min(int((got != st).any(dim=1).sum()) for st in [acked, *candidates])
     return best
@@ -208,7 +220,7 @@ _REF: dict = {}
 
 def _reference_states(scratch) -> list[torch.Tensor]:
     """The model after each acknowledged flush of a run without faults."""
-    if "states" not in _REF:
+    if _mode not in _REF:
         states: list[torch.Tensor] = []
         import shutil
 
@@ -227,12 +239,11 @@ def _reference_states(scratch) -> list[torch.Tensor]:
             elif op[0] == "flush":
                 states.append(model.clone())
         assert len(states) == out["acks"] and torch.equal(states[-1], out["acked"])
-        _REF["states"] = states
-        _REF["calls"] = out["calls"]
+        _REF[_mode] = {"states": states, "calls": out["calls"]}
         shutil.rmtree(scratch, ignore_errors=True)
-    return _REF["states"]
+    return _REF[_mode]["states"]
 
 
 def total_calls(scratch) -> int:
     _reference_states(scratch)
-    return _REF["calls"]
+    return _REF[_mode]["calls"]
