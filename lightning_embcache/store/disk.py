@@ -380,7 +380,8 @@ class Disk:
 
     # ---- manifests ---------------------------------------------------------------------------
     def list_versions(self) -> list[int]:
-        return sorted(int(m.group(1)) for p in os.listdir(self._root_fd) if (m := MANIFEST_RE.match(p)))
+        where = self._root_fd if self._root_fd is not None else self.root  # after close(): by path
+        return sorted(int(m.group(1)) for p in os.listdir(where) if (m := MANIFEST_RE.match(p)))
 
     def read_manifest(self, version: int) -> Manifest:
         path = self.manifest_path(version)

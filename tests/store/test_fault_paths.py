@@ -319,3 +319,12 @@ def test_a_failed_flush_after_compact_still_publishes_the_compacted_layout_later
     s.close()
     with EmbeddingStore.open(path) as r:
         assert r.stats().segments == 0
+
+
+def test_versions_after_close_lists_the_store_not_the_working_directory(shm_path, monkeypatch):
+    s = _flushed_store(shm_path / "store")
+    v = s.version
+    s.close()
+    monkeypatch.chdir(shm_path)
+    (shm_path / "manifest-000000000099").write_bytes(b"")  # a look-alike in the working directory
+    assert s.versions() == [v]
