@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-frac", type=float, default=0.1)
     p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
     p.add_argument("--phases", default="warm,cold,space")
+    p.add_argument("--store-rev", help="also run the store as committed at this git revision (system "
+                   "'store@REV', extracted with git archive; no lookahead), e.g. the one before a change")
     p.add_argument("--workdir", help="where the files go (default: a temp dir under /var/tmp, removed after)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
@@ -155,7 +157,7 @@ def _loop(cfg: dict) -> dict:
         flush, stats, close = mm.flush, (lambda: None), (lambda: None)
         order = batches
     else:
-        from lightning_embcache import EmbeddingStore, LookaheadSampler
+        from lightning_embcache import EmbeddingStore
 
         table = n * dim * 4
         store = EmbeddingStore.open(wd / "store", hot_bytes=int(table / cfg["table_factor"]))
@@ -166,7 +168,12 @@ def _loop(cfg: dict) -> dict:
             store.update(t, x + 1)
 
         flush, stats, close = store.flush, store.stats, store.close
-        order = LookaheadSampler(batches, store, lookahead=cfg["lookahead"]) if system == "store+lookahead" else batches
+        if system == "store+lookahead":
+            from lightning_embcache import LookaheadSampler
+
+            order = LookaheadSampler(batches, store, lookahead=cfg["lookahead"])
+        else:
+            order = batches
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     done = 0
@@ -179,9 +186,11 @@ def _loop(cfg: dict) -> dict:
     wall = time.perf_counter() - t0
     out.update(rows_per_s=done * bsz / wall, wall_s=wall, cpu_s=time.process_time() - cpu0, batches=done)
     st = stats()
-    if st is not None:
-        out.update(stall_ms_per_step=1e3 * st.stall_seconds / max(done, 1), prefetch_hit_rate=st.prefetch_hit_rate,
-                   bytes_read=st.bytes_read, bytes_written=st.bytes_written, disk_use_ratio=st.disk_use_ratio)
+    if st is not None:  # getattr: a --store-rev store may predate some fields
+        out.update(stall_ms_per_step=1e3 * getattr(st, "stall_seconds", float("nan")) / max(done, 1),
+                   prefetch_hit_rate=getattr(st, "prefetch_hit_rate", float("nan")),
+                   bytes_read=st.bytes_read, bytes_written=st.bytes_written,
+                   disk_use_ratio=st.disk_bytes / (n * dim * 4))
     t1 = time.perf_counter()
     close()
     out["close_s"] = time.perf_counter() - t1
@@ -231,10 +240,12 @@ def _run_worker(cfg: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
-def _spawn(cfg: dict) -> dict:
+def _spawn(cfg: dict, tree: Path | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if tree is not None:  # the package of another revision, with this benchmark module in it
+        env["PYTHONPATH"] = str(tree)
     r = subprocess.run([sys.executable, "-m", "lightning_embcache.bench.disk", "--worker", json.dumps(cfg)],
-                       capture_output=True, text=True, env=env, timeout=900)
+                       capture_output=True, text=True, env=env, timeout=900, cwd=str(tree) if tree else None)
     if r.returncode != 0:
         raise RuntimeError(f"worker {cfg.get('system')}/{cfg['phase']} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -263,6 +274,21 @@ def main(argv=None) -> int:
         print(f"setup: {cfg['rows']} x {cfg['dim']} rows ({cfg['rows'] * cfg['dim'] * 4 / MiB:.0f} MiB) in {wd}", flush=True)
         _spawn(dict(cfg, phase="setup"))
         systems = ["memmap", "store", "store+lookahead"]
+        trees: dict[str, Path] = {}
+        if args.store_rev:
+            rev = subprocess.run(["git", "rev-parse", "--short", args.store_rev], capture_output=True, text=True,
+                                 check=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+            tree = wd / f"rev-{rev}"
+            tree.mkdir(exist_ok=True)
+            archive = subprocess.run(["git", "archive", rev, "lightning_embcache"], capture_output=True, check=True,
+                                     cwd=Path(__file__).resolve().parents[2]).stdout
+            subprocess.run(["tar", "x", "-C", str(tree)], input=archive, check=True)
+            shutil.copy(Path(__file__), tree / "lightning_embcache" / "bench" / "disk.py")
+            trees[f"store@{rev}"] = tree
+            systems.append(f"store@{rev}")
+            # that revision writes (and reads) its own format: its own copy of the table
+            (tree / "data").mkdir(exist_ok=True)
+            _spawn(dict(cfg, phase="setup", workdir=str(tree / "data")), tree)
         for rep in range(reps):
             for phase in ("warm", "cold"):
                 if phase not in phases:
@@ -270,8 +296,11 @@ def main(argv=None) -> int:
                 for k in range(len(systems)):
                     system = systems[(k + rep) % len(systems)]
                     if phase == "warm":
-                        warm_cache([wd / "store", wd / "table.npy"])
-                    res = _spawn(dict(cfg, phase=phase, system=system, seed=rep + 1))
+                        warm_cache([wd / "store", wd / "table.npy"] + [t / "data" / "store" for t in trees.values()])
+                    tree = trees.get(system)
+                    res = _spawn(dict(cfg, phase=phase, system=system.split("@")[0], seed=rep + 1,
+                                      workdir=str(tree / "data") if tree else cfg["workdir"]), tree)
+                    res["system"] = system
                     res["rep"] = rep
                     runs.append(res)
                     print(f"  rep {rep} {phase:5s} {system:16s} {res['rows_per_s']:10.0f} rows/s  "
@@ -288,14 +317,15 @@ def main(argv=None) -> int:
             shutil.rmtree(wd, ignore_errors=True)
     summary: dict = {}
     for phase in ("warm", "cold"):
-        for system in ("memmap", "store", "store+lookahead"):
+        for system in ["memmap", "store", "store+lookahead"] + [s for s in {r.get("system") for r in runs}
+                                                                  if s and "@" in s]:
             rs = [r for r in runs if r.get("phase") == phase and r.get("system") == system]
             if rs:
                 summary[f"{phase}/{system}"] = {k: statistics.median([r[k] for r in rs if k in r])
                                                 for k in ("rows_per_s", "stall_ms_per_step", "close_s",
                                                           "rss_peak_over_start_mib") if any(k in r for r in rs)}
         mm = summary.get(f"{phase}/memmap", {}).get("rows_per_s")
-        for system in ("store", "store+lookahead"):
+        for system in [k.split("/", 1)[1] for k in summary if k.startswith(phase + "/store")]:
             key = f"{phase}/{system}"
             if mm and key in summary:
                 summary[key]["vs_memmap"] = summary[key]["rows_per_s"] / mm

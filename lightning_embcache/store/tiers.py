@@ -385,6 +385,16 @@ class TieredRows:
             moved[a:b] = True
         return moved
 
+    def _will_need(self, plan: tuple) -> None:
+        """Before a prefetch reads its base-chunk rows one run at a time, ask the kernel for all
+        their blocks at once (``posix_fadvise(WILLNEED)`` starts the reads and returns): a cold
+        batch then waits about one disk latency, not one per row."""
+        ids, chunks, seg, _, gens, _, _ = plan
+        base = (seg < 0) & (gens > 0)
+        if self._chunkrows is not None and np.count_nonzero(base) > 1:
+            c = chunks[base]
+            self._chunkrows.will_need(c, ids[base] - c * self._chunk_rows, gens[base])
+
     @staticmethod
     def _chunks_read(plan: tuple) -> int:
         """Chunks a plan reads below the hot tier (the ``cold_reads`` count): every chunk of its
@@ -618,6 +628,7 @@ class TieredRows:
         if hot.resident:
             results = [(c, self._read_chunk_below(c, *layout)) for c, layout in layouts]
         else:
+            self._will_need(plan)
             records, whole = self._read_below(plan)
         # -- install, if still wanted and still current ------------------------------------
         with self._lock:
