@@ -194,6 +194,7 @@ class DeviceTier:
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-device-prefetch")
         keep = None if protect is None else protect.copy()
+        # the rows of this step (protect) stay until the next lookup, which waits for this job
         self._prefetching = self._prefetcher.submit(self._prefetch_job, ids.copy(), keep)
 
     def _prefetch_job(self, ids: np.ndarray, keep: np.ndarray | None) -> None:
@@ -204,8 +205,12 @@ class DeviceTier:
             self._slots(ids, keep)
 
     def _join(self) -> None:
-        """Wait for a prefetch in flight (and raise its error, if any)."""
-        fut, self._prefetching = self._prefetching, None
+        """Wait for the prefetch in flight (and raise its error, if any).
+
+        Any thread may wait (a flush thread does); the future stays until the training thread
+        submits the next prefetch, so a wait in one thread never lets another go on without it.
+        """
+        fut = self._prefetching
         if fut is not None:
             fut.result()
 
