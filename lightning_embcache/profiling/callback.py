@@ -350,6 +350,7 @@ class StepProfiler(Callback):
             self._step_in_epoch = self._open.batches
         self._open_epoch = epoch
         self._forecast = Forecast(self._step_in_epoch, self._open.wall_s + self._open.val_s)
+        self._forecast.needs_device = self._timeline._cuda and self.sample_every_n_steps > 0
         self._kept_prediction = None
         self._landmark: Optional[int] = None
         self._timeline.begin(DATA)
@@ -602,8 +603,11 @@ class StepProfiler(Callback):
                 target = self._epoch_target(trainer)
                 self._landmark = math.ceil(self.predict_at * target) if target else -1
             if 0 < self._landmark <= fc.batches:
+                if fc.needs_device and len(fc.device_index) < 3:
+                    self._timeline.drain()  # never waits; a GPU far behind defers the prediction
                 self._kept_prediction = self._prediction(trainer)
-                if self._kept_prediction is None and fc.batches >= self._landmark + 64:
+                give_up = self._landmark + 64 + 8 * self.sample_every_n_steps
+                if self._kept_prediction is None and fc.batches >= give_up:
                     self._landmark = -1  # the epoch is too short to predict; stop trying
 
     def _logged_prediction(self, trainer: Trainer) -> Optional[dict]:

@@ -54,6 +54,9 @@ class Forecast:
         self.device_index: list[int] = []
         self.device_wall = array("d")
         self.backlog = 0  # steps closed on the host that the device may still be running
+        # on a GPU no prediction is made before 3 sampled steps have been read: until then the
+        # host's step times may only say how fast it queues work
+        self.needs_device = False
         self.elapsed = 0.0
         self._save_pending = False
 
@@ -92,7 +95,7 @@ class Forecast:
         """The steady rate and its spread; None before ``MIN_STEPS`` steps after the first.
         Vectorised: called at log intervals over up to an epoch of steps."""
         n = len(self.wall)
-        if n - 1 < MIN_STEPS:
+        if n - 1 < MIN_STEPS or (self.needs_device and len(self.device_index) < 3):
             return None
         wall = np.frombuffer(self.wall, dtype=np.float64, count=n)
         store = np.frombuffer(self.store, dtype=np.float64, count=n)

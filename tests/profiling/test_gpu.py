@@ -60,6 +60,7 @@ def test_sampled_events_no_syncs_and_a_prediction():
     assert e["timeline"] == "cuda-events" and e["batches"] == 400
     assert abs(sum(e["phases_ms"].values()) / e["avg_batch_ms"] - 1) < 1e-6
     assert e["phases_ms"]["forward"] > 0 and e["phases_ms"]["backward"] > 0 and e["phases_ms"]["optimizer"] > 0
-    assert e["predicted_at_batch"] == 20 and abs(e["prediction_error_pct"]) < 25.0, e
+    # at 5% (batch 20), or a little later until 3 sampled steps have been read from the device
+    assert 20 <= e["predicted_at_batch"] <= 80 and abs(e["prediction_error_pct"]) < 25.0, e
     keys = set().union(*(m for _, m in logger.rows if "profile/step_ms" in m))
     assert {"profile/predicted_epoch_s", "profile/predicted_epoch_std_s"} <= keys

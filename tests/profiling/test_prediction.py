@@ -252,6 +252,19 @@ def test_on_a_gpu_the_device_rate_and_backlog_are_used():
     for i in range(1, 70, 3):  # sampled steps the GPU has finished
         f.add_device_step(i, 0.010)
     f.backlog = 30  # steps 70..99 launched, not yet run
+    f.needs_device = True
     p = f.predict(1000, 0, None, 0)
     assert p["rate"]["device"] and _close(p["rate_s"], 0.010)
     assert _close(p["seconds"], 0.1 + (900 + 30) * 0.010)
+
+
+def test_on_a_gpu_no_prediction_before_the_device_has_timed_a_few_steps():
+    f = Forecast()
+    f.needs_device = True
+    for i in range(100):
+        f.add_step(0.001, 0.0)
+    f.add_device_step(3, 0.010)
+    f.add_device_step(9, 0.010)
+    assert f.predict(1000, 0, None, 0) is None  # the host's 1 ms steps only say how fast it queues
+    f.add_device_step(17, 0.010)
+    assert f.predict(1000, 0, None, 0) is not None
