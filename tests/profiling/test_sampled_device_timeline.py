@@ -106,3 +106,38 @@ def test_sampling_is_not_locked_to_a_period():
     _, _, timed = _run(8, steps=4000)
     slow_timed = sum(1 for i, t in enumerate(timed) if t and i % 10 == 9)
     assert 0.5 * 400 / 8 <= slow_timed <= 1.5 * 400 / 8
+
+
+def test_a_whole_fit_on_the_sampled_cuda_path_with_fake_events():
+    """The callback's CUDA path end to end (events, lazy reads, the device rate for the
+    prediction) through a real Trainer on the CPU, fake events standing in for CUDA's."""
+    from lightning_embcache import StepProfiler
+    from lightning_embcache.profiling import timeline as T
+
+    from _profiling_helpers import BatchDataset, Cost, CostModel, LoopOverhead, loader, trainer
+
+    clock = FakeClock()
+    cost = Cost(clock)
+    FakeEvent.created = FakeEvent.syncs = 0
+    original = T.StepTimeline.__init__
+
+    def on_cuda(self, sink, device=None, store_io=None, sample_every=1, seed=0):
+        original(self, sink, torch.device("cuda", 0), store_io, sample_every, seed)
+
+    with mock.patch("time.perf_counter", clock), \
+            mock.patch.object(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(enable_timing, clock)), \
+            mock.patch.object(torch.cuda, "current_stream", lambda device=None: FakeStream()), \
+            mock.patch.object(T.StepTimeline, "__init__", on_cuda):
+        sp = StepProfiler(report=False, log_every_n_steps=20)
+        t = trainer(max_epochs=2, callbacks=[sp, LoopOverhead(cost, 1 * MS)])
+        t.fit(CostModel(cost, 5 * MS, 7 * MS, 4 * MS), loader(BatchDataset(400, cost, 2 * MS)))
+    assert sp._timeline.events_recorded <= 0.8 * 800  # against 5 a step when every step is timed
+    for e in sp.summary():
+        assert e["timeline"] == "cuda-events"
+        ph = e["phases_ms"]
+        for phase, ms in (("data_wait", 2.0), ("forward", 5.0), ("backward", 7.0), ("optimizer", 4.0),
+                          ("other", 1.0)):
+            assert math.isclose(ph[phase], ms, rel_tol=1e-6), ph
+        # made once 3 sampled steps were read, at 5% of the epoch or a little later
+        assert 20 <= e["predicted_at_batch"] <= 80
+        assert abs(e["prediction_error_pct"]) < 1e-6
