@@ -16,6 +16,7 @@ No Lightning imports: the mixin drives this from its hooks; a plain training loo
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -92,6 +93,9 @@ class TrainableRows:
         self._up_ring: PinnedRing | None = None
         self._grad_bufs: list[Tensor] = []  # one per micro-batch of a step, reused every step
         self._grad_k = 0
+        # the host path's update may run on a flush thread (the handle settles before flushing)
+        # while the training thread collects or looks up: one at a time
+        self._host_lock = threading.RLock()
         # device path: per lookup (host slots per position, device slots, leaf)
         self._dev_leaves: list[tuple[np.ndarray, Tensor, Tensor]] = []
         self._dev_grads: list[tuple[np.ndarray, Tensor, Tensor]] = []
@@ -166,15 +170,18 @@ class TrainableRows:
                 self._dev_grads.append((pos, pos_d, leaf.grad))
                 taken += len(pos)
         self._dev_leaves.clear()
-        for idx, leaf in self._leaves:
-            g = leaf.grad
-            if g is None:
-                continue
-            if g.is_cuda:
-                g = self._grad_to_host(g)
-            self._grads.add(idx, g)
-            taken += idx.numel()
-        self._leaves.clear()
+        if not self._leaves:
+            return taken
+        with self._host_lock:
+            for idx, leaf in self._leaves:
+                g = leaf.grad
+                if g is None:
+                    continue
+                if g.is_cuda:
+                    g = self._grad_to_host(g)
+                self._grads.add(idx, g)
+                taken += idx.numel()
+            self._leaves.clear()
         return taken
 
     def _grad_to_host(self, g: Tensor) -> Tensor:
@@ -196,20 +203,26 @@ class TrainableRows:
         self.collect()
         if self._dev_grads:
             self._apply_on_device(int(step), lr)
-        if not len(self._grads):
-            return
-        if self._pending is not None:
-            self.settle()
-        event = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            event = torch.cuda.Event()
-            event.record()
-        self._pending = (int(step), lr, event)
-        if event is None:
-            self.settle()
+        with self._host_lock:
+            if not len(self._grads):
+                return
+            if self._pending is not None:
+                self.settle()
+            event = None
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                event = torch.cuda.Event()
+                event.record()
+            self._pending = (int(step), lr, event)
+            if event is None:
+                self.settle()
 
     def settle(self) -> int:
-        """Run a scheduled optimizer step now; returns the number of rows updated."""
+        """Run a scheduled optimizer step now; returns the number of rows updated. Thread-safe:
+        a lookup on the training thread waits for an update a flush thread is running."""
+        with self._host_lock:
+            return self._settle_locked()
+
+    def _settle_locked(self) -> int:
         if self._pending is None:
             return 0
         step, lr, event = self._pending
@@ -271,13 +284,14 @@ class TrainableRows:
 
     def discard(self) -> None:
         """Drop collected gradients and a scheduled step (e.g. a skipped step with inf loss)."""
-        self._leaves.clear()
-        self._dev_leaves.clear()
-        self._dev_grads.clear()
-        self._pending = None
-        self._grad_k = 0
-        if len(self._grads):
-            self._grads.pop()
+        with self._host_lock:
+            self._leaves.clear()
+            self._dev_leaves.clear()
+            self._dev_grads.clear()
+            self._pending = None
+            self._grad_k = 0
+            if len(self._grads):
+                self._grads.pop()
 
     # ---- metadata ------------------------------------------------------------------------------
     def row_meta(self, ids: Any) -> dict[str, Tensor]:
