@@ -245,6 +245,11 @@ class EmbeddingStoreHandle:
     @_store_call
     def row_meta(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per row: the step it was last trained at (``last_step``) and how often (``updates``)."""
+        if self._row_optimizer is not None and self._trainable is None:
+            # nothing trained through this handle yet (evaluation, another process): a plain read,
+            # which needs no writer lock and no if_exists decision
+            got = self._ensure_open(writable=False).get_fields(self._host_ids(ids), ("last_step", "updates"))
+            return {k: v[:, 0].to(self._device()) for k, v in got.items()}
         meta = self._trainable_rows("row_meta").row_meta(self._host_ids(ids))
         device = self._device() if self._device_tier is None else self._device_tier.device
         return {k: v.to(device) for k, v in meta.items()}

@@ -78,3 +78,17 @@ def test_predict_with_a_model_loaded_from_a_checkpoint_reads_its_version(tmp_pat
     with torch.no_grad():
         torch.testing.assert_close(torch.cat(out), loaded.decoder(expected[ids]))
     assert not torch.equal(on_disk(path), expected), "the newest version differs: the checkpoint's was read"
+
+
+def test_row_meta_of_a_store_trained_elsewhere_is_a_plain_read(tmp_path):
+    path = tmp_path / "latents"
+    trained = Model(path, "get")
+    trainer(tmp_path, max_epochs=2).fit(trained, data())
+    expected = trained.latents.row_meta(torch.arange(N))
+    trained.latents.close()
+    reader = Model(path, "get")  # a new process evaluating the rows: no if_exists, no writer lock
+    got = reader.latents.row_meta(torch.arange(N))
+    assert torch.equal(got["updates"], expected["updates"]) and int(got["updates"].min()) == 2
+    assert torch.equal(got["last_step"], expected["last_step"])
+    with EmbeddingStore.open(path) as writer:  # the lock is free: the read took none
+        assert writer.version >= 1
