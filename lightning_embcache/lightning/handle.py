@@ -61,10 +61,15 @@ def _store_call(fn: Callable[..., Any]) -> Callable[..., Any]:
         if not torch.is_inference_mode_enabled():
             return fn(self, *args, **kwargs)
         with torch.inference_mode(False), torch.no_grad():
-            args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a for a in args)
+            args = tuple(_normal_tensor(a) for a in args)
+            kwargs = {k: _normal_tensor(v) for k, v in kwargs.items()}
             return fn(self, *args, **kwargs)
 
     return torch.compiler.disable(call)
+
+
+def _normal_tensor(a: Any) -> Any:
+    return a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a
 
 
 def _version(t: torch.Tensor) -> int:

@@ -53,7 +53,7 @@ def test_bare_store_calls_inside_inference_mode(tmp_path):
     with torch.inference_mode():
         z = model.latents.get(torch.arange(10))
         model.latents.update(ids, z + 1)
-        again = model.latents.lookup(torch.arange(10))
+        again = model.latents.lookup(ids=torch.arange(10))
     assert torch.equal(again, z + 1)
     model.latents.update(ids, again * 2)  # the store holds no inference tensor: in-place updates still work
     assert torch.equal(model.latents.get(ids), (z + 1) * 2)
