@@ -132,7 +132,7 @@ class TrainableRows:
         if tier.resident:  # slot == id; a copy: the caller may refill its ids before apply()
             pos = idx.copy()
             same = (device_ids is not None and device_ids.device == tier.device and device_ids.dim() == 1
-                    and device_ids.dtype in (torch.int64, torch.int32) and device_ids.numel() == len(idx))
+                    and device_ids.dtype == torch.int64 and device_ids.numel() == len(idx))
             pos_d = device_ids if same else tier.to_device(pos)
         else:
             pos = self._device_slots(idx)
