@@ -26,7 +26,7 @@ backward); a rank with nothing to ask still takes part with an empty batch.
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -127,21 +127,32 @@ class Route:
         rows[self.order] = out
         return unpack(rows.index_select(0, self.inverse))
 
-    def push(self, unique_rows: Tensor | Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
+    def push(self, unique_rows: Tensor | Mapping[str, Tensor], wait: bool = True) -> Any:
         """Send one row per unique requested id (ascending id order) to its owner; returns the rows
-        this rank receives, aligned with :attr:`served`."""
+        this rank receives, aligned with :attr:`served`. ``wait=False`` returns at once with a
+        function that waits for the transfer and returns them (the transfer overlaps what follows)."""
         packed, unpack = _pack(unique_rows)
         packed = packed.index_select(0, self.order)
         with_ids = self.served is None
         if with_ids:  # the ids travel in the same transfer, 8 bytes in front of each row
             packed = torch.cat([self._send_ids.view(torch.uint8).reshape(-1, 8), packed], dim=1)
         out = torch.empty((sum(self.recv_splits), packed.shape[1]), dtype=torch.uint8)
-        dist.all_to_all_single(out, packed, self.recv_splits, self.send_splits, group=self.group)
+        work = dist.all_to_all_single(out, packed, self.recv_splits, self.send_splits, group=self.group,
+                                      async_op=not wait)
         self.bytes_sent += self._out_push * packed.shape[1]
-        if with_ids:
-            self.served = self.sharding.local(out[:, :8].contiguous().view(torch.int64).reshape(-1))
-            out = out[:, 8:]
-        return unpack(out)
+
+        def received() -> Any:
+            if work is not None:
+                work.wait()
+            got = out
+            if with_ids:
+                self.served = self.sharding.local(got[:, :8].contiguous().view(torch.int64).reshape(-1))
+                got = got[:, 8:]
+            self._keep = None
+            return unpack(got)
+
+        self._keep = packed  # alive until the transfer is done
+        return received() if wait else received
 
 
 def _pack(rows: Tensor | Mapping[str, Tensor]):

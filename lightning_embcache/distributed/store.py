@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -58,6 +58,9 @@ class ShardedStore:
         self.rank, self.world_size = rank, world_size
         self.sharding = RowSharding(num_rows, world_size)
         self._clock = Clock()
+        # called before every exchange: finishes a transfer still in flight (ShardedTrainableRows'
+        # gradient rows), so a read never misses an update and collectives stay in order
+        self.before_exchange: Callable[[], Any] | None = None
 
     sharded = True  # the handle keeps the rows of a sharded store on the host (no device tier)
 
@@ -125,6 +128,8 @@ class ShardedStore:
         A rank whose arguments are invalid raises its own error; the others raise one naming it.
         Nothing is written anywhere in either case.
         """
+        if self.before_exchange is not None:
+            self.before_exchange()
         error: StoreError | None = None
         idx = torch.empty(0, dtype=torch.int64)
         vals: dict[str, Tensor] = {}

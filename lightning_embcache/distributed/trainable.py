@@ -6,6 +6,10 @@ id's gradient row to its owner (one exchange, O(batch x dim)), and the owner add
 several ranks sent for one id and runs the sparse optimizer through its own `TrainableRows` on its
 shard, writing weights, moments and metadata in one record as a single process does.
 
+The gradient rows' transfer overlaps what follows `apply` (the dense optimizer step, the next
+batch); the owners update the rows before the store's next exchange (the next `lookup`, `get`,
+`update`) and before any flush, so every read sees every earlier step.
+
 Gradients are divided by the world size before they travel, so the rows see the mean of the ranks'
 gradients, as DDP's all-reduce gives the dense parameters: a run on W ranks with a per-rank
 batch b trains the rows as one process with batch W x b would (checked against `nn.Embedding` +
@@ -41,6 +45,8 @@ class ShardedTrainableRows:
         self._copies: list[Any] = []  # CUDA events behind gradient copies to the host
         self._grads = RowGradBuffer()
         self._lock = threading.Lock()  # apply (training thread) vs settle (a flush thread)
+        self._in_flight: tuple[Any, Any, int, float | None] | None = None
+        store.before_exchange = self.finish
 
     def lookup(self, ids: Any, device: torch.device | str | None = None, device_ids: Tensor | None = None) -> Tensor:
         """Rows of global `ids` on `device`, a leaf with ``requires_grad=True`` when grad is enabled.
@@ -78,8 +84,9 @@ class ShardedTrainableRows:
         return taken
 
     def apply(self, step: int, lr: float | None = None) -> None:
-        """Send the collected gradient rows to their owners, who update them now. Every rank calls
-        it at the same steps, also with nothing collected."""
+        """Send the collected gradient rows to their owners, who update them before the store's next
+        exchange or flush. Every rank calls it at the same steps, also with nothing collected."""
+        self.finish()
         self.collect()
         for event in self._copies:
             event.synchronize()  # the gradient copies only, not later queued work
@@ -91,13 +98,25 @@ class ShardedTrainableRows:
         grads = grads.float() / self.store.world_size
         _, _, route = self.store.route(ids, deliver=True, unique=True)
         with self.store._clock:
-            got = route.push(grads)  # ids are unique and ascending: the route's own order
-            self.store._clock.bytes_sent += route.bytes_sent
-        if route.served is not None and len(route.served):
-            with self._lock:
-                self.local._grads.add(route.served, got)
-                self.local.apply(step, lr)
-                self.local.settle()
+            received = route.push(grads, wait=False)  # ids are unique and ascending: the route's order
+        with self._lock:
+            self._in_flight = (route, received, int(step), lr)
+
+    def finish(self) -> int:
+        """Wait for gradient rows in flight and update the rows this rank owns; returns how many."""
+        with self._lock:
+            if self._in_flight is None:
+                return 0
+            route, received, step, lr = self._in_flight
+            self._in_flight = None
+            with self.store._clock:
+                got = received()
+                self.store._clock.bytes_sent += route.bytes_sent
+            if not len(route.served):
+                return 0
+            self.local._grads.add(route.served, got)
+            self.local.apply(step, lr)
+            return self.local.settle()
 
     def held_slots(self) -> None:
         return None
@@ -106,9 +125,8 @@ class ShardedTrainableRows:
         return 0
 
     def settle(self) -> int:
-        """Nothing waits: `apply` updates the rows before it returns."""
-        with self._lock:
-            return self.local.settle()
+        """Update the rows with gradient rows still in flight (before a flush or a read)."""
+        return self.finish()
 
     def discard(self) -> None:
         """Drop collected gradients (e.g. a skipped step)."""
