@@ -481,7 +481,10 @@ class TieredRows:
     def _chunkrows_reader(self) -> ChunkRows | None:
         r = self._chunkrows
         if r is None and self._disk is not None:
-            r = self._chunkrows = ChunkRows(self._disk)
+            r = ChunkRows(self._disk)
+            # generations numbered from here on are written by this handle's compactions
+            r.trusted_from_gen = self._next_gen
+            self._chunkrows = r
         return r
 
     # ---- the delta segments: one index over all of them ----------------------------------------
