@@ -12,11 +12,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _rank_fns  # noqa: E402
-from _spawn import run_ranks  # noqa: E402
+from _spawn import RankPool  # noqa: E402
 
 from lightning_embcache import EmbeddingStore  # noqa: E402
 from lightning_embcache.distributed import RowSharding  # noqa: E402
 from lightning_embcache.distributed.sharding import GlobalNormalInit  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Two Gloo processes shared by this module's tests (each test gets fresh stores)."""
+    pool = RankPool(2)
+    yield pool
+    pool.close()
 
 
 def test_every_id_has_exactly_one_owner_and_local_row():
@@ -40,20 +48,20 @@ def test_global_normal_init_reproduces_the_single_process_rows():
         assert torch.equal(got, whole[r::3])
 
 
-def test_get_update_on_two_gloo_ranks_match_a_tensor(tmp_path):
-    run_ranks(_rank_fns.get_update_match_a_tensor, 2, str(tmp_path))
+def test_get_update_on_two_gloo_ranks_match_a_tensor(ranks, tmp_path):
+    ranks.run(_rank_fns.get_update_match_a_tensor, str(tmp_path))
 
 
-def test_invalid_ids_on_one_rank_fail_every_rank_and_change_nothing(tmp_path):
-    run_ranks(_rank_fns.invalid_ids_fail_every_rank, 2, str(tmp_path))
+def test_invalid_ids_on_one_rank_fail_every_rank_and_change_nothing(ranks, tmp_path):
+    ranks.run(_rank_fns.invalid_ids_fail_every_rank, str(tmp_path))
 
 
-def test_sharded_trainable_rows_equal_sparse_adam_with_mean_gradients(tmp_path):
-    run_ranks(_rank_fns.trainable_rows_match_sparse_adam, 2, str(tmp_path))
+def test_sharded_trainable_rows_equal_sparse_adam_with_mean_gradients(ranks, tmp_path):
+    ranks.run(_rank_fns.trainable_rows_match_sparse_adam, str(tmp_path))
 
 
-def test_bytes_exchanged_per_get_follow_the_batch_not_the_table(tmp_path):
-    run_ranks(_rank_fns.exchange_is_o_batch, 2, str(tmp_path))
+def test_bytes_exchanged_per_get_follow_the_batch_not_the_table(ranks, tmp_path):
+    ranks.run(_rank_fns.exchange_is_o_batch, str(tmp_path))
 
 
 def test_a_path_laid_out_for_another_world_size_is_refused_naming_the_reshard_command(tmp_path):
