@@ -81,6 +81,8 @@ class ChunkRows:
         self._pid = os.getpid()
         self._active = 0
         self._retired: list[int] = []  # descriptors to close once no read is in progress
+        self._replaced: list[int] = []  # the same, of files a compaction replaced (closed in the background)
+        self._closers: list[threading.Thread] = []
 
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
@@ -108,8 +110,8 @@ class ChunkRows:
             raise
         with self._lock:
             old = int(self._fd[chunk])
-            if old >= 0:
-                self._retired.append(old)
+            if old >= 0:  # a generation a compaction replaced: its file is likely deleted
+                self._replaced.append(old)
             else:
                 self._order.append(chunk)
             if fd >= 0:
@@ -140,12 +142,17 @@ class ChunkRows:
     def _leave(self) -> None:
         with self._lock:
             self._active -= 1
-            if self._active or not self._retired:
+            if self._active or not (self._retired or self._replaced):
                 return
             retired, self._retired = self._retired, []
-        # The last close of a file that compaction replaced frees its blocks (1-2 ms each
-        # here): off the training thread.
-        threading.Thread(target=_close_all, args=(retired,), name="embcache-close", daemon=True).start()
+            replaced, self._replaced = self._replaced, []
+        _close_all(retired)
+        if replaced:
+            # The last close of a file that compaction replaced and deleted frees its blocks
+            # (1-2 ms each here): off the training thread.
+            t = threading.Thread(target=_close_all, args=(replaced,), name="embcache-close", daemon=True)
+            t.start()
+            self._closers = [c for c in self._closers if c.is_alive()] + [t]
 
     def close(self) -> None:
         """Close every descriptor (the store is closing: no read is in progress).
@@ -155,9 +162,11 @@ class ChunkRows:
         if os.getpid() != self._pid:
             return
         with self._lock:
-            fds = [int(x) for x in self._fd[self._fd >= 0]] + self._retired
+            fds = [int(x) for x in self._fd[self._fd >= 0]] + self._retired + self._replaced
             self._fd[:] = -1
-            self._order, self._retired, self._crcs = [], [], {}
+            self._order, self._retired, self._replaced, self._crcs = [], [], [], {}
+        for t in self._closers:
+            t.join()
         for fd in fds:
             try:
                 os.close(fd)
