@@ -146,7 +146,7 @@ class Route:
                 work.wait()
             got = out
             if with_ids:
-                self.served = self.sharding.local(got[:, :8].contiguous().view(torch.int64).reshape(-1))
+                self.served = self.sharding.local(got[:, :8].reshape(-1).view(torch.int64))
                 got = got[:, 8:]
             self._keep = None
             return unpack(got)
@@ -162,7 +162,12 @@ def _pack(rows: Tensor | Mapping[str, Tensor]):
         cols, dtype = t.shape[1], t.dtype
         width = cols * t.element_size()
         packed = t.view(torch.uint8).reshape(t.shape[0], width) if t.numel() else torch.empty((t.shape[0], width), dtype=torch.uint8)
-        return packed, lambda b: b.contiguous().view(dtype).reshape(b.shape[0], cols)
+        def unpack_one(b: Tensor) -> Tensor:
+            if not b.numel():  # an empty slice may keep strides that no dtype view accepts
+                return torch.empty((b.shape[0], cols), dtype=dtype)
+            return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+
+        return packed, unpack_one
     names = list(rows)
     parts = [_pack(rows[n]) for n in names]
     widths = [p[0].shape[1] for p in parts]

@@ -110,3 +110,39 @@ def exchange_is_o_batch(rank: int, world: int, root: str) -> None:
         store.close()
     assert sent[100_000] == sent[1_000], sent
     assert sent[1_000] < 256 * (16 * 4 + 8) + 64, sent  # each unique id and its row at most once
+
+
+def operation_sequence(rank: int, world: int, root: str, ops: list) -> None:
+    """Replay `ops` (updates and reads from every rank, flushes, close + reopen from disk) on a
+    disk-mode sharded store and on a plain tensor that keeps what was durable at each flush."""
+    n, dim = 97, 3
+    path = Path(root) / "seq"
+    opts = dict(init="normal", seed=2, chunk_rows=8, hot_bytes=4 * (dim * 4 + 64))
+    store = ShardedStore.open_or_create(path, n, dim, **opts)
+    ref = EmbeddingStore.create(None, n, dim, init="normal", seed=2).get(torch.arange(n))
+    durable = ref.clone()
+    try:
+        for op in ops:
+            kind = op[0]
+            if kind == "update":
+                for r in range(world):  # the owners apply the ranks' rows in rank order: last wins
+                    ids, seed = op[1][r]
+                    vals = torch.randn(len(ids), dim, generator=torch.Generator().manual_seed(seed))
+                    for i, v in zip(ids, vals):
+                        ref[i] = v
+                ids, seed = op[1][rank]
+                store.update(torch.tensor(ids, dtype=torch.int64),
+                             torch.randn(len(ids), dim, generator=torch.Generator().manual_seed(seed)))
+            elif kind == "get":
+                ids = torch.tensor(op[1][rank], dtype=torch.int64)
+                assert torch.equal(store.get(ids), ref[ids]), op
+            elif kind == "flush":
+                store.flush()
+                durable = ref.clone()
+            elif kind == "reopen":  # what was not flushed is dropped
+                store.close()
+                store = ShardedStore.open_or_create(path, n, dim, **opts)
+                ref = durable.clone()
+        assert torch.equal(store.get(torch.arange(n)), ref)
+    finally:
+        store.close()

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -82,3 +84,18 @@ def test_a_path_laid_out_for_another_world_size_is_refused_naming_the_reshard_co
     for r in range(4):  # after resharding both layouts live side by side
         EmbeddingStore.create(shard_dir(sharded, r, 4), 3, 4).close()
     _check_layout(sharded, 4)
+
+
+_ids = st.lists(st.integers(0, 96), max_size=12)
+_op = st.one_of(
+    st.tuples(st.just("update"), st.tuples(st.tuples(_ids, st.integers(0, 10**6)), st.tuples(_ids, st.integers(0, 10**6)))),
+    st.tuples(st.just("get"), st.tuples(_ids, _ids)),
+    st.tuples(st.just("flush")),
+    st.tuples(st.just("reopen")),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, min_size=1, max_size=12))
+def test_operation_sequences_on_two_ranks_match_a_tensor_with_durable_flushes(ranks, tmp_path_factory, ops):
+    ranks.run(_rank_fns.operation_sequence, str(tmp_path_factory.mktemp("seq")), ops, timeout=30)
