@@ -146,3 +146,19 @@ def operation_sequence(rank: int, world: int, root: str, ops: list) -> None:
         assert torch.equal(store.get(torch.arange(n)), ref)
     finally:
         store.close()
+
+
+def trainable_rows_with_an_idle_rank(rank: int, world: int, root: str) -> None:
+    """A rank with no ids in a step (an empty batch) still takes part; the other's rows train."""
+    opt = make_row_optimizer("sgd", lr=1.0)
+    store = ShardedStore.open_or_create(None, N, DIM, fields=trainable_fields(opt, DIM, torch.float32))
+    rows = ShardedTrainableRows(store, opt)
+    ids = torch.tensor([], dtype=torch.int64) if rank == 0 else torch.tensor([3, 4, 4])
+    z = rows.lookup(ids)
+    z.sum().backward()
+    rows.collect()
+    rows.apply(1)
+    got = store.get(torch.tensor([3, 4, 5]))
+    # SGD, lr 1, gradient 1 per lookup, divided by the world size (the ranks' mean)
+    assert torch.equal(got, torch.tensor([[-0.5] * DIM, [-1.0] * DIM, [0.0] * DIM])), got
+    store.close()
