@@ -394,15 +394,19 @@ class StepProfiler(Callback):
                 self._forecast.add_validation(seconds)
 
     @override
-    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._sanity_t0 = time.perf_counter()
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if trainer.sanity_checking:
+            self._sanity_t0 = time.perf_counter()
 
     @override
-    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # the sanity check's time per batch estimates validation runs before the first one is seen
-        batches = sum(int(b) for b in trainer.num_sanity_val_batches if math.isfinite(b))
-        if batches:
-            self._sanity_batch_s = (time.perf_counter() - self._sanity_t0) / batches
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        # The sanity check's last batch estimates a validation batch until a real run is seen:
+        # its first batch also pays one-time set-up (the loader's start, the first eval kernels),
+        # which made a whole run's estimate several times too long
+        if trainer.sanity_checking:
+            self._sanity_batch_s = time.perf_counter() - self._sanity_t0
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

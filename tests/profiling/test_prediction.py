@@ -268,3 +268,23 @@ def test_on_a_gpu_no_prediction_before_the_device_has_timed_a_few_steps():
     assert f.predict(1000, 0, None, 0) is None  # the host's 1 ms steps only say how fast it queues
     f.add_device_step(17, 0.010)
     assert f.predict(1000, 0, None, 0) is not None
+
+
+def test_the_sanity_checks_one_time_set_up_is_not_taken_for_the_cost_of_validation():
+    clock = FakeClock()
+    cost = Cost(clock)
+
+    class FirstEvalKernels(Callback):  # the first validation batch ever pays 200 ms of set-up
+        def __init__(self):
+            self.paid = False
+
+        def on_validation_batch_start(self, *args):
+            if not self.paid:
+                self.paid = True
+                cost(0.200)
+
+    sp = StepProfiler(report=False)
+    _, wall, _ = _fit(sp, batches=200, epochs=1, clock=clock, val_batches=5, val_check_interval=50,
+                      num_sanity_val_steps=2, extra=(FirstEvalKernels(),))
+    e = sp.summary()[0]
+    assert _close(e["predicted_epoch_seconds"], wall.epochs[0]), e
