@@ -27,6 +27,7 @@ from lightning_embcache.store import (
     StoreStats,
     VersionNotFoundError,
 )
+from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.trainable import TrainableRows, trainable_fields
 from lightning_embcache.data import ChunkShuffleSampler, LookaheadSampler
 
@@ -57,6 +58,7 @@ __all__ = [
     "ChunkShuffleSampler",
     "CorruptStoreError",
     "DeferredSync",
+    "DeviceTier",
     "DiskFullError",
     "EmbeddingStore",
     "EmbeddingStoreMixin",
