@@ -15,9 +15,12 @@ What makes early steps unrepresentative, and how each is handled:
   per step differs between the two halves of that later half by more than twice its standard
   error, the trend is carried on, at its measured slope, for as many steps as the epoch has run
   so far, then held level; the store time per step is never projected below zero.
+- **The GPU running behind the host**: on CUDA the rate is the device's time per step of the
+  sampled steps (event to event), and the steps the host has queued but the device not yet run
+  are counted as still to come; no prediction before 3 sampled steps have been read.
 - **Validation**: runs inside the epoch are timed apart; the runs still to come (from the
   Trainer's ``val_check_batch``) are charged at the measured mean time of a run, or before the
-  first run at the sanity check's time per batch times the validation batches.
+  first run at the sanity check's last batch times the validation batches.
 - **Checkpoint saves**: steps during which a checkpoint was saved are kept out of the rate; the
   saves still to come (``ModelCheckpoint(every_n_train_steps=...)``) are charged at the measured
   extra time of a save. Saves not measured yet are counted in ``unmeasured_saves``.
