@@ -32,8 +32,9 @@ from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, StoreError
 from lightning_embcache.store.errors import InvalidArgumentError
 
-#: host bookkeeping per device slot: id (8) + reference bit (1) + dirty (1)
-SLOT_OVERHEAD = 10
+#: host bookkeeping per device slot: id (8) + free-list entry (8) + eviction stamp (8) +
+#: reference bit (1) + dirty (1); the budget counts it with the record
+SLOT_OVERHEAD = 26
 #: rows per host<->device transfer when a whole table is loaded or written down (a pinned buffer
 #: of this many records stays allocated: 25 MiB for 1.5 KiB records)
 TRANSFER_ROWS = 16_384
@@ -68,7 +69,7 @@ class DeviceTier:
     """The hot rows of ``store`` on ``device``, within ``budget_bytes`` (see module docstring).
 
     Notes:
-        * Holds ``min(num_rows, budget_bytes // (row_bytes + 10))`` rows; ``10`` bytes per slot
+        * Holds ``min(num_rows, budget_bytes // (row_bytes + 26))`` rows; ``26`` bytes per slot
           are host bookkeeping. A table that fits is loaded once and stays (slot == id). A
           table larger than the tier also keeps two int32 per table row on the host (where each
           id sits, and whether it is on its way down), and up to 8 sets of evicted records on
