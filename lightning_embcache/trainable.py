@@ -93,6 +93,7 @@ class TrainableRows:
         self._up_ring: PinnedRing | None = None
         self._grad_bufs: list[Tensor] = []  # one per micro-batch of a step, reused every step
         self._grad_k = 0
+        self._pending_scale: float | None = None
         # the host path's update may run on a flush thread (the handle settles before flushing)
         # while the training thread collects or looks up: one at a time
         self._host_lock = threading.RLock()
@@ -198,11 +199,16 @@ class TrainableRows:
         host.copy_(g, non_blocking=True)
         return host
 
-    def apply(self, step: int, lr: float | None = None) -> None:
-        """Run (device tier) or schedule (host: at the next settle point) the optimizer step."""
+    def apply(self, step: int, lr: float | None = None, *, grad_scale: float | None = None) -> None:
+        """Run (device tier) or schedule (host: at the next settle point) the optimizer step.
+
+        ``grad_scale``: the loss scale of mixed-precision training (a GradScaler's current scale):
+        the gradient rows are divided by it, and a step whose rows' gradients are not finite is
+        skipped, as the scaler skips the dense parameters' step.
+        """
         self.collect()
         if self._dev_grads:
-            self._apply_on_device(int(step), lr)
+            self._apply_on_device(int(step), lr, grad_scale)
         with self._host_lock:
             if not len(self._grads):
                 return
@@ -213,6 +219,7 @@ class TrainableRows:
                 event = torch.cuda.Event()
                 event.record()
             self._pending = (int(step), lr, event)
+            self._pending_scale = grad_scale
             if event is None:
                 self.settle()
 
@@ -231,6 +238,11 @@ class TrainableRows:
             event.synchronize()  # waits for the gradient copy only, not for later queued work
         ids, grads = self._grads.pop()  # coalescing copies the rows out of the pinned buffers
         self._grad_k = 0
+        scale, self._pending_scale = self._pending_scale, None
+        if scale is not None:
+            grads = grads / scale
+            if not bool(torch.isfinite(grads).all()):  # host memory: no device sync
+                return 0  # an overflow step: skipped, as the scaler skips the dense one
         if self.max_grad_norm is not None:
             clip_rows_by_norm_(grads, self.max_grad_norm)
         # One gather of whole records (weight, moments, metadata) and one scatter back: the update
@@ -245,7 +257,7 @@ class TrainableRows:
         store.write_records(ids, rec)
         return int(ids.numel())
 
-    def _apply_on_device(self, step: int, lr: float | None) -> None:
+    def _apply_on_device(self, step: int, lr: float | None, grad_scale: float | None = None) -> None:
         """The step on the device tier, queued without waiting for the GPU."""
         tier = self.device_tier
         assert tier is not None
@@ -253,6 +265,12 @@ class TrainableRows:
         pos = np.concatenate([p for p, _, _ in parts])
         pos_d = torch.cat([p for _, p, _ in parts]) if len(parts) > 1 else parts[0][1]
         grads = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2]
+        if grad_scale is not None:
+            grads = grads.float() / grad_scale
+            # Mixed precision with a loss scale only: the GradScaler waits for the GPU every step
+            # to skip overflow steps anyway; the rows' step is skipped alike.
+            if not bool(torch.isfinite(grads).all()):
+                return
         lr_now = self.optimizer.lr if lr is None else lr
         weight = tier.view("weight")
         state = {n: tier.view(n) for n in self._state_names}

@@ -83,7 +83,7 @@ class ShardedTrainableRows:
         self._leaves.clear()
         return taken
 
-    def apply(self, step: int, lr: float | None = None) -> None:
+    def apply(self, step: int, lr: float | None = None, *, grad_scale: float | None = None) -> None:
         """Send the collected gradient rows to their owners, who update them before the store's next
         exchange or flush. Every rank calls it at the same steps, also with nothing collected."""
         self.finish()
@@ -95,7 +95,11 @@ class ShardedTrainableRows:
             ids, grads = self._grads.pop()
         else:
             ids, grads = torch.empty(0, dtype=torch.int64), torch.empty((0, self.store.dim), dtype=torch.float32)
-        grads = grads.float() / self.store.world_size
+        grads = grads.float() / (self.store.world_size * (grad_scale or 1.0))
+        if grad_scale is not None:  # mixed precision: rows whose gradient overflowed sit this step out
+            ok = torch.isfinite(grads).all(dim=1)
+            if not bool(ok.all()):
+                ids, grads = ids[ok], grads[ok]
         _, _, route = self.store.route(ids, deliver=True, unique=True)
         with self.store._clock:
             received = route.push(grads, wait=False)  # ids are unique and ascending: the route's order

@@ -329,6 +329,19 @@ class EmbeddingStoreMixin:
             handle._release()
 
 
+def _loss_scale(trainer: Any) -> float | None:
+    """The GradScaler's current scale under ``precision="16-mixed"`` (None without a scaler).
+
+    Reading it waits for the GPU; the scaler itself does so at every step to skip overflow steps.
+    """
+    plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return None
+    scale = scaler.get_scale()
+    return float(scale) if scale else None
+
+
 def _check_base_order(cls: type) -> None:
     from lightning.pytorch import LightningModule
 
@@ -381,11 +394,15 @@ class _StoreLifecycle(Callback):
         # Automatic optimization: the rows step with the model, at the same global step.
         if isinstance(pl_module, EmbeddingStoreMixin) and pl_module.automatic_optimization:
             step = trainer.global_step + 1
+            scale = _loss_scale(trainer)
             for handle in pl_module._embcache_stores().values():
                 rows = handle._trainable
                 if rows is not None and self._stepped.get(handle.name) != step:
                     self._stepped[handle.name] = step
-                    rows.apply(step)
+                    if scale is None:
+                        rows.apply(step)
+                    else:  # 16-mixed: the rows' gradients carry the loss scale the scaler unscales
+                        rows.apply(step, grad_scale=scale)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if isinstance(pl_module, EmbeddingStoreMixin):

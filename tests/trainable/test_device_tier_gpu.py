@@ -208,3 +208,39 @@ def test_background_flushes_during_prefetching_fit_lose_nothing(tmp_path):
         s.close()
     for v in versions:  # every version a background flush published is whole
         EmbeddingStore.open(tmp_path / "device", version=v, readonly=True).close()
+
+
+class _SGDDecoder(EmbeddingStoreMixin, L.LightningModule):
+    def __init__(self, path, device_bytes):
+        super().__init__()
+        self.latents = self.add_embedding_store("latents", num_rows=N, dim=DIM, path=path, chunk_rows=128,
+                                                device_bytes=device_bytes, init="normal", optimizer="sgd", lr=0.5)
+        self.net = torch.nn.Linear(DIM, 8)
+
+    def training_step(self, batch, batch_idx):
+        ids, target = batch
+        return torch.nn.functional.mse_loss(self.net(self.latents.lookup(ids)), target)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("device_bytes", [None, 0], ids=["device-tier", "host"])
+def test_16_mixed_unscales_the_rows_gradients(tmp_path, device_bytes):
+    """SGD rows move by lr x gradient: left scaled by the GradScaler (65536) they would move 65536x
+    too far, or overflow. Under 16-mixed they move as under 32-true, within fp16's rounding."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, N, (2048,), generator=g)
+    target = torch.randn(2048, 8, generator=g)
+    w0 = EmbeddingStore.create(None, N, DIM, init="normal", chunk_rows=128).get(torch.arange(N))
+    moved = {}
+    for precision in ("32-true", "16-mixed"):
+        L.seed_everything(0)
+        model = _SGDDecoder(tmp_path / precision, device_bytes)
+        L.Trainer(max_epochs=1, accelerator="cuda", devices=1, precision=precision, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(model, DataLoader(TensorDataset(ids, target), batch_size=256))
+        with EmbeddingStore.open(tmp_path / precision, readonly=True) as s:
+            moved[precision] = s.get(torch.arange(N)) - w0
+    assert moved["32-true"].abs().max() > 1e-3
+    torch.testing.assert_close(moved["16-mixed"], moved["32-true"], rtol=0.05, atol=2e-3)
