@@ -112,9 +112,11 @@ def test_a_real_disk_store_shrinks_under_injected_pressure(tmp_path):
         def on_train_batch_end(self, trainer, pl_module, *args):
             hot.append(pl_module.latents.stats().hot_bytes)
 
-    tiny_trainer(tmp_path, callbacks=[cb, Watch()], max_steps=6).fit(model)
-    assert cb.evicted_bytes_total > 0
-    assert hot[5] < hot[4]
+    # Pressure from the 3rd check (step 6) on; a store busy with background work at that moment
+    # defers the relief to the next check (never raises), so a few more checks follow.
+    tiny_trainer(tmp_path, callbacks=[cb, Watch()], max_steps=12).fit(model)
+    assert cb.evicted_bytes_total > 0, f"nothing evicted; {cb.deferred} reliefs deferred"
+    assert min(hot[5:]) < hot[4]
 
 
 # ---------------------------------------------------------------------- reader and cgroup files
