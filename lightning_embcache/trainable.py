@@ -19,17 +19,16 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-import numpy as np
-
 from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.optim.base import RowOptimizer
-from lightning_embcache.optim.fused import fused_adam_step_rows
-from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.optim.clip import clip_rows_by_norm_
 from lightning_embcache.optim.coalesce import RowGradBuffer
+from lightning_embcache.optim.fused import fused_adam_step_rows
+from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, InvalidArgumentError
 from lightning_embcache.store.validate import as_ids
 
