@@ -112,7 +112,7 @@ class TrainableRows:
         if self.device_tier is not None:
             return self._lookup_on_device(as_ids(ids, self.store.num_rows), device_ids)
         self.settle()
-        idx = torch.from_numpy(as_ids(ids, self.store.num_rows).copy())
+        idx = torch.from_numpy(as_ids(ids, self.store.num_rows))  # as_ids returns our own copy
         rows = self.store.get(idx)
         if device is not None and torch.device(device).type == "cuda":
             rows = self._to_cuda(rows, torch.device(device))
@@ -129,8 +129,8 @@ class TrainableRows:
     def _lookup_on_device(self, idx: np.ndarray, device_ids: Tensor | None) -> Tensor:
         tier = self.device_tier
         assert tier is not None
-        if tier.resident:  # slot == id; a copy: the caller may refill its ids before apply()
-            pos = idx.copy()
+        if tier.resident:  # slot == id (idx is as_ids' own copy: the caller may refill its ids)
+            pos = idx
             same = (device_ids is not None and device_ids.device == tier.device and device_ids.dim() == 1
                     and device_ids.dtype == torch.int64 and device_ids.numel() == len(idx))
             pos_d = device_ids if same else tier.to_device(pos)

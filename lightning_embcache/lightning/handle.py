@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.pinned import PinnedRing
+from lightning_embcache.store.validate import as_ids
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.trainable import TrainableRows
 
@@ -320,8 +321,6 @@ class EmbeddingStoreHandle:
         return t.held_slots() if t is not None and t.device_tier is self._device_tier else None
 
     def _valid_ids(self, store: EmbeddingStore, ids: torch.Tensor) -> Any:
-        from lightning_embcache.store.validate import as_ids
-
         return as_ids(self._host_ids(ids), store.num_rows)
 
     def _settle(self) -> None:
