@@ -117,10 +117,10 @@ def test_direct_writes_through_the_device_tier_match_a_dict(tmp_path):
 
 
 class _Decoder(EmbeddingStoreMixin, L.LightningModule):
-    def __init__(self, path, device_bytes):
+    def __init__(self, path, device_bytes, optimizer="adam", lr=0.05):
         super().__init__()
         self.latents = self.add_embedding_store("latents", num_rows=N, dim=DIM, path=path, chunk_rows=128,
-                                                device_bytes=device_bytes, init="normal", optimizer="adam", lr=0.05)
+                                                device_bytes=device_bytes, init="normal", optimizer=optimizer, lr=lr)
         self.net = torch.nn.Linear(DIM, 8)
 
     def training_step(self, batch, batch_idx):
@@ -210,21 +210,6 @@ def test_background_flushes_during_prefetching_fit_lose_nothing(tmp_path):
         EmbeddingStore.open(tmp_path / "device", version=v, readonly=True).close()
 
 
-class _SGDDecoder(EmbeddingStoreMixin, L.LightningModule):
-    def __init__(self, path, device_bytes):
-        super().__init__()
-        self.latents = self.add_embedding_store("latents", num_rows=N, dim=DIM, path=path, chunk_rows=128,
-                                                device_bytes=device_bytes, init="normal", optimizer="sgd", lr=0.5)
-        self.net = torch.nn.Linear(DIM, 8)
-
-    def training_step(self, batch, batch_idx):
-        ids, target = batch
-        return torch.nn.functional.mse_loss(self.net(self.latents.lookup(ids)), target)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.net.parameters(), lr=0.0)
-
-
 @pytest.mark.parametrize("device_bytes", [None, 0], ids=["device-tier", "host"])
 def test_16_mixed_unscales_the_rows_gradients(tmp_path, device_bytes):
     """SGD rows move by lr x gradient: left scaled by the GradScaler (65536) they would move 65536x
@@ -236,7 +221,7 @@ def test_16_mixed_unscales_the_rows_gradients(tmp_path, device_bytes):
     moved = {}
     for precision in ("32-true", "16-mixed"):
         L.seed_everything(0)
-        model = _SGDDecoder(tmp_path / precision, device_bytes)
+        model = _Decoder(tmp_path / precision, device_bytes, optimizer="sgd", lr=0.5)
         L.Trainer(max_epochs=1, accelerator="cuda", devices=1, precision=precision, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False).fit(model, DataLoader(TensorDataset(ids, target), batch_size=256))
