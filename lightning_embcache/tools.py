@@ -291,6 +291,7 @@ def compact_store(path: str | os.PathLike[str], *, progress: Progress = _no_prog
         store.compact()
         progress("publish and reclaim", 2, 3)
         version = store.flush()
+        store._wait_bg()  # report what stays: the clean-up that flush started runs in the background
         versions, pinned = store.versions(), store.pinned()
     progress("done", 3, 3)
     after, _ = _dir_totals(root)
