@@ -225,7 +225,7 @@ def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
     sp = StepProfiler(report=False, log_every_n_steps=50)
     trainer = _Stub()
     sp._trainer = trainer
-    sp._timeline = StepTimeline(sp._on_step_done, torch.device(device), None, sample_every=sp.sample_every_n_steps)
+    sp._timeline = StepTimeline(sp._ledger.add_step, torch.device(device), None, sample_every=sp.sample_every_n_steps)
     sp._device = torch.device(device)
     fetch, move, opt = ("[_TrainingEpochLoop].train_dataloader_next", "[Strategy]S.batch_to_device",
                         "[LightningModule]M.optimizer_step")

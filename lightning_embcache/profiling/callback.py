@@ -12,35 +12,25 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, WarningCache
 from typing_extensions import override
 
-from lightning_embcache.profiling import ranks, report, schedule
-from lightning_embcache.profiling import summary as summaries
-from lightning_embcache.profiling.forecast import Forecast
+from lightning_embcache.profiling import boundaries, report
+from lightning_embcache.profiling.interval_log import IntervalLog
+from lightning_embcache.profiling.ledger import EpochLedger
+from lightning_embcache.profiling.predictor import EpochPredictor
 from lightning_embcache.profiling.tap import ProfilerTap
 from lightning_embcache.profiling.timeline import (
-    BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE, VALIDATION, StepTimeline, Totals,
+    BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, VALIDATION, StepTimeline, Totals,
 )
 
 log = logging.getLogger(__name__)
 warning_cache = WarningCache()
 
-_STATE_VERSION = 1
 _PROFILER_METHODS = frozenset({"profile", "start", "stop", "describe", "teardown_profiler"})
 _NOT_A_PROFILER = ("StepProfiler is a callback, not a Lightning profiler: pass it as "
                    "Trainer(callbacks=[StepProfiler()]), not Trainer(profiler=StepProfiler()). It wraps whatever "
                    "Trainer(profiler=...) you choose, so the two can run together.")
-
-
-def _batch_size(batch: Any) -> int:
-    """Lightning's ``extract_batch_size`` (about 10 us) with a fast path for the common layouts."""
-    if isinstance(batch, torch.Tensor):
-        return batch.size(0) if batch.ndim else 1
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
-        return batch[0].size(0)
-    return extract_batch_size(batch)
 
 
 class StepProfiler(Callback):
@@ -146,64 +136,43 @@ class StepProfiler(Callback):
         self.batch_size_fn = batch_size_fn
         self.epoch_batches = epoch_batches
 
-        self._summaries: list[dict] = []
-        self._raw: dict[int, Totals] = {}      # totals of finished epochs (for resume)
-        self._open: Optional[Totals] = None     # the running epoch
-        self._open_epoch = -1
+        self._ledger = EpochLedger()
         self._step_in_epoch = 0
-        self._interval = Totals()
-        # finished steps not yet added to the epoch's and the interval's totals: one add per step,
-        # folded into both at each log interval, epoch end and checkpoint
-        self._steps = Totals()
-        self._steps_epoch = -1
         self._batches_seen = 0
         self._samples_known = True
         self._samples = 0
-        self._resume: Optional[dict] = None
         self._timeline: Optional[StepTimeline] = None
         self._tap: Optional[ProfilerTap] = None
         self._device: Optional[torch.device] = None
-        self._pending_logs: list = []
+        self._interval_log = IntervalLog()
         self._manual = False
         self._stores: Optional[dict] = None
         self._data_resume = OTHER
         self._batch_ended = False
         self._next_log = self.log_every_n_steps
         self._trainer: Optional[Trainer] = None
-        # epoch-time prediction: this epoch's steps, the prediction kept for the summary, and
-        # what earlier epochs and validation runs of the fit measured
-        self._forecast: Optional[Forecast] = None
-        self._kept_prediction: Optional[dict] = None
-        self._last_prediction: Optional[dict] = None
-        self._val_run_s: list[float] = []
+        self._predictor = EpochPredictor(self.predict_at, sample_every_n_steps, epoch_batches)
         self._val_t0 = 0.0
-        self._sanity_t0 = 0.0
-        self._sanity_batch_s: Optional[float] = None
-        self._first_extra_s: Optional[float] = None
-        self._save_s: Optional[float] = None
-        self._landmark: Optional[int] = None
-        # per epoch, per rank: [phase seconds..., batches]; a resumed epoch replaces its entry
-        self._rank_rows: dict[int, list[list[float]]] = {}
         self._val_resume = OTHER
 
     # ------------------------------------------------------------------ public API
 
     def summary(self) -> list[dict]:
         """One dict per finished training epoch (see docs/profiler.md for every key)."""
-        return [dict(s) for s in self._summaries]
+        return [dict(s) for s in self._ledger.summaries]
 
     def predict(self) -> Optional[dict[str, Optional[float]]]:
         """The current prediction: ``{"epoch_s", "epoch_std_s", "fit_s", "fit_std_s",
         "at_batch", "epoch_batches"}`` (wall seconds, validation inside the epoch included;
         ``fit_s`` None without ``max_epochs``/``max_steps``), or None before enough steps of the
         running epoch (docs/profiler.md: how to read it)."""
-        if self._trainer is None or self._forecast is None:
+        if self._trainer is None:
             return None
-        return self._prediction(self._trainer)
+        return self._predictor.predict(self._trainer)
 
     def report_table(self) -> str:
         """The end-of-fit table (phases, true average batch, predicted vs actual epoch times)."""
-        return report.format_table(self._summaries, self._fit_rank_rows())
+        return report.format_table(self._ledger.summaries, self._ledger.fit_rank_rows())
 
     @property
     @override
@@ -215,33 +184,20 @@ class StepProfiler(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        open_state = None
-        if self._open is not None:
+        if self._ledger.open is not None:
             if self._batch_ended:  # checkpoint saved in on_train_batch_end: that batch is done
                 self._close_step(None, log=False)
-            if self._forecast is not None:
-                # Lightning asks for this state when it saves a checkpoint: the save's time falls
-                # in the step now running, which the prediction keeps out of the rate
-                self._forecast.mark_save()
+            # Lightning asks for this state when it saves a checkpoint: the save's time falls in
+            # the step now running, which the prediction keeps out of the rate
+            self._predictor.mark_save()
             if self._timeline is not None:
                 self._timeline.drain(block=True)  # a checkpoint synchronizes anyway
-            self._fold_steps()
-            open_state = {"epoch": self._open_epoch, "steps": self._step_in_epoch,
-                          "totals": self._open.to_dict()}
-        return {"version": _STATE_VERSION, "summaries": [dict(s) for s in self._summaries],
-                "raw": {e: t.to_dict() for e, t in self._raw.items()}, "open": open_state,
-                "batches_seen": self._batches_seen, "rank_rows": self._rank_rows}
+        return self._ledger.state(self._step_in_epoch, self._batches_seen)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("version") != _STATE_VERSION:
-            raise ValueError(f"StepProfiler state version must be {_STATE_VERSION}; got {state_dict.get('version')!r}")
-        self._summaries = [dict(s) for s in state_dict["summaries"]]
-        self._raw = {int(e): Totals.from_dict(t) for e, t in state_dict["raw"].items()}
-        self._resume = state_dict["open"]
-        self._batches_seen = state_dict.get("batches_seen", 0)
+        self._batches_seen = self._ledger.load(state_dict)
         self._next_log = (self._batches_seen // self.log_every_n_steps + 1) * self.log_every_n_steps
-        self._rank_rows = {int(e): [list(r) for r in rows] for e, rows in state_dict.get("rank_rows", {}).items()}
 
     # ------------------------------------------------------------------ set-up / tear-down
 
@@ -264,20 +220,9 @@ class StepProfiler(Callback):
             self._next_log = (self._batches_seen // self.log_every_n_steps + 1) * self.log_every_n_steps
         if self._tap is not None and trainer.profiler is self._tap:
             return
-        loop_name = type(trainer.fit_loop.epoch_loop).__name__
-        strategy = type(trainer.strategy).__name__
-        module = type(trainer.lightning_module).__name__
-        on_start = {
-            f"[{loop_name}].train_dataloader_next": self._fetch_start,
-            f"[Strategy]{strategy}.batch_to_device": self._transfer_start,
-            "optimizer_step": self._manual_step_start,
-        }
-        on_stop = {
-            f"[{loop_name}].train_dataloader_next": self._fetch_stop,
-            f"[Strategy]{strategy}.batch_to_device": self._transfer_stop,
-            f"[LightningModule]{module}.optimizer_step": self._auto_step_stop,
-            "optimizer_step": self._manual_step_stop,
-        }
+        on_start, on_stop = boundaries.loop_actions(
+            trainer, fetch=(self._fetch_start, self._fetch_stop), transfer=(self._transfer_start, self._transfer_stop),
+            auto_step_stop=self._auto_step_stop, manual_step=(self._manual_step_start, self._manual_step_stop))
         self._tap = ProfilerTap(trainer.profiler, on_start, on_stop)
         trainer.profiler = self._tap
 
@@ -299,19 +244,9 @@ class StepProfiler(Callback):
         self._manual = not pl_module.automatic_optimization
         self._stores = getattr(pl_module, "embedding_stores", None)
         store_io = self._store_io if self._stores is not None else None
-        self._timeline = StepTimeline(self._on_step_done, self._device, store_io,
+        self._timeline = StepTimeline(self._ledger.add_step, self._device, store_io,
                                       sample_every=self.sample_every_n_steps)
-        self._timeline.on_device_step = self._on_device_step
-
-    def _fit_rank_rows(self) -> list[list[float]]:
-        """Per rank, phase seconds and batches summed over the epochs (ranks as in the last epoch)."""
-        out: list[list[float]] = []
-        for rows in self._rank_rows.values():
-            if len(rows) != len(out):
-                out = [list(r) for r in rows]
-            else:
-                out = [[a + b for a, b in zip(x, y)] for x, y in zip(out, rows)]
-        return out
+        self._timeline.on_device_step = self._predictor.add_device_step
 
     def _store_io(self) -> float:
         # io_wait_seconds is O(1); stats() scans dirty marks and the store folder (ms on big tables)
@@ -331,28 +266,13 @@ class StepProfiler(Callback):
         if self._stores is None and getattr(pl_module, "embedding_stores", None) is not None:
             self._stores = pl_module.embedding_stores  # created after on_train_start
             self._timeline.store_io = self._store_io
-        self._step_in_epoch = 0
         self._batch_ended = False
-        self._open = Totals()
-        resume, self._resume = self._resume, None
-        if resume is not None and resume["epoch"] == epoch:
-            self._open = Totals.from_dict(resume["totals"])
-            self._step_in_epoch = resume["steps"]
-        elif resume is not None and resume["epoch"] < epoch:
-            self._open_epoch = resume["epoch"]
-            self._open = Totals.from_dict(resume["totals"])
-            self._finish_epoch(trainer)  # an epoch left unfinished by the run we resume from
-            self._open = Totals()
-        elif self._summaries and self._summaries[-1]["epoch"] == epoch and epoch in self._raw:
-            # resumed inside an epoch that the earlier run closed early (max_steps, interruption)
-            self._summaries.pop()
-            self._open = self._raw.pop(epoch)
-            self._step_in_epoch = self._open.batches
-        self._open_epoch = epoch
-        self._forecast = Forecast(self._step_in_epoch, self._open.wall_s + self._open.val_s)
-        self._forecast.needs_device = self._timeline._cuda and self.sample_every_n_steps > 0
-        self._kept_prediction = None
-        self._landmark: Optional[int] = None
+        ledger = self._ledger
+        self._step_in_epoch, unfinished = ledger.open_epoch_at(epoch)
+        if unfinished is not None:
+            self._finish_epoch(trainer, *unfinished)
+        self._predictor.begin_epoch(epoch, self._step_in_epoch, ledger.open.wall_s + ledger.open.val_s,
+                                    self._batches_seen, ledger.seconds_before(epoch), self._timeline)
         self._timeline.begin(DATA)
 
     @override
@@ -367,13 +287,13 @@ class StepProfiler(Callback):
             last = (self._samples, self._step_in_epoch >= self.warmup_steps)
             self._step_in_epoch += 1
             self._batches_seen += 1
-        tl.end_epoch(self._open_epoch, last)
+        tl.end_epoch(self._ledger.open_epoch, last)
         if last is not None:
-            self._feed(tl.last_host, trainer)
+            self._predictor.add_step(tl.last_host, trainer)
         tl.drain(block=True)  # once per epoch, outside any step
         if last is not None and self._batches_seen >= self._next_log:
             self._log_interval(trainer)
-        self._finish_epoch(trainer)
+        self._finish_epoch(trainer, self._ledger.open_epoch, self._ledger.open)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -388,37 +308,31 @@ class StepProfiler(Callback):
         tl = self._timeline
         if tl is not None and tl.active and tl.phase == VALIDATION:
             tl.switch(self._val_resume)
-            seconds = time.perf_counter() - self._val_t0
-            self._val_run_s.append(seconds)
-            if self._forecast is not None:
-                self._forecast.add_validation(seconds)
+            self._predictor.add_validation(time.perf_counter() - self._val_t0)
 
     @override
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         if trainer.sanity_checking:
-            self._sanity_t0 = time.perf_counter()
+            self._predictor.sanity_batch_start()
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        # The sanity check's last batch estimates a validation batch until a real run is seen:
-        # its first batch also pays one-time set-up (the loader's start, the first eval kernels),
-        # which made a whole run's estimate several times too long
         if trainer.sanity_checking:
-            self._sanity_batch_s = time.perf_counter() - self._sanity_t0
+            self._predictor.sanity_batch_end()
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._timeline is not None:
             self._timeline.drain(block=True)
-        self._flush_pending_logs(trainer, block=True)
+        self._interval_log.flush(trainer, self._samples_known, block=True)
         if not trainer.is_global_zero:
             return
-        if self.report and self._summaries:
+        if self.report and self._ledger.summaries:
             self._print_report()
-        if self.plot is not None and self._summaries:
-            report.save_plot(self._summaries, self.plot)
+        if self.plot is not None and self._ledger.summaries:
+            report.save_plot(self._ledger.summaries, self.plot)
 
     # ------------------------------------------------------------------ steps (hot path)
 
@@ -432,7 +346,7 @@ class StepProfiler(Callback):
         if self._samples_known:
             try:
                 self._samples = int(self.batch_size_fn(batch) if self.batch_size_fn is not None
-                                    else _batch_size(batch))
+                                    else boundaries.batch_size(batch))
             except Exception as err:  # an opaque batch: report no samples/s rather than fail training
                 self._samples_known = False
                 self._samples = 0
@@ -473,9 +387,9 @@ class StepProfiler(Callback):
 
     def _close_step(self, trainer: Optional[Trainer], log: bool = True, next_phase: int = OTHER) -> None:
         self._batch_ended = False
-        host = self._timeline.end_step(self._open_epoch, self._samples, self._step_in_epoch >= self.warmup_steps,
+        host = self._timeline.end_step(self._ledger.open_epoch, self._samples, self._step_in_epoch >= self.warmup_steps,
                                        next_phase)
-        self._feed(host, trainer if trainer is not None else self._trainer)
+        self._predictor.add_step(host, trainer if trainer is not None else self._trainer)
         self._step_in_epoch += 1
         self._batches_seen += 1
         if log and self._batches_seen >= self._next_log:
@@ -533,23 +447,6 @@ class StepProfiler(Callback):
         if tl is not None and tl.active:
             tl.switch(FORWARD)
 
-    def _on_step_done(self, epoch: int, batches: int, host: list[float], device: Optional[list[float]],
-                      samples: int, steady: bool, forced: bool) -> None:
-        if epoch != self._steps_epoch:
-            self._fold_steps()
-            self._steps_epoch = epoch
-        self._steps.add(batches, host, device, samples, steady, forced)
-
-    def _fold_steps(self) -> None:
-        steps, epoch = self._steps, self._steps_epoch
-        if not steps.batches and not steps.wall_s:
-            return
-        self._steps = Totals()
-        totals = self._open if epoch == self._open_epoch else self._raw.get(epoch)
-        if totals is not None:
-            totals.merge(steps)
-        self._interval.merge(steps)
-
     # ------------------------------------------------------------------ logging
 
     def _log_interval(self, trainer: Trainer) -> None:
@@ -557,176 +454,17 @@ class StepProfiler(Callback):
         tl = self._timeline
         if tl._cuda:
             tl.drain()
-        self._fold_steps()
-        interval, self._interval = self._interval, Totals()
-        values = summaries.interval_row(interval, self._open)
-        step = trainer.global_step
-        pred = self._logged_prediction(trainer) if trainer.is_global_zero and trainer.loggers else None
-        if tl._cuda and ranks.world()[1] > 1:
-            self._pending_logs.append((step, ranks.PendingRows(values, self._device), pred))
-            self._flush_pending_logs(trainer, block=False)
-        else:
-            self._emit(trainer, step, ranks.gather_rows(values, self._device), pred)
-
-    def _flush_pending_logs(self, trainer: Trainer, block: bool) -> None:
-        while self._pending_logs:
-            step, pending, pred = self._pending_logs[0]
-            if block:
-                pending._event.synchronize()
-            rows = pending.result()
-            if rows is None:
-                return
-            self._pending_logs.pop(0)
-            self._emit(trainer, step, rows, pred)
-
-    def _emit(self, trainer: Trainer, step: int, rows: list[list[float]], pred: Optional[dict] = None) -> None:
-        if not trainer.is_global_zero or not trainer.loggers:
-            return
-        metrics = summaries.interval_metrics(rows, self._samples_known)
-        if metrics is None:
-            return
-        if pred is not None:
-            metrics["profile/predicted_epoch_s"] = pred["epoch_s"]
-            metrics["profile/predicted_epoch_std_s"] = pred["epoch_std_s"]
-            if pred["fit_s"] is not None:
-                metrics["profile/predicted_fit_s"] = pred["fit_s"]
-                metrics["profile/predicted_fit_std_s"] = pred["fit_std_s"]
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics=metrics, step=step)
-
-    # ------------------------------------------------------------------ prediction
-
-    def _feed(self, host: list[float], trainer: Optional[Trainer]) -> None:
-        fc = self._forecast
-        if fc is None:
-            return
-        fc.add_step(host[DATA] + host[FORWARD] + host[BACKWARD] + host[OPTIMIZER] + host[STORE] + host[OTHER],
-                    host[STORE])
-        if self._kept_prediction is None and trainer is not None:
-            if self._landmark is None:
-                target = self._epoch_target(trainer)
-                self._landmark = math.ceil(self.predict_at * target) if target else -1
-            if 0 < self._landmark <= fc.batches:
-                if fc.needs_device and len(fc.device_index) < 3:
-                    self._timeline.drain()  # never waits; a GPU far behind defers the prediction
-                self._kept_prediction = self._prediction(trainer)
-                give_up = self._landmark + 64 + 8 * self.sample_every_n_steps
-                if self._kept_prediction is None and fc.batches >= give_up:
-                    self._landmark = -1  # the epoch is too short to predict; stop trying
-
-    def _logged_prediction(self, trainer: Trainer) -> Optional[dict]:
-        # A prediction costs O(batches so far) (~0.2 ms at 20,000); recomputed once the epoch
-        # has grown by 1/32 since the last one, it costs a step well under a microsecond
-        fc, last = self._forecast, self._last_prediction
-        if fc is None:
-            return None
-        if last is not None and last["epoch"] == self._open_epoch and fc.batches - last["at_batch"] < fc.batches // 32:
-            return last
-        pred = self._prediction(trainer)
-        if pred is not None:
-            pred["epoch"] = self._open_epoch
-        self._last_prediction = pred
-        return pred
-
-    def _on_device_step(self, index: int, seconds: float) -> None:
-        if self._forecast is not None:
-            self._forecast.add_device_step(index, seconds)
-
-    def _epoch_target(self, trainer: Trainer) -> Optional[int]:
-        """Batches the running epoch will have when it ends (the predicted epoch)."""
-        if self.epoch_batches is not None:
-            return self.epoch_batches
-        n = trainer.num_training_batches
-        if not isinstance(n, (int, float)) or not math.isfinite(n):
-            return None
-        n = int(n)
-        budget = schedule.batch_budget(trainer)
-        done = self._forecast.batches if self._forecast is not None else 0
-        return n if budget is None else min(n, done + budget)
-
-    def _val_run_estimate(self, trainer: Trainer) -> Optional[float]:
-        if self._val_run_s:
-            return sum(self._val_run_s) / len(self._val_run_s)
-        if self._sanity_batch_s is not None:
-            val_batches = sum(int(b) for b in trainer.num_val_batches if math.isfinite(b))
-            return self._sanity_batch_s * val_batches
-        return None
-
-    def _prediction(self, trainer: Trainer) -> Optional[dict]:
-        """Predicted wall seconds of the running epoch and of the fit (docs/profiler.md)."""
-        fc = self._forecast
-        target = self._epoch_target(trainer)
-        if fc is None or target is None:
-            return None
-        tl = self._timeline
-        if tl is not None and tl._cuda:
-            tl.drain()  # never waits: reads the sampled steps the GPU has finished
-            fc.backlog = tl.device_backlog()
-        epoch, done = self._open_epoch, fc.batches
-        start_total = self._batches_seen - self._step_in_epoch
-        acc = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
-        val_s = self._val_run_estimate(trainer)
-        val_left = schedule.val_runs(trainer, epoch, done, target, start_total) or 0
-        g_now = int(trainer.global_step)
-        g_end = g_now + (target - done) // acc
-        p = fc.predict(target, val_left, val_s, schedule.saves(trainer, g_now, g_end), self._save_s)
-        if p is None:
-            return None
-        out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,
-               "fit_s": None, "fit_std_s": None, "unmeasured_saves": p["unmeasured_saves"],
-               "validation_measured": p["val_known"]}
-        # the fit: the epochs still to come after this one, under max_epochs / max_steps
-        budget, epochs = schedule.batch_budget(trainer), schedule.epochs_left(trainer)
-        full_n = self.epoch_batches or trainer.num_training_batches
-        if (budget is None and epochs is None) or not math.isfinite(full_n) or full_n < 1:
-            return out
-        full_n = int(full_n)
-        after = math.inf if budget is None else max(0, budget - (target - done))
-        epochs = math.inf if epochs is None else epochs
-        sizes: list[int] = []
-        while after > 0 and len(sizes) < epochs and len(sizes) < 100_000:
-            b = int(min(full_n, after))
-            sizes.append(b)
-            after -= b
-        r = p["rate"]
-        # the rate at the end of this epoch, with the store trend where it levels off
-        per_batch = r["mean"] + (fc.trend_seconds(r, target, 1) if r["slope"] else 0.0)
-        first = fc.first_step_s
-        if first is not None:
-            self._first_extra_s = max(0.0, first - r["mean"])
-        first_extra = self._first_extra_s or 0.0
-        save_s = r["save_s"] or 0.0
-        future, total_batches, ge, total = 0.0, 0, g_end, start_total + target
-        for k, b in enumerate(sizes):
-            runs = schedule.val_runs(trainer, epoch + 1 + k, 0, b, total) or 0
-            future += b * per_batch + first_extra + runs * (val_s or 0.0)
-            future += schedule.saves(trainer, ge, ge + b // acc) * save_s
-            ge += b // acc
-            total += b
-            total_batches += b
-        before = sum(e["epoch_seconds"] + e["val_seconds"] for e in self._summaries if e["epoch"] < epoch)
-        left = (target - done) + total_batches
-        out["fit_s"] = before + p["seconds"] + future
-        out["fit_std_s"] = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * p["trend_s"]) ** 2)
-        return out
+        interval = self._ledger.take_interval()
+        pred = self._predictor.logged(trainer) if trainer.is_global_zero and trainer.loggers else None
+        self._interval_log.log(trainer, interval, self._ledger.open, self._device, tl._cuda, self._samples_known,
+                               pred)
 
     # ------------------------------------------------------------------ epoch summary
 
-    def _finish_epoch(self, trainer: Trainer) -> None:
-        self._fold_steps()
-        if self._forecast is not None and self._forecast.saves:
-            extra = self._forecast.save_extra()
-            if extra is not None:
-                self._save_s = extra  # for the next epochs' predictions
-        t, epoch = self._open, self._open_epoch
-        self._open = None
-        self._raw[epoch] = t
-        rows = ranks.gather_rows(summaries.epoch_row(t), self._device)  # every rank joins
-        self._rank_rows[epoch] = summaries.rank_phase_rows(rows)
+    def _finish_epoch(self, trainer: Trainer, epoch: int, totals: Totals) -> None:
+        kept = self._predictor.finish_epoch()
         epoch_batches = self.epoch_batches
         if epoch_batches is None and math.isfinite(trainer.num_training_batches):
             epoch_batches = int(trainer.num_training_batches)
         timeline = "cuda-events" if self._timeline is not None and self._timeline._cuda else "host-clock"
-        self._summaries.append(summaries.epoch_summary(epoch, rows, self._samples_known, epoch_batches, timeline,
-                                                       self._kept_prediction))
-        self._kept_prediction = None
+        self._ledger.finish(totals, epoch, self._device, self._samples_known, epoch_batches, timeline, kept)

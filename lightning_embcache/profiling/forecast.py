@@ -202,6 +202,8 @@ class Forecast:
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s)
         std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2)
+        # the rate at the end of this epoch (later epochs run at it), the trend levelled off
+        end_rate = r["mean"] + (self.trend_seconds(r, total_batches, 1) if r["slope"] else 0.0)
         return {"seconds": total, "std": std, "at_batch": done, "rate_s": r["mean"], "rate": r,
-                "trend_s": trend, "unmeasured_saves": saves_left if save_s is None else 0,
+                "end_rate_s": end_rate, "trend_s": trend, "unmeasured_saves": saves_left if save_s is None else 0,
                 "val_known": val_run_s is not None or val_runs_left == 0}

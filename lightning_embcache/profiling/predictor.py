@@ -1,0 +1,202 @@
+"""The epoch-time and fit-time prediction of a running fit: what the steps so far say
+(:class:`~lightning_embcache.profiling.forecast.Forecast`) combined with what the Trainer will still
+run (:mod:`~lightning_embcache.profiling.schedule`): batches, validation runs, checkpoint saves, and
+the epochs after this one.
+
+The callback feeds it each finished step and each validation run; it keeps the prediction made at
+``predict_at`` of each epoch for the end-of-fit comparison."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+from lightning_embcache.profiling import schedule
+from lightning_embcache.profiling.forecast import Forecast
+from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
+
+
+class EpochPredictor:
+    """One fit's predictions; :meth:`begin_epoch` opens each epoch's."""
+
+    def __init__(self, predict_at: float, sample_every: int, epoch_batches: Optional[int]) -> None:
+        self.predict_at = predict_at
+        self.sample_every = sample_every
+        self.epoch_batches = epoch_batches
+        self.forecast: Optional[Forecast] = None
+        self.kept: Optional[dict] = None        # the prediction made at predict_at of the epoch
+        self._last_logged: Optional[dict] = None
+        self._timeline: Any = None
+        self._epoch = -1
+        self._start_total = 0        # batches of the fit before this epoch
+        self._before_s = 0.0         # wall seconds of the fit's earlier epochs (validation included)
+        self._landmark: Optional[int] = None
+        # what earlier epochs and validation runs of the fit measured
+        self._val_run_s: list[float] = []
+        self._sanity_t0 = 0.0
+        self._sanity_batch_s: Optional[float] = None
+        self._first_extra_s: Optional[float] = None
+        self._save_s: Optional[float] = None
+
+    # -- feeding ------------------------------------------------------------------------------
+
+    def begin_epoch(self, epoch: int, step_in_epoch: int, start_seconds: float, batches_seen: int,
+                    before_s: float, timeline: Any) -> None:
+        """A training epoch (re)starts at ``step_in_epoch`` with ``start_seconds`` already run."""
+        self.forecast = Forecast(step_in_epoch, start_seconds)
+        self.forecast.needs_device = bool(timeline._cuda) and self.sample_every > 0
+        self._timeline = timeline
+        self._epoch = epoch
+        self._start_total = batches_seen - step_in_epoch
+        self._before_s = before_s
+        self.kept = None
+        self._landmark = None
+
+    def add_step(self, host: list[float], trainer: Any) -> None:
+        """A finished step's host phases; makes the kept prediction once the epoch reaches
+        ``predict_at``."""
+        fc = self.forecast
+        if fc is None:
+            return
+        fc.add_step(host[DATA] + host[FORWARD] + host[BACKWARD] + host[OPTIMIZER] + host[STORE] + host[OTHER],
+                    host[STORE])
+        if self.kept is not None or trainer is None:
+            return
+        if self._landmark is None:
+            target = self.epoch_target(trainer)
+            self._landmark = math.ceil(self.predict_at * target) if target else -1
+        if 0 < self._landmark <= fc.batches:
+            if fc.needs_device and len(fc.device_index) < 3:
+                self._timeline.drain()  # never waits; a GPU far behind defers the prediction
+            self.kept = self.predict(trainer)
+            give_up = self._landmark + 64 + 8 * self.sample_every
+            if self.kept is None and fc.batches >= give_up:
+                self._landmark = -1  # the epoch is too short to predict; stop trying
+
+    def add_device_step(self, index: int, seconds: float) -> None:
+        if self.forecast is not None:
+            self.forecast.add_device_step(index, seconds)
+
+    def mark_save(self) -> None:
+        """A checkpoint is being saved in the step now running."""
+        if self.forecast is not None:
+            self.forecast.mark_save()
+
+    def add_validation(self, seconds: float) -> None:
+        self._val_run_s.append(seconds)
+        if self.forecast is not None:
+            self.forecast.add_validation(seconds)
+
+    def sanity_batch_start(self) -> None:
+        self._sanity_t0 = time.perf_counter()
+
+    def sanity_batch_end(self) -> None:
+        # The sanity check's last batch estimates a validation batch until a real run is seen:
+        # its first batch also pays one-time set-up (the loader's start, the first eval kernels),
+        # which made a whole run's estimate several times too long
+        self._sanity_batch_s = time.perf_counter() - self._sanity_t0
+
+    def finish_epoch(self) -> Optional[dict]:
+        """The epoch ended: returns its kept prediction; a save's measured cost carries over."""
+        if self.forecast is not None and self.forecast.saves:
+            extra = self.forecast.save_extra()
+            if extra is not None:
+                self._save_s = extra  # for the next epochs' predictions
+        kept, self.kept = self.kept, None
+        return kept
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def logged(self, trainer: Any) -> Optional[dict]:
+        """The prediction for a log interval. One costs O(batches so far) (~0.2 ms at 20,000);
+        recomputed once the epoch has grown by 1/32 since the last one, it costs a step well
+        under a microsecond."""
+        fc, last = self.forecast, self._last_logged
+        if fc is None:
+            return None
+        if last is not None and last["epoch"] == self._epoch and fc.batches - last["at_batch"] < fc.batches // 32:
+            return last
+        pred = self.predict(trainer)
+        if pred is not None:
+            pred["epoch"] = self._epoch
+        self._last_logged = pred
+        return pred
+
+    def epoch_target(self, trainer: Any) -> Optional[int]:
+        """Batches the running epoch will have when it ends (the predicted epoch)."""
+        if self.epoch_batches is not None:
+            return self.epoch_batches
+        n = trainer.num_training_batches
+        if not isinstance(n, (int, float)) or not math.isfinite(n):
+            return None
+        n = int(n)
+        budget = schedule.batch_budget(trainer)
+        done = self.forecast.batches if self.forecast is not None else 0
+        return n if budget is None else min(n, done + budget)
+
+    def _val_run_estimate(self, trainer: Any) -> Optional[float]:
+        if self._val_run_s:
+            return sum(self._val_run_s) / len(self._val_run_s)
+        if self._sanity_batch_s is not None:
+            val_batches = sum(int(b) for b in trainer.num_val_batches if math.isfinite(b))
+            return self._sanity_batch_s * val_batches
+        return None
+
+    def predict(self, trainer: Any) -> Optional[dict]:
+        """Predicted wall seconds of the running epoch and of the fit (docs/profiler.md)."""
+        fc = self.forecast
+        if fc is None:
+            return None
+        target = self.epoch_target(trainer)
+        if target is None:
+            return None
+        tl = self._timeline
+        if tl is not None and tl._cuda:
+            tl.drain()  # never waits: reads the sampled steps the GPU has finished
+            fc.backlog = tl.device_backlog()
+        epoch, done, start_total = self._epoch, fc.batches, self._start_total
+        acc = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+        val_s = self._val_run_estimate(trainer)
+        val_left = schedule.val_runs(trainer, epoch, done, target, start_total) or 0
+        g_now = int(trainer.global_step)
+        g_end = g_now + (target - done) // acc
+        p = fc.predict(target, val_left, val_s, schedule.saves(trainer, g_now, g_end), self._save_s)
+        if p is None:
+            return None
+        out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,
+               "fit_s": None, "fit_std_s": None, "unmeasured_saves": p["unmeasured_saves"],
+               "validation_measured": p["val_known"]}
+        # the fit: the epochs still to come after this one, under max_epochs / max_steps
+        budget, epochs = schedule.batch_budget(trainer), schedule.epochs_left(trainer)
+        full_n = self.epoch_batches or trainer.num_training_batches
+        if (budget is None and epochs is None) or not math.isfinite(full_n) or full_n < 1:
+            return out
+        full_n = int(full_n)
+        after = math.inf if budget is None else max(0, budget - (target - done))
+        epochs = math.inf if epochs is None else epochs
+        sizes: list[int] = []
+        while after > 0 and len(sizes) < epochs and len(sizes) < 100_000:
+            b = int(min(full_n, after))
+            sizes.append(b)
+            after -= b
+        r = p["rate"]
+        # later epochs run at the rate this epoch ends with
+        per_batch = p["end_rate_s"]
+        first = fc.first_step_s
+        if first is not None:
+            self._first_extra_s = max(0.0, first - r["mean"])
+        first_extra = self._first_extra_s or 0.0
+        save_s = r["save_s"] or 0.0
+        future, total_batches, ge, total = 0.0, 0, g_end, start_total + target
+        for k, b in enumerate(sizes):
+            runs = schedule.val_runs(trainer, epoch + 1 + k, 0, b, total) or 0
+            future += b * per_batch + first_extra + runs * (val_s or 0.0)
+            future += schedule.saves(trainer, ge, ge + b // acc) * save_s
+            ge += b // acc
+            total += b
+            total_batches += b
+        left = (target - done) + total_batches
+        out["fit_s"] = self._before_s + p["seconds"] + future
+        out["fit_std_s"] = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * p["trend_s"]) ** 2)
+        return out
