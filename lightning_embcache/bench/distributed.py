@@ -1,19 +1,30 @@
 """Scaling of an auto-decoder whose per-sample codes are trainable rows of a row-sharded store.
 
     python -m lightning_embcache.bench.distributed --world-sizes 1 2 4 --rows 10000000 --dim 64 \\
-        --batch 4096 --steps 50 --out bench-results/distributed-scaling.json [--dense]
+        --batch 8192 --steps 40 --device-fraction 0.5 --out bench-results/distributed-scaling.json
 
-Each world size runs in fresh processes (one per GPU; NCCL for the decoder's DDP, the store's own
-Gloo group for rows). Per step and rank: `lookup` of `--batch` random ids (rows fetched from their
-owners), a 3-layer MLP decoder under DDP, backward, the rows' gradients sent to their owners and
-applied by Adam there, the decoder's Adam step. World size 1 is the single-process path
-(`TrainableRows` on one `EmbeddingStore`, no exchange). Weak scaling: the per-rank batch is fixed,
-so samples/s should grow with the world size.
+Each world size runs in fresh processes (one per GPU; NCCL for the decoder's DDP). Per step and
+rank: `lookup` of `--batch` random ids (rows fetched from their owners), a 3-layer MLP decoder
+under DDP, backward, the rows' gradients sent to their owners and applied by Adam there, the
+decoder's Adam step. Weak scaling: the per-rank batch is fixed, so samples/s should grow with the
+world size.
 
-Reported per world size: samples/s (steady, after `--warmup` steps), ms per step, the bytes each
-rank sent for the store per step (ids, split sizes, rows, gradient rows), and the bytes DDP would
-all-reduce per rank per step for the same table as a dense ``nn.Embedding`` (ring all-reduce:
-2 (W-1)/W x rows x dim x 4). ``--dense`` also times DDP + a dense ``nn.Embedding`` + Adam.
+``--rows gpu`` (default): every owner keeps ``--device-fraction`` of its shard (rows + Adam
+state) in a `DeviceTier` on its GPU, the rest in host memory; ids travel over Gloo, rows and
+gradient rows GPU to GPU over NCCL (`ShardedDeviceRows`). World size 1 is one process with a
+`DeviceTier` of the same fraction of the whole table. Before timing, each tier is filled with
+rows marked dirty, so evictions write rows back as in a long run (an empty tier would take
+hundreds of steps to fill). ``--rows host``: the owners' rows in host memory, exchanged over Gloo.
+
+Every process uses ``--threads`` torch threads (default: cores / largest world size), the same at
+every world size. ``--host-threads T ...`` also times one process with host rows at each T
+(the host path's sensitivity to the thread count). ``--device-tier-baseline``: one process
+with the whole table in its device tier. ``--dense``: DDP + a dense ``nn.Embedding`` + Adam.
+
+Reported per run: samples/s (steady, after `--warmup` steps), ms per step, the bytes each rank sent
+for the store per step (ids, split sizes, rows, gradient rows), and the bytes DDP would all-reduce
+per rank per step for the same table as a dense ``nn.Embedding`` (ring all-reduce:
+2 (W-1)/W x rows x dim x 4).
 """
 
 from __future__ import annotations
@@ -53,34 +64,42 @@ def _targets(ids: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -> None:
     from lightning_embcache import EmbeddingStore, TrainableRows, make_row_optimizer, trainable_fields
+    from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
     from lightning_embcache.distributed import ShardedStore
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(cfg["threads"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     n, dim, batch = cfg["rows"], cfg["dim"], cfg["batch"]
     opt = make_row_optimizer("adam", lr=1e-3)
     fields = trainable_fields(opt, dim, torch.float32)
+    on_gpu = cuda and cfg["mode"] in ("gpu", "resident")
+    tier = None
     if world == 1:
         store: Any = EmbeddingStore.create(None, n, dim, fields=fields)
-        tier = None
-        if cfg.get("device_tier") and cuda:  # the single-process GPU path: rows in GPU memory
-            from lightning_embcache.device_tier import DeviceTier
-
-            tier = DeviceTier(store, device, cfg["device_tier"])
+        local = store
+        if on_gpu:
+            frac = 1.1 if cfg["mode"] == "resident" else cfg["fraction"]
+            tier = DeviceTier(store, device, int(frac * n * (store.row_bytes + SLOT_OVERHEAD)))
         rows: Any = TrainableRows(store, opt, device_tier=tier)
     else:
         store = ShardedStore.open_or_create(None, n, dim, fields=fields)
-        rows = store.trainable_rows(opt)
+        local = store.local
+        budget = int(cfg["fraction"] * local.num_rows * (local.row_bytes + SLOT_OVERHEAD)) if on_gpu else 0
+        rows = store.trainable_rows(opt, device=device if on_gpu else None, device_bytes=budget)
+        tier = getattr(rows, "tier", None)
+    if tier is not None and not tier.resident:
+        _fill(tier)
     decoder = _decoder(dim).to(device)
     model = torch.nn.parallel.DistributedDataParallel(decoder, device_ids=[rank] if cuda else None)
     dense_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
     sent0 = t0 = io0 = 0.0
+    ev0 = 0
     for step in range(cfg["warmup"] + cfg["steps"]):
         if step == cfg["warmup"]:
             if cuda:
@@ -88,7 +107,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
             dist.barrier()
             t0 = time.perf_counter()
             sent0 = getattr(store, "exchanged_bytes", 0)
-            io0 = store.io_wait_seconds
+            io0 = store.io_wait_seconds + (tier.io_seconds if tier is not None else 0.0)
+            ev0 = tier.evicted_rows if tier is not None else 0
         ids = torch.randint(0, n, (batch,), generator=gen)
         z = rows.lookup(ids, device)
         loss = torch.nn.functional.mse_loss(model(z), _targets(ids.to(device, non_blocking=True)))
@@ -102,14 +122,30 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
         torch.cuda.synchronize()
     dist.barrier()
     elapsed = time.perf_counter() - t0
-    sent = (getattr(store, "exchanged_bytes", 0) - sent0) / cfg["steps"]
+    steps = cfg["steps"]
+    sent = (getattr(store, "exchanged_bytes", 0) - sent0) / steps
+    io = store.io_wait_seconds + (tier.io_seconds if tier is not None else 0.0) - io0
     out = {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach()),
-           "store_ms_per_step": 1e3 * (store.io_wait_seconds - io0) / cfg["steps"]}
+           "store_ms_per_step": 1e3 * io / steps,
+           "evicted_rows_per_step": ((tier.evicted_rows - ev0) / steps) if tier is not None else 0.0,
+           "device_capacity_rows": tier.capacity if tier is not None else 0, "shard_rows": local.num_rows}
     if cfg.get("dense") and world > 1 and cuda:
         out["dense"] = _dense(rank, world, cfg, device)
     queue.put(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _fill(tier: Any) -> None:
+    """Fill a tier with rows marked dirty (the steady state of a long run) before timing."""
+    import numpy as np
+
+    n = min(tier.capacity, tier.store.num_rows)
+    for a in range(0, n, 262_144):
+        ids = np.arange(a, min(n, a + 262_144), dtype=np.int64)
+        with tier.step_lock:
+            tier.mark_dirty(tier.slots(ids))
+    torch.cuda.synchronize()
 
 
 def _dense(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> dict[str, float]:
@@ -147,19 +183,23 @@ def _dense(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> 
 def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, _port() if r < 0 else cfg["_port"], cfg, queue))
-             for r in range(world)]
+    port = _port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, queue)) for r in range(world)]
     for p in procs:
         p.start()
     got = [queue.get(timeout=cfg.get("timeout", 600)) for _ in range(world)]
     for p in procs:
         p.join(60)
     elapsed = max(g["elapsed_s"] for g in got)
-    res = {"world_size": world, "samples_per_s": world * cfg["batch"] * cfg["steps"] / elapsed,
+    res = {"world_size": world, "rows_on": cfg["mode"], "threads": cfg["threads"],
+           "samples_per_s": world * cfg["batch"] * cfg["steps"] / elapsed,
            "ms_per_step": 1e3 * elapsed / cfg["steps"],
            "store_bytes_per_step_per_rank": sum(g["store_bytes_per_step"] for g in got) / world,
            "dense_allreduce_bytes_per_step_per_rank": 2 * (world - 1) / world * cfg["rows"] * cfg["dim"] * 4,
            "store_ms_per_step_max_rank": max(g["store_ms_per_step"] for g in got),
+           "device_capacity_rows_per_rank": max(g["device_capacity_rows"] for g in got),
+           "shard_rows": max(g["shard_rows"] for g in got),
+           "evicted_rows_per_step_per_rank": sum(g["evicted_rows_per_step"] for g in got) / world,
            "final_loss_rank0": sorted(got, key=lambda g: g["rank"])[0]["loss"]}
     dense = [g["dense"] for g in got if "dense" in g]
     if dense:
@@ -176,39 +216,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4096, help="ids per rank per step")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rows-on", choices=["gpu", "host"], default="gpu",
+                   help="gpu: each owner's hot rows in a device tier (CUDA); host: in host memory")
+    p.add_argument("--device-fraction", type=float, default=0.5,
+                   help="each rank's device budget as a fraction of its shard (rows + Adam state + bookkeeping)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / largest world)")
+    p.add_argument("--host-threads", type=int, nargs="*", default=[],
+                   help="also time 1 process with host rows at each of these thread counts")
     p.add_argument("--dense", action="store_true", help="also time DDP + a dense nn.Embedding (CUDA only)")
     p.add_argument("--device-tier-baseline", action="store_true",
                    help="also run 1 process with the whole table in a GPU device tier (CUDA only)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense)
+    cuda = torch.cuda.is_available()
+    threads = args.threads or max(1, (os.cpu_count() or 2) // max(args.world_sizes))
+    mode = args.rows_on if cuda else "host"
+    cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense,
+               threads=threads, mode=mode, fraction=args.device_fraction)
     results = []
     for w in args.world_sizes:
-        cfg["_port"] = _port()
         r = run(w, cfg)
         results.append(r)
         print(json.dumps(r), flush=True)
-    if args.device_tier_baseline and torch.cuda.is_available():
-        cfg["_port"] = _port()
-        opt_bytes = args.rows * (args.dim * 4 * 3 + 8 + 64)  # weight + 2 moments + metadata + slot bookkeeping
-        r = run(1, {**cfg, "device_tier": int(opt_bytes * 1.1)})
-        r["world_size"] = "1 (device tier)"
+    extra = []
+    if args.device_tier_baseline and cuda:
+        extra.append(({**cfg, "mode": "resident", "dense": False}, "1 (whole table in the device tier)"))
+    for t in args.host_threads:
+        extra.append(({**cfg, "mode": "host", "threads": t, "dense": False}, f"1 (host rows, {t} threads)"))
+    for c, label in extra:
+        r = run(1, c)
+        r["world_size"] = label
         print(json.dumps(r), flush=True)
         results.append(r)
     base = results[0]["samples_per_s"]
     for r in results:
         r["speedup_vs_first"] = r["samples_per_s"] / base
-    report = {"config": {k: v for k, v in cfg.items() if not k.startswith("_")},
-              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    report = {"config": cfg,
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+              "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "results": results}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
     for r in results:
-        print(f"world {r['world_size']}: {r['samples_per_s']:,.0f} samples/s ({r['speedup_vs_first']:.2f}x), "
-              f"{r['ms_per_step']:.1f} ms/step (store {r['store_ms_per_step_max_rank']:.1f}), "
-              f"sent {r['store_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank, "
-              f"dense all-reduce {r['dense_allreduce_bytes_per_step_per_rank'] / 1e9:.2f} GB/step/rank")
+        print(f"world {r['world_size']} [{r['rows_on']}, {r['threads']} thr]: {r['samples_per_s']:,.0f} samples/s "
+              f"({r['speedup_vs_first']:.2f}x), {r['ms_per_step']:.1f} ms/step "
+              f"(store {r['store_ms_per_step_max_rank']:.1f}), sent {r['store_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank, "
+              f"device rows {r['device_capacity_rows_per_rank']:,}/{r['shard_rows']:,}, "
+              f"evicted {r['evicted_rows_per_step_per_rank']:,.0f}/step"
+              + (f", dense DDP {r['dense_embedding_ddp']['ms_per_step']:.1f} ms/step" if "dense_embedding_ddp" in r else ""))
     return 0
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_embcache.distributed.exchange import sharding_active, store_group, world
 from lightning_embcache.distributed.sharding import shard_dir
@@ -30,7 +29,6 @@ from lightning_embcache.distributed.store import RESHARD_HINT, ShardFactory, _ch
 from lightning_embcache.store import InvalidArgumentError
 
 RULE = "id % world_size"
-_warnings = WarningCache()
 
 
 def shard_handles(module: Any) -> None:
@@ -49,13 +47,13 @@ def shard_handles(module: Any) -> None:
             continue
         handle._close()  # a plain store opened before torch.distributed started
         handle._trainable = None
-        if getattr(handle, "device_bytes", 0) != 0:
-            # the device tier holds a whole table's rows; a shard's owner serves them from the host
-            if handle.device_bytes:
-                _warnings.warn(f"Embedding store {handle.name!r} is row-sharded over {world_size} processes; its "
-                               "rows stay in host memory (the device tier is single-process for now).")
-            handle.device_bytes = 0
+        # The handle's own device tier would hold a whole table: each shard's store gets the budget
+        # instead and keeps its hot rows on this rank's GPU (`ShardedStore.trainable_rows`).
+        if not hasattr(handle, "_shard_device_bytes"):
+            handle._shard_device_bytes = getattr(handle, "device_bytes", None)
+        handle.device_bytes = 0
         factory = ShardFactory(handle.num_rows, handle.dim, handle._create_options)
+        factory.device_bytes = handle._shard_device_bytes
         table = getattr(handle, "_table_path", None) or handle.path
         if table is not None:
             handle._table_path = table

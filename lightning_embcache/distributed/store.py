@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_embcache.distributed.exchange import Clock, Route, store_group, world
@@ -27,6 +28,7 @@ from lightning_embcache.store import (
 from lightning_embcache.store.validate import as_ids
 
 RESHARD_HINT = "embcache reshard --checkpoint CKPT --world-size N"
+_STORE_BUDGET = object()  # trainable_rows(device_bytes=...) not given: the store's device_bytes
 
 
 class ShardedStore:
@@ -61,8 +63,12 @@ class ShardedStore:
         # called before every exchange: finishes a transfer still in flight (ShardedTrainableRows'
         # gradient rows), so a read never misses an update and collectives stay in order
         self.before_exchange: Callable[[], Any] | None = None
+        #: GPU budget of this rank's shard for trainable rows on a GPU (None: automatic, 0: host rows)
+        self.device_bytes: int | None = None
+        #: the `ShardedDeviceRows` holding this shard's hot rows on the GPU, if any
+        self.device_rows: Any = None
 
-    sharded = True  # the handle keeps the rows of a sharded store on the host (no device tier)
+    sharded = True  # the handle leaves device tiers to the store (`trainable_rows`): one per shard
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -110,6 +116,10 @@ class ShardedStore:
 
     def update_fields(self, ids: Any, values: Mapping[str, Any]) -> None:
         """Write several fields of global `ids` at their owners."""
+        if self.device_rows is not None and isinstance(values, Mapping) and set(values) - {"weight"}:
+            raise InvalidArgumentError(
+                f"values names fields {sorted(set(values) - {'weight'})}; while the owners train rows on their GPUs "
+                f"only 'weight' can be written directly")
         idx, vals, route = self.route(ids, values, deliver=True)
         with self._clock:
             # of duplicate ids within this call the last one wins, as in EmbeddingStore.update
@@ -119,16 +129,19 @@ class ShardedStore:
             assert route.served is not None
             if len(route.served):
                 self.local.update_fields(route.served, got)
+                if self.device_rows is not None:
+                    self.device_rows.write_served(route.served, got)
             self._clock.bytes_sent += route.bytes_sent
 
     def route(self, ids: Any, values: Mapping[str, Any] | None = None, deliver: bool = False,
-              unique: bool = False) -> tuple[Tensor, dict[str, Tensor], Route]:
+              unique: bool = False, hook: bool = True) -> tuple[Tensor, dict[str, Tensor], Route]:
         """Validate `ids` (and `values`) on this rank, then agree with every rank on who sends what.
 
         A rank whose arguments are invalid raises its own error; the others raise one naming it.
-        Nothing is written anywhere in either case.
+        Nothing is written anywhere in either case. ``hook=False``: skip `before_exchange` (the
+        GPU rows' own lookups, which read the rows where they are).
         """
-        if self.before_exchange is not None:
+        if hook and self.before_exchange is not None:
             self.before_exchange()
         error: StoreError | None = None
         idx = torch.empty(0, dtype=torch.int64)
@@ -182,10 +195,28 @@ class ShardedStore:
     def field_spec(self, name: str) -> tuple[torch.dtype, int]:
         return self.local.field_spec(name)
 
-    def trainable_rows(self, optimizer: Any, *, max_grad_norm: float | None = None) -> Any:
-        """`ShardedTrainableRows` over this store (what `TrainableRows` is for one process)."""
+    def trainable_rows(self, optimizer: Any, *, max_grad_norm: float | None = None,
+                       device: torch.device | str | None = None, device_bytes: Any = _STORE_BUDGET) -> Any:
+        """Trainable rows over this store (what `TrainableRows` is for one process).
+
+        On a GPU (``device``, or by default this rank's current CUDA device when the training
+        group runs NCCL) each owner keeps its shard's hot rows and their optimizer state in a
+        `DeviceTier` of ``device_bytes`` (default: the store's ``device_bytes``; None: the whole
+        shard up to a quarter of the GPU) and rows travel GPU to GPU (`ShardedDeviceRows`).
+        ``device_bytes=0`` or a CPU device: the owners' rows stay in host memory
+        (`ShardedTrainableRows`).
+        """
+        from lightning_embcache.distributed.device_rows import ShardedDeviceRows
         from lightning_embcache.distributed.trainable import ShardedTrainableRows
 
+        budget = self.device_bytes if device_bytes is _STORE_BUDGET else device_bytes
+        if device is None and budget != 0 and torch.cuda.is_available() and dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device is not None and torch.device(device).type == "cuda" and budget != 0:
+            if self.device_rows is not None:
+                self.device_rows.write_down()
+                self.device_rows.close()
+            return ShardedDeviceRows(self, optimizer, torch.device(device), budget, max_grad_norm=max_grad_norm)
         return ShardedTrainableRows(self, optimizer, max_grad_norm=max_grad_norm)
 
     def prefetch(self, ids: Any) -> None:
@@ -197,6 +228,8 @@ class ShardedStore:
 
     def flush(self) -> int:
         """Make this shard's updates durable; returns its version (each rank flushes its own)."""
+        if self.device_rows is not None:
+            self.device_rows.write_down()  # the GPU's newer rows first
         return self.local.flush()
 
     def stats(self) -> StoreStats:
@@ -231,6 +264,9 @@ class ShardedStore:
         self.local.compact()
 
     def close(self) -> None:
+        if self.device_rows is not None:
+            self.device_rows.close()
+            self.device_rows = None
         self.local.close()
 
     def __repr__(self) -> str:
@@ -260,6 +296,7 @@ class ShardFactory:
         elif callable(init):
             init = GlobalCallableInit(init, self.sharding, self.rank)
         self.init, self.options = init, opts
+        self.device_bytes: int | None = opts.pop("device_bytes", None)  # the shard's GPU budget
         # a store needs one row; a rank >= num_rows owns none and is never asked for it
         self.local_rows = max(self.sharding.shard_rows(self.rank), 1)
 
@@ -282,7 +319,9 @@ class ShardFactory:
 
     def _wrap(self, path: Path | None, local: EmbeddingStore) -> ShardedStore:
         table = None if path is None else Path(path).parent
-        return ShardedStore(table, self.num_rows, local, self.group, self.rank, self.world_size)
+        store = ShardedStore(table, self.num_rows, local, self.group, self.rank, self.world_size)
+        store.device_bytes = self.device_bytes
+        return store
 
 
 def _check_layout(root: Path, world_size: int) -> None:

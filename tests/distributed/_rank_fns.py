@@ -162,3 +162,16 @@ def trainable_rows_with_an_idle_rank(rank: int, world: int, root: str) -> None:
     # SGD, lr 1, gradient 1 per lookup, divided by the world size (the ranks' mean)
     assert torch.equal(got, torch.tensor([[-0.5] * DIM, [-1.0] * DIM, [0.0] * DIM])), got
     store.close()
+
+
+def device_budget_reaches_each_shard(rank: int, world: int, root: str) -> None:
+    """``device_bytes`` given to a sharded store is each shard's GPU budget; on a Gloo (CPU)
+    group trainable rows stay in host memory whatever it is, and ``device_bytes=0`` always does."""
+    opt = make_row_optimizer("sgd", lr=1.0)
+    store = ShardedStore.open_or_create(None, N, DIM, device_bytes=1 << 20, fields=trainable_fields(opt, DIM, torch.float32))
+    assert store.device_bytes == 1 << 20
+    assert isinstance(store.trainable_rows(opt), ShardedTrainableRows)
+    assert isinstance(store.trainable_rows(opt, device="cpu"), ShardedTrainableRows)
+    assert isinstance(store.trainable_rows(opt, device_bytes=0), ShardedTrainableRows)
+    assert store.device_rows is None
+    store.close()

@@ -22,9 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple) -> None:
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":  # one GPU per rank
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -34,9 +38,10 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any) -> None:
-    """`fn(rank, world_size, *args)` on `world_size` Gloo processes; raises if any rank fails."""
-    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True,
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str = "gloo") -> None:
+    """`fn(rank, world_size, *args)` on `world_size` processes (Gloo; or NCCL, rank r on GPU r);
+    raises if any rank fails."""
+    mp.start_processes(_entry, args=(fn, world_size, free_port(), args, backend), nprocs=world_size, join=True,
                        start_method="spawn")
 
 

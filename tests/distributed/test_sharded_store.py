@@ -103,3 +103,7 @@ def test_operation_sequences_on_two_ranks_match_a_tensor_with_durable_flushes(ra
 
 def test_a_rank_with_an_empty_batch_takes_part_and_the_others_rows_train(ranks, tmp_path):
     ranks.run(_rank_fns.trainable_rows_with_an_idle_rank, str(tmp_path), timeout=30)
+
+
+def test_a_device_budget_is_per_shard_and_cpu_ranks_keep_host_rows(ranks, tmp_path):
+    ranks.run(_rank_fns.device_budget_reaches_each_shard, str(tmp_path))
