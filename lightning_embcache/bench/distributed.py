@@ -107,7 +107,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
             dist.barrier()
             t0 = time.perf_counter()
             sent0 = getattr(store, "exchanged_bytes", 0)
-            io0 = store.io_wait_seconds + (tier.io_seconds if tier is not None else 0.0)
+            io0 = _store_seconds(store, tier)
             ev0 = tier.evicted_rows if tier is not None else 0
         ids = torch.randint(0, n, (batch,), generator=gen)
         z = rows.lookup(ids, device)
@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     elapsed = time.perf_counter() - t0
     steps = cfg["steps"]
     sent = (getattr(store, "exchanged_bytes", 0) - sent0) / steps
-    io = store.io_wait_seconds + (tier.io_seconds if tier is not None else 0.0) - io0
+    io = _store_seconds(store, tier) - io0
     out = {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach()),
            "store_ms_per_step": 1e3 * io / steps,
            "evicted_rows_per_step": ((tier.evicted_rows - ev0) / steps) if tier is not None else 0.0,
@@ -134,6 +134,15 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     queue.put(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _store_seconds(store: Any, tier: Any) -> float:
+    """Seconds the training thread spent in the store: exchanges and the owner's tier work
+    (sharded), the tier's entry points (one process with a tier), or the host store's calls."""
+    clock = getattr(store, "_clock", None)
+    if clock is not None:
+        return clock.seconds
+    return tier.io_seconds if tier is not None else store.io_wait_seconds
 
 
 def _fill(tier: Any) -> None:
