@@ -62,12 +62,21 @@ class _Probe(L.Callback):
         self.sp, self.n = sp, epoch_batches
         self.at = {max(1, round(f * epoch_batches)): f for f in self.FRACTIONS}
         self.seen: dict[int, dict[float, Optional[float]]] = {}
+        self.traces: list[dict] = []  # per epoch: each step's wall and store seconds (replayable)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         f = self.at.get(batch_idx)  # batch_idx batches have finished (the last one closes at this fetch)
         if f is not None:
             p = self.sp.predict()
             self.seen.setdefault(trainer.current_epoch, {})[f] = None if p is None else p["epoch_s"]
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:  # after the profiler's own epoch end
+        fc = self.sp._predictor.forecast
+        if fc is not None:
+            self.traces.append({"wall": [round(x, 7) for x in fc.wall], "store": [round(x, 7) for x in fc.store],
+                                "saves": list(fc.saves), "val_runs": list(fc.val_runs),
+                                "device_index": list(fc.device_index),
+                                "device_wall": [round(x, 7) for x in fc.device_wall]})
 
 
 class _ValMLP(MLP):
@@ -95,6 +104,8 @@ def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = N
            "fit_error_pct": 100 * (fit_pred / fit_actual - 1) if fit_pred else None,
            "loadavg": os.getloadavg()}
     out.update(extra or {})
+    if probe is not None:
+        out["traces"] = probe.traces
     return out
 
 

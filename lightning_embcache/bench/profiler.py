@@ -522,12 +522,27 @@ def overhead_check(batches: int, warmup: int, reps: int) -> dict:
     return {"runs": runs, "aggregate": _aggregate(runs, reps), "cprofile_step_fit": text.getvalue()}
 
 
-def gpu_checks(out: dict, reps: int = 3, batches: int = 200) -> None:
-    """Zero added syncs in steady steps, and phases against a torch.profiler trace (CUDA only)."""
+def gpu_checks(out: dict, reps: int = 3, batches: int = 200, paired: bool = False, block: int = 20) -> None:
+    """Zero added syncs in steady steps, phases against a torch.profiler trace, and the overhead
+    (whole fits interleaved, or with ``paired`` configurations interleaved in blocks of steps
+    inside each fit) (CUDA only)."""
     out["gpu"] = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__}
     out["gpu"]["sync"] = sync_check(batches=200, warmup=10)
+    print("sync check:", {k: v.get("error") for k, v in out["gpu"]["sync"].items()},
+          "events/step", out["gpu"]["sync"].get("step", {}).get("events_per_step"), flush=True)
     out["gpu"]["trace"] = trace_check()
-    out["gpu"]["overhead"] = overhead_check(batches=batches, warmup=20, reps=reps)
+    print("trace check:", {k: round(v["diff_pct"], 2) for k, v in out["gpu"]["trace"]["phases"].items()
+                           if v["diff_pct"] is not None}, flush=True)
+    if paired:
+        from lightning_embcache.bench.profiler_paired import paired_fit, print_paired
+
+        out["gpu"]["paired"] = []
+        for rep in range(reps):
+            r = paired_fit("gpu_small", "cuda", batches=batches, block=block, seed=rep)
+            print_paired(r)
+            out["gpu"]["paired"].append(r)
+    else:
+        out["gpu"]["overhead"] = overhead_check(batches=batches, warmup=20, reps=reps)
 
 
 def _print_prediction(agg: dict) -> None:
@@ -558,6 +573,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--demo-steps", default="400,-1",
                     help="with --prediction: the demo's --max-steps values (default 400,-1: its default run and "
                          "a full epoch)")
+    ap.add_argument("--paired", action="store_true",
+                    help="overhead from configurations interleaved in blocks of steps inside each fit (none, simple, "
+                         "throughput, step; --reps fits of --batches steps): resolves a fraction of a percent")
+    ap.add_argument("--block", type=int, default=20, help="with --paired: steps per block (default 20)")
     ap.add_argument("--out", default=None, help="write the JSON results here (default: print only)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -589,6 +608,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             demo_steps=tuple(int(x) for x in args.demo_steps.split(",")),
             partial=f"{args.out}.partial.jsonl" if args.out else None, batches=args.batches)
         _print_prediction(result["prediction"]["aggregate"])
+    elif args.paired and args.device == "cpu":
+        from lightning_embcache.bench.profiler_paired import paired_fit, print_paired
+
+        result["paired"] = []
+        for model in models:
+            for rep in range(args.reps):
+                r = paired_fit(model, "cpu", batches=args.batches or 8000, block=args.block, seed=rep)
+                print_paired(r)
+                result["paired"].append(r)
     elif args.device == "cpu":
         for model in models:
             for w in workers:
@@ -614,7 +642,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{oc['actions_per_step']:.1f} actions per step, so the tap saves {saved:.2f} us/step: "
               f"net {oc['net_us_per_step']:+.2f} us/step")
     else:
-        gpu_checks(result, reps=args.reps, batches=args.batches or 200)
+        gpu_checks(result, reps=args.reps, batches=args.batches or 200, paired=args.paired, block=args.block)
         result["gpu"]["own_cost"] = own_cost_us(steps=5000, device="cuda")
         print(json.dumps(result["gpu"], indent=1))
     result["host"]["loadavg_end"] = os.getloadavg()

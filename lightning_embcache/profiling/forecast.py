@@ -8,9 +8,13 @@ What makes early steps unrepresentative, and how each is handled:
 - **Loader warm-up**: the epoch's first step holds the iterator's creation and the workers'
   start-up. It is counted once in the time so far, never in the rate; each later epoch of the fit
   is charged the same extra time again.
-- **Early transients** (allocator, caches, JIT, the loader filling its prefetch queue): the rate
-  is the mean wall of the *later half* of the steps so far, so the first half's transients age
-  out as the epoch goes on.
+- **Early transients and level shifts** (allocator, caches, JIT, the loader filling its prefetch
+  queue; a store's hot tier filling up, after which every new row evicts one; the host getting
+  busier): the step times so far are cut into 16 blocks and the latest block boundary where the
+  typical step time (block medians) changed significantly is looked for; the rate is the mean
+  wall of the steps after that shift, or of the *later half* of the steps when there is none, so
+  that transients age out as the epoch goes on and a new level counts as soon as it has lasted
+  three blocks.
 - **A trend in store_io** (a cold store tier warming up, a hot tier filling): if the store time
   per step differs between the two halves of that later half by more than twice its standard
   error, the trend is carried on, at its measured slope, for as many steps as the epoch has run
@@ -40,6 +44,40 @@ from typing import Optional
 import numpy as np
 
 MIN_STEPS = 8  # steps (after the first) before a prediction is made
+SHIFT_BLOCKS = 16  # blocks of steps the level-shift search compares
+SHIFT_T = 5.0  # |t| of the block medians before and after a boundary that counts as a shift
+SHIFT_MIN_CHANGE = 0.02  # ... and by at least this fraction of the step time
+
+
+def level_shift(w: np.ndarray) -> Optional[int]:
+    """Index into ``w`` (step times in order) where the latest significant level shift starts,
+    or None. The steps are cut into blocks; the boundary whose block medians before and after
+    differ most (a t statistic over blocks, robust to single slow steps; at least 3 blocks either
+    side) counts if the difference is large and significant; then the same is looked for after
+    it (binary segmentation: a warm-up, then a store tier filling up)."""
+    m = int(w.size)
+    if m < 4 * SHIFT_BLOCKS:
+        return None
+    size = m // SHIFT_BLOCKS
+    start = m - SHIFT_BLOCKS * size  # blocks end at the latest step
+    med = np.median(w[start:].reshape(SHIFT_BLOCKS, size), axis=1)
+    level = float(np.median(med))
+    s = 0
+    while SHIFT_BLOCKS - s >= 6:
+        best, best_t = None, 0.0
+        for j in range(s + 3, SHIFT_BLOCKS - 2):
+            a, b = med[s:j], med[j:]
+            diff = abs(float(b.mean() - a.mean()))
+            if diff < SHIFT_MIN_CHANGE * level:
+                continue
+            se = math.sqrt(float(a.var(ddof=1)) / a.size + float(b.var(ddof=1)) / b.size)
+            t = math.inf if se == 0.0 else diff / se
+            if t > best_t:
+                best, best_t = j, t
+        if best is None or best_t <= SHIFT_T:
+            break
+        s = best
+    return start + s * size if s else None
 
 
 class Forecast:
@@ -61,6 +99,7 @@ class Forecast:
         # host's step times may only say how fast it queues work
         self.needs_device = False
         self.elapsed = 0.0
+        self.shift_detection = True
         self._save_pending = False
 
     # -- feeding ------------------------------------------------------------------------------
@@ -102,7 +141,12 @@ class Forecast:
             return None
         wall = np.frombuffer(self.wall, dtype=np.float64, count=n)
         store = np.frombuffer(self.store, dtype=np.float64, count=n)
-        lo = max(1, n // 2)
+        # the window the rate is taken over: after the latest level shift, else the later half
+        idx = np.arange(1, n)
+        if self.saves:
+            idx = idx[~np.isin(idx, self.saves)]
+        shift = level_shift(wall[idx]) if self.shift_detection else None
+        lo = int(idx[shift]) if shift is not None else max(1, n // 2)
         # views of the window, copied only when a checkpoint save falls inside it
         w, st = wall[lo:], store[lo:]
         inside = [i - lo for i in self.saves if i >= lo]
@@ -152,7 +196,7 @@ class Forecast:
         # the extra time of a checkpoint save: a save step's wall over the rate
         extra = [self.wall[i] - mean for i in self.saves if i > 0]
         return {"mean": mean, "std": std, "se": se, "steps": m, "slope": slope, "store_level": level,
-                "device": device,
+                "device": device, "window_start": lo, "shifted": shift is not None,
                 "window_center": (lo + n - 1) / 2.0, "n": n,
                 "save_s": max(0.0, math.fsum(extra) / len(extra)) if extra else None}
 

@@ -36,3 +36,17 @@ def test_bench_profiler_prediction_quick_run(tmp_path, capsys):
     assert set(res["aggregate"]) == {"small/workers=0/plain", "small/workers=0/val+ckpt"}
     assert (tmp_path / "pred.json.partial.jsonl").read_text().count("\n") == 2
     assert "prediction after 5% of each epoch" in capsys.readouterr().out
+
+
+def test_bench_profiler_paired_blocks_quick_run(tmp_path, capsys):
+    out = tmp_path / "paired.json"
+    rc = cli_main(["bench", "profiler", "--paired", "--reps", "1", "--models", "small", "--batches", "300",
+                   "--block", "5", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())["paired"][0]
+    assert r["cycles"] >= 4 and set(r["configs"]) == {"simple", "throughput", "step"}
+    for e in r["configs"].values():
+        for tag in ("wall", "cpu"):
+            lo, hi = e[tag]["ci95_pct"]
+            assert lo <= e[tag]["median_pct"] <= hi
+    assert "paired blocks" in capsys.readouterr().out

@@ -102,3 +102,19 @@ def test_plot_title_is_whole(tmp_path, monkeypatch):
     box = title.get_window_extent()
     width, height = fig.canvas.get_width_height()
     assert 0 <= box.x0 and box.x1 <= width and box.y1 <= height, (box, width, height)
+
+
+def test_state_key_is_built_once_per_settings():
+    from unittest import mock
+
+    from lightning_embcache import StepProfiler
+
+    sp = StepProfiler(report=False, warmup_steps=3)
+    with mock.patch.object(StepProfiler, "_generate_state_key", wraps=sp._generate_state_key) as gen:
+        key = sp.state_key
+        # Lightning reads it for every hook call's profiler action: six times a step
+        assert all(sp.state_key is key for _ in range(100))
+        assert gen.call_count == 1
+        sp.warmup_steps = 4  # another setting: another key, as Lightning's own would be
+        assert sp.state_key != key and gen.call_count == 2
+    assert key == StepProfiler(report=False, warmup_steps=3).state_key

@@ -288,3 +288,71 @@ def test_the_sanity_checks_one_time_set_up_is_not_taken_for_the_cost_of_validati
                       num_sanity_val_steps=2, extra=(FirstEvalKernels(),))
     e = sp.summary()[0]
     assert _close(e["predicted_epoch_seconds"], wall.epochs[0]), e
+
+
+class SlowStart(CostModel):
+    """Forward costs `slow_s` more for the first `slow_steps` batches of every epoch: a warm-up
+    (allocator, caches, the loader filling its queue) longer than half the steps seen at 5%."""
+
+    def __init__(self, cost, slow_steps, slow_s):
+        super().__init__(cost, FWD, BWD, OPT)
+        self.slow_steps, self.slow_s = slow_steps, slow_s
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx < self.slow_steps:
+            self.cost(self.slow_s)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_warm_up_longer_than_half_the_steps_seen_is_left_out_of_the_rate():
+    clock = FakeClock()
+    model = SlowStart(Cost(clock), slow_steps=70, slow_s=20 * MS)
+    sp = StepProfiler(report=False)  # predicts after 5% of 2,000 batches: at batch 100
+    _, wall, _ = _fit(sp, batches=2000, epochs=1, clock=clock, model=model)
+    e = sp.summary()[0]
+    actual = wall.epochs[0]
+    assert _close(actual, 2000 * STEP + 70 * 20 * MS)
+    assert e["predicted_at_batch"] == 100
+    # the later half of the steps seen (50-99) holds 20 slow ones: taken as the rate, +26%
+    naive = 100 * STEP + 70 * 20 * MS + 1900 * (STEP + 20 / 50 * 20 * MS)
+    assert naive / actual - 1 > 0.25
+    # the level shift at batch 70 is found: the rate is that of the steps after it
+    assert abs(e["prediction_error_pct"]) < 0.01, e
+
+
+def test_a_level_shift_mid_epoch_sets_the_rate_once_it_has_lasted_three_blocks():
+    f = Forecast()
+    f.add_step(0.5, 0.0)
+    for _ in range(399):
+        f.add_step(0.010, 0.0)
+    for _ in range(100):  # a store's hot tier is full from here on: every step evicts
+        f.add_step(0.030, 0.030)
+    p = f.predict(1000, 0, None, 0)
+    assert p["rate"]["shifted"] and p["rate"]["window_start"] >= 400
+    assert _close(p["rate_s"], 0.030)
+    assert _close(p["seconds"], 0.5 + 399 * 0.010 + 600 * 0.030)
+    # before the new level has lasted three blocks of the steps, it does not count yet
+    g = Forecast()
+    g.add_step(0.5, 0.0)
+    for _ in range(399):
+        g.add_step(0.010, 0.0)
+    for _ in range(20):
+        g.add_step(0.030, 0.0)
+    assert not g.rate()["shifted"]
+
+
+def test_no_level_shift_is_found_in_noise():
+    import numpy as np
+
+    from lightning_embcache.profiling.forecast import level_shift
+
+    rng = np.random.default_rng(0)
+    found = 0
+    for _ in range(200):
+        # 10 ms steps with a heavy tail: 2% of them 3x slower
+        w = rng.normal(0.010, 0.001, 2000)
+        w[rng.random(2000) < 0.02] *= 3
+        found += level_shift(w) is not None
+    assert found <= 2, found  # a false shift in at most 1% of epochs
+    w = np.r_[np.full(1000, 0.010), np.full(1000, 0.011)] + rng.normal(0, 0.0005, 2000)
+    assert level_shift(w) == 1000  # a 10% shift, found at its block boundary
