@@ -100,6 +100,28 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     gen = torch.Generator().manual_seed(1000 + rank)
     sent0 = t0 = io0 = 0.0
     ev0 = 0
+    # host seconds per phase (the host waits in them for its peers and for old copies, never for
+    # the current step's GPU work): where a step's time goes
+    phases = dict.fromkeys(("route", "tier", "lookup", "forward_backward", "apply", "dense_step"), 0.0)
+    timing = [False]
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if timing[0]:
+                    phases[name] += time.perf_counter() - t
+        return call
+
+    if hasattr(store, "route"):
+        store.route = timed("route", store.route)
+    if tier is not None:
+        tier.positions = timed("tier", tier.positions)
+    lookup, apply = timed("lookup", rows.lookup), timed("apply", rows.apply)
+    prefetch = getattr(rows, "prefetch", None) if cfg["prefetch"] else None
+    nxt = None
     for step in range(cfg["warmup"] + cfg["steps"]):
         if step == cfg["warmup"]:
             if cuda:
@@ -109,14 +131,28 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
             sent0 = getattr(store, "exchanged_bytes", 0)
             io0 = _store_seconds(store, tier)
             ev0 = tier.evicted_rows if tier is not None else 0
-        ids = torch.randint(0, n, (batch,), generator=gen)
-        z = rows.lookup(ids, device)
+            timing[0] = True
+        ids = nxt if nxt is not None else torch.randint(0, n, (batch,), generator=gen)
+        z = lookup(ids, device)
+        if prefetch is not None:  # the next batch's rows move while this step computes
+            nxt = torch.randint(0, n, (batch,), generator=gen)
+            prefetch(nxt)
+        t = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(z), _targets(ids.to(device, non_blocking=True)))
         loss.backward()
         rows.collect()
-        rows.apply(step + 1)
+        t1 = time.perf_counter()
+        apply(step + 1)
+        t2 = time.perf_counter()
         dense_opt.step()
         dense_opt.zero_grad(set_to_none=True)
+        if timing[0]:
+            phases["forward_backward"] += t1 - t
+            phases["dense_step"] += time.perf_counter() - t2
+    timing[0] = False
+    if nxt is not None:  # the prefetched batch of the step after the last
+        lookup(nxt, device)
+        rows.discard()
     rows.settle()
     if cuda:
         torch.cuda.synchronize()
@@ -128,7 +164,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     out = {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach()),
            "store_ms_per_step": 1e3 * io / steps,
            "evicted_rows_per_step": ((tier.evicted_rows - ev0) / steps) if tier is not None else 0.0,
-           "device_capacity_rows": tier.capacity if tier is not None else 0, "shard_rows": local.num_rows}
+           "device_capacity_rows": tier.capacity if tier is not None else 0, "shard_rows": local.num_rows,
+           "phase_ms": {k: 1e3 * v / steps for k, v in phases.items()}}
     if cfg.get("dense") and world > 1 and cuda:
         out["dense"] = _dense(rank, world, cfg, device)
     queue.put(out)
@@ -200,7 +237,7 @@ def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for p in procs:
         p.join(60)
     elapsed = max(g["elapsed_s"] for g in got)
-    res = {"world_size": world, "rows_on": cfg["mode"], "threads": cfg["threads"],
+    res = {"world_size": world, "rows_on": cfg["mode"], "threads": cfg["threads"], "prefetch": cfg["prefetch"],
            "samples_per_s": world * cfg["batch"] * cfg["steps"] / elapsed,
            "ms_per_step": 1e3 * elapsed / cfg["steps"],
            "store_bytes_per_step_per_rank": sum(g["store_bytes_per_step"] for g in got) / world,
@@ -209,7 +246,8 @@ def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
            "device_capacity_rows_per_rank": max(g["device_capacity_rows"] for g in got),
            "shard_rows": max(g["shard_rows"] for g in got),
            "evicted_rows_per_step_per_rank": sum(g["evicted_rows_per_step"] for g in got) / world,
-           "final_loss_rank0": sorted(got, key=lambda g: g["rank"])[0]["loss"]}
+           "final_loss_rank0": sorted(got, key=lambda g: g["rank"])[0]["loss"],
+           "host_phase_ms_max_rank": {k: max(g["phase_ms"][k] for g in got) for k in got[0]["phase_ms"]}}
     dense = [g["dense"] for g in got if "dense" in g]
     if dense:
         res["dense_embedding_ddp"] = {"ms_per_step": max(d["ms_per_step"] for d in dense),
@@ -229,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="gpu: each owner's hot rows in a device tier (CUDA); host: in host memory")
     p.add_argument("--device-fraction", type=float, default=0.5,
                    help="each rank's device budget as a fraction of its shard (rows + Adam state + bookkeeping)")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="no prefetch of the next batch's rows (by default every run prefetches them)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / largest world)")
     p.add_argument("--host-threads", type=int, nargs="*", default=[],
                    help="also time 1 process with host rows at each of these thread counts")
@@ -241,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or max(1, (os.cpu_count() or 2) // max(args.world_sizes))
     mode = args.rows_on if cuda else "host"
     cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense,
-               threads=threads, mode=mode, fraction=args.device_fraction)
+               threads=threads, mode=mode, fraction=args.device_fraction, prefetch=args.prefetch)
     results = []
     for w in args.world_sizes:
         r = run(w, cfg)
@@ -268,12 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
     for r in results:
-        print(f"world {r['world_size']} [{r['rows_on']}, {r['threads']} thr]: {r['samples_per_s']:,.0f} samples/s "
+        print(f"world {r['world_size']} [{r['rows_on']}, {r['threads']} thr{', prefetch' if r['prefetch'] else ''}]: {r['samples_per_s']:,.0f} samples/s "
               f"({r['speedup_vs_first']:.2f}x), {r['ms_per_step']:.1f} ms/step "
               f"(store {r['store_ms_per_step_max_rank']:.1f}), sent {r['store_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank, "
               f"device rows {r['device_capacity_rows_per_rank']:,}/{r['shard_rows']:,}, "
               f"evicted {r['evicted_rows_per_step_per_rank']:,.0f}/step"
-              + (f", dense DDP {r['dense_embedding_ddp']['ms_per_step']:.1f} ms/step" if "dense_embedding_ddp" in r else ""))
+              + (f", dense DDP {r['dense_embedding_ddp']['ms_per_step']:.1f} ms/step" if "dense_embedding_ddp" in r else "")
+              + "\n    host ms/step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_phase_ms_max_rank"].items()))
     return 0
 
 

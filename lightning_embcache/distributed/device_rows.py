@@ -24,6 +24,7 @@ a direct write of weights at an owner goes into its tier as well, so both copies
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.distributed.exchange import Route
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.store import EmbeddingStore
+from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.trainable import TrainableRows
 
 
@@ -88,6 +90,9 @@ class ShardedDeviceRows:
         self._lookups: list[_Lookup] = []   # since the last apply, in call order
         self._leaves: list[tuple[_Lookup, Tensor]] = []
         self._written = True  # the host store holds every update (nothing applied since write_down)
+        self._stream = torch.cuda.current_stream(device)
+        self._pool: ThreadPoolExecutor | None = None
+        self._next: tuple[Tensor, Future] | None = None  # ids of the next lookup, its exchange
         store.before_exchange = self.write_down
         store.device_rows = self
 
@@ -97,7 +102,8 @@ class ShardedDeviceRows:
     def lookup(self, ids: Any, device: torch.device | str | None = None, device_ids: Tensor | None = None) -> Tensor:
         """Rows of global `ids` on this rank's GPU, a leaf with ``requires_grad=True`` when grad is
         enabled. (`device` and `device_ids` are accepted for the `TrainableRows` interface.)"""
-        _, _, route = self.store.route(ids, hook=False)
+        ready = self._prefetched(ids)
+        route, pos = ready if ready is not None else self._route(ids)
         tier, dim = self.tier, self.store.dim
         with self.store._clock:
             served = route.served.numpy()
@@ -106,10 +112,7 @@ class ShardedDeviceRows:
             rows_out = tier.view("weight").index_select(0, slots_d)
             got = torch.empty((route.num_unique, dim), dtype=rows_out.dtype, device=self.device)
             dist.all_to_all_single(got, rows_out, route.send_splits, route.recv_splits, group=self.group)
-            # batch position -> position of its id in the exchange's (owner-grouped) order
-            where = torch.empty_like(route.order)
-            where[route.order] = torch.arange(len(route.order))
-            pos_d = tier.to_device(where.index_select(0, route.inverse).numpy())
+            pos_d = tier.to_device(pos)
             rows = got.index_select(0, pos_d)
             route.bytes_sent += (route._out_serve) * dim * rows_out.element_size()
             self.store._clock.bytes_sent += route.bytes_sent
@@ -119,6 +122,57 @@ class ShardedDeviceRows:
             rows.requires_grad_(True)
             self._leaves.append((look, rows))
         return rows
+
+    def _route(self, ids: Any) -> tuple[Route, np.ndarray]:
+        """Agree with every rank on who sends what (Gloo); and, for each batch position, the
+        position of its id in the exchange's (owner-grouped) order."""
+        _, _, route = self.store.route(ids, hook=False)
+        where = torch.empty_like(route.order)
+        where[route.order] = torch.arange(len(route.order))
+        return route, where.index_select(0, route.inverse).numpy()
+
+    def prefetch(self, ids: Any) -> None:
+        """Exchange the next lookup's ids and bring the rows this rank serves for them up to its
+        GPU in a background thread, overlapping the current step; the next `lookup` (which must
+        be of the same ids) then only moves rows. A collective: every rank calls it at the same
+        points, after the current step's lookups.
+        """
+        self._join()  # one in flight; an unused one is dropped (every rank alike)
+        idx = torch.as_tensor(ids).detach().to("cpu", copy=True)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="embcache-shard-prefetch")
+        self._next = (idx, self._pool.submit(self._prefetch_job, idx, self.held_slots()))
+
+    def _prefetch_job(self, idx: Tensor, protect: np.ndarray | None) -> tuple[Route, np.ndarray]:
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            route, pos = self._route(idx)
+            served = route.served.numpy()
+            if len(served):
+                self.tier.slots(np.unique(served), protect)
+            return route, pos
+
+    def _join(self) -> None:
+        """Wait for the exchange running ahead (before any other collective of the store)."""
+        nxt = self._next
+        if nxt is not None:
+            try:
+                nxt[1].result()
+            except Exception:
+                self._next = None  # its error is raised by the lookup it was for, or dropped
+                raise
+
+    def _prefetched(self, ids: Any) -> tuple[Route, np.ndarray] | None:
+        nxt, self._next = self._next, None
+        if nxt is None:
+            return None
+        idx, fut = nxt
+        ready = fut.result()  # invalid ids raise here, on every rank
+        now = torch.as_tensor(ids).detach().cpu()
+        if now.shape != idx.shape or not torch.equal(now.to(torch.int64), idx.to(torch.int64)):
+            raise InvalidArgumentError(
+                "lookup(ids) after prefetch(next_ids) must look up exactly next_ids (every rank exchanged "
+                "them already); got other ids")
+        return ready
 
     def held_slots(self) -> np.ndarray | None:
         """Tier slots this rank serves for lookups whose gradients are not applied yet."""
@@ -177,7 +231,9 @@ class ShardedDeviceRows:
             self._written = False
 
     def settle(self) -> int:
-        """Nothing waits: the owners' steps are queued on their GPUs at `apply`."""
+        """Nothing to run: the owners' steps are queued on their GPUs at `apply`. Waits for an
+        exchange running ahead, so that what follows (a flush, a checkpoint) comes after it."""
+        self._join()
         return 0
 
     def finish(self) -> int:
@@ -186,6 +242,7 @@ class ShardedDeviceRows:
     def write_down(self) -> int:
         """Bring the tier's updated rows into the shard's host store (before a read, write or flush
         through the store); returns rows written."""
+        self._join()  # its exchange comes first on every rank
         if self._written:
             return 0
         n = self.tier.write_down()
@@ -213,4 +270,12 @@ class ShardedDeviceRows:
 
     def close(self) -> None:
         """Free the GPU memory (after a flush: rows not written down are dropped)."""
+        try:
+            self._join()
+        except Exception:  # closing: a failed hint does not matter any more
+            pass
+        self._next = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self.tier.close()

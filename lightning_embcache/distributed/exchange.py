@@ -25,6 +25,7 @@ backward); a rank with nothing to ask still takes part with an empty batch.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Mapping
 
@@ -184,15 +185,21 @@ def _pack(rows: Tensor | Mapping[str, Tensor]):
 
 
 class Clock:
-    """Seconds spent in exchanges (added to the store's io_wait_seconds for the profiler)."""
+    """Seconds the training thread spent in exchanges (added to the store's io_wait_seconds for the
+    profiler). Exchanges run ahead by a background thread (`ShardedDeviceRows.prefetch`) are
+    overlapped with training, so only the thread that made the clock counts."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.bytes_sent = 0
+        self._owner = threading.get_ident()
+        self._t0 = 0.0
 
     def __enter__(self) -> "Clock":
-        self._t0 = time.perf_counter()
+        if threading.get_ident() == self._owner:
+            self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.seconds += time.perf_counter() - self._t0
+        if threading.get_ident() == self._owner:
+            self.seconds += time.perf_counter() - self._t0

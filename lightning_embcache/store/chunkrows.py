@@ -190,7 +190,10 @@ class ChunkRows:
             self._leave()
 
     def _ensure_open(self, chunks: np.ndarray, gens: np.ndarray) -> None:
-        stale = (self._fd[chunks] == -1) | (self._gen[chunks] != gens)
+        # Never replace a newer generation by an older one: a prefetch planned before a compaction
+        # still asks for the old file while the training thread reads the new one. Rows whose
+        # generation is not the one held open are read through a descriptor of their own (`_read`).
+        stale = (self._fd[chunks] == -1) | (self._gen[chunks] < gens)
         if stale.any():
             for c, g in set(zip(chunks[stale].tolist(), gens[stale].tolist())):
                 self._open(c, g)
@@ -205,14 +208,20 @@ class ChunkRows:
         self._ensure_open(chunks, gens)
         with self._lock:  # one consistent view of the descriptors and verified blocks
             fds = self._fd[chunks]
+            # Another thread may have opened another generation of a chunk, or closed it, since
+            # `_ensure_open`: those rows are read from the generation asked for, on their own.
+            other = (self._gen[chunks] != gens) | (fds == -1)
             base = self._off[chunks]
             off = local * rb
             g0 = chunks * self.bpc + off // BLOCK
             g1 = chunks * self.bpc + (off + rb - 1) // BLOCK
             ok = ((self._ok_gen[chunks] == gens) & (self._ok[g0] != 0) & (self._ok[g1] != 0)) \
                 | (gens >= self.trusted_from_gen)
-            crcs = self._crcs if not ok.all() else None
-        todo = np.ones(n, np.bool_)
+            # the checksums of the generations held now (a later `_open` replaces, never mutates)
+            crcs = {c: self._crcs[c] for c in np.unique(chunks[~ok & ~other]).tolist() if c in self._crcs}
+        todo = ~other
+        if other.any():
+            self._read_other(out, np.flatnonzero(other), chunks, local, gens)
         lz4 = fds == -2
         if lz4.any():  # LZ4 chunks: whole, decompressed
             for i in np.flatnonzero(lz4).tolist():
@@ -236,6 +245,20 @@ class ChunkRows:
                     raise CorruptStoreError(self.disk.root / "chunks", f"a chunk file is shorter than its rows (fd {fd})")
             self.disk.bytes_read += len(sel) * rb
         return out
+
+    def _read_other(self, out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, local: np.ndarray,
+                    gens: np.ndarray) -> None:
+        """Rows of a generation other than the one held open (a race with another thread's
+        `_open` or `_trim`): verified block-wise through a descriptor of their own. Rare."""
+        c, g = chunks[rows], gens[rows]
+        bounds = np.flatnonzero(np.r_[True, (c[1:] != c[:-1]) | (g[1:] != g[:-1]), True])
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            ch, gen = int(c[a]), int(g[a])
+            sel = rows[a:b]
+            got = self.disk.read_chunk_rows(ch, gen, local[sel])
+            if got is None:  # an LZ4 chunk: read whole
+                got = self.disk.read_chunk(ch, gen)[local[sel]]
+            out[sel] = got
 
     def _verify_cached_chunks(self, out, rows, chunks, local, gens, fds, base, crcs) -> np.ndarray:
         """Chunks whose every page is in the page cache are read and verified whole, in one read

@@ -381,7 +381,7 @@ class Disk:
     # ---- manifests ---------------------------------------------------------------------------
     def list_versions(self) -> list[int]:
         where = self._root_fd if self._root_fd is not None else self.root  # after close(): by path
-        return sorted(int(m.group(1)) for p in os.listdir(where) if (m := MANIFEST_RE.match(p)))
+        return sorted(int(m.group(1)) for p in fileio.listdir(where) if (m := MANIFEST_RE.match(p)))
 
     def read_manifest(self, version: int) -> Manifest:
         path = self.manifest_path(version)
@@ -755,7 +755,7 @@ class Disk:
 
         for d, dfd in ((self.root, self._root_fd), (self.root / "segments", self._segments_fd),
                        (self.root / "chunks", self._chunks_fd)):
-            for name in os.listdir(dfd):  # the folder we hold open, not whatever the path names now
+            for name in fileio.listdir(dfd):  # the folder we hold open, not whatever the path names now
                 p = d / name
                 if is_temp(name):
                     if remove_temp:
@@ -790,7 +790,7 @@ class Disk:
         return total
 
     def max_seq_and_gen(self) -> tuple[int, int]:
-        seq = max((int(m.group(1)) for p in os.listdir(self._segments_fd) if (m := SEGMENT_RE.match(p))), default=0)
-        gen = max((int(m.group(1)) for p in os.listdir(self._root_fd) if (m := CHUNKMAP_RE.match(p))), default=0)
-        cgen = max((int(m.group(2)) for p in os.listdir(self._chunks_fd) if (m := CHUNK_RE.match(p))), default=0)
+        seq = max((int(m.group(1)) for p in fileio.listdir(self._segments_fd) if (m := SEGMENT_RE.match(p))), default=0)
+        gen = max((int(m.group(1)) for p in fileio.listdir(self._root_fd) if (m := CHUNKMAP_RE.match(p))), default=0)
+        cgen = max((int(m.group(2)) for p in fileio.listdir(self._chunks_fd) if (m := CHUNK_RE.match(p))), default=0)
         return seq, max(gen, cgen)

@@ -188,6 +188,22 @@ def open_dir(path: object, dir_fd: int | None = None, *, follow: bool = False) -
         raise io_error(exc, "opening", path) from exc
 
 
+def listdir(dir_fd: int | str | os.PathLike) -> list[str]:
+    """Names in a directory held open as ``dir_fd`` (or a path).
+
+    Through a descriptor of its own: ``os.listdir(fd)`` reads through a duplicate of ``fd`` that
+    shares its read position, so two threads listing one held descriptor at once (garbage
+    collection beside ``versions()``) each see part of the folder, or nothing.
+    """
+    if not isinstance(dir_fd, int):
+        return os.listdir(dir_fd)
+    own = os.open(".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC, dir_fd=dir_fd)
+    try:
+        return os.listdir(own)
+    finally:
+        os.close(own)
+
+
 def write_parts(
     path: Path,
     parts: Iterable[bytes | memoryview],

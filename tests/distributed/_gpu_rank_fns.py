@@ -14,7 +14,7 @@ from lightning_embcache.distributed.device_rows import ShardedDeviceRows
 N, DIM = 3000, 16
 
 
-def _batch(step: int, rank: int, n: int = 256) -> torch.Tensor:
+def _batch(step: int, rank: int, n: int = 128) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, N, (n,), generator=g)
 
@@ -34,7 +34,8 @@ def _reference(lr: float):
     return ref, torch.optim.SparseAdam(ref.parameters(), lr=lr)
 
 
-def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float, accumulate: int = 2) -> None:
+def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float, prefetch: bool = False,
+                               accumulate: int = 2) -> None:
     """Each rank trains its own batches through owners that hold a fraction of their shard on the
     GPU (evicting and bringing rows back every step); the reference is nn.Embedding + SparseAdam
     with the mean of the ranks' gradients over the same batches. Lookups, the final rows (read
@@ -56,6 +57,8 @@ def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float
                 (((ref(ids) - target) ** 2).sum(1).mean() / world).backward()
             ids = _batch(10 * step + micro, rank)
             z = rows.lookup(ids)
+            if prefetch:  # the next micro-batch's ids, exchanged while this one computes
+                rows.prefetch(_batch(10 * step + micro + 1 if micro + 1 < accumulate else 10 * (step + 1), rank))
             assert z.is_cuda and z.requires_grad
             torch.testing.assert_close(z.detach(), ref.weight.detach()[ids.cuda()], rtol=1e-5, atol=1e-5)
             ((z - target) ** 2).sum(1).mean().backward()
@@ -64,6 +67,8 @@ def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float
         rows.apply(step)
     if fraction < 1:
         assert tier.evicted_rows > 0  # rows left the GPU and came back: the budget was exercised
+    if prefetch:  # a read through the store waits for the exchange running ahead, then reads
+        rows.prefetch(_batch(77, rank))
     want = ref.weight.detach().cpu()
     torch.testing.assert_close(store.get(torch.arange(N)), want, rtol=1e-5, atol=1e-5)
     touched = torch.zeros(N, dtype=torch.bool)
@@ -138,13 +143,33 @@ def overflow_on_one_rank_skips_every_rank(rank: int, world: int, root: str) -> N
 def steps_never_wait_for_the_gpu(rank: int, world: int, root: str) -> None:
     """Lookups, gradients and the owners' steps in steady state make no synchronizing CUDA call."""
     opt = make_row_optimizer("adam", lr=0.05)
-    store, rows = _open(root, opt, 1.0)  # resident: the pinned index rings are warm after a few steps
+    store, rows = _open(root, opt, 0.5)
     for step in range(1, 12):
         if step == 6:
             torch.cuda.set_sync_debug_mode("error")
         z = rows.lookup(_batch(step, rank))
+        rows.prefetch(_batch(step + 1, rank))
         z.square().sum().backward()
         rows.collect()
         rows.apply(step)
     torch.cuda.set_sync_debug_mode(0)
+    store.close()
+
+
+def lookup_of_other_ids_than_prefetched_fails(rank: int, world: int, root: str) -> None:
+    """`lookup` after `prefetch` must look up the prefetched ids (they were exchanged already)."""
+    import pytest
+
+    from lightning_embcache import InvalidArgumentError
+
+    opt = make_row_optimizer("adam", lr=0.05)
+    store, rows = _open(root, opt, 0.5)
+    rows.prefetch(_batch(1, rank))
+    with pytest.raises(InvalidArgumentError, match="exactly next_ids"):
+        rows.lookup(_batch(2, rank))
+    rows.prefetch(torch.tensor([0, N + 5]) if rank == 0 else torch.tensor([1]))
+    with pytest.raises(InvalidArgumentError):  # invalid ids on one rank: every rank's lookup raises
+        rows.lookup(torch.tensor([0, N + 5]) if rank == 0 else torch.tensor([1]))
+    z = rows.lookup(_batch(3, rank))  # and the store goes on
+    assert z.shape == (128, DIM)
     store.close()

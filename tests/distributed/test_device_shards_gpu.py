@@ -23,10 +23,16 @@ def _need(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("fraction", [0.4, 1.0], ids=["budget-below-shard", "whole-shard"])
-def test_gpu_rows_train_like_sparse_adam(tmp_path, world, fraction):
+@pytest.mark.parametrize(("fraction", "prefetch"), [(0.4, False), (0.4, True), (1.0, False)],
+                         ids=["budget-below-shard", "budget-below-shard-prefetch", "whole-shard"])
+def test_gpu_rows_train_like_sparse_adam(tmp_path, world, fraction, prefetch):
     _need(world)
-    run_ranks(_gpu_rank_fns.gpu_rows_match_sparse_adam, world, str(tmp_path), fraction, backend="nccl")
+    run_ranks(_gpu_rank_fns.gpu_rows_match_sparse_adam, world, str(tmp_path), fraction, prefetch, backend="nccl")
+
+
+def test_lookup_must_take_the_prefetched_ids(tmp_path):
+    _need(2)
+    run_ranks(_gpu_rank_fns.lookup_of_other_ids_than_prefetched_fails, 2, str(tmp_path), backend="nccl")
 
 
 def test_direct_writes_reach_the_owners_gpu_rows(tmp_path):
