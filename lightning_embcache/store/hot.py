@@ -113,15 +113,16 @@ class HotTier:
 
     # ---- lookahead -----------------------------------------------------------------------------
     def expect(self, ids: np.ndarray) -> None:
-        """Rows ``ids`` (unique) will be read by a coming batch: count them in the window."""
+        """Rows ``ids`` will be read by a coming batch: count them in the window (an id repeated
+        in ``ids`` counts once: every copy assigns the same count)."""
         if self.want is None:
             self.want = zeros(self.num_rows, np.uint8)  # 1 byte per table row, touched pages only
         w = self.want[ids]
-        self.want[ids] = np.minimum(w.astype(np.int16) + 1, 255).astype(np.uint8)
+        self.want[ids] = w + (w < 255)
 
     def consumed(self, ids: np.ndarray) -> np.ndarray | None:
-        """A batch read rows ``ids`` (unique): they leave the window once; returns which of them
-        were expected (None without a window)."""
+        """A batch read rows ``ids``: each leaves the window once (repeats in ``ids`` too); returns
+        which positions of ``ids`` were expected (None without a window)."""
         if self.want is None:
             return None
         w = self.want[ids]

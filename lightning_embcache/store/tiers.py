@@ -7,6 +7,7 @@ method says so.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -14,12 +15,17 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from . import uring
 from .chunkrows import ChunkRows
 from .errors import InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
 from .hot import SLOT_OVERHEAD
 from .initrows import normal_rows
 from .rowindex import RowIndex, gather_deltas, trust
 from .validate import budget
+
+
+# A get waits at most this long for a prefetch that is reading its rows, then reads them itself.
+PREFETCH_WAIT_S = 1.0
 
 
 class TooLarge(Exception):
@@ -46,6 +52,10 @@ class TieredRows:
     _disk: Any
     _rows: RowIndex | None = None  # newest delta record of each id (built at open)
     _chunkrows: ChunkRows | None = None  # batched reads of base chunk files (made on first miss)
+    _hinted: list | None = None  # ids of `upcoming` hints the prefetch thread has not taken yet
+    _hint_task: bool = False  # a `_prefetch_hinted` task is queued or running
+    _fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
+    _fetch_cond: threading.Condition | None = None
 
     def _field_np(self, name: str) -> np.ndarray:
         f = self._schema.fields[name]
@@ -135,13 +145,19 @@ class TieredRows:
             self._stats.hot_hits += len(idx) - len(miss)
             return idx
         missing = slots < 0
-        n_miss = int(missing.sum())
-        self._stats.hot_hits += len(idx) - n_miss
+        asked = missing  # rows not hot when the call came (the hit statistics count these)
+        if self._fetching is not None and not for_write and missing.any():
+            if self._await_prefetch(idx[missing]) is not None:
+                slots = hot.lookup(idx)  # rows the prefetch brought in while we waited
+                missing = slots < 0
+        n_asked = int(asked.sum())
+        self._stats.hot_hits += len(idx) - n_asked
         if hot.want is not None:
-            self._follow_window(idx, slots, missing, for_write)
+            self._follow_window(idx, slots, asked, for_write)
+        n_miss = int(missing.sum())
+        self._stats.hot_misses += n_asked
         if not n_miss:
             return slots
-        self._stats.hot_misses += n_miss
         mids = np.unique(idx[missing])
         if len(mids) > hot.limit or (for_write and len(mids) > hot.limit // 2):
             if for_write:
@@ -149,7 +165,14 @@ class TieredRows:
                 return None
         if len(mids) > hot.limit and not for_write:
             raise TooLarge(slots, mids, self._fetch(mids))
-        records = self._fetch(mids) if load else np.zeros((len(mids), self._row_bytes), np.uint8)
+        ahead = self._take_hints(mids) if load and not for_write and self._hinted else None
+        if ahead is not None:  # this miss reads the announced rows of coming batches with its own
+            both = np.union1d(mids, ahead)
+            records = self._fetch(both)
+            mine = np.isin(both, mids, assume_unique=True)
+            ahead, ahead_records, records = both[~mine], records[~mine], records[mine]
+        else:
+            records = self._fetch(mids) if load else np.zeros((len(mids), self._row_bytes), np.uint8)
         got = self._allocate(len(mids), protect=slots[~missing])
         if len(got) < len(mids):
             # No room even after eviction (everything in flight or in use by this call).
@@ -160,7 +183,32 @@ class TieredRows:
             raise TooLarge(slots, mids, records)
         hot.install(mids, got, records)
         slots = hot.slot_of[idx].astype(np.int64) - 1
+        if ahead is not None and len(ahead):
+            room = self._allocate(len(ahead), protect=slots)
+            if len(room):
+                hot.install(ahead[: len(room)], room, ahead_records[: len(room)])
+                self._stats.prefetched_rows += len(room)
         return slots
+
+    def _take_hints(self, mids: np.ndarray) -> np.ndarray | None:
+        """Ids of `upcoming` hints no prefetch has taken yet, still expected and not resident
+        (caller holds the lock and is about to read ``mids``): a miss reads them in the same
+        batch, so with a lookahead window one plan and one submission of reads serve several
+        coming batches (cheaper per row than one read per batch, and the prefetch thread, which
+        would compete with the training thread for the GIL, has nothing left to do). None if
+        there is none."""
+        hot = self._hot
+        hinted = np.concatenate(self._hinted)
+        self._hinted = []
+        cand = np.unique(hinted[hot.want[hinted] > 0])
+        cand = cand[hot.slot_of[cand] == 0]
+        fetching = self._fetching
+        if fetching is not None and len(cand):  # rows the prefetch thread is reading now
+            pos = np.minimum(fetching.searchsorted(cand), len(fetching) - 1)
+            cand = cand[fetching[pos] != cand]
+        cand = np.setdiff1d(cand, mids, assume_unique=True)
+        cand = cand[: max(0, hot.limit // 4 - len(mids))]
+        return cand if len(cand) else None
 
     def _follow_window(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray, for_write: bool) -> None:
         """With a lookahead window (`upcoming`): a read consumes its rows' expected reads and
@@ -173,12 +221,11 @@ class TieredRows:
             if done.any():
                 hot.ref[slots[done & ~missing]] = 0
             return
-        u, first = np.unique(idx, return_index=True)
-        hinted = hot.consumed(u)
-        if hinted is not None and hinted.any():
-            hit = ~missing[first]
-            self._stats.prefetch_hits += int(np.count_nonzero(hinted & hit))
-            self._stats.prefetch_misses += int(np.count_nonzero(hinted & ~hit))
+        hinted = hot.consumed(idx)
+        if hinted is not None:
+            late = int(np.count_nonzero(hinted & missing))
+            self._stats.prefetch_misses += late
+            self._stats.prefetch_hits += int(np.count_nonzero(hinted)) - late
 
     def upcoming(self, ids: Any) -> None:
         """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
@@ -193,10 +240,32 @@ class TieredRows:
             self.prefetch(idx)
             return
         with self._lock:
-            self._hot.expect(np.unique(idx))
+            self._check_open()
+            self._hot.expect(idx)
+            if self._hinted is None:
+                self._hinted = []
+            self._hinted.append(idx)  # the store's own copy (as_ids copies)
+            if self._hint_task:
+                return  # the running task takes this hint on its next round (or a miss does)
+            self._hint_task = True
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
-            self._prefetcher.submit(self._prefetch, idx.copy(), True)
+            self._prefetcher.submit(self._prefetch_hinted)
+
+    def _prefetch_hinted(self) -> None:
+        """The prefetch thread's work on hints: every hint given since its last round, read in one
+        batch (one plan, one submission of reads, one install). A round that falls behind the
+        training thread thus catches up in one step instead of reading, one stale batch at a
+        time, rows a get already read; and it needs the GIL a handful of times per round, not
+        once per row (a busy training thread hands the GIL over only every few milliseconds)."""
+        while True:
+            with self._lock:
+                hinted = self._hinted or []
+                self._hinted = []
+                if self._closed or not hinted:
+                    self._hint_task = False
+                    return
+            self._prefetch(np.concatenate(hinted), True)
 
     def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
         """n free slots, evicting (and writing back) cold rows by CLOCK as needed."""
@@ -606,6 +675,38 @@ class TieredRows:
             self._prefetch_once(idx, upcoming)
         except (StoreError, OSError):
             pass  # a hint: the foreground read will report the problem
+        finally:
+            if self._fetching is not None:
+                with self._lock:
+                    self._fetching = None
+                    self._fetch_done().notify_all()
+
+    def _fetch_done(self) -> threading.Condition:
+        """Signalled when the rows of ``_fetching`` are installed or dropped (caller holds the lock)."""
+        cond = self._fetch_cond
+        if cond is None or cond._lock is not self._lock:  # a forked child has a lock of its own
+            cond = self._fetch_cond = threading.Condition(self._lock)
+        return cond
+
+    def _await_prefetch(self, ids: np.ndarray) -> np.ndarray | None:
+        """A get misses rows the prefetch thread is reading right now: wait for them rather than
+        read them a second time (caller holds the lock; waiting releases it). Returns which of
+        ``ids`` were in flight, or None if none was."""
+        fetching = self._fetching
+        if fetching is None or self._prefetcher is None or not len(ids):
+            return None
+        pos = np.minimum(fetching.searchsorted(ids), len(fetching) - 1)
+        late = fetching[pos] == ids
+        if not late.any():
+            return None
+        t0 = time.perf_counter()
+        cond = self._fetch_done()
+        while self._fetching is fetching and not self._closed:
+            if not cond.wait(timeout=PREFETCH_WAIT_S) or time.perf_counter() - t0 > PREFETCH_WAIT_S:
+                break  # never wait on a prefetch without bound: read the rows here instead
+        self._stats.stall_seconds += time.perf_counter() - t0
+        self._check_open()
+        return late
 
     def _prefetch_once(self, idx: np.ndarray, upcoming: bool = False) -> bool:
         """One attempt of `_prefetch`; False if rows below the hot tier changed during the read."""
@@ -631,11 +732,13 @@ class TieredRows:
                 if not len(miss):
                     return True
                 plan = self._plan_below(miss)
+                self._fetching = miss  # a get missing these waits for this read (`_await_prefetch`)
         # -- the reads, without the lock ------------------------------------------------
         if hot.resident:
             results = [(c, self._read_chunk_below(c, *layout)) for c, layout in layouts]
         else:
-            self._will_need(plan)
+            if not uring.available():  # io_uring has every read of the batch in flight at once
+                self._will_need(plan)
             records, whole = self._read_below(plan)
         # -- install, if still wanted and still current ------------------------------------
         with self._lock:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache import CorruptStoreError, EmbeddingStore
-from lightning_embcache.store import chunkrows, initrows
+from lightning_embcache.store import chunkrows, initrows, uring
 from lightning_embcache.store.rowindex import RowIndex
 
 N, DIM, CHUNK = 8192, 16, 256
@@ -129,7 +129,7 @@ def test_a_miss_batch_looks_up_the_delta_segments_once(shm_path, monkeypatch):
 
 def test_misses_open_no_file_per_read_and_merge_adjacent_rows(shm_path, monkeypatch):
     """After a chunk file was first read, later misses in it neither open nor close a file, and a
-    run of adjacent rows is one preadv."""
+    run of adjacent rows is one read request."""
     model, _ = _layered_store(shm_path / "s")
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
         run = torch.arange(CHUNK + 10, CHUNK + 74)  # 64 adjacent base rows with no delta...
@@ -138,9 +138,10 @@ def test_misses_open_no_file_per_read_and_merge_adjacent_rows(shm_path, monkeypa
         assert torch.equal(s.get(run), model[run])  # first read: opens, verifies the blocks
         s.evict(1 << 30)
         opens, preads = [], []
-        real_open, real_preadv = os.open, os.preadv
+        real_open, real_read_into = os.open, uring.read_into
         monkeypatch.setattr(os, "open", lambda *a, **k: opens.append(a[0]) or real_open(*a, **k))
-        monkeypatch.setattr(os, "preadv", lambda *a: preads.append(a[2]) or real_preadv(*a))
+        # every read request of the batch (io_uring or preadv alike) passes through read_into
+        monkeypatch.setattr(uring, "read_into", lambda out, dst, fds, *a: preads.extend(fds) or real_read_into(out, dst, fds, *a))
         assert torch.equal(s.get(run), model[run])
         runs = 1 + int((run[1:] != run[:-1] + 1).sum())
     assert opens == [], f"opened {opens} on a repeated miss"
