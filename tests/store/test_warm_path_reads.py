@@ -1,0 +1,185 @@
+"""The warm miss path: batched reads through io_uring (or the preadv fallback) return exactly the
+bytes of the files, and the lookahead window never reads a row twice nor changes a value."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_embcache import EmbeddingStore, LookaheadSampler
+from lightning_embcache.store import uring
+
+N, DIM, CHUNK = 6000, 16, 128
+ROW = DIM * 4
+SLOTS = 600
+HOT = SLOTS * (ROW + 11)
+
+
+@pytest.fixture(params=["io_uring", "preadv"])
+def read_path(request, monkeypatch):
+    if request.param == "preadv":
+        monkeypatch.setattr(uring, "_disabled", True)
+    elif not uring.available():
+        pytest.skip("io_uring is not available on this machine")
+    return request.param
+
+
+def _files(tmp_path, count=5, size=50_000):
+    rng = np.random.default_rng(0)
+    blobs, fds = [], []
+    for i in range(count):
+        blob = rng.integers(0, 256, size, dtype=np.uint8)
+        p = tmp_path / f"f{i}"
+        p.write_bytes(blob.tobytes())
+        blobs.append(blob)
+        fds.append(os.open(p, os.O_RDONLY))
+    return blobs, np.asarray(fds, np.int64)
+
+
+def _requests(blobs, fds, n, rng, max_len=700):
+    which = rng.integers(0, len(fds), n)
+    lens = rng.integers(1, max_len, n).astype(np.int64)
+    offs = np.asarray([rng.integers(0, len(blobs[w]) - k) for w, k in zip(which, lens)], np.int64)
+    dst = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    want = np.concatenate([blobs[w][o : o + k] for w, o, k in zip(which, offs, lens)])
+    return fds[which], lens, offs, dst, want
+
+
+@pytest.mark.parametrize("n", [1, 2, 37, uring.ENTRIES + 300])
+def test_batched_reads_return_exactly_the_file_bytes(tmp_path, read_path, n):
+    blobs, fds = _files(tmp_path)
+    try:
+        f, lens, offs, dst, want = _requests(blobs, fds, n, np.random.default_rng(n))
+        out = np.full(int(lens.sum()), 7, np.uint8)
+        got = uring.read_into(out, dst, f, lens, offs)
+        assert np.array_equal(got, lens)
+        assert np.array_equal(out, want)
+    finally:
+        for fd in fds.tolist():
+            os.close(fd)
+
+
+def test_a_read_past_the_end_of_a_file_comes_back_short(tmp_path, read_path):
+    blobs, fds = _files(tmp_path, count=2, size=1000)
+    try:
+        out = np.zeros(600, np.uint8)
+        got = uring.read_into(out, np.array([0, 300]), fds, np.array([300, 300]), np.array([0, 900]))
+        assert got.tolist() == [300, 100]
+        assert np.array_equal(out[:300], blobs[0][:300]) and np.array_equal(out[300:400], blobs[1][900:])
+    finally:
+        for fd in fds.tolist():
+            os.close(fd)
+
+
+def test_threads_read_at_once_each_through_its_own_ring(tmp_path, read_path):
+    blobs, fds = _files(tmp_path)
+    errors = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(30):
+                f, lens, offs, dst, want = _requests(blobs, fds, 200, rng)
+                out = np.empty(int(lens.sum()), np.uint8)
+                uring.read_into(out, dst, f, lens, offs)
+                assert np.array_equal(out, want)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for fd in fds.tolist():
+        os.close(fd)
+    assert not errors, errors
+
+
+def _child_reads(path, q):
+    fd = os.open(path, os.O_RDONLY)
+    out = np.empty(64, np.uint8)
+    uring.read_into(out, np.array([0, 32]), np.array([fd, fd]), np.array([32, 32]), np.array([100, 5000]))
+    q.put(out.tobytes())
+
+
+def test_a_forked_child_reads_through_a_ring_of_its_own(tmp_path, read_path):
+    blobs, fds = _files(tmp_path, count=1)
+    out = np.empty(10, np.uint8)
+    uring.read_into(out, np.array([0, 5]), np.array([fds[0], fds[0]]), np.array([5, 5]), np.array([0, 10]))  # parent's ring
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_reads, args=(tmp_path / "f0", q))
+    p.start()
+    got = q.get(timeout=30)
+    p.join(30)
+    os.close(int(fds[0]))
+    assert p.exitcode == 0
+    assert got == blobs[0][100:132].tobytes() + blobs[0][5000:5032].tobytes()
+
+
+def _populated(path):
+    table = torch.randn(N, DIM, generator=torch.Generator().manual_seed(0))
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as s:
+        s.update(torch.arange(N), table)
+        s.flush()
+        s.compact()
+        s.flush()
+    return table
+
+
+def test_epochs_through_either_read_path_match_the_model(shm_path, read_path):
+    """get + update over a table 10x the hot tier, with and without lookahead, flushes between:
+    every read equals a tensor model, and so does the whole table after a reopen."""
+    model = _populated(shm_path / "s").clone()
+    rng = np.random.default_rng(5)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        for epoch in range(2):
+            perm = rng.permutation(N)
+            batches = [perm[i : i + 100].tolist() for i in range(0, N, 100)]
+            order = LookaheadSampler(batches, s, lookahead=4) if epoch else batches
+            for k, b in enumerate(order):
+                ids = torch.tensor(b)
+                assert torch.equal(s.get(ids), model[ids])
+                v = model[ids] * 0.5 + 1
+                s.update(ids, v)
+                model[ids] = v
+                if k % 17 == 16:
+                    s.flush()
+        s.flush()
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        assert torch.equal(s.get(torch.arange(N)), model)
+
+
+def test_with_lookahead_no_row_is_read_from_disk_twice(shm_path, monkeypatch):
+    """The prefetch thread and the training thread never both read the same row: a get waits for
+    rows a prefetch is reading, and a prefetch skips rows a get read. Counted at the one place
+    every base-chunk read passes."""
+    _populated(shm_path / "s")
+    reads = []
+    real = uring.read_into
+
+    def counting(out, dst, fds, lens, offs):
+        reads.append(np.stack([fds, offs]))
+        return real(out, dst, fds, lens, offs)
+
+    monkeypatch.setattr(uring, "read_into", counting)
+    perm = np.random.default_rng(2).permutation(N)[:3000]
+    batches = [perm[i : i + 100].tolist() for i in range(0, len(perm), 100)]
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT * 10) as s:  # no eviction: any repeat is a second read
+        s.get(torch.arange(N))  # every block verified once: later misses are plain row reads
+        s.evict(1 << 30)
+        reads.clear()
+        for b in LookaheadSampler(batches, s, lookahead=3):
+            ids = torch.tensor(b)
+            s.update(ids, s.get(ids) + 1)
+        st = s.stats()
+    pairs = np.concatenate(reads, axis=1)
+    assert len({(int(a), int(b)) for a, b in pairs.T}) == pairs.shape[1], "a row was read twice"
+    assert pairs.shape[1] <= len(perm)
+    assert st.prefetch_hits + st.prefetch_misses == len(perm)
