@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import uring
 from .errors import CorruptStoreError
 from .fileio import crc32
 
@@ -110,15 +111,11 @@ def trust(seg) -> None:
     seg._verified = np.ones(len(seg.idx_chunk), np.bool_)
 
 
-def segment_gather(seg, pos: np.ndarray) -> np.ndarray:
-    """Records at sorted row positions ``pos`` of ``seg``, checksum-verified.
-
-    Each chunk range of a segment carries one checksum: the first read of a range through this
-    handle reads and verifies it whole; later reads fetch only the rows asked for, one read per
-    run of adjacent rows, through the segment's long-lived descriptor.
-    """
+def _verify_ranges(seg, pos: np.ndarray, out: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Rows of ``seg`` at sorted positions ``pos`` whose chunk range was not verified through this
+    handle yet: read each such range whole, check its checksum, fill ``out[rows[i]]`` from it.
+    Returns the mask of positions still to read."""
     rb = seg.row_bytes
-    out = np.empty((len(pos), rb), np.uint8)
     verified = seg._verified
     if verified is None:
         verified = seg._verified = np.zeros(len(seg.idx_chunk), np.bool_)
@@ -132,28 +129,67 @@ def segment_gather(seg, pos: np.ndarray) -> np.ndarray:
                 raise CorruptStoreError(seg.path, f"records of chunk {int(seg.idx_chunk[e])} fail their checksum")
             verified[e] = True
             mine = np.flatnonzero(ent == e)
-            out[mine] = np.frombuffer(data, np.uint8).reshape(c, rb)[pos[mine] - a]
-    rest = np.flatnonzero(~todo)
-    if len(rest):
-        p = pos[rest]
-        brk = np.flatnonzero(np.r_[True, p[1:] != p[:-1] + 1, True])
-        pl, rl = p.tolist(), rest.tolist()
-        for a, b in zip(brk[:-1].tolist(), brk[1:].tolist()):
-            data = seg._read(seg.records_offset + pl[a] * rb, (b - a) * rb)
-            out[rl[a] : rl[a] + b - a] = np.frombuffer(data, np.uint8).reshape(b - a, rb)
+            out[rows[mine]] = np.frombuffer(data, np.uint8).reshape(c, rb)[pos[mine] - a]
+    return ~todo
+
+
+def _fd_of(seg) -> int:
+    if seg._fd is None:
+        seg._read(seg.records_offset, 0)  # opens the segment's long-lived descriptor
+    return seg._fd
+
+
+def segment_gather(seg, pos: np.ndarray) -> np.ndarray:
+    """Records at sorted row positions ``pos`` of ``seg``, checksum-verified."""
+    out = np.empty((len(pos), seg.row_bytes), np.uint8)
+    gather_deltas(out, np.arange(len(pos)), np.zeros(len(pos), np.int32), pos, [seg])
     return out
 
 
 def gather_deltas(out: np.ndarray, rows: np.ndarray, seg: np.ndarray, pos: np.ndarray, segs: list) -> None:
-    """``out[rows[i]] = record pos[i] of segment seg[i]``: one gather per segment touched."""
+    """``out[rows[i]] = record pos[i] of segment seg[i]``, checksum-verified.
+
+    Each chunk range of a segment carries one checksum: the first read of a range through this
+    handle reads and verifies it whole; later reads fetch only the rows asked for, one read per
+    run of adjacent rows, and the reads of every segment touched go to the kernel as one batch
+    (`uring.read_into`) through the segments' long-lived descriptors.
+    """
     if not len(seg):
         return
     if len(seg) == 1 or (seg[1:] == seg[:-1]).all():
-        out[rows] = segment_gather(segs[int(seg[0])], pos)
-        return
-    order = np.argsort(seg, kind="stable")
-    s = seg[order]
-    bounds = np.flatnonzero(np.r_[True, s[1:] != s[:-1], True])
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        order = np.arange(len(seg))
+        bounds = [0, len(seg)]
+    else:
+        order = np.argsort(seg, kind="stable")
+        s = seg[order]
+        bounds = np.flatnonzero(np.r_[True, s[1:] != s[:-1], True]).tolist()
+    rb = out.shape[1]
+    fds, offs, lens, dsts = [], [], [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
         sel = order[a:b]
-        out[rows[sel]] = segment_gather(segs[int(s[a])], pos[sel])
+        g = segs[int(seg[sel[0]])]
+        p, r = pos[sel], rows[sel]
+        if len(p) > 1 and (p[1:] < p[:-1]).any():  # positions of one segment in file order
+            o = np.argsort(p, kind="stable")
+            p, r = p[o], r[o]
+        left = _verify_ranges(g, p, out, r)
+        if not left.any():
+            continue
+        p, r = p[left], r[left]
+        # runs of adjacent positions that land in adjacent rows of ``out``: one read each
+        brk = np.flatnonzero(np.r_[True, (p[1:] != p[:-1] + 1) | (r[1:] != r[:-1] + 1), True])
+        st, n = brk[:-1], np.diff(brk)
+        fds.append(np.full(len(st), _fd_of(g), np.int64))
+        offs.append(g.records_offset + p[st].astype(np.int64) * rb)
+        lens.append(n.astype(np.int64) * rb)
+        dsts.append(r[st].astype(np.int64) * rb)
+        if g.read_counter is not None:
+            g.read_counter[0] += int(n.sum()) * rb
+    if not fds:
+        return
+    lens_all = np.concatenate(lens)
+    got = uring.read_into(out, np.concatenate(dsts), np.concatenate(fds), lens_all, np.concatenate(offs))
+    if not np.array_equal(got, lens_all):
+        bad = int(np.flatnonzero(got != lens_all)[0])
+        path = next(segs[int(x)].path for x in np.unique(seg).tolist() if _fd_of(segs[int(x)]) == int(np.concatenate(fds)[bad]))
+        raise CorruptStoreError(path, "truncated: a record lies past the end of the file")

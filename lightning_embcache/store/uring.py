@@ -185,6 +185,8 @@ def available() -> bool:
 def read_into(out: np.ndarray, dst: np.ndarray, fds: np.ndarray, lens: np.ndarray, offs: np.ndarray) -> np.ndarray:
     """Read ``lens[i]`` bytes at ``offs[i]`` of file ``fds[i]`` into the flat uint8 array ``out`` at byte
     ``dst[i]``, all at once; returns the bytes each read got (short means the file ended)."""
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("read_into needs a writable C-contiguous output array")
     ring = _ring()
     if ring is None or len(fds) < 2:
         mv = memoryview(out.reshape(-1))
