@@ -126,6 +126,7 @@ class StepProfiler(Callback):
             raise ValueError(f"Invalid value for epoch_batches={epoch_batches!r}. Must be None or an int >= 1")
         if batch_size_fn is not None and not callable(batch_size_fn):
             raise TypeError(f"batch_size_fn must be callable; got {type(batch_size_fn).__name__}")
+        self._state_key: Optional[str] = None
         self._log_every_arg = log_every_n_steps
         self.log_every_n_steps = log_every_n_steps or 50  # replaced by the Trainer's in setup
         self.warmup_steps = warmup_steps
@@ -136,7 +137,6 @@ class StepProfiler(Callback):
         self.batch_size_fn = batch_size_fn
         self.epoch_batches = epoch_batches
 
-        self._state_key: Optional[tuple[tuple, str]] = None
         self._ledger = EpochLedger()
         self._step_in_epoch = 0
         self._batches_seen = 0
@@ -179,15 +179,41 @@ class StepProfiler(Callback):
     @override
     def state_key(self) -> str:
         # two StepProfilers with different settings keep separate checkpoint entries. Lightning
-        # reads this for the action name of every hook it calls (6 per step): built once per
-        # settings, not each time (repr of the settings cost ~2 us a read)
-        settings = (self._log_every_arg, self.warmup_steps, self.epoch_batches, self.plot)
-        if self._state_key is None or self._state_key[0] != settings:
-            key = self._generate_state_key(log_every_n_steps=self._log_every_arg, warmup_steps=self.warmup_steps,
-                                           epoch_batches=self.epoch_batches,
-                                           plot=None if self.plot is None else str(self.plot))
-            self._state_key = (settings, key)
-        return self._state_key[1]
+        # reads this for the action name of every hook it calls (6 per step): built once, again
+        # only when a setting in it changes (a repr of the settings cost ~2 us a read)
+        key = self._state_key
+        if key is None:
+            key = self._state_key = self._generate_state_key(
+                log_every_n_steps=self._log_every_arg, warmup_steps=self._warmup_steps,
+                epoch_batches=self._epoch_batches, plot=None if self._plot is None else str(self._plot))
+        return key
+
+    # settings that name the checkpoint entry (state_key)
+    @property
+    def warmup_steps(self) -> int:
+        return self._warmup_steps
+
+    @warmup_steps.setter
+    def warmup_steps(self, value: int) -> None:
+        self._warmup_steps, self._state_key = value, None
+
+    @property
+    def epoch_batches(self) -> Optional[int]:
+        return self._epoch_batches
+
+    @epoch_batches.setter
+    def epoch_batches(self, value: Optional[int]) -> None:
+        self._epoch_batches, self._state_key = value, None
+        if "_predictor" in self.__dict__:
+            self._predictor.epoch_batches = value
+
+    @property
+    def plot(self) -> Optional[Union[str, Path]]:
+        return self._plot
+
+    @plot.setter
+    def plot(self, value: Optional[Union[str, Path]]) -> None:
+        self._plot, self._state_key = value, None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -291,7 +317,7 @@ class StepProfiler(Callback):
         last = None
         if self._batch_ended:
             self._batch_ended = False
-            last = (self._samples, self._step_in_epoch >= self.warmup_steps)
+            last = (self._samples, self._step_in_epoch >= self._warmup_steps)
             self._step_in_epoch += 1
             self._batches_seen += 1
         tl.end_epoch(self._ledger.open_epoch, last)
@@ -394,7 +420,7 @@ class StepProfiler(Callback):
 
     def _close_step(self, trainer: Optional[Trainer], log: bool = True, next_phase: int = OTHER) -> None:
         self._batch_ended = False
-        host = self._timeline.end_step(self._ledger.open_epoch, self._samples, self._step_in_epoch >= self.warmup_steps,
+        host = self._timeline.end_step(self._ledger.open_epoch, self._samples, self._step_in_epoch >= self._warmup_steps,
                                        next_phase)
         self._predictor.add_step(host, trainer if trainer is not None else self._trainer)
         self._step_in_epoch += 1

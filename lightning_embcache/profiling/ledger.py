@@ -17,8 +17,8 @@ STATE_VERSION = 1
 
 class EpochLedger:
     """Per-epoch and per-interval :class:`Totals`. Finished steps arrive one at a time
-    (:meth:`add_step`, one add per step) and are folded into the epoch's and the interval's sums
-    at each log interval, epoch end and checkpoint (:meth:`fold`)."""
+    (:meth:`add_step`: one list append per step) and are summed into the epoch's and the
+    interval's totals at each log interval, epoch end and checkpoint (:meth:`fold`)."""
 
     def __init__(self) -> None:
         self.summaries: list[dict] = []
@@ -26,7 +26,7 @@ class EpochLedger:
         self.open: Optional[Totals] = None      # the running epoch
         self.open_epoch = -1
         self.interval = Totals()
-        self._steps = Totals()                  # finished steps not yet folded
+        self._steps: list[tuple] = []           # finished steps not yet folded
         self._steps_epoch = -1
         self._resume: Optional[dict] = None     # the open epoch of the checkpoint resumed from
         # per epoch, per rank: [phase seconds..., batches]; a resumed epoch replaces its entry
@@ -38,13 +38,14 @@ class EpochLedger:
         if epoch != self._steps_epoch:
             self.fold()
             self._steps_epoch = epoch
-        self._steps.add(batches, host, device, samples, steady, forced)
+        self._steps.append((batches, host, device, samples, steady, forced))
 
     def fold(self) -> None:
-        steps, epoch = self._steps, self._steps_epoch
-        if not steps.batches and not steps.wall_s:
+        if not self._steps:
             return
-        self._steps = Totals()
+        steps, epoch = Totals(), self._steps_epoch
+        steps.add_steps(self._steps)
+        self._steps = []
         totals = self.open if epoch == self.open_epoch else self.raw.get(epoch)
         if totals is not None:
             totals.merge(steps)

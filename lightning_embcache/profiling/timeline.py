@@ -73,6 +73,33 @@ class Totals:
             self.steady_batches += batches
             self.steady_wall_s += wall
 
+    def add_steps(self, steps: list) -> None:
+        """Many steps at once: ``(batches, host, device, samples, steady, forced)`` each, as
+        :meth:`add` takes them; column sums in C rather than a list per step."""
+        if not steps:
+            return
+        batches, hosts, devices, samples, steadies, forceds = zip(*steps)
+        walls = [h[DATA] + h[FORWARD] + h[BACKWARD] + h[OPTIMIZER] + h[STORE] + h[OTHER] for h in hosts]
+        self.batches += sum(batches)
+        self.wall_s += sum(walls)
+        self.samples += sum(samples)
+        host_cols = [sum(c) for c in zip(*hosts)]
+        self.val_s += host_cols[VALIDATION]
+        self.host_phase_s = [a + b for a, b in zip(self.host_phase_s, host_cols)]
+        timed = [d for d in devices if d is not None]
+        if timed:
+            self.phase_s = [a + sum(c) for a, c in zip(self.phase_s, zip(*timed))]
+            self.device_steps += len(timed)
+            sampled = [d for d, f, b in zip(devices, forceds, batches) if d is not None and not f and b]
+            if sampled:
+                self.sampled_s = [a + sum(c) for a, c in zip(self.sampled_s, zip(*sampled))]
+                self.sampled_steps += len(sampled)
+        self.untimed_steps += sum(1 for d, b in zip(devices, batches) if d is None and b)
+        steady = [(b, w) for b, w, st in zip(batches, walls, steadies) if st and b]
+        if steady:
+            self.steady_batches += sum(b for b, _ in steady)
+            self.steady_wall_s += sum(w for _, w in steady)
+
     def merge(self, other: "Totals") -> None:
         """Add ``other``'s sums to these."""
         self.batches += other.batches
