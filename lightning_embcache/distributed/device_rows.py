@@ -35,7 +35,7 @@ from torch import Tensor
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.distributed.exchange import Route
 from lightning_embcache.optim.base import RowOptimizer
-from lightning_embcache.store import EmbeddingStore
+from lightning_embcache.store import EmbeddingStore, StoreError
 from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.trainable import TrainableRows
 
@@ -145,10 +145,16 @@ class ShardedDeviceRows:
 
     def _prefetch_job(self, idx: Tensor, protect: np.ndarray | None) -> tuple[Route, np.ndarray]:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            route, pos = self._route(idx)
+            route, pos = self._route(idx)  # its errors (invalid ids) are every rank's
             served = route.served.numpy()
             if len(served):
-                self.tier.slots(np.unique(served), protect)
+                try:
+                    self.tier.slots(np.unique(served), protect)
+                except StoreError:
+                    # This step's rows and the next batch's do not fit the tier at once: the rows
+                    # come up at the lookup instead (an error here would stop this rank alone and
+                    # leave the others waiting in the rows' exchange).
+                    pass
             return route, pos
 
     def _join(self) -> None:
