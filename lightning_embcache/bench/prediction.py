@@ -96,6 +96,7 @@ def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = N
                        "std_s": e["predicted_epoch_std_seconds"], "at_batch": e["predicted_at_batch"],
                        "error_pct": e["prediction_error_pct"],
                        "unmeasured_saves": e.get("predicted_unmeasured_saves"),
+                       "store_fill_batch": e.get("predicted_store_fill_batch"),
                        "error_pct_by_fraction": {f: (100 * (v / e["epoch_wall_seconds"] - 1) if v else None)
                                                  for f, v in later.items()}})
     fit_actual = sum(e["epoch_wall_seconds"] for e in s)
@@ -191,6 +192,10 @@ def _print(r: dict) -> None:
                     f"batch {e['at_batch']} vs {e['actual_s']:.2f} s)" if e["error_pct"] is not None else
                     f"e{e['epoch']} n/a" for e in r["epochs"])
     fit = f"{r['fit_error_pct']:+.2f}%" if r["fit_error_pct"] is not None else "n/a"
+    fills = [f"e{e['epoch']} hot tier full at batch ~{e['store_fill_batch']}" for e in r["epochs"]
+             if e.get("store_fill_batch")]
+    if fills:
+        errs += " (" + ", ".join(fills) + ")"
     for e in r["epochs"]:
         later = " ".join(f"{int(100 * f)}%:{v:+.1f}" for f, v in e["error_pct_by_fraction"].items() if v is not None)
         if later:

@@ -164,12 +164,14 @@ class StepProfiler(Callback):
 
     def predict(self) -> Optional[dict[str, Optional[float]]]:
         """The current prediction: ``{"epoch_s", "epoch_std_s", "fit_s", "fit_std_s",
-        "at_batch", "epoch_batches"}`` (wall seconds, validation inside the epoch included;
-        ``fit_s`` None without ``max_epochs``/``max_steps``), or None before enough steps of the
-        running epoch (docs/profiler.md: how to read it)."""
+        "at_batch", "epoch_batches", "store_fill_batch", ...}`` (wall seconds, validation inside
+        the epoch included; ``fit_s`` None without ``max_epochs``/``max_steps``;
+        ``store_fill_batch`` the batch at which the embedding stores' hot tiers will be full, if
+        within the epoch), or None before enough steps of the running epoch (docs/profiler.md:
+        how to read it). Reads the stores' ``stats()``."""
         if self._trainer is None:
             return None
-        return self._predictor.predict(self._trainer)
+        return self._predictor.predict(self._trainer, with_store=True)
 
     def report_table(self) -> str:
         """The end-of-fit table (phases, true average batch, predicted vs actual epoch times)."""
@@ -281,6 +283,17 @@ class StepProfiler(Callback):
                                       sample_every=self.sample_every_n_steps)
         self._timeline.on_device_step = self._predictor.add_device_step
 
+    def _hot_tiers(self) -> Optional[tuple[float, float]]:
+        """(hot bytes, hot budget bytes) summed over the stores whose hot tier has a budget."""
+        hot = budget = 0.0
+        for h in self._stores.values():
+            s = h.stats()
+            b = getattr(s, "hot_budget_bytes", 0) or 0
+            if b > 0:
+                hot += s.hot_bytes
+                budget += b
+        return (hot, budget) if budget > 0 else None
+
     def _store_io(self) -> float:
         # io_wait_seconds is O(1); stats() scans dirty marks and the store folder (ms on big tables)
         return sum(h.io_wait_seconds if hasattr(h, "io_wait_seconds") else h.stats().io_wait_seconds
@@ -299,6 +312,7 @@ class StepProfiler(Callback):
         if self._stores is None and getattr(pl_module, "embedding_stores", None) is not None:
             self._stores = pl_module.embedding_stores  # created after on_train_start
             self._timeline.store_io = self._store_io
+        self._predictor.store_reader = self._hot_tiers if self._stores else None
         self._batch_ended = False
         ledger = self._ledger
         self._step_in_epoch, unfinished = ledger.open_epoch_at(epoch)

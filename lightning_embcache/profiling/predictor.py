@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
 from lightning_embcache.profiling.forecast import Forecast
@@ -38,6 +38,12 @@ class EpochPredictor:
         self._sanity_batch_s: Optional[float] = None
         self._first_extra_s: Optional[float] = None
         self._save_s: Optional[float] = None
+        # the embedding stores' hot tiers: () -> (hot bytes, hot budget bytes) summed over the
+        # stores with a budget, or None. Read twice an epoch (half-way to the kept prediction,
+        # and at it) and by predict(): a stats() call can take milliseconds
+        self.store_reader: Optional[Callable[[], Optional[tuple[float, float]]]] = None
+        self._store_mark = -1
+        self._store_first: Optional[tuple[int, tuple[float, float]]] = None
 
     # -- feeding ------------------------------------------------------------------------------
 
@@ -52,6 +58,8 @@ class EpochPredictor:
         self._before_s = before_s
         self.kept = None
         self._landmark = None
+        self._store_mark = -1
+        self._store_first = None
 
     def add_step(self, host: list[float], trainer: Any) -> None:
         """A finished step's host phases; makes the kept prediction once the epoch reaches
@@ -66,10 +74,14 @@ class EpochPredictor:
         if self._landmark is None:
             target = self.epoch_target(trainer)
             self._landmark = math.ceil(self.predict_at * target) if target else -1
+            self._store_mark = max(fc.start_batches + 1, self._landmark // 2) if self.store_reader else -1
+        if fc.batches == self._store_mark:
+            reading = self._read_store()
+            self._store_first = None if reading is None else (fc.batches, reading)
         if 0 < self._landmark <= fc.batches:
             if fc.needs_device and len(fc.device_index) < 3:
                 self._timeline.drain()  # never waits; a GPU far behind defers the prediction
-            self.kept = self.predict(trainer)
+            self.kept = self.predict(trainer, with_store=True)
             give_up = self._landmark + 64 + 8 * self.sample_every
             if self.kept is None and fc.batches >= give_up:
                 self._landmark = -1  # the epoch is too short to predict; stop trying
@@ -143,8 +155,33 @@ class EpochPredictor:
             return self._sanity_batch_s * val_batches
         return None
 
-    def predict(self, trainer: Any) -> Optional[dict]:
-        """Predicted wall seconds of the running epoch and of the fit (docs/profiler.md)."""
+    def _read_store(self) -> Optional[tuple[float, float]]:
+        try:
+            return self.store_reader() if self.store_reader is not None else None
+        except Exception:  # a store closed or failing: no fill projection, never a failed step
+            return None
+
+    def store_fill_batch(self, done: int, target: int) -> Optional[int]:
+        """The batch of this epoch at which the stores' hot tiers will be full, at the rate they
+        filled since the first reading, if that comes before ``target``; else None. After it every
+        row brought in evicts one, and batches are slower by a cost not measured yet."""
+        first = self._store_first
+        if first is None or done <= first[0]:
+            return None
+        now = self._read_store()
+        if now is None:
+            return None
+        (b0, (hot0, budget)), (hot, budget_now) = first, now
+        rate = (hot - hot0) / (done - b0)
+        budget = min(budget, budget_now)
+        if rate <= 0.0 or budget <= 0.0 or hot >= budget:
+            return None
+        fill = done + math.ceil((budget - hot) / rate)
+        return fill if fill < target else None
+
+    def predict(self, trainer: Any, with_store: bool = False) -> Optional[dict]:
+        """Predicted wall seconds of the running epoch and of the fit (docs/profiler.md);
+        ``with_store``: also when the stores' hot tiers will fill up (reads their stats)."""
         fc = self.forecast
         if fc is None:
             return None
@@ -166,7 +203,8 @@ class EpochPredictor:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,
                "fit_s": None, "fit_std_s": None, "unmeasured_saves": p["unmeasured_saves"],
-               "validation_measured": p["val_known"]}
+               "validation_measured": p["val_known"],
+               "store_fill_batch": self.store_fill_batch(done, target) if with_store else None}
         # the fit: the epochs still to come after this one, under max_epochs / max_steps
         budget, epochs = schedule.batch_budget(trainer), schedule.epochs_left(trainer)
         full_n = self.epoch_batches or trainer.num_training_batches

@@ -87,6 +87,10 @@ def _prediction_lines(epochs: list[dict]) -> list[str]:
         err_s = f"{err:+.1f}%" if err is not None else "n/a"
         lines.append(f"{e['epoch']:<7}{e['batches']:>9}{actual:>11.2f}{pred:>13.2f}"
                      f"{e['predicted_epoch_std_seconds']:>9.2f}{e['predicted_at_batch']:>10}{err_s:>9}")
+    fills = [(e["epoch"], e["predicted_store_fill_batch"]) for e in rows if e.get("predicted_store_fill_batch")]
+    for epoch, batch in fills:
+        lines.append(f"(epoch {epoch}: the prediction came before the stores' hot tiers fill up, at about batch "
+                     f"{batch}; batches after that, each evicting rows, were not measured yet)")
     unmeasured = max((e.get("predicted_unmeasured_saves") or 0) for e in rows)
     if unmeasured:
         lines.append(f"(up to {unmeasured} checkpoint save(s) per epoch came before any was measured: "

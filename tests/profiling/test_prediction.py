@@ -356,3 +356,59 @@ def test_no_level_shift_is_found_in_noise():
     assert found <= 2, found  # a false shift in at most 1% of epochs
     w = np.r_[np.full(1000, 0.010), np.full(1000, 0.011)] + rng.normal(0, 0.0005, 2000)
     assert level_shift(w) == 1000  # a 10% shift, found at its block boundary
+
+
+def test_a_hot_tier_filling_before_the_epoch_ends_is_reported_with_the_prediction(tmp_path):
+    from types import SimpleNamespace
+
+    clock = FakeClock()
+    cost = Cost(clock)
+
+    class FillingStore(FakeStore):
+        """A cold store whose hot tier takes 1,000 bytes per batch up to a 150,000-byte budget,
+        after which each get also evicts rows: 10 ms more per batch."""
+
+        def __init__(self):
+            super().__init__(cost, 1 * MS)
+            self.hot = 0
+            self.stats_calls = 0
+
+        def get(self, ids):
+            self.hot = min(150_000, self.hot + 1_000)
+            self.seconds = (11 if self.hot >= 150_000 else 1) * MS
+            return super().get(ids)
+
+        def stats(self):
+            self.stats_calls += 1
+            return SimpleNamespace(io_wait_seconds=self.io, hot_bytes=self.hot, hot_budget_bytes=150_000)
+
+    store = FillingStore()
+    model = CostModel(cost, FWD, BWD, OPT, store_s=1.0)
+    model.embedding_stores = {"rows": store}
+    sp = StepProfiler(report=False, log_every_n_steps=10, predict_at=0.1)
+    _, wall, _ = _fit(sp, batches=400, epochs=1, clock=clock, model=model, logger=_logger(tmp_path))
+    e = sp.summary()[0]
+    assert e["predicted_at_batch"] == 40
+    # the fill at batch 150 (the 150th get) is projected from the growth between batches 20 and 40
+    assert e["predicted_store_fill_batch"] == 150
+    # the prediction itself knows only the cheap batches: short by the evictions to come
+    assert e["prediction_error_pct"] < -20
+    assert "hot tiers fill up, at about batch 150" in sp.report_table()
+    # stats() read twice for it (and by the io_wait fallback of stores without io_wait_seconds)
+    assert store.stats_calls >= 2
+    # after the fill has lasted three blocks the rate is the new level's: right again
+    p_late = None
+
+    class Late(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            nonlocal p_late
+            if batch_idx == 300:
+                p_late = sp2.predict()
+
+    sp2 = StepProfiler(report=False)
+    store2 = FillingStore()
+    model2 = CostModel(cost, FWD, BWD, OPT, store_s=1.0)
+    model2.embedding_stores = {"rows": store2}
+    _, wall2, _ = _fit(sp2, batches=400, epochs=1, clock=clock, model=model2, extra=[Late()])
+    assert p_late is not None and p_late["store_fill_batch"] is None  # already full
+    assert abs(p_late["epoch_s"] / wall2.epochs[0] - 1) < 0.01, (p_late, wall2.epochs)
