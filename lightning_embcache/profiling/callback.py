@@ -12,13 +12,14 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, WarningCache
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from typing_extensions import override
 
 from lightning_embcache.profiling import boundaries, report
 from lightning_embcache.profiling.interval_log import IntervalLog
 from lightning_embcache.profiling.ledger import EpochLedger
 from lightning_embcache.profiling.predictor import EpochPredictor
+from lightning_embcache.profiling.stores import StoreReadings
 from lightning_embcache.profiling.tap import ProfilerTap
 from lightning_embcache.profiling.timeline import (
     BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, VALIDATION, StepTimeline, Totals,
@@ -147,7 +148,7 @@ class StepProfiler(Callback):
         self._device: Optional[torch.device] = None
         self._interval_log = IntervalLog()
         self._manual = False
-        self._stores: Optional[dict] = None
+        self._stores: Optional[StoreReadings] = None
         self._data_resume = OTHER
         self._batch_ended = False
         self._next_log = self.log_every_n_steps
@@ -277,27 +278,12 @@ class StepProfiler(Callback):
         self._device = trainer.strategy.root_device
         self._trainer = trainer
         self._manual = not pl_module.automatic_optimization
-        self._stores = getattr(pl_module, "embedding_stores", None)
-        store_io = self._store_io if self._stores is not None else None
+        stores = getattr(pl_module, "embedding_stores", None)
+        self._stores = StoreReadings(stores) if stores is not None else None
+        store_io = self._stores.io_wait_seconds if self._stores is not None else None
         self._timeline = StepTimeline(self._ledger.add_step, self._device, store_io,
                                       sample_every=self.sample_every_n_steps)
         self._timeline.on_device_step = self._predictor.add_device_step
-
-    def _hot_tiers(self) -> Optional[tuple[float, float]]:
-        """(hot bytes, hot budget bytes) summed over the stores whose hot tier has a budget."""
-        hot = budget = 0.0
-        for h in self._stores.values():
-            s = h.stats()
-            b = getattr(s, "hot_budget_bytes", 0) or 0
-            if b > 0:
-                hot += s.hot_bytes
-                budget += b
-        return (hot, budget) if budget > 0 else None
-
-    def _store_io(self) -> float:
-        # io_wait_seconds is O(1); stats() scans dirty marks and the store folder (ms on big tables)
-        return sum(h.io_wait_seconds if hasattr(h, "io_wait_seconds") else h.stats().io_wait_seconds
-                   for h in self._stores.values())
 
     # ------------------------------------------------------------------ epochs
 
@@ -310,9 +296,9 @@ class StepProfiler(Callback):
         # resumes inside an epoch
         epoch = trainer.current_epoch
         if self._stores is None and getattr(pl_module, "embedding_stores", None) is not None:
-            self._stores = pl_module.embedding_stores  # created after on_train_start
-            self._timeline.store_io = self._store_io
-        self._predictor.store_reader = self._hot_tiers if self._stores else None
+            self._stores = StoreReadings(pl_module.embedding_stores)  # created after on_train_start
+            self._timeline.store_io = self._stores.io_wait_seconds
+        self._predictor.store_reader = self._stores.hot_tiers if self._stores and self._stores.stores else None
         self._batch_ended = False
         ledger = self._ledger
         self._step_in_epoch, unfinished = ledger.open_epoch_at(epoch)
@@ -377,7 +363,7 @@ class StepProfiler(Callback):
         if not trainer.is_global_zero:
             return
         if self.report and self._ledger.summaries:
-            self._print_report()
+            report.print_table(self.report_table())
         if self.plot is not None and self._ledger.summaries:
             report.save_plot(self._ledger.summaries, self.plot)
 
@@ -420,17 +406,6 @@ class StepProfiler(Callback):
         # this batch (logging, checkpoints, progress bar) is this step's "other".
         self._timeline.switch(OTHER)
         self._batch_ended = True
-
-    def _print_report(self) -> None:
-        table = self.report_table()
-        # Lightning's INFO messages reach the console by default; with logging at WARNING (or a
-        # handler-less logger) the table would vanish, so it is printed instead
-        from lightning_utilities.core import rank_zero as _rz
-
-        if _rz.log.isEnabledFor(logging.INFO) and _rz.log.hasHandlers():
-            rank_zero_info(table)
-        else:
-            print(table, flush=True)
 
     def _close_step(self, trainer: Optional[Trainer], log: bool = True, next_phase: int = OTHER) -> None:
         self._batch_ended = False

@@ -44,6 +44,12 @@ class EpochPredictor:
         self.store_reader: Optional[Callable[[], Optional[tuple[float, float]]]] = None
         self._store_mark = -1
         self._store_first: Optional[tuple[int, tuple[float, float]]] = None
+        # finished steps' host phases not yet handed to the forecast (one append per step; the
+        # forecast takes them whenever it is read), and the batch count at which add_step has
+        # something to do (the store reading, the kept prediction)
+        self._hosts: list[list[float]] = []
+        self._fed = 0
+        self._next_check = 0
 
     # -- feeding ------------------------------------------------------------------------------
 
@@ -60,16 +66,36 @@ class EpochPredictor:
         self._landmark = None
         self._store_mark = -1
         self._store_first = None
+        self._hosts = []
+        self._fed = step_in_epoch
+        self._next_check = 0
 
     def add_step(self, host: list[float], trainer: Any) -> None:
         """A finished step's host phases; makes the kept prediction once the epoch reaches
         ``predict_at``."""
-        fc = self.forecast
-        if fc is None:
+        hosts = self._hosts
+        hosts.append(host)
+        if self._fed + len(hosts) >= self._next_check and self.forecast is not None:
+            self._check(trainer)
+
+    def _sync(self) -> None:
+        """Hand the pending steps to the forecast."""
+        hosts, fc = self._hosts, self.forecast
+        if not hosts or fc is None:
             return
-        fc.add_step(host[DATA] + host[FORWARD] + host[BACKWARD] + host[OPTIMIZER] + host[STORE] + host[OTHER],
-                    host[STORE])
-        if self.kept is not None or trainer is None:
+        for h in hosts:
+            fc.add_step(h[DATA] + h[FORWARD] + h[BACKWARD] + h[OPTIMIZER] + h[STORE] + h[OTHER], h[STORE])
+        self._fed += len(hosts)
+        hosts.clear()
+
+    def _check(self, trainer: Any) -> None:
+        self._sync()
+        fc = self.forecast
+        self._next_check = math.inf
+        if self.kept is not None:
+            return
+        if trainer is None:
+            self._next_check = fc.batches + 1
             return
         if self._landmark is None:
             target = self.epoch_target(trainer)
@@ -85,6 +111,10 @@ class EpochPredictor:
             give_up = self._landmark + 64 + 8 * self.sample_every
             if self.kept is None and fc.batches >= give_up:
                 self._landmark = -1  # the epoch is too short to predict; stop trying
+            elif self.kept is None:
+                self._next_check = fc.batches + 1  # the device has not timed enough steps yet
+        elif self._landmark > 0:
+            self._next_check = min(self._landmark, self._store_mark if self._store_mark > fc.batches else math.inf)
 
     def add_device_step(self, index: int, seconds: float) -> None:
         if self.forecast is not None:
@@ -92,6 +122,7 @@ class EpochPredictor:
 
     def mark_save(self) -> None:
         """A checkpoint is being saved in the step now running."""
+        self._sync()
         if self.forecast is not None:
             self.forecast.mark_save()
 
@@ -111,6 +142,7 @@ class EpochPredictor:
 
     def finish_epoch(self) -> Optional[dict]:
         """The epoch ended: returns its kept prediction; a save's measured cost carries over."""
+        self._sync()
         if self.forecast is not None and self.forecast.saves:
             extra = self.forecast.save_extra()
             if extra is not None:
@@ -124,6 +156,7 @@ class EpochPredictor:
         """The prediction for a log interval. One costs O(batches so far) (~0.2 ms at 20,000);
         recomputed once the epoch has grown by 1/32 since the last one, it costs a step well
         under a microsecond."""
+        self._sync()
         fc, last = self.forecast, self._last_logged
         if fc is None:
             return None
@@ -182,6 +215,7 @@ class EpochPredictor:
     def predict(self, trainer: Any, with_store: bool = False) -> Optional[dict]:
         """Predicted wall seconds of the running epoch and of the fit (docs/profiler.md);
         ``with_store``: also when the stores' hot tiers will fill up (reads their stats)."""
+        self._sync()
         fc = self.forecast
         if fc is None:
             return None

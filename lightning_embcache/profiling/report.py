@@ -127,3 +127,15 @@ def save_plot(epochs: list[dict], path: Union[str, Path]) -> bool:
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return True
+
+
+def print_table(table: str) -> None:
+    """Show the end-of-fit table: through Lightning's INFO log where that reaches the console (its
+    default), else printed: with logging at WARNING (or a handler-less logger) it would vanish."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+    from lightning_utilities.core import rank_zero as _rz
+
+    if _rz.log.isEnabledFor(logging.INFO) and _rz.log.hasHandlers():
+        rank_zero_info(table)
+    else:
+        print(table, flush=True)

@@ -79,11 +79,12 @@ class Totals:
         if not steps:
             return
         batches, hosts, devices, samples, steadies, forceds = zip(*steps)
-        walls = [h[DATA] + h[FORWARD] + h[BACKWARD] + h[OPTIMIZER] + h[STORE] + h[OTHER] for h in hosts]
         self.batches += sum(batches)
-        self.wall_s += sum(walls)
         self.samples += sum(samples)
         host_cols = [sum(c) for c in zip(*hosts)]
+        wall = host_cols[DATA] + host_cols[FORWARD] + host_cols[BACKWARD] + host_cols[OPTIMIZER] + \
+            host_cols[STORE] + host_cols[OTHER]
+        self.wall_s += wall
         self.val_s += host_cols[VALIDATION]
         self.host_phase_s = [a + b for a, b in zip(self.host_phase_s, host_cols)]
         timed = [d for d in devices if d is not None]
@@ -95,10 +96,14 @@ class Totals:
                 self.sampled_s = [a + sum(c) for a, c in zip(self.sampled_s, zip(*sampled))]
                 self.sampled_steps += len(sampled)
         self.untimed_steps += sum(1 for d, b in zip(devices, batches) if d is None and b)
-        steady = [(b, w) for b, w, st in zip(batches, walls, steadies) if st and b]
-        if steady:
-            self.steady_batches += sum(b for b, _ in steady)
-            self.steady_wall_s += sum(w for _, w in steady)
+        if all(steadies) and all(batches):  # the usual span: every step steady
+            self.steady_batches += len(steps)
+            self.steady_wall_s += wall
+            return
+        for b, h, st in zip(batches, hosts, steadies):
+            if st and b:
+                self.steady_batches += b
+                self.steady_wall_s += h[DATA] + h[FORWARD] + h[BACKWARD] + h[OPTIMIZER] + h[STORE] + h[OTHER]
 
     def merge(self, other: "Totals") -> None:
         """Add ``other``'s sums to these."""
