@@ -1,7 +1,7 @@
 """Scaling of an auto-decoder whose per-sample codes are trainable rows of a row-sharded store.
 
     python -m lightning_embcache.bench.distributed --world-sizes 1 2 4 --rows 10000000 --dim 64 \\
-        --batch 8192 --steps 40 --device-fraction 0.5 --out bench-results/distributed-scaling.json
+        --batch 8192 --steps 40 --device-fraction 0.5 --threads 4 --out bench-results/distributed-scaling.json
 
 Each world size runs in fresh processes (one per GPU; NCCL for the decoder's DDP). Per step and
 rank: `lookup` of `--batch` random ids (rows fetched from their owners), a 3-layer MLP decoder
@@ -9,16 +9,20 @@ under DDP, backward, the rows' gradients sent to their owners and applied by Ada
 decoder's Adam step. Weak scaling: the per-rank batch is fixed, so samples/s should grow with the
 world size.
 
-``--rows gpu`` (default): every owner keeps ``--device-fraction`` of its shard (rows + Adam
+``--rows-on gpu`` (default): every owner keeps ``--device-fraction`` of its shard (rows + Adam
 state) in a `DeviceTier` on its GPU, the rest in host memory; ids travel over Gloo, rows and
 gradient rows GPU to GPU over NCCL (`ShardedDeviceRows`). World size 1 is one process with a
 `DeviceTier` of the same fraction of the whole table. Before timing, each tier is filled with
 rows marked dirty, so evictions write rows back as in a long run (an empty tier would take
-hundreds of steps to fill). ``--rows host``: the owners' rows in host memory, exchanged over Gloo.
+hundreds of steps to fill). ``--rows-on host``: the owners' rows in host memory, exchanged over
+Gloo. Every run announces the next batch's ids after each lookup (``prefetch``: the id exchange
+and the owners' uploads of missing rows overlap the step; ``--no-prefetch`` turns it off).
 
-Every process uses ``--threads`` torch threads (default: cores / largest world size), the same at
-every world size. ``--host-threads T ...`` also times one process with host rows at each T
-(the host path's sensitivity to the thread count). ``--device-tier-baseline``: one process
+Every process uses ``--threads`` torch threads (default: 4, or fewer when cores / largest world
+size is smaller), the same at every world size: on 4 x H100 with 64 cores, 16 threads per process
+made 4 processes 3x slower than 4 threads did (oversubscribed cores: each process also runs
+Gloo, NCCL, prefetch and write-back threads). ``--host-threads T ...`` also times one process
+with host rows at each T (the host path's sensitivity to the thread count). ``--device-tier-baseline``: one process
 with the whole table in its device tier. ``--dense``: DDP + a dense ``nn.Embedding`` + Adam.
 
 Reported per run: samples/s (steady, after `--warmup` steps), ms per step, the bytes each rank sent
@@ -269,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="each rank's device budget as a fraction of its shard (rows + Adam state + bookkeeping)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="no prefetch of the next batch's rows (by default every run prefetches them)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / largest world)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process (default: min(4, cores / largest world size))")
     p.add_argument("--host-threads", type=int, nargs="*", default=[],
                    help="also time 1 process with host rows at each of these thread counts")
     p.add_argument("--dense", action="store_true", help="also time DDP + a dense nn.Embedding (CUDA only)")
@@ -278,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
-    threads = args.threads or max(1, (os.cpu_count() or 2) // max(args.world_sizes))
+    threads = args.threads or max(1, min(4, (os.cpu_count() or 2) // max(args.world_sizes)))
     mode = args.rows_on if cuda else "host"
     cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense,
                threads=threads, mode=mode, fraction=args.device_fraction, prefetch=args.prefetch)

@@ -78,6 +78,8 @@ class ShardedStore:
 
         ``path=None`` keeps every shard in memory. `create_options` are those of
         `EmbeddingStore.create`; the budgets and ``check_finite`` also apply when opening.
+        ``device_bytes`` (also when opening): each shard's GPU budget for trainable rows when the
+        ranks train on GPUs (see `trainable_rows`).
         A read-only open of a shard never written gives its initial rows, in memory.
         """
         factory = ShardFactory(int(num_rows), dim, create_options)
