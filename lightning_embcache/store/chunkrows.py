@@ -16,6 +16,7 @@ random rows of a 64 MiB file made RSS grow by 64 MiB), which would break the mem
 
 from __future__ import annotations
 
+import array
 import os
 import resource
 import threading
@@ -31,6 +32,14 @@ BLOCK = 4096
 WHOLE_AFTER = 4  # block-wise first reads of a chunk before a cached chunk is verified whole
 _FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux: a read that fails instead of waiting for the disk
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _chunk_name(chunk: int, gen: int) -> str:
+    """A base chunk file's name in ``chunks/`` (as `Disk.chunk_path` names it)."""
+    return f"c{chunk:08d}-g{gen:08d}"
 
 
 def _max_files() -> int:
@@ -70,7 +79,9 @@ class ChunkRows:
         self._fd = np.full(nc, -1, np.int64)
         self._gen = np.zeros(nc, np.int64)
         self._off = np.zeros(nc, np.int64)
-        self._crcs: dict[int, list[int]] = {}  # chunk -> block checksums of the open generation
+        # chunk -> block checksums of its generation in ``_gen``, kept while the file is closed by
+        # the open-file bound (4 bytes per 4 KiB of table touched) so that reopening reads nothing
+        self._crcs: dict[int, array.array] = {}
         self._order: list[int] = []  # chunks in the order they were opened (closing oldest first)
         self._ok = zeros(nc * self.bpc, np.uint8)  # block verified (for _ok_gen)
         self._ok_gen = zeros(nc, np.int32)  # generation the chunk's flags are for
@@ -88,6 +99,23 @@ class ChunkRows:
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
         disk = self.disk
+        if self._fd[chunk] == -1 and self._gen[chunk] == gen and chunk in self._crcs:
+            # Closed by `_trim` and wanted again: the same immutable file, whose header and block
+            # checksums this handle already read and checked. One openat, no re-reading: a table
+            # of more chunk files than the descriptor bound reopens files on most misses.
+            try:
+                fd = os.open(_chunk_name(chunk, gen), _OPEN_FLAGS, dir_fd=disk._chunks_fd)
+            except FileNotFoundError:
+                raise CorruptStoreError(disk.chunk_path(chunk, gen), "missing: the chunk map lists it but it is gone") from None
+            if _FADV_WILLNEED is not None:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            with self._lock:
+                if self._fd[chunk] == -1 and self._gen[chunk] == gen:
+                    self._order.append(chunk)
+                    self._fd[chunk] = fd
+                    return
+            os.close(fd)  # another thread opened this chunk (or a newer generation) meanwhile
+            return
         path = disk.chunk_path(chunk, gen)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -116,7 +144,9 @@ class ChunkRows:
             else:
                 self._order.append(chunk)
             if fd >= 0:
-                self._crcs[chunk] = [int(x) for x in crcs]
+                self._crcs[chunk] = array.array("I", crcs.astype(np.uint32).tobytes())
+            else:
+                self._crcs.pop(chunk, None)
             self._fd[chunk], self._gen[chunk], self._off[chunk] = fd, gen, off
 
     def _trim(self, keep: set) -> None:
@@ -133,8 +163,7 @@ class ChunkRows:
             for c in drop:
                 if self._fd[c] >= 0:
                     self._retired.append(int(self._fd[c]))
-                self._fd[c] = -1
-                self._crcs.pop(c, None)
+                self._fd[c] = -1  # its generation, data offset and checksums stay known (`_open`)
 
     def _enter(self) -> None:
         with self._lock:

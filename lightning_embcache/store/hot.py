@@ -40,7 +40,10 @@ class HotTier:
             self.slot_of = zeros(num_rows, np.int32)  # slot + 1; 0 = not resident
             self.id_of = np.full(self.capacity, -1, np.int64)
             self.ref = zeros(self.capacity, np.uint8)
-            self.free = list(range(self.capacity - 1, -1, -1))
+            # free slots as a stack (the top at the end), taken and given back as whole arrays;
+            # 4 bytes a slot (a list of Python ints was ~36)
+            self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)
+            self._nfree = self.capacity
             self.hand = 0
         self.used = 0
 
@@ -131,9 +134,20 @@ class HotTier:
         return hinted
 
     def take_free(self, n: int) -> np.ndarray:
-        k = min(n, len(self.free))
-        got = [self.free.pop() for _ in range(k)]
-        return np.asarray(got, np.int64)
+        """Up to ``n`` free slots (fewer if fewer are free)."""
+        k = min(n, self._nfree)
+        self._nfree -= k
+        return self._free[self._nfree : self._nfree + k][::-1].astype(np.int64)
+
+    def give_back(self, slots: np.ndarray) -> None:
+        """Return ``slots`` (taken by `take_free` or just emptied) to the free stack."""
+        k = len(slots)
+        self._free[self._nfree : self._nfree + k] = slots[::-1]
+        self._nfree += k
+
+    @property
+    def free_count(self) -> int:
+        return self._nfree
 
     def install(self, ids: np.ndarray, slots: np.ndarray, records: np.ndarray | torch.Tensor) -> None:
         self.pool_np[slots] = records
@@ -149,13 +163,16 @@ class HotTier:
         self.id_of[slots] = -1
         self.dirty[slots] = 0
         self.ref[slots] = 0
-        self.free.extend(slots.tolist())
+        self.give_back(slots)
         self.used -= len(slots)
 
     def set_limit(self, slots: int) -> None:
         """Usable slot count (<= capacity); the caller has already emptied slots >= slots."""
         self.limit = max(1, min(int(slots), self.capacity))
-        self.free = [s for s in self.free if s < self.limit]
+        free = self._free[: self._nfree]
+        free = free[free < self.limit]
+        self._nfree = len(free)
+        self._free[: self._nfree] = free
         if self.hand >= self.limit:
             self.hand = 0
         self.buffer.release(self.limit * self.row_bytes, (self.capacity - self.limit) * self.row_bytes)
@@ -163,7 +180,7 @@ class HotTier:
     def grow_limit(self, slots: int) -> None:
         old = self.limit
         self.limit = max(1, min(int(slots), self.capacity))
-        self.free.extend(range(self.limit - 1, old - 1, -1))
+        self.give_back(np.arange(self.limit - 1, old - 1, -1, dtype=np.int64)[::-1])
 
     # ---- resident layout ---------------------------------------------------------------------
     def chunk_range(self, chunk: int) -> tuple[int, int]:

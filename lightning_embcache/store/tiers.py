@@ -176,7 +176,7 @@ class TieredRows:
         got = self._allocate(len(mids), protect=slots[~missing])
         if len(got) < len(mids):
             # No room even after eviction (everything in flight or in use by this call).
-            hot.free.extend(got.tolist())
+            hot.give_back(got)
             if for_write:
                 self._write_around(idx, mids, values or {}, load)
                 return None
@@ -277,7 +277,7 @@ class TieredRows:
                 try:
                     self._evict_slots(victims)  # a failed write-back evicts nothing
                 except BaseException:
-                    hot.free.extend(got.tolist())
+                    hot.give_back(got)
                     raise
                 more = hot.take_free(n - len(got))
                 got = np.concatenate([got, more])
@@ -776,7 +776,7 @@ class TieredRows:
             mids, records = miss[want], records[want]
             got = self._allocate(len(mids))
             if len(got) < len(mids):  # no room now (rows in flight or in use): drop the hint
-                hot.free.extend(got.tolist())
+                hot.give_back(got)
                 return True
             hot.install(mids, got, records)
             self._stats.prefetched_rows += len(mids)

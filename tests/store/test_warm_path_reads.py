@@ -183,3 +183,34 @@ def test_with_lookahead_no_row_is_read_from_disk_twice(shm_path, monkeypatch):
     assert len({(int(a), int(b)) for a, b in pairs.T}) == pairs.shape[1], "a row was read twice"
     assert pairs.shape[1] <= len(perm)
     assert st.prefetch_hits + st.prefetch_misses == len(perm)
+
+
+def test_chunk_files_closed_by_the_descriptor_bound_reopen_without_rereading(shm_path, monkeypatch):
+    """A table of more chunk files than the open-file bound: every read stays right, and a file
+    closed by the bound and wanted again is reopened with its header and checksums as first read
+    (the directory of each (chunk, generation) is read once per handle)."""
+    from lightning_embcache.store import chunkrows
+    from lightning_embcache.store.disk import Disk
+
+    table = _populated(shm_path / "s")
+    dirs = []
+    real = Disk._raw_chunk_directory
+
+    def counting(self, path, chunk, **kw):
+        dirs.append(chunk)
+        return real(self, path, chunk, **kw)
+
+    monkeypatch.setattr(Disk, "_raw_chunk_directory", counting)
+    monkeypatch.setattr(chunkrows, "_max_files", lambda: 8)
+    rng = np.random.default_rng(3)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        assert chunkrows._chunk_name(3, 7) == s._disk.chunk_path(3, 7).name
+        for _ in range(30):
+            ids = torch.from_numpy(rng.choice(N, 200, replace=False))
+            assert torch.equal(s.get(ids), table[ids])
+            s.evict(1 << 30)
+        reader = s._chunkrows
+        assert reader is not None and len(reader._order) <= reader.max_files + len(np.unique(ids.numpy() // CHUNK))
+        gens = s._cmap
+    assert sorted(dirs) == sorted(set(dirs)), "a chunk file's directory was read again on reopening"
+    assert len(set(dirs)) == len(np.unique(np.flatnonzero(gens)))
