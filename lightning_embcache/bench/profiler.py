@@ -14,8 +14,9 @@ the epoch's wall time and each batch's start and end. Reported per (model, worke
 - StepProfiler's data_wait against the loader's own measured time and against the whole gap
   between batches (what a profiler that calls the gap "data" would report).
 
-``--device cuda`` adds the GPU checks: no added synchronization inside steady-state steps
-(``torch.cuda.set_sync_debug_mode("error")``) and the phases against a ``torch.profiler`` trace.
+``--device cuda`` adds the GPU checks (`lightning_embcache/bench/profiler_gpu.py`); ``--paired``
+interleaves the configurations in blocks of steps inside each fit instead
+(`lightning_embcache/bench/profiler_paired.py`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from typing import Any, Optional, Sequence
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.profilers import AdvancedProfiler, PyTorchProfiler, SimpleProfiler
 from torch.utils.data import DataLoader, Dataset
 
@@ -330,221 +330,6 @@ def _print_table(agg: dict) -> None:
                   f"{e['gap_between_batches_ms_median']:.3f} ms")
 
 
-# ---------------------------------------------------------------------------------------------- GPU
-
-
-class _ListLogger(Logger):
-    """Keeps logged metrics in memory (exercises StepProfiler's logging path)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict]] = []
-
-    @property
-    def name(self) -> str:
-        return "list"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-
-class _SyncGuard(L.Callback):
-    """torch.cuda.set_sync_debug_mode("error") from batch `first` to batch `last` (inclusive),
-    boundaries and the fetches between batches included: any synchronization there raises."""
-
-    def __init__(self, first: int, last: int) -> None:
-        self.first, self.last = first, last
-        self.steps_guarded = 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == self.first:
-            torch.cuda.set_sync_debug_mode("error")
-        if self.first <= batch_idx <= self.last:
-            self.steps_guarded += 1
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx == self.last + 1 or batch_idx == trainer.num_training_batches - 1:
-            torch.cuda.set_sync_debug_mode(0)
-
-    def on_train_epoch_end(self, *args: Any) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-
-
-def _gpu_fit(model_name: str, callbacks: list, epochs: int = 1, batches: Optional[int] = None,
-             logger: Any = False, profiler: Any = None) -> None:
-    width, depth, batch, n, load_ms = MODELS[model_name]
-    torch.manual_seed(0)
-    dl = DataLoader(SleepyBatches(batches or n, batch, width, load_ms), batch_size=None, pin_memory=True)
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        L.Trainer(accelerator="cuda", devices=1, max_epochs=epochs, logger=logger, profiler=profiler,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=tmp).fit(MLP(width, depth), dl)
-
-
-def sync_check(batches: int, warmup: int) -> dict:
-    """Steady-state steps run under sync-debug "error", with and without StepProfiler."""
-    out = {}
-    for name in ("none", "step"):
-        guard = _SyncGuard(warmup, batches - 5)
-        cbs: list = [guard]
-        prof = None
-        if name == "step":
-            prof = StepProfiler(log_every_n_steps=5, report=False, warmup_steps=warmup)
-            cbs.append(prof)
-        logger = _ListLogger()
-        try:
-            _gpu_fit("gpu_small", cbs, batches=batches, logger=logger)
-            err = None
-        except RuntimeError as e:  # what sync-debug "error" raises
-            err = str(e).splitlines()[0][:300]
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        out[name] = {"error": err, "steps_guarded": guard.steps_guarded,
-                     "profile_log_calls": sum(1 for _, m in logger.rows if "profile/step_ms" in m)}
-        if prof is not None and prof.summary():
-            out[name]["summary"] = prof.summary()[0]
-            out[name]["events_recorded"] = prof._timeline.events_recorded
-            out[name]["events_per_step"] = prof._timeline.events_recorded / batches
-    return out
-
-
-class _Annotate(L.Callback):
-    """torch.profiler ranges over the same windows StepProfiler uses for forward/backward/optimizer,
-    and the profiler itself running over epoch 1 only (epoch 0 is warm-up)."""
-
-    def __init__(self, prof) -> None:
-        self.prof, self.open = prof, None
-
-    def _enter(self, name: Optional[str]) -> None:
-        if self.open is not None:
-            self.open.__exit__(None, None, None)
-            self.open = None
-        if name is not None and self.prof is not None:
-            self.open = torch.profiler.record_function(name)
-            self.open.__enter__()
-
-    def on_train_epoch_start(self, trainer, *args: Any) -> None:
-        if trainer.current_epoch == 1:
-            self.prof.start()
-
-    def on_train_epoch_end(self, trainer, *args: Any) -> None:
-        self._enter(None)
-        if trainer.current_epoch == 1:
-            self.prof.stop()
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._enter("sp::forward")
-
-    def on_before_backward(self, *args: Any) -> None:
-        self._enter("sp::backward")
-
-    def on_before_optimizer_step(self, *args: Any) -> None:
-        self._enter("sp::optimizer")
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self._enter(None)
-
-
-def trace_check(model_name: str = "gpu_large", batches: int = 60) -> dict:
-    """Device time of the kernels launched in each window (torch.profiler trace) against
-    StepProfiler's CUDA-event phases, over the same epoch."""
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    sp = StepProfiler(report=False)
-    ann = _Annotate(prof)
-    _gpu_fit(model_name, [sp, ann], epochs=2, batches=batches)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        trace = json.loads(Path(path).read_text())
-    events = trace.get("traceEvents", trace)
-    windows = {"forward": [], "backward": [], "optimizer": []}
-    launches: dict[Any, float] = {}
-    device_ops = []
-    for ev in events:
-        cat = ev.get("cat", "")
-        name = ev.get("name", "")
-        if cat == "user_annotation" and name.startswith("sp::"):
-            windows[name[4:]].append((ev["ts"], ev["ts"] + ev.get("dur", 0)))
-        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in ev.get("args", {}):
-            launches[ev["args"]["correlation"]] = ev["ts"]
-        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            device_ops.append(ev)
-    kernel_ms = {k: 0.0 for k in windows}
-    for ev in device_ops:
-        t = launches.get(ev.get("args", {}).get("correlation"))
-        if t is None:
-            continue
-        for phase, spans in windows.items():
-            if any(a <= t <= b for a, b in spans):
-                kernel_ms[phase] += ev.get("dur", 0) / 1e3
-                break
-    summary = sp.summary()[1]
-    n = summary["batches"]
-    trace_per_step = {k: v / n for k, v in kernel_ms.items()}
-    cmp = {}
-    for k in windows:
-        ev_ms = summary["phases_ms"][k]
-        cmp[k] = {"step_profiler_cuda_events_ms": ev_ms, "trace_kernels_ms": trace_per_step[k],
-                  "host_clock_ms": summary["host_phases_ms"][k],
-                  "diff_pct": 100 * (ev_ms / trace_per_step[k] - 1) if trace_per_step[k] else None}
-    return {"model": model_name, "batches_in_epoch": n, "phases": cmp, "summary_epoch1": summary}
-
-
-def overhead_check(batches: int, warmup: int, reps: int) -> dict:
-    runs = []
-    configs = ["none", "step", "throughput", "simple"]
-    for rep in range(reps):
-        for cfg in configs[rep % 4:] + configs[:rep % 4]:  # rotated: no config always runs first
-            r = run_one("gpu_small", 0, cfg, warmup, device="cuda", batches=batches)
-            r["rep"] = rep
-            runs.append(r)
-    # where a StepProfiler fit's host time goes (cProfile, one fit; inflates every call alike)
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    run_one("gpu_small", 0, "step", warmup, device="cuda", batches=batches)
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    return {"runs": runs, "aggregate": _aggregate(runs, reps), "cprofile_step_fit": text.getvalue()}
-
-
-def gpu_checks(out: dict, reps: int = 3, batches: int = 200, paired: bool = False, block: int = 20) -> None:
-    """Zero added syncs in steady steps, phases against a torch.profiler trace, and the overhead
-    (whole fits interleaved, or with ``paired`` configurations interleaved in blocks of steps
-    inside each fit) (CUDA only)."""
-    out["gpu"] = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    out["gpu"]["sync"] = sync_check(batches=200, warmup=10)
-    print("sync check:", {k: v.get("error") for k, v in out["gpu"]["sync"].items()},
-          "events/step", out["gpu"]["sync"].get("step", {}).get("events_per_step"), flush=True)
-    out["gpu"]["trace"] = trace_check()
-    print("trace check:", {k: round(v["diff_pct"], 2) for k, v in out["gpu"]["trace"]["phases"].items()
-                           if v["diff_pct"] is not None}, flush=True)
-    if paired:
-        from lightning_embcache.bench.profiler_paired import paired_fit, print_paired
-
-        out["gpu"]["paired"] = []
-        for rep in range(reps):
-            r = paired_fit("gpu_small", "cuda", batches=batches, block=block, seed=rep)
-            print_paired(r)
-            out["gpu"]["paired"].append(r)
-    else:
-        out["gpu"]["overhead"] = overhead_check(batches=batches, warmup=20, reps=reps)
-
-
 def _print_prediction(agg: dict) -> None:
     def pct(v: Optional[float]) -> str:
         return "n/a" if v is None else f"{v:.2f}%"
@@ -642,6 +427,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{oc['actions_per_step']:.1f} actions per step, so the tap saves {saved:.2f} us/step: "
               f"net {oc['net_us_per_step']:+.2f} us/step")
     else:
+        from lightning_embcache.bench.profiler_gpu import gpu_checks
+
         gpu_checks(result, reps=args.reps, batches=args.batches or 200, paired=args.paired, block=args.block)
         result["gpu"]["own_cost"] = own_cost_us(steps=5000, device="cuda")
         print(json.dumps(result["gpu"], indent=1))

@@ -50,3 +50,31 @@ def test_bench_profiler_paired_blocks_quick_run(tmp_path, capsys):
             lo, hi = e[tag]["ci95_pct"]
             assert lo <= e[tag]["median_pct"] <= hi
     assert "paired blocks" in capsys.readouterr().out
+
+
+def test_paired_switch_routes_each_action_to_the_active_configuration_and_back():
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    from lightning_embcache.bench.profiler_paired import _order, _Switch, PAIRED_CONFIGS
+
+    order = _order(8)
+    # every cycle runs each configuration once; over 4 cycles each comes first once
+    assert all(sorted(row) == sorted(PAIRED_CONFIGS) for row in order)
+    assert sorted(row[0] for row in order[:4]) == sorted(PAIRED_CONFIGS)
+    sw = _Switch(block=2, order=order, warmup_steps=1)
+    simple = sw.targets["simple"] = SimpleProfiler()
+    sw.fetch_action = "fetch"
+    seen = []
+    for step in range(1 + 2 * 4 * 2):
+        sw.start("hook")  # open across the fetch that may change the block: ends where it began
+        sw.start("fetch")
+        seen.append(sw.active)
+        sw.stop("fetch")
+        sw.stop("hook")
+    assert seen[0] == "none"  # warm-up
+    blocks = [b[0] for b in sw.blocks]
+    assert blocks == order[0] + order[1]
+    assert seen[1:] == [c for c in blocks for _ in range(2)]
+    # SimpleProfiler saw exactly the steps of its blocks, every start matched by its stop
+    assert len(simple.recorded_durations["fetch"]) == 2 * blocks.count("simple")
+    assert not simple.current_actions
