@@ -172,12 +172,16 @@ class Manifest:
     chunkmap: int  # generation of the chunkmap file; 0 = every chunk unwritten
     segments: list[int]  # segment seqs, oldest first
     parent: int = 0
+    # A compaction rewrites a version's manifest with a new layout of the same rows; the rewrite
+    # keeps the identity (`Disk.manifest_checksum`) of the manifest its flush wrote.
+    ident: str = ""
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {"version": self.version, "chunkmap": self.chunkmap, "segments": self.segments,
-             "parent": self.parent, "time": time.time()}
-        ).encode()
+        obj = {"version": self.version, "chunkmap": self.chunkmap, "segments": self.segments,
+               "parent": self.parent, "time": time.time()}
+        if self.ident:
+            obj["ident"] = self.ident
+        return json.dumps(obj).encode()
 
 
 class Disk:
@@ -399,33 +403,68 @@ class Disk:
             raise CorruptStoreError(path, "manifest fields are not the expected non-negative integers")
         if v != version:
             raise CorruptStoreError(path, f"names version {v}, expected {version}")
-        return Manifest(v, cm, list(segs), parent)
+        ident = obj.get("ident", "")
+        if not isinstance(ident, str) or len(ident) > 64:
+            raise CorruptStoreError(path, "manifest identity is not a short string")
+        return Manifest(v, cm, list(segs), parent, ident)
 
     def manifest_checksum(self, version: int) -> str:
+        """Identity of ``version`` as its flush wrote it (a checkpoint records it to detect a store
+        recreated at the same path): the checksum of that manifest, kept by compaction rewrites."""
         path = self.manifest_path(version)
         head = path.read_bytes()[:HEADER_SIZE] if path.exists() else b""
         if not head:
             raise VersionNotFoundError(f"version={version} of store {self.root} is not retained")
         _, pcrc = parse_header(path, head, b"manifest", self.uid)
-        return f"{pcrc:08x}"
+        ident = self.read_manifest(version).ident
+        return ident or f"{pcrc:08x}"
+
+    def lock_version_alone(self, version: int) -> int | None:
+        """An exclusive flock on ``version``'s reader lock, so no reader opens it meanwhile
+        (readers wait); None if a reader holds it now. Release with `unlock_reader`."""
+        try:
+            fd = os.open(self.reader_lock_path(version).name, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644,
+                         dir_fd=self._root_fd)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
 
     def write_manifest(self, m: Manifest) -> None:
         self.bytes_written += self._write(self.manifest_path(m.version), b"manifest", m.to_bytes())
 
     # ---- chunk map ---------------------------------------------------------------------------
     def read_chunkmap(self, gen: int) -> np.ndarray:
-        if gen == 0:
-            return np.zeros(self.num_chunks, np.int32)
-        data = self._read_file(self.chunkmap_path(gen), b"chunkmap")
-        if len(data) != 4 * self.num_chunks:
-            raise CorruptStoreError(self.chunkmap_path(gen), f"has {len(data)} bytes, expected 4 per chunk x {self.num_chunks}")
-        arr = np.frombuffer(data, np.int32).copy()
-        if len(arr) and (arr.min() < 0 or arr.max() > gen):
-            raise CorruptStoreError(self.chunkmap_path(gen), f"lists generations outside [0, {gen}]")
-        return arr
+        return self.read_chunkmap_folded(gen)[0]
 
-    def write_chunkmap(self, gen: int, cmap: np.ndarray) -> None:
-        self.bytes_written += self._write(self.chunkmap_path(gen), b"chunkmap", cmap.astype(np.int32).tobytes())
+    def read_chunkmap_folded(self, gen: int) -> tuple[np.ndarray, np.ndarray]:
+        """(generation of each chunk's base file, newest segment folded into it) of chunkmap
+        ``gen``. A chunkmap written before compaction recorded the latter holds only the former:
+        then nothing counts as folded (re-folding a kept segment gives the same rows)."""
+        nc = self.num_chunks
+        if gen == 0:
+            return np.zeros(nc, np.int32), np.zeros(nc, np.int64)
+        path = self.chunkmap_path(gen)
+        data = self._read_file(path, b"chunkmap")
+        if len(data) not in (4 * nc, 12 * nc):
+            raise CorruptStoreError(path, f"has {len(data)} bytes, expected 4 or 12 per chunk x {nc}")
+        arr = np.frombuffer(data, np.int32, nc).copy()
+        if len(arr) and (arr.min() < 0 or arr.max() > gen):
+            raise CorruptStoreError(path, f"lists generations outside [0, {gen}]")
+        folded = np.frombuffer(data, np.int64, nc, 4 * nc).copy() if len(data) == 12 * nc else np.zeros(nc, np.int64)
+        if len(folded) and folded.min() < 0:
+            raise CorruptStoreError(path, "lists negative segment numbers")
+        return arr, folded
+
+    def write_chunkmap(self, gen: int, cmap: np.ndarray, folded: np.ndarray | None = None) -> None:
+        payload = cmap.astype(np.int32).tobytes()
+        if folded is not None:
+            payload += folded.astype(np.int64).tobytes()
+        self.bytes_written += self._write(self.chunkmap_path(gen), b"chunkmap", payload)
 
     # ---- base chunks -------------------------------------------------------------------------
     def chunk_rows_of(self, chunk: int) -> int:

@@ -237,7 +237,8 @@ class EmbeddingStore(TieredRows, Versioning):
         self._bg_futures: dict[str, Future] = {}
         self._bg_error: BaseException | None = None
         self._below_token = 0  # moves whenever rows below the hot tier change (see _prefetch)
-        self._publish_layout = False  # compact() was called: the next flush publishes its layout
+        self._flush_waiting = 0  # flushes waiting for the writer lock (compaction yields to them)
+        self._folded = np.zeros(0, np.int64)  # per chunk: newest segment folded into its base file
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them

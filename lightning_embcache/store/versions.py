@@ -36,6 +36,13 @@ from .validate import version_arg
 # bytes, or once there are this many: disk stays near 2x the table, reads touch few segments.
 COMPACT_RATIO = 0.25
 COMPACT_SEGMENTS = 32
+# Past this share a flush runs compaction rounds itself before writing (backpressure: flushes
+# faster than background compaction would otherwise pile segments up without bound).
+HARD_RATIO = 0.3
+# One compaction round rewrites ROUND_SHARE of the table's chunks, at most ROUND_BYTES: the
+# longest a flush or close() waits for the writer lock, and the disk it needs beside the table.
+ROUND_BYTES = 32 << 20
+ROUND_SHARE = 1 / 16
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
@@ -61,53 +68,66 @@ class Versioning:
                     self._hot.dirty[:] = 0
                     self._version += 1
                 return self._version
-        with self._flush_lock:
+        with self._lock:
+            self._flush_waiting += 1  # a background compaction lets go of the writer lock between rounds
+        try:
+            self._flush_lock.acquire()
+        finally:
             with self._lock:
-                self._check_open()
-                hot = self._hot
-                slots = np.flatnonzero(hot.dirty)
-                layout = (self._cmap_gen, [s.seq for s in self._committed])
-                if not len(slots) and not self._pending and (not self._publish_layout or layout == self._published):
-                    return self._version
-                # No rows changed but compact() was called: publish its layout (a new version,
-                # same rows), so that reopening does not find the old segments and compact them
-                # again. A background compaction waits for the next flush with new rows, so a
-                # flush with nothing new keeps returning the same version.
-                publish_layout, self._publish_layout = self._publish_layout, False
-                ids, slots, records, seq = self._begin_write_back(slots)
-                pending = list(self._pending)
-                version = self._max_version + 1
-                segs = [s.seq for s in self._committed] + [p.seq for p in pending]
-            try:
-                for p in pending:
-                    self._disk.sync_segment(p)
-                new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
-                m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
-                self._parent = self._version
-                self._disk.write_manifest(m)  # the commit point
-                self._published = (m.chunkmap, list(m.segments))
-            except BaseException:
-                self._end_write_back(slots, seq, ok=False)
-                self._publish_layout = self._publish_layout or publish_layout  # retried by the next flush
-                raise
-            try:
-                self._disk.write_latest(version)
-            except StoreError:
-                pass  # the version is published; the record only lags (open's check stays sound)
-            with self._lock:
-                self._end_write_back(slots, seq, ok=True)
-                self._committed += pending + new
-                self._pending = [p for p in self._pending if p not in pending]
-                for seg in new:
-                    self._index_add(seg)
-                self._version = self._max_version = version
-                self._warm.discard_many(ids // self._chunk_rows)
-                self._stats.flushes += 1
-                self._stats.flushed_rows += len(ids)
-            self._apply_retention()
+                self._flush_waiting -= 1
+        try:
+            while self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS) and self._compact_round():
+                # Flushes come faster than background compaction folds their rows: this flush
+                # folds rounds itself first, so disk use stays bounded whatever the flush rate
+                # (backpressure). Before its own writes: a round that fails publishes nothing.
+                pass
+            version = self._flush_locked()
+        finally:
+            self._flush_lock.release()
         self._trim_heap()
         self._maybe_compact()
         self._io_wait += time.perf_counter() - t0
+        return version
+
+    def _flush_locked(self) -> int:
+        """The body of `flush` (caller holds the writer lock)."""
+        with self._lock:
+            self._check_open()
+            hot = self._hot
+            slots = np.flatnonzero(hot.dirty)
+            layout = (self._cmap_gen, [s.seq for s in self._committed])
+            if not len(slots) and not self._pending and layout == self._published:
+                return self._version
+            ids, slots, records, seq = self._begin_write_back(slots)
+            pending = list(self._pending)
+            version = self._max_version + 1
+            segs = [s.seq for s in self._committed] + [p.seq for p in pending]
+        try:
+            for p in pending:
+                self._disk.sync_segment(p)
+            new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
+            m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
+            self._parent = self._version
+            self._disk.write_manifest(m)  # the commit point
+            self._published = (m.chunkmap, list(m.segments))
+        except BaseException:
+            self._end_write_back(slots, seq, ok=False)
+            raise
+        try:
+            self._disk.write_latest(version)
+        except StoreError:
+            pass  # the version is published; the record only lags (open's check stays sound)
+        with self._lock:
+            self._end_write_back(slots, seq, ok=True)
+            self._committed += pending + new
+            self._pending = [p for p in self._pending if p not in pending]
+            for seg in new:
+                self._index_add(seg)
+            self._version = self._max_version = version
+            self._warm.discard_many(ids // self._chunk_rows)
+            self._stats.flushes += 1
+            self._stats.flushed_rows += len(ids)
+        self._apply_retention()
         return version
 
     def versions(self) -> list[int]:
@@ -157,20 +177,21 @@ class Versioning:
             raise StoreError(f"{what}() needs a store on disk; this one was created with path=None")
         return self._disk
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, collect: bool = True) -> bool:
         """Drop versions that are not among the newest KEEP_VERSIONS, not pinned and not being read
-        by a read-only handle (in any process). Caller holds the flush lock."""
+        by a read-only handle (in any process); True if any was. Caller holds the flush lock."""
         assert self._disk is not None
         if self._readonly:
-            return
+            return False
         versions = self._disk.list_versions()
         keep = set(versions[-KEEP_VERSIONS:]) | self._pins | {self._version}
         dropped = False
         for v in versions:
             if v not in keep and self._disk.drop_version_unless_read(v):
                 dropped = True
-        if dropped:
+        if dropped and collect:
             self._submit_bg(self._collect_garbage)
+        return dropped
 
     def _load_version(self, version: int | None) -> None:
         disk = self._disk
@@ -199,7 +220,8 @@ class Versioning:
                 versions = disk.list_versions()
                 v = versions[-1]
         m = disk.read_manifest(v)
-        self._cmap = disk.read_chunkmap(m.chunkmap)
+        # and per chunk the newest segment folded into its base file (see _compact_round)
+        self._cmap, self._folded = disk.read_chunkmap_folded(m.chunkmap)
         self._cmap_gen = m.chunkmap
         self._committed = [disk.open_segment(s) for s in m.segments]
         self._published = (m.chunkmap, list(m.segments))
@@ -208,7 +230,9 @@ class Versioning:
         self._max_version = versions[-1]
         self._pins = disk.read_pins()
         seq, gen = disk.max_seq_and_gen()
-        self._next_seq = seq + 1
+        # Segment numbers only grow: the chunk map names segments folded (and deleted) long ago,
+        # and a new segment numbered like one of them would count as folded before it is.
+        self._next_seq = max(seq, int(self._folded.max(initial=0)), max(m.segments, default=0)) + 1
         self._next_gen = gen + 1
         if not self._readonly:
             # Leftovers of a crash (unreferenced segments, temp files) are removed by the writer.
@@ -218,11 +242,14 @@ class Versioning:
     def _segment_bytes(self) -> int:
         return sum(s.nbytes for s in self._committed)
 
+    def _needs_compaction(self, ratio: float = COMPACT_RATIO, segments: int = COMPACT_SEGMENTS) -> bool:
+        table = self._num_rows * self._row_bytes
+        return len(self._committed) > segments or self._segment_bytes() > ratio * table
+
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
         writable open: many short open/flush/close runs would otherwise never get there)."""
-        table = self._num_rows * self._row_bytes
-        if len(self._committed) > COMPACT_SEGMENTS or self._segment_bytes() > COMPACT_RATIO * table:
+        if self._needs_compaction():
             self._submit_bg(self._compact)
 
     def _submit_bg(self, fn: Callable[[], None]) -> None:
@@ -250,73 +277,151 @@ class Versioning:
             raise StoreError(f"background store work (write-back, compaction or garbage collection) failed: {exc}") from exc
 
     def compact(self) -> None:
-        """Fold all committed delta segments into base chunks now (normally automatic, in the
-        background); reads use the result at once, and the next flush publishes it, also one with
-        no new rows (which then returns a new version holding the same rows)."""
+        """Fold every committed delta segment into base chunks now (normally automatic, in the
+        background, a bounded round at a time). Each round is published at once (the version's
+        manifest names the new layout of the same rows), so reopening and disk use follow."""
         self._check_usable(write=True)
         self._require_disk("compact")
         self._wait_bg()
         with self._flush_lock:
-            self._compact()
-            self._publish_layout = True
+            while self._committed and self._compact_round(everything=True):
+                pass
 
     def _compact(self) -> None:
-        disk = self._disk
-        assert disk is not None
-        # The writer lock for the whole job: no flush, write-back, other compaction or garbage
-        # collection can move the layout between this snapshot and its publication.
-        with self._flush_lock:
-            with self._lock:
-                if self._closed:
-                    return
-                segs = list(self._committed)
-                cmap = self._cmap.copy()
-                gen = self._next_gen
-                self._next_gen += 1
-                self._writing_gens.add(gen)
-            try:
-                self._compact_into(segs, cmap, gen)
-            finally:
-                with self._lock:
-                    self._writing_gens.discard(gen)
+        """Background compaction: bounded rounds until the segments are well under the threshold.
 
-    def _compact_into(self, segs: list[Segment], cmap: np.ndarray, gen: int) -> None:
+        The writer lock is held for one round at a time and let go in between, so a flush (a
+        checkpoint's, on the training thread) or `close()` waits for one round at most.
+        """
+        while not self._closed:
+            while self._flush_waiting and not self._closed:
+                time.sleep(0.0005)  # a flush asked for the writer lock: it goes first
+            with self._flush_lock:
+                if not self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2):
+                    return
+                if not self._compact_round():
+                    return
+
+    def _round_chunks(self, segs: list[Segment], everything: bool) -> np.ndarray:
+        """The chunks one round rewrites: those the oldest segments still need folded (so that a
+        prefix of segments can be dropped), most delta rows first, at most ROUND_BYTES of them."""
+        chunk_bytes = self._chunk_rows * self._row_bytes
+        table = self._num_rows * self._row_bytes
+        limit = max(1, min(ROUND_BYTES, int(table * ROUND_SHARE)) // chunk_bytes)
+        if everything:
+            limit = max(limit, ROUND_BYTES // chunk_bytes)
+        folded = self._folded
+        need: list[np.ndarray] = []
+        count = 0
+        for s in segs:
+            c = s.idx_chunk[folded[s.idx_chunk] < s.seq]
+            if len(c):
+                need.append(c)
+                count += len(c)
+            if count >= limit:
+                break
+        if not need:
+            return np.zeros(0, np.int64)
+        cand = np.unique(np.concatenate(need))
+        if len(cand) > limit:
+            stale = np.zeros(len(folded), np.int64)
+            for s in segs:
+                np.add.at(stale, s.idx_chunk, s.idx_count)
+            cand = np.sort(cand[np.argsort(-stale[cand], kind="stable")[:limit]])
+        return cand.astype(np.int64)
+
+    def _compact_round(self, everything: bool = False) -> bool:
+        """Rewrite a bounded set of chunks with the committed segments' rows folded in, drop the
+        prefix of segments now folded everywhere, and publish the new layout of the same rows.
+        Caller holds the writer lock. False if there was nothing to do or the store closed.
+
+        Each chunk map records, per chunk, the newest segment folded into its base file; a segment
+        goes once every chunk it touches has folded it. Only a prefix of segments is ever dropped,
+        so every segment kept is newer than every one dropped: re-applying a kept segment to a
+        chunk that already holds it (a store written before chunk maps recorded this) gives the
+        same rows.
+        """
         disk = self._disk
         assert disk is not None
-        if not segs:
-            return
-        touched = np.unique(np.concatenate([s.idx_chunk for s in segs]))
-        new_cmap = cmap.copy()
-        for c in touched.tolist():
-            if self._closed:  # close() waits for the writer lock: stop here (the next open collects the rest)
-                return
-            rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
-            recs = disk.read_chunk(c, int(cmap[c])) if cmap[c] else self._init_records(c, rows)
-            lo = c * self._chunk_rows
+        with self._lock:
+            if self._closed or not self._committed:
+                return False
+            segs = list(self._committed)
+            cmap = self._cmap.copy()
+            chunks = self._round_chunks(segs, everything)
+            gen = self._next_gen
+            self._next_gen += 1
+            self._writing_gens.add(gen)
+        try:
+            newest = segs[-1].seq
+            new_cmap = cmap.copy()
+            done = 0
+            for c in chunks.tolist():
+                if self._closed:  # close() waits for the writer lock: publish what is done, stop
+                    break
+                rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
+                recs = disk.read_chunk(c, int(cmap[c])) if cmap[c] else self._init_records(c, rows)
+                lo = c * self._chunk_rows
+                for s in segs:
+                    got = s.rows_of_chunk(c)
+                    if got is not None:
+                        recs[got[0] - lo] = got[1]
+                disk.write_chunk(c, gen, recs, self._compress)
+                new_cmap[c] = gen
+                done += 1
+            if self._closed and not done and len(chunks):
+                return False
+            chunks = chunks[:done]
+            folded = self._folded.copy()
+            folded[chunks] = newest
+            drop = 0
             for s in segs:
-                got = s.rows_of_chunk(c)
-                if got is not None:
-                    recs[got[0] - lo] = got[1]
-            disk.write_chunk(c, gen, recs, self._compress)
-            new_cmap[c] = gen
-        disk.write_chunkmap(gen, new_cmap)
-        folded = {s.seq for s in segs}
-        with self._lock:  # the caller holds the writer lock: the layout is still the snapshot's
-            if self._closed:
-                return
+                if not (folded[s.idx_chunk] >= s.seq).all():
+                    break
+                drop += 1
+            remaining = segs[drop:]
+            disk.write_chunkmap(gen, new_cmap, folded)
+            # The version keeps its number: its manifest is rewritten in place with the new layout
+            # (same rows, same identity), while no reader can open it. Only when a read-only handle
+            # holds it does the new layout become a new version (the reader keeps its files).
+            version = self._version
+            alone = disk.lock_version_alone(version)
+            try:
+                if alone is not None:
+                    m = Manifest(version, gen, [s.seq for s in remaining], self._parent,
+                                 disk.manifest_checksum(version))
+                else:
+                    m = Manifest(self._max_version + 1, gen, [s.seq for s in remaining], version)
+                disk.write_manifest(m)  # the commit point: old layout or new, the same rows
+            finally:
+                disk.unlock_reader(alone)
+        finally:
+            with self._lock:
+                self._writing_gens.discard(gen)
+        if m.version >= self._max_version:
+            try:
+                disk.write_latest(m.version)  # LATEST links to the newest manifest's file
+            except StoreError:
+                pass  # the record only lags (open's check stays sound)
+        with self._lock:  # the caller holds the writer lock: the committed segments are the snapshot's
             assert [s.seq for s in self._committed] == [s.seq for s in segs], "layout moved during compaction"
-            remaining = [s for s in self._committed if s.seq not in folded]
-            # Reads switch to the compacted layout now (same rows); the next flush publishes it.
-            # Manifests are never rewritten, so a reader of the current version keeps every file
-            # it uses, and version numbers only move when rows change.
-            self._cmap, self._cmap_gen, self._committed = new_cmap, gen, remaining
+            self._cmap, self._cmap_gen, self._committed, self._folded = new_cmap, gen, remaining, folded
+            self._published = (gen, [s.seq for s in remaining])
+            if m.version != version:
+                self._parent = version
+                self._version = self._max_version = m.version
             self._index_rebuild()
             self._below_token += 1  # same rows, but the folded segments are no longer read
             self._stats.compactions += 1
-        # An earlier compaction that no flush published yet is garbage now. The folded segments'
-        # descriptors close when the last reader (a prefetch's plan) drops them.
-        self._collect_garbage()
+        if self._closed:
+            return False  # the next open collects what this round replaced
+        # The replaced chunk files and dropped segments are garbage once no kept version uses
+        # them: collected now, round by round, so disk use stays near the table plus one round.
+        # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
+        self._apply_retention(collect=False)
+        self._collect_garbage_locked(disk, at_open=False)
         self._trim_heap()
+        return True
 
     def _collect_garbage(self, at_open: bool = False) -> None:
         disk = self._disk

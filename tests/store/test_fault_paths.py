@@ -307,21 +307,30 @@ def test_a_flush_loop_keeps_disk_use_near_the_documented_bound(shm_path, rows, l
     assert peak <= bound * table, f"disk use reached {peak / table:.2f}x the table"
 
 
-def test_a_failed_flush_after_compact_still_publishes_the_compacted_layout_later(shm_path, faults):
+def test_a_failed_compaction_keeps_the_version_and_a_retry_publishes_its_layout(shm_path, faults):
+    """compact() publishes each round itself (the version's manifest names the new layout): a
+    round that fails (full disk) leaves the version's rows and layout as they were, a retry
+    folds every segment, and reopening finds no segment left, the same version and rows."""
     path = shm_path / "store"
     s = _flushed_store(path)
     s.update(torch.tensor([7]), torch.full((1, DIM), 5.0))
-    s.flush()
-    s.compact()
-    v = s.version
+    v = s.flush()
+    want = s.get(torch.arange(N))
+    ident = s.manifest_checksum(v)
     faults.armed = True
     with pytest.raises(StoreIOError):
-        s.flush()
+        s.compact()
     faults.armed = False
-    assert s.flush() > v  # no new rows, but compact()'s layout is still published
+    with EmbeddingStore.open(path, readonly=True) as r:
+        assert r.version == v and r.stats().segments >= 1
+        assert torch.equal(r.get(torch.arange(N)), want)
+    s.compact()
+    assert s.version == v and s.flush() == v  # same rows: the version number does not move
+    assert s.manifest_checksum(v) == ident  # a checkpoint that recorded v still recognises it
     s.close()
     with EmbeddingStore.open(path) as r:
-        assert r.stats().segments == 0
+        assert r.version == v and r.stats().segments == 0
+        assert torch.equal(r.get(torch.arange(N)), want)
 
 
 def test_versions_after_close_lists_the_store_not_the_working_directory(shm_path, monkeypatch):

@@ -139,22 +139,45 @@ def test_disk_use_with_a_pinned_version_adds_at_most_its_footprint(shm_path):
                 )
 
 
-def test_flush_after_compact_publishes_the_compacted_layout(shm_path):
-    """compact() then flush() with no new rows publishes the base-chunk layout as a new version
-    holding the same rows; without it every reopen would find the old segments and compact again."""
+def test_compact_publishes_its_layout_under_the_same_version(shm_path):
+    """compact() rewrites the version's manifest with the base-chunk layout of the same rows:
+    the version number and its identity stay, a flush with nothing new keeps it, and a reopen
+    finds no segment to compact again."""
     path = shm_path / "store"
-    rows = torch.randn(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as store:
-        store.update(torch.arange(N), rows)
+    rows = torch.zeros(N, DIM)
+    ids = torch.arange(0, N, 10)  # a tenth of the table: under the background compaction's threshold
+    rows[ids] = torch.randn(len(ids), DIM)
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros") as store:
+        store.update(ids, rows[ids])
         v1 = store.flush()
         assert store.stats().segments == 1
+        ident = store.manifest_checksum(v1)
         store.compact()
-        v2 = store.flush()
-        assert v2 > v1, "a compaction's layout was not published"
-        assert store.flush() == v2, "a flush with nothing new moved the version"
+        assert store.stats().segments == 0
+        assert store.flush() == v1, "a flush with nothing new moved the version"
+        assert store.versions() == [v1] and store.manifest_checksum(v1) == ident
     with EmbeddingStore.open(path) as store:
-        assert store.version == v2
+        assert store.version == v1
         assert store.stats().segments == 0, "reopening found the pre-compaction segments"
+        assert torch.equal(store.get(torch.arange(N)), rows)
+
+
+def test_compaction_beside_a_reader_of_the_version_publishes_a_new_one(shm_path):
+    """A read-only handle holds the version it opened: compaction must not replace that
+    version's layout under it, so its layout becomes a new version (same rows) and the reader
+    keeps reading every row of its own."""
+    path = shm_path / "store"
+    rows = torch.zeros(N, DIM)
+    ids = torch.arange(0, N, 10)  # a tenth of the table: under the background compaction's threshold
+    rows[ids] = torch.randn(len(ids), DIM)
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros") as store:
+        store.update(ids, rows[ids])
+        v1 = store.flush()
+        assert store.stats().segments == 1
+        with EmbeddingStore.open(path, readonly=True) as reader:
+            store.compact()
+            assert store.version > v1 and store.stats().segments == 0
+            assert torch.equal(reader.get(torch.arange(N)), rows)
         assert torch.equal(store.get(torch.arange(N)), rows)
 
 
@@ -194,3 +217,27 @@ def test_a_flush_with_nothing_new_keeps_its_version_after_a_background_compactio
             assert time.monotonic() < deadline, "no background compaction started"
             time.sleep(0.01)
         assert store.flush() == v
+
+
+def test_segments_written_after_a_reopen_are_never_taken_for_folded(shm_path):
+    """Chunk maps record the newest segment folded into each chunk; after compaction deleted
+    every segment file, a reopened store must still number new segments past those records
+    (numbering them from the files left made a new segment look folded, and compaction dropped
+    its rows)."""
+    path = shm_path / "store"
+    model = torch.randn(N, DIM)
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as store:
+        store.update(torch.arange(N), model)
+        store.flush()
+        store.compact()
+        assert not list((path / "segments").iterdir())
+    for i in range(3):
+        with EmbeddingStore.open(path) as store:
+            ids = torch.arange(i, N, 7)
+            model[ids] = float(i)
+            store.update(ids, model[ids])
+            store.flush()
+            store.compact()
+            assert torch.equal(store.get(torch.arange(N)), model)
+    with EmbeddingStore.open(path) as store:
+        assert torch.equal(store.get(torch.arange(N)), model)
