@@ -100,7 +100,7 @@ class TieredRows:
         def read(a: int, b: int) -> np.ndarray:
             with self._lock:
                 part = slots[a:b]
-                recs = self._hot.pool_np[part]
+                recs = self._hot.pool_np.take(part, axis=0)  # contiguous pool: take gathers fastest
                 if self._cow:
                     saved = np.fromiter(self._cow, np.int64, len(self._cow))
                     for pos in np.flatnonzero(np.isin(part, saved)).tolist():

@@ -119,7 +119,6 @@ class _Ring:
         """Bytes read by each request (or -errno); every request completed when it returns."""
         n = len(fds)
         res = np.empty(n, np.int64)
-        syscall = _syscall()
         for a in range(0, n, self.entries):
             b = min(n, a + self.entries)
             k = b - a
@@ -136,25 +135,46 @@ class _Ring:
             self.sq_array[slots] = slots
             self.sq_tail[0] = np.uint32((tail + k) & 0xFFFFFFFF)
             todo = k
-            submit = k
-            while todo:
-                got = syscall(ctypes.c_long(_SYS_ENTER), ctypes.c_int(self.fd), ctypes.c_uint32(submit),
-                              ctypes.c_uint32(todo), ctypes.c_uint32(_ENTER_GETEVENTS), None, ctypes.c_size_t(0))
-                if got < 0:
-                    err = ctypes.get_errno()
-                    if err in (4, 11, 16):  # EINTR, EAGAIN, EBUSY: reap what completed, go on
-                        got = 0
-                    else:
-                        raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
-                submit -= min(submit, max(int(got), 0))
-                head, ctail = int(self.cq_head[0]), int(self.cq_tail[0])
-                done = (ctail - head) & 0xFFFFFFFF
-                if done:
-                    c = self.cqes[(np.arange(head, head + done) & self.cq_mask)]
-                    res[c["user_data"].astype(np.int64)] = c["res"]
-                    self.cq_head[0] = np.uint32(ctail)
-                    todo -= done
+            try:
+                while todo:
+                    todo -= self._enter(todo, res)
+            except BaseException:
+                # Never leave a read in flight into a buffer the caller may free (an interrupt, an
+                # unexpected error): wait for every submitted request first, then give up the ring.
+                self._drain(todo, res)
+                raise
         return res
+
+    def _enter(self, todo: int, res: np.ndarray, strict: bool = True) -> int:
+        """Submit what the kernel has not taken yet, wait for completions; returns how many came."""
+        # entries the kernel has not taken yet (it moves the SQ head as it submits)
+        submit = (int(self.sq_tail[0]) - int(self.sq_head[0])) & 0xFFFFFFFF
+        got = _syscall()(ctypes.c_long(_SYS_ENTER), ctypes.c_int(self.fd), ctypes.c_uint32(submit),
+                         ctypes.c_uint32(todo), ctypes.c_uint32(_ENTER_GETEVENTS), None, ctypes.c_size_t(0))
+        if got < 0:
+            err = ctypes.get_errno()
+            if strict and err not in (4, 11, 16):  # EINTR, EAGAIN, EBUSY: reap what completed, go on
+                raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
+        head, ctail = int(self.cq_head[0]), int(self.cq_tail[0])
+        done = (ctail - head) & 0xFFFFFFFF
+        if done:
+            c = self.cqes[(np.arange(head, head + done) & self.cq_mask)]
+            res[c["user_data"].astype(np.int64)] = c["res"]
+            self.cq_head[0] = np.uint32(ctail)
+        return done
+
+    def _drain(self, todo: int, res: np.ndarray) -> None:
+        global _disabled
+        tries = 0
+        while todo > 0 and tries < 1000:
+            try:
+                n = self._enter(todo, res, strict=False)
+            except BaseException:  # another interrupt: keep waiting, the buffer is still in use
+                n = 0
+            todo -= n
+            tries += 0 if n else 1
+        if todo > 0:  # the kernel still holds requests: this ring (and its buffers) must not be reused
+            _disabled = True
 
 
 _local = threading.local()  # a thread's ring closes with the thread (its locals are dropped)
