@@ -1,7 +1,9 @@
 """Moving ids and rows between the ranks of a sharded table with `torch.distributed` all-to-all.
 
 Transport: ``all_to_all_single`` with per-rank split sizes on a dedicated **Gloo** group of host
-tensors, whatever the training backend. The rows live in host stores at both ends (the owner
+tensors. (When the owners keep their rows on their GPUs, `ShardedDeviceRows` routes the ids
+here and moves the rows themselves GPU to GPU over NCCL.) With host rows, the rows live in host
+stores at both ends (the owner
 reads and writes them in its `EmbeddingStore`), so an NCCL exchange would add a host->device copy
 before and a device->host copy after every transfer, and would put variable-size transfers on
 the training stream; the requester copies the rows it receives to its device once, as a
