@@ -116,17 +116,20 @@ class _Gate(Callback):
     def _batch_hook(self, name: str) -> Any:
         def hook(trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
             cb = self.callbacks.get(self.switch.active)
-            if cb is not None:
+            fn = getattr(cb, name, None)
+            if callable(fn):
                 # what Lightning's _call_callback_hooks costs a callback per hook: the action's
                 # name (with the callback's state_key) and its profiler context
                 with trainer.profiler.profile(f"[Callback]{cb.state_key}.{name}"):
-                    getattr(cb, name)(trainer, *args, **kwargs)
+                    fn(trainer, *args, **kwargs)
         return hook
 
     def _fit_hook(self, name: str) -> Any:
         def hook(*args: Any, **kwargs: Any) -> None:
             for cb in self.callbacks.values():
-                getattr(cb, name)(*args, **kwargs)
+                fn = getattr(cb, name)
+                if callable(fn):
+                    fn(*args, **kwargs)
         return hook
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

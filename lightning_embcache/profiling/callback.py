@@ -28,6 +28,7 @@ from lightning_embcache.profiling.timeline import (
 log = logging.getLogger(__name__)
 warning_cache = WarningCache()
 
+_SKIPPABLE_HOOKS = ("on_before_zero_grad", "on_after_backward")
 _PROFILER_METHODS = frozenset({"profile", "start", "stop", "describe", "teardown_profiler"})
 _NOT_A_PROFILER = ("StepProfiler is a callback, not a Lightning profiler: pass it as "
                    "Trainer(callbacks=[StepProfiler()]), not Trainer(profiler=StepProfiler()). It wraps whatever "
@@ -268,6 +269,7 @@ class StepProfiler(Callback):
             trainer.profiler = ProfilerTap.remove(trainer.profiler, self._tap)
         self._tap = None
         self._trainer = None
+        self._skip_hooks(())
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -284,6 +286,16 @@ class StepProfiler(Callback):
         self._timeline = StepTimeline(self._ledger.add_step, self._device, store_io,
                                       sample_every=self.sample_every_n_steps)
         self._timeline.on_device_step = self._predictor.add_device_step
+        self._skip_hooks(("on_before_zero_grad",) if self._manual else ("on_before_zero_grad", "on_after_backward"))
+
+    def _skip_hooks(self, names: tuple[str, ...]) -> None:
+        """Per-step hooks this fit does not need are hidden from the Trainer: Lightning calls a
+        callback's hook only where ``getattr(callback, name)`` is callable, and each call costs
+        the loop about a microsecond (an action name with ``state_key``, a profiler context)."""
+        for name in _SKIPPABLE_HOOKS:
+            self.__dict__.pop(name, None)
+        for name in names:
+            self.__dict__[name] = None
 
     # ------------------------------------------------------------------ epochs
 

@@ -118,3 +118,28 @@ def test_state_key_is_built_once_per_settings():
         sp.warmup_steps = 4  # another setting: another key, as Lightning's own would be
         assert sp.state_key != key and gen.call_count == 2
     assert key == StepProfiler(report=False, warmup_steps=3).state_key
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_per_step_hooks_a_fit_does_not_need_are_not_called(manual):
+    """Lightning calls a callback hook only where it is callable: the profiler hides
+    on_before_zero_grad (never needed) and, under automatic optimization, on_after_backward."""
+    calls = []
+
+    class Counting(SimpleProfiler):
+        def start(self, action_name):
+            calls.append(action_name)
+            super().start(action_name)
+
+    sp = StepProfiler(report=False)
+    clock = FakeClock()
+    with mock.patch("time.perf_counter", clock):
+        t = trainer(max_epochs=1, callbacks=[sp], profiler=Counting())
+        t.fit(CostModel(Cost(clock), MS, MS, MS, manual=manual), loader(BatchDataset(5, Cost(clock), MS)))
+    mine = [c.rsplit(".", 1)[1] for c in calls if c.startswith(f"[Callback]{sp.state_key}.")]
+    assert "on_before_zero_grad" not in mine
+    assert mine.count("on_after_backward") == (5 if manual else 0)
+    assert mine.count("on_train_batch_start") == 5 and mine.count("on_before_backward") == 5
+    assert sp.summary()[0]["batches"] == 5
+    # after the fit the hooks are the class's again (a later fit may need them)
+    assert callable(sp.on_after_backward) and callable(sp.on_before_zero_grad)
