@@ -552,20 +552,27 @@ class Disk:
         finally:
             os.close(fd)
 
-    def write_chunk(self, chunk: int, gen: int, records: np.ndarray, compress: bool) -> None:
+    def write_chunk(self, chunk: int, gen: int, records: np.ndarray, compress: bool, *, durable: bool = True) -> None:
+        """``durable=False``: no fsync (a compaction round makes its files durable at once with
+        `sync_chunks` before it publishes them)."""
         raw = records.tobytes()
         if compress:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
                 head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 1)
-                self.bytes_written += self._write(self.chunk_path(chunk, gen), b"chunk", head + packed)
+                self.bytes_written += self._write(self.chunk_path(chunk, gen), b"chunk", head + packed, durable=durable)
                 return
         # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
         view = memoryview(raw)
         crcs = np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
         directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
         self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunkraw", directory, self.uid) + [raw],
-                                          dir_fd=self._chunks_fd)
+                                          dir_fd=self._chunks_fd, durable=durable)
+
+    def sync_chunks(self, chunks: list[int], gen: int) -> None:
+        """Make chunk files written with ``durable=False`` durable (before a manifest names them)."""
+        if chunks:
+            fileio.sync_written(self._chunks_fd, [self.chunk_path(c, gen).name for c in chunks], self.root / "chunks")
 
     def _chunk_kind(self, path: Path) -> bytes:
         try:

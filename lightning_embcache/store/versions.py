@@ -366,12 +366,13 @@ class Versioning:
                     got = s.rows_of_chunk(c)
                     if got is not None:
                         recs[got[0] - lo] = got[1]
-                disk.write_chunk(c, gen, recs, self._compress)
+                disk.write_chunk(c, gen, recs, self._compress, durable=False)
                 new_cmap[c] = gen
                 done += 1
             if self._closed and not done and len(chunks):
                 return False
             chunks = chunks[:done]
+            disk.sync_chunks(chunks.tolist(), gen)  # durable before the manifest names them
             folded = self._folded.copy()
             folded[chunks] = newest
             drop = 0

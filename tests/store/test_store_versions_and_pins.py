@@ -3,6 +3,7 @@ reclaimed; disk use stays near the table's size plus what pinned versions hold."
 
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 import torch
@@ -239,5 +240,30 @@ def test_segments_written_after_a_reopen_are_never_taken_for_folded(shm_path):
             store.flush()
             store.compact()
             assert torch.equal(store.get(torch.arange(N)), model)
+    with EmbeddingStore.open(path) as store:
+        assert torch.equal(store.get(torch.arange(N)), model)
+
+
+def test_compaction_makes_its_chunks_durable_without_syncfs(shm_path, monkeypatch):
+    """Where the file system cannot be synced at once (not Linux), a round syncs each chunk file
+    it wrote before its manifest names them."""
+    from lightning_embcache.store import fileio
+
+    monkeypatch.setattr(fileio, "_SYNCFS", None)
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    path = shm_path / "store"
+    model = torch.randn(N, DIM)
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as store:
+        store.update(torch.arange(N), model)
+        store.flush()
+        store._wait_bg()
+        store.update(torch.arange(0, N, 9), model[::9] + 1)
+        model[::9] += 1
+        store.flush()
+        synced.clear()
+        store.compact()
+        assert len(synced) >= N // CHUNK, f"{len(synced)} fsyncs for {N // CHUNK} chunk files"
     with EmbeddingStore.open(path) as store:
         assert torch.equal(store.get(torch.arange(N)), model)
