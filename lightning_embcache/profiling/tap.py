@@ -30,7 +30,9 @@ class _NoAction:
 _NO_ACTION = _NoAction()
 
 
-class _Action:
+class _Forwarded:
+    """An action's context in front of a profiler that records (``start``/``stop`` of the tap)."""
+
     __slots__ = ("tap", "name")
 
     def __init__(self, tap: "ProfilerTap", name: str) -> None:
@@ -45,6 +47,27 @@ class _Action:
         return False
 
 
+class _Action:
+    """A tracked action's context behind the default profiler: its hooks, called directly (one
+    per action name, reused: Lightning enters a few of these every step)."""
+
+    __slots__ = ("name", "on_start", "on_stop")
+
+    def __init__(self, name: str, on_start: Optional[Callable[[], None]],
+                 on_stop: Optional[Callable[[], None]]) -> None:
+        self.name, self.on_start, self.on_stop = name, on_start, on_stop
+
+    def __enter__(self) -> str:
+        if self.on_start is not None:
+            self.on_start()
+        return self.name
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self.on_stop is not None:
+            self.on_stop()
+        return False
+
+
 class ProfilerTap(Profiler):
     """Forwards everything to ``inner``; calls ``on_start[action]()`` / ``on_stop[action]()`` first."""
 
@@ -54,7 +77,8 @@ class ProfilerTap(Profiler):
         # __getattr__ forwards them there.
         object.__setattr__(self, "_on_start", on_start)
         object.__setattr__(self, "_on_stop", on_stop)
-        object.__setattr__(self, "_tracked", frozenset(on_start) | frozenset(on_stop))
+        object.__setattr__(self, "_actions", {name: _Action(name, on_start.get(name), on_stop.get(name))
+                                              for name in frozenset(on_start) | frozenset(on_stop)})
         self._bind(inner)
 
     def _bind(self, inner: Profiler) -> None:
@@ -101,9 +125,9 @@ class ProfilerTap(Profiler):
         """
         if self._custom_profile:
             return self._chained(action_name)
-        if self._inner_start is None and action_name not in self._tracked:
-            return _NO_ACTION
-        return _Action(self, action_name)
+        if self._inner_start is None:  # behind PassThroughProfiler, which records nothing
+            return self._actions.get(action_name, _NO_ACTION)
+        return _Forwarded(self, action_name)
 
     @contextmanager
     def _chained(self, action_name: str) -> Iterator[str]:
