@@ -286,12 +286,12 @@ def test_dropping_the_last_reference_with_a_prefetch_in_flight_releases_the_lock
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("rows, loops, bound", [(24576, 60, 3.0), pytest.param(98304, 120, 2.6, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("rows, loops, bound", [(24576, 60, 1.5), pytest.param(98304, 120, 1.5, marks=pytest.mark.slow)],
                          ids=["3MiB", "12MiB"])
 def test_a_flush_loop_keeps_disk_use_near_the_documented_bound(shm_path, rows, loops, bound):
-    """docs/store-format.md: ~table x 1.25 plus one generation of replaced chunks (2.25x) plus the
-    newest segments; the 12 MiB flush loop reached 2.85-3.9x while compactions raced garbage
-    collection (2.36-2.39x since). The small default run only guards against a gross regression."""
+    """docs/store-format.md: ~table x (1 + 0.3) plus the newest flush's segment and one round of
+    chunks, whatever the flush rate (flushes over the threshold fold rounds first): 1.36-1.38x
+    measured here. Whole-table compactions reached 2.36-3.9x."""
     dim = 32
     table = rows * dim * 4
     s = EmbeddingStore.create(shm_path / "store", rows, dim, chunk_rows=1024, hot_bytes=table // 3)
