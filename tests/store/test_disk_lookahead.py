@@ -11,6 +11,8 @@ from torch.utils.data import BatchSampler, RandomSampler
 
 from lightning_embcache import EmbeddingStore, LookaheadSampler
 
+from _store_helpers import compacted_store
+
 N, DIM, CHUNK = 6000, 16, 128
 ROW = DIM * 4
 SLOTS = 600
@@ -18,13 +20,7 @@ HOT = SLOTS * (ROW + 11)
 
 
 def _populated(path):
-    table = torch.randn(N, DIM, generator=torch.Generator().manual_seed(0))
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as s:
-        s.update(torch.arange(N), table)
-        s.flush()
-        s.compact()
-        s.flush()
-    return table
+    return compacted_store(path, N, DIM, CHUNK)
 
 
 def _wait(cond, timeout=10.0):

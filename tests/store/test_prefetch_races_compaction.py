@@ -10,17 +10,13 @@ import torch
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store.chunkrows import ChunkRows
 
+from _store_helpers import compacted_store
+
 N, DIM, CHUNK = 1024, 8, 64
 
 
 def _store(path):
-    table = torch.randn(N, DIM, generator=torch.Generator().manual_seed(0))
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as s:
-        s.update(torch.arange(N), table)
-        s.flush()
-        s.compact()
-        s.flush()
-    return table
+    return compacted_store(path, N, DIM, CHUNK)
 
 
 def test_prefetch_read_before_a_compaction_is_not_installed(shm_path):

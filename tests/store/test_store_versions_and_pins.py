@@ -141,18 +141,26 @@ def test_disk_use_with_a_pinned_version_adds_at_most_its_footprint(shm_path):
                 )
 
 
+def _one_segment_store(path):
+    """A zero-initialised store with a tenth of its rows in one delta segment (under the
+    background compaction's threshold); returns (open store, rows, version)."""
+    rows = torch.zeros(N, DIM)
+    ids = torch.arange(0, N, 10)
+    rows[ids] = torch.randn(len(ids), DIM)
+    store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros")
+    store.update(ids, rows[ids])
+    v1 = store.flush()
+    assert store.stats().segments == 1
+    return store, rows, v1
+
+
 def test_compact_publishes_its_layout_under_the_same_version(shm_path):
     """compact() rewrites the version's manifest with the base-chunk layout of the same rows:
     the version number and its identity stay, a flush with nothing new keeps it, and a reopen
     finds no segment to compact again."""
     path = shm_path / "store"
-    rows = torch.zeros(N, DIM)
-    ids = torch.arange(0, N, 10)  # a tenth of the table: under the background compaction's threshold
-    rows[ids] = torch.randn(len(ids), DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros") as store:
-        store.update(ids, rows[ids])
-        v1 = store.flush()
-        assert store.stats().segments == 1
+    store, rows, v1 = _one_segment_store(path)
+    with store:
         ident = store.manifest_checksum(v1)
         store.compact()
         assert store.stats().segments == 0
@@ -169,13 +177,8 @@ def test_compaction_beside_a_reader_of_the_version_publishes_a_new_one(shm_path)
     version's layout under it, so its layout becomes a new version (same rows) and the reader
     keeps reading every row of its own."""
     path = shm_path / "store"
-    rows = torch.zeros(N, DIM)
-    ids = torch.arange(0, N, 10)  # a tenth of the table: under the background compaction's threshold
-    rows[ids] = torch.randn(len(ids), DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros") as store:
-        store.update(ids, rows[ids])
-        v1 = store.flush()
-        assert store.stats().segments == 1
+    store, rows, v1 = _one_segment_store(path)
+    with store:
         with EmbeddingStore.open(path, readonly=True) as reader:
             store.compact()
             assert store.version > v1 and store.stats().segments == 0
