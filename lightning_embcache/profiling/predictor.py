@@ -17,6 +17,9 @@ from lightning_embcache.profiling.forecast import Forecast
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 
+SYNC_EVERY = 256  # steps at most between handing the pending steps to the forecast
+
+
 class EpochPredictor:
     """One fit's predictions; :meth:`begin_epoch` opens each epoch's."""
 
@@ -90,13 +93,18 @@ class EpochPredictor:
 
     def _check(self, trainer: Any) -> None:
         self._sync()
+        # the pending steps are handed over at least every SYNC_EVERY steps: a list per step
+        # would otherwise pile up over an epoch where nothing reads the forecast
+        self._next_check = self._due(trainer)
+        self._next_check = min(self._next_check, self.forecast.batches + SYNC_EVERY)
+
+    def _due(self, trainer: Any) -> float:
+        """Does what is due at this batch count; returns the count at which something is next."""
         fc = self.forecast
-        self._next_check = math.inf
         if self.kept is not None:
-            return
+            return math.inf
         if trainer is None:
-            self._next_check = fc.batches + 1
-            return
+            return fc.batches + 1
         if self._landmark is None:
             target = self.epoch_target(trainer)
             self._landmark = math.ceil(self.predict_at * target) if target else -1
@@ -112,9 +120,11 @@ class EpochPredictor:
             if self.kept is None and fc.batches >= give_up:
                 self._landmark = -1  # the epoch is too short to predict; stop trying
             elif self.kept is None:
-                self._next_check = fc.batches + 1  # the device has not timed enough steps yet
-        elif self._landmark > 0:
-            self._next_check = min(self._landmark, self._store_mark if self._store_mark > fc.batches else math.inf)
+                return fc.batches + 1  # the device has not timed enough steps yet
+            return math.inf
+        if self._landmark > 0:
+            return min(self._landmark, self._store_mark if self._store_mark > fc.batches else math.inf)
+        return math.inf
 
     def add_device_step(self, index: int, seconds: float) -> None:
         if self.forecast is not None:

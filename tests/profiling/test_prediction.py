@@ -412,3 +412,21 @@ def test_a_hot_tier_filling_before_the_epoch_ends_is_reported_with_the_predictio
     _, wall2, _ = _fit(sp2, batches=400, epochs=1, clock=clock, model=model2, extra=[Late()])
     assert p_late is not None and p_late["store_fill_batch"] is None  # already full
     assert abs(p_late["epoch_s"] / wall2.epochs[0] - 1) < 0.01, (p_late, wall2.epochs)
+
+
+def test_step_times_pending_for_the_forecast_stay_bounded_without_a_logger():
+    from lightning_embcache.profiling.predictor import SYNC_EVERY
+
+    sp = StepProfiler(report=False, predict_at=0.01)
+    most = 0
+
+    class Watch(Callback):
+        def on_train_batch_end(self, *args):
+            nonlocal most
+            most = max(most, len(sp._predictor._hosts))
+
+    _, wall, _ = _fit(sp, batches=1200, epochs=1, extra=[Watch()])
+    assert 0 < most <= SYNC_EVERY
+    # every step reached the forecast by the epoch's end
+    assert sp._predictor.forecast.batches == 1200
+    assert _close(sp.summary()[0]["predicted_epoch_seconds"], wall.epochs[0])
