@@ -13,6 +13,7 @@ from lightning_embcache.profiling import summary as summaries
 from lightning_embcache.profiling.timeline import Totals
 
 STATE_VERSION = 1
+FOLD_EVERY = 1024  # finished steps at most kept before they are summed
 
 
 class EpochLedger:
@@ -38,7 +39,10 @@ class EpochLedger:
         if epoch != self._steps_epoch:
             self.fold()
             self._steps_epoch = epoch
-        self._steps.append((batches, host, device, samples, steady, forced))
+        steps = self._steps
+        steps.append((batches, host, device, samples, steady, forced))
+        if len(steps) >= FOLD_EVERY:  # bounded however rarely the callback logs
+            self.fold()
 
     def fold(self) -> None:
         if not self._steps:

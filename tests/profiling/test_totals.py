@@ -26,3 +26,17 @@ def test_add_steps_equals_one_add_per_step(steps):
             assert all(math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-12) for x, y in zip(a, b)), k
         else:
             assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12), (k, a, b)
+
+
+def test_the_ledger_sums_pending_steps_however_rarely_it_is_asked():
+    from lightning_embcache.profiling.ledger import EpochLedger, FOLD_EVERY
+
+    led = EpochLedger()
+    led.open_epoch_at(0)
+    host = [0.001] * 6 + [0.0]
+    for _ in range(3 * FOLD_EVERY + 5):
+        led.add_step(0, 1, host, host, 2, True, True)
+        assert len(led._steps) < FOLD_EVERY
+    led.fold()
+    assert led.open.batches == 3 * FOLD_EVERY + 5 and led.interval.batches == 3 * FOLD_EVERY + 5
+    assert math.isclose(led.open.wall_s, (3 * FOLD_EVERY + 5) * 0.006)
