@@ -24,6 +24,9 @@ from .rowindex import RowIndex, gather_deltas, trust
 from .validate import budget
 
 
+# While fewer reads than this share miss the page cache, lookahead hints are read by the training
+# thread's next miss, not by the prefetch thread (see `upcoming`).
+WARM_UNCACHED_SHARE = 0.1
 # A get waits at most this long for a prefetch that is reading its rows, then reads them itself.
 PREFETCH_WAIT_S = 1.0
 
@@ -54,6 +57,8 @@ class TieredRows:
     _chunkrows: ChunkRows | None = None  # batched reads of base chunk files (made on first miss)
     _hinted: list | None = None  # ids of `upcoming` hints the prefetch thread has not taken yet
     _hint_task: bool = False  # a `_prefetch_hinted` task is queued or running
+    _uncached_share: float = float("nan")  # of recent reads below the hot tier, the share not cached
+    _cache_seen: tuple[int, int] = (0, 0)  # `uring.page_cache_counts()` when last looked at
     _fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
     _fetch_cond: threading.Condition | None = None
 
@@ -229,9 +234,11 @@ class TieredRows:
 
     def upcoming(self, ids: Any) -> None:
         """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
-        entering its window). They are loaded in the background like `prefetch`, and until
-        that get reads them, eviction prefers rows no coming batch reads. Returns at once.
-        In memory mode, or for a store without a path, this is `prefetch`."""
+        entering its window). They are loaded ahead of that get, and until it reads them,
+        eviction prefers rows no coming batch reads. Returns at once. While rows come from the
+        disk a prefetch thread loads them in the background; while they come from the page cache
+        the next get that misses loads them with its own rows in one batch. In memory mode, or
+        for a store without a path, this is `prefetch`."""
         self._check_usable()
         idx = self._valid_ids(ids)
         if self._disk is None:
@@ -247,10 +254,31 @@ class TieredRows:
             self._hinted.append(idx)  # the store's own copy (as_ids copies)
             if self._hint_task:
                 return  # the running task takes this hint on its next round (or a miss does)
+            if self._reads_cached():
+                # Rows come up from the page cache: the next miss reads the announced rows with
+                # its own in one batch (`_take_hints`). A second thread would only take turns
+                # with this one for the GIL (each hand-over a wake-up, on a loaded host a time
+                # slice), so it reads only while rows come from the disk, where its reads overlap
+                # the training step.
+                if sum(len(h) for h in self._hinted) > self._hot.limit // 4:
+                    del self._hinted[0]  # a hint only: its rows are read when their get comes
+                return
             self._hint_task = True
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
             self._prefetcher.submit(self._prefetch_hinted)
+
+    def _reads_cached(self) -> bool:
+        """Whether recent reads below the hot tier came from the page cache (under 10% of them
+        had to wait for the disk); False until some hundred reads tell (caller holds the lock)."""
+        total, uncached = uring.page_cache_counts()
+        t0, u0 = self._cache_seen
+        if total - t0 >= 256:
+            share = (uncached - u0) / (total - t0)
+            last = self._uncached_share
+            self._uncached_share = share if last != last else 0.5 * last + 0.5 * share
+            self._cache_seen = (total, uncached)
+        return self._uncached_share < WARM_UNCACHED_SHARE
 
     def _prefetch_hinted(self) -> None:
         """The prefetch thread's work on hints: every hint given since its last round, read in one
@@ -260,11 +288,10 @@ class TieredRows:
         once per row (a busy training thread hands the GIL over only every few milliseconds)."""
         while True:
             with self._lock:
-                hinted = self._hinted or []
-                self._hinted = []
-                if self._closed or not hinted:
-                    self._hint_task = False
+                if self._closed or not self._hinted or self._reads_cached():
+                    self._hint_task = False  # (reads from the page cache: see `upcoming`)
                     return
+                hinted, self._hinted = self._hinted, []
             self._prefetch(np.concatenate(hinted), True)
 
     def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:

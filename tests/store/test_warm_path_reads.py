@@ -214,3 +214,40 @@ def test_chunk_files_closed_by_the_descriptor_bound_reopen_without_rereading(shm
         gens = s._cmap
     assert sorted(dirs) == sorted(set(dirs)), "a chunk file's directory was read again on reopening"
     assert len(set(dirs)) == len(np.unique(np.flatnonzero(gens)))
+
+
+def _wait(cond, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "background load did not finish"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_hints_are_read_by_the_next_miss_while_the_page_cache_serves_reads(shm_path, monkeypatch, cached):
+    """Reads served by the page cache: announced rows wait for the next get that misses and come
+    up with its rows in one batch (no prefetch thread). Reads that wait for the disk: a prefetch
+    thread loads them at once. Either way the announced rows are hot when their get comes."""
+    table = _populated(shm_path / "s")
+    total = [0]
+    monkeypatch.setattr(uring, "page_cache_counts", lambda: (total[0], 0 if cached else total[0]))
+    rng = np.random.default_rng(4)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=4 * HOT) as s:  # a miss takes up to 1/4 of the slots ahead
+        total[0] = 1000  # reads seen so far: all cached, or none
+        coming = torch.from_numpy(rng.choice(N, 200, replace=False))
+        s.upcoming(coming)
+        if cached:
+            import time
+
+            time.sleep(0.2)
+            assert s.stats().prefetched_rows == 0 and s._prefetcher is None
+            others = torch.from_numpy(np.setdiff1d(rng.choice(N, 50, replace=False), coming.numpy()))
+            assert torch.equal(s.get(others), table[others])  # a miss: takes the hint along
+        _wait(lambda: s.stats().prefetched_rows >= 200)
+        before = s.stats()
+        assert torch.equal(s.get(coming), table[coming])
+        after = s.stats()
+        assert after.hot_misses == before.hot_misses
+        assert after.prefetch_hits - before.prefetch_hits == 200
