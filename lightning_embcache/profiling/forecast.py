@@ -49,6 +49,24 @@ SHIFT_T = 5.0  # |t| of the block medians before and after a boundary that count
 SHIFT_MIN_CHANGE = 0.02  # ... and by at least this fraction of the step time
 
 
+LEVEL_BLOCKS = 20  # blocks of an epoch whose mean step times give its level variation
+
+
+def level_variation(wall: "array | list[float]") -> float:
+    """Coefficient of variation of the typical (median) step time over blocks of a twentieth of
+    the epoch: how much the host's speed changed within it (single slow steps, such as a
+    checkpoint save, move a median little). The first step, which holds the loader's start-up,
+    is left out; 0 for too short an epoch."""
+    n = len(wall) - 1
+    size = n // LEVEL_BLOCKS
+    if size < 4:
+        return 0.0
+    w = np.asarray(wall[1:1 + LEVEL_BLOCKS * size], dtype=np.float64)
+    med = np.median(w.reshape(LEVEL_BLOCKS, size), axis=1)
+    mean = float(med.mean())
+    return float(med.std(ddof=1)) / mean if mean > 0 else 0.0
+
+
 def level_shift(w: np.ndarray) -> Optional[int]:
     """Index into ``w`` (step times in order) where the latest significant level shift starts,
     or None. The steps are cut into blocks; the boundary whose block medians before and after
@@ -227,10 +245,12 @@ class Forecast:
         return None if r is None else r["save_s"]
 
     def predict(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
-                saves_left: int, save_s: Optional[float] = None) -> Optional[dict]:
+                saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
-        measured in an earlier epoch, used until this epoch has measured one."""
+        measured in an earlier epoch, used until this epoch has measured one. ``level_cv``: how
+        much the step time of earlier epochs varied between blocks of a twentieth of an epoch
+        (:func:`level_variation`), which widens the uncertainty of the batches to go."""
         r = self.rate()
         if r is None:
             return None
@@ -245,7 +265,13 @@ class Forecast:
         val_s = (val_runs_left * val_run_s) if val_run_s is not None else 0.0
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s)
-        std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2)
+        # the host's speed may change within the epoch as it did in earlier ones: the window the
+        # rate was taken over and the batches to go each stand for a number of blocks whose
+        # levels (treated as independent) differ by level_cv
+        window_blocks = LEVEL_BLOCKS * r["steps"] / max(1, total_batches)
+        blocks_left = LEVEL_BLOCKS * left / max(1, total_batches)
+        level_s = left * r["mean"] * level_cv * math.sqrt(1.0 / max(1.0, window_blocks) + 1.0 / max(1.0, blocks_left))
+        std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_s ** 2)
         # the rate at the end of this epoch (later epochs run at it), the trend levelled off
         end_rate = r["mean"] + (self.trend_seconds(r, total_batches, 1) if r["slope"] else 0.0)
         return {"seconds": total, "std": std, "at_batch": done, "rate_s": r["mean"], "rate": r,

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
-from lightning_embcache.profiling.forecast import Forecast
+from lightning_embcache.profiling.forecast import Forecast, level_variation
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 
@@ -41,6 +41,7 @@ class EpochPredictor:
         self._sanity_batch_s: Optional[float] = None
         self._first_extra_s: Optional[float] = None
         self._save_s: Optional[float] = None
+        self._level_cv = 0.0  # the largest level variation of a finished epoch of this fit
         # the embedding stores' hot tiers: () -> (hot bytes, hot budget bytes) summed over the
         # stores with a budget, or None. Read twice an epoch (half-way to the kept prediction,
         # and at it) and by predict(): a stats() call can take milliseconds
@@ -153,6 +154,8 @@ class EpochPredictor:
     def finish_epoch(self) -> Optional[dict]:
         """The epoch ended: returns its kept prediction; a save's measured cost carries over."""
         self._sync()
+        if self.forecast is not None and not self.forecast.start_batches:  # a whole epoch seen
+            self._level_cv = max(self._level_cv, level_variation(self.forecast.wall))
         if self.forecast is not None and self.forecast.saves:
             extra = self.forecast.save_extra()
             if extra is not None:
@@ -242,7 +245,7 @@ class EpochPredictor:
         val_left = schedule.val_runs(trainer, epoch, done, target, start_total) or 0
         g_now = int(trainer.global_step)
         g_end = g_now + (target - done) // acc
-        p = fc.predict(target, val_left, val_s, schedule.saves(trainer, g_now, g_end), self._save_s)
+        p = fc.predict(target, val_left, val_s, schedule.saves(trainer, g_now, g_end), self._save_s, self._level_cv)
         if p is None:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,

@@ -430,3 +430,38 @@ def test_step_times_pending_for_the_forecast_stay_bounded_without_a_logger():
     # every step reached the forecast by the epoch's end
     assert sp._predictor.forecast.batches == 1200
     assert _close(sp.summary()[0]["predicted_epoch_seconds"], wall.epochs[0])
+
+
+class Alternating(CostModel):
+    """Forward costs `slow_s` more in every other block of `block` batches: a host whose speed
+    switches between two levels for stretches longer than the first 5% of an epoch."""
+
+    def __init__(self, cost, block, slow_s):
+        super().__init__(cost, FWD, BWD, OPT)
+        self.block, self.slow_s = block, slow_s
+
+    def training_step(self, batch, batch_idx):
+        if (batch_idx // self.block) % 2:
+            self.cost(self.slow_s)
+        return super().training_step(batch, batch_idx)
+
+
+def test_level_changes_seen_in_an_earlier_epoch_widen_the_uncertainty():
+    from lightning_embcache.profiling.forecast import level_variation
+
+    clock = FakeClock()
+    sp = StepProfiler(report=False)
+    _, wall, _ = _fit(sp, batches=1000, epochs=2, clock=clock, model=Alternating(Cost(clock), 50, 5 * MS))
+    first, second = sp.summary()
+    for e, actual in zip((first, second), wall.epochs):
+        assert _close(actual, 1000 * STEP + 500 * 5 * MS)
+        # after 5% (50 batches, all fast) the rate misses the slow half of the epoch to come
+        assert e["prediction_error_pct"] < -10
+    # epoch 0 knew nothing of the host's levels: its +/- is that of 50 identical batches
+    assert first["predicted_epoch_std_seconds"] < 1e-6
+    # epoch 1 carries epoch 0's level variation (block medians 19 and 24 ms: 12%) into its +/-
+    cv = level_variation([0.0] + [STEP + (5 * MS if (i // 50) % 2 else 0.0) for i in range(999)])
+    assert 0.10 < cv < 0.14
+    miss = abs(second["predicted_epoch_seconds"] - wall.epochs[1])
+    assert second["predicted_epoch_std_seconds"] > 0.5 * miss
+    assert miss <= 2 * second["predicted_epoch_std_seconds"]
