@@ -21,9 +21,12 @@ class LookaheadSampler(Sampler):
 
     For per-sample rows the order of an epoch is fixed when the sampler starts it, so the store
     need not guess: each batch entering a window of ``lookahead`` batches ahead is announced with
-    ``store.upcoming(ids)``, which loads the rows in the background and keeps them in the hot tier
-    until a ``get`` reads them (rows no coming batch reads are evicted first, and rows updated for
-    the last time in the window are written back and dropped instead of filling the cache).
+    ``store.upcoming(ids)``, which loads the rows ahead of their ``get`` and keeps them in the hot
+    tier until it reads them (rows no coming batch reads are evicted first, and rows updated for
+    the last time in the window are written back and dropped instead of filling the cache). While
+    rows come from the disk a background thread reads them during the training step; while they
+    come from the page cache, the next ``get`` that misses reads the announced rows with its own in
+    one batch (a second thread would only take turns with training for the GIL).
 
     Example::
 
