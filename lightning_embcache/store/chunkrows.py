@@ -95,6 +95,9 @@ class ChunkRows:
         self._retired: list[int] = []  # descriptors to close once no read is in progress
         self._replaced: list[int] = []  # the same, of files a compaction replaced (closed in the background)
         self._closers: list[threading.Thread] = []
+        # [row reads, those the page cache did not hold] through this reader and the store's
+        # segments (`uring.read_into`): whether lookahead reads in the background (tiers.upcoming)
+        self.cache_counts = [0, 0]
 
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
@@ -271,7 +274,7 @@ class ChunkRows:
             lens = np.diff(brk) * rb
             # One read per run of adjacent rows straight into ``out``; the batch's reads go to the
             # kernel in one call with the GIL released (see uring.py).
-            got = uring.read_into(out, at * rb, fds[at], lens, base[at] + off[at])
+            got = uring.read_into(out, at * rb, fds[at], lens, base[at] + off[at], self.cache_counts)
             if not np.array_equal(got, lens):
                 raise CorruptStoreError(self.disk.root / "chunks", "a chunk file is shorter than its rows")
             self.disk.bytes_read += len(sel) * rb

@@ -146,7 +146,8 @@ def segment_gather(seg, pos: np.ndarray) -> np.ndarray:
     return out
 
 
-def gather_deltas(out: np.ndarray, rows: np.ndarray, seg: np.ndarray, pos: np.ndarray, segs: list) -> None:
+def gather_deltas(out: np.ndarray, rows: np.ndarray, seg: np.ndarray, pos: np.ndarray, segs: list,
+                  counts: list | None = None) -> None:
     """``out[rows[i]] = record pos[i] of segment seg[i]``, checksum-verified.
 
     Each chunk range of a segment carries one checksum: the first read of a range through this
@@ -188,7 +189,7 @@ def gather_deltas(out: np.ndarray, rows: np.ndarray, seg: np.ndarray, pos: np.nd
     if not fds:
         return
     lens_all = np.concatenate(lens)
-    got = uring.read_into(out, np.concatenate(dsts), np.concatenate(fds), lens_all, np.concatenate(offs))
+    got = uring.read_into(out, np.concatenate(dsts), np.concatenate(fds), lens_all, np.concatenate(offs), counts)
     if not np.array_equal(got, lens_all):
         bad = int(np.flatnonzero(got != lens_all)[0])
         path = next(segs[int(x)].path for x in np.unique(seg).tolist() if _fd_of(segs[int(x)]) == int(np.concatenate(fds)[bad]))

@@ -58,7 +58,7 @@ class TieredRows:
     _hinted: list | None = None  # ids of `upcoming` hints the prefetch thread has not taken yet
     _hint_task: bool = False  # a `_prefetch_hinted` task is queued or running
     _uncached_share: float = float("nan")  # of recent reads below the hot tier, the share not cached
-    _cache_seen: tuple[int, int] = (0, 0)  # `uring.page_cache_counts()` when last looked at
+    _cache_seen: tuple[int, int] = (0, 0)  # the reader's ``cache_counts`` when last looked at
     _fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
     _fetch_cond: threading.Condition | None = None
 
@@ -269,9 +269,13 @@ class TieredRows:
             self._prefetcher.submit(self._prefetch_hinted)
 
     def _reads_cached(self) -> bool:
-        """Whether recent reads below the hot tier came from the page cache (under 10% of them
-        had to wait for the disk); False until some hundred reads tell (caller holds the lock)."""
-        total, uncached = uring.page_cache_counts()
+        """Whether this store's recent reads below the hot tier came from the page cache (under
+        10% of them had to wait for the disk); False until some hundred reads tell (caller holds
+        the lock)."""
+        reader = self._chunkrows
+        if reader is None:
+            return False
+        total, uncached = reader.cache_counts
         t0, u0 = self._cache_seen
         if total - t0 >= 256:
             share = (uncached - u0) / (total - t0)
@@ -575,7 +579,8 @@ class TieredRows:
                 delta &= sparse
             if delta.any():
                 sel = np.flatnonzero(delta)
-                gather_deltas(out, sel, seg[sel], pos[sel], segs)
+                gather_deltas(out, sel, seg[sel], pos[sel], segs,
+                              self._chunkrows.cache_counts if self._chunkrows is not None else None)
         return out, read_whole
 
     def _chunkrows_reader(self) -> ChunkRows | None:

@@ -200,14 +200,6 @@ def _ring() -> _Ring | None:
 
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 8)
-# Reads through io_uring in this process: all, and those the page cache could not serve at once.
-reads_total = 0
-reads_uncached = 0
-
-
-def page_cache_counts() -> tuple[int, int]:
-    """(reads so far, reads the page cache did not hold) through io_uring in this process."""
-    return reads_total, reads_uncached
 
 
 def available() -> bool:
@@ -215,9 +207,13 @@ def available() -> bool:
     return _ring() is not None
 
 
-def read_into(out: np.ndarray, dst: np.ndarray, fds: np.ndarray, lens: np.ndarray, offs: np.ndarray) -> np.ndarray:
+def read_into(out: np.ndarray, dst: np.ndarray, fds: np.ndarray, lens: np.ndarray, offs: np.ndarray,
+              counts: list | None = None) -> np.ndarray:
     """Read ``lens[i]`` bytes at ``offs[i]`` of file ``fds[i]`` into the flat uint8 array ``out`` at byte
-    ``dst[i]``, all at once; returns the bytes each read got (short means the file ended)."""
+    ``dst[i]``, all at once; returns the bytes each read got (short means the file ended).
+
+    ``counts``: a list ``[reads, reads the page cache did not hold]`` to add this call's numbers to
+    (through io_uring only: the preadv fallback cannot tell, and adds nothing)."""
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError("read_into needs a writable C-contiguous output array")
     ring = _ring()
@@ -228,13 +224,13 @@ def read_into(out: np.ndarray, dst: np.ndarray, fds: np.ndarray, lens: np.ndarra
     base = out.ctypes.data
     addrs = base + dst.astype(np.uint64)
     # First only from the page cache (RWF_NOWAIT: a row not cached fails at once); what did not
-    # come (or came in part) is read again, waiting for the disk. The split counts how many
-    # reads the page cache served (`page_cache_counts`), at no extra cost when all of them.
+    # come (or came in part) is read again, waiting for the disk. The split tells how many reads
+    # the page cache served (``counts``), at no extra cost when it served all of them.
     res = ring.read(fds, addrs, lens, offs, _RWF_NOWAIT)
     again = np.flatnonzero(res != lens)
-    global reads_total, reads_uncached
-    reads_total += len(fds)
-    reads_uncached += len(again)
+    if counts is not None:
+        counts[0] += len(fds)
+        counts[1] += len(again)
     if len(again):
         res[again] = ring.read(fds[again], addrs[again], lens[again], offs[again])
     bad = res < 0

@@ -164,9 +164,9 @@ def test_with_lookahead_no_row_is_read_from_disk_twice(shm_path, monkeypatch):
     reads = []
     real = uring.read_into
 
-    def counting(out, dst, fds, lens, offs):
+    def counting(out, dst, fds, lens, offs, counts=None):
         reads.append(np.stack([fds, offs]))
-        return real(out, dst, fds, lens, offs)
+        return real(out, dst, fds, lens, offs, counts)
 
     monkeypatch.setattr(uring, "read_into", counting)
     perm = np.random.default_rng(2).permutation(N)[:3000]
@@ -226,16 +226,16 @@ def _wait(cond, timeout=10.0):
 
 
 @pytest.mark.parametrize("cached", [True, False])
-def test_hints_are_read_by_the_next_miss_while_the_page_cache_serves_reads(shm_path, monkeypatch, cached):
+def test_hints_are_read_by_the_next_miss_while_the_page_cache_serves_reads(shm_path, cached):
     """Reads served by the page cache: announced rows wait for the next get that misses and come
     up with its rows in one batch (no prefetch thread). Reads that wait for the disk: a prefetch
-    thread loads them at once. Either way the announced rows are hot when their get comes."""
+    thread loads them at once. Either way the announced rows are hot when their get comes. (A
+    store that has not read enough yet to tell loads them in the background: see
+    test_disk_lookahead.)"""
     table = _populated(shm_path / "s")
-    total = [0]
-    monkeypatch.setattr(uring, "page_cache_counts", lambda: (total[0], 0 if cached else total[0]))
     rng = np.random.default_rng(4)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=4 * HOT) as s:  # a miss takes up to 1/4 of the slots ahead
-        total[0] = 1000  # reads seen so far: all cached, or none
+        s._chunkrows_reader().cache_counts[:] = [1000, 0 if cached else 1000]  # reads so far: all cached, or none
         coming = torch.from_numpy(rng.choice(N, 200, replace=False))
         s.upcoming(coming)
         if cached:
