@@ -2,7 +2,7 @@
 
     embcache --version
     embcache demo [--root runs/demo] [--samples N] ...   train the demo auto-decoder, print a report
-    embcache bench {store,disk,optim,profiler,sync,tuning,train} [--out FILE] [...]
+    embcache bench {store,disk,optim,profiler,sync,tuning,train,distributed,flush} [--out FILE] [...]
     embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "tuning": "lightning_embcache.bench.tuning",
     "train": "lightning_embcache.bench.train",
     "distributed": "lightning_embcache.bench.distributed",
+    "flush": "lightning_embcache.bench.flush",
 }
 # the module's own name for its output file flag, where it is not --out
 OUTPUT_FLAG = {"store": "--json", "disk": "--json", "optim": "--json", "sync": "--json"}
@@ -42,6 +43,7 @@ BENCHMARK_HELP = {
     "tuning": "hot_bytes, chunk_rows and warm_bytes/LZ4 settings on one table",
     "train": "end-to-end training throughput",
     "distributed": "auto-decoder with row-sharded trainable rows at 1, 2, 4 processes",
+    "flush": "a large flush against a sequential write of the same bytes",
 }
 
 EXIT_DAMAGED = 1

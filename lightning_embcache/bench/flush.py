@@ -1,0 +1,118 @@
+"""`embcache bench flush`: how fast a large flush reaches the disk, against a sequential write.
+
+A store of ``--rows`` x ``--dim`` float32 rows on disk (memory mode, so the flush itself writes
+every dirty row: no background write-back ran before it), fully written and compacted. Each
+repetition updates ``--frac`` of the rows (random, sorted ids) and times ``flush()`` until it
+returns (segment written, fsynced and published). Beside it, in the same repetition and folder,
+the same number of bytes written sequentially in 1 MiB blocks with one ``fsync``: what the disk
+gives a plain file. Background compaction started by a flush is waited for before the next
+repetition, so each flush is timed alone.
+
+Figure: the flush's throughput as a share of the sequential write's, median over repetitions
+(this machine is shared: single repetitions vary).
+
+    embcache bench flush [--rows 500000] [--dim 128] [--frac 0.5] [--reps 5] [--dir DIR] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="embcache bench flush", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=500_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--frac", type=float, default=0.5, help="share of the rows each flush writes (default 0.5)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dir", help="where the files go (default: a temp dir under /var/tmp, removed after)")
+    p.add_argument("--out", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--quick", action="store_true", help="60,000 rows, 2 repetitions")
+    return p
+
+
+def _sequential(path: Path, nbytes: int) -> float:
+    block = os.urandom(MiB)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[: min(MiB, left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    took = time.perf_counter() - t0
+    os.unlink(path)
+    return took
+
+
+def run(rows: int, dim: int, frac: float, reps: int, where: Path) -> dict:
+    import numpy as np
+    import torch
+
+    from lightning_embcache import EmbeddingStore
+
+    store_dir = where / "store"
+    s = EmbeddingStore.create(store_dir, rows, dim)
+    try:
+        s.update(torch.arange(rows), torch.randn(rows, dim))
+        s.flush()
+        s.compact()
+        rng = np.random.default_rng(0)
+        k = int(rows * frac)
+        runs = []
+        for rep in range(reps):
+            ids = torch.from_numpy(np.sort(rng.choice(rows, k, replace=False)))
+            s.update(ids, torch.randn(k, dim))
+            s._wait_bg()  # a compaction the previous flush started: not part of this one
+            t0 = time.perf_counter()
+            s.flush()
+            flush_s = time.perf_counter() - t0
+            nbytes = k * dim * 4
+            seq_s = _sequential(where / "sequential", nbytes)
+            runs.append({"rep": rep, "bytes": nbytes, "flush_s": flush_s, "sequential_s": seq_s,
+                         "flush_mib_s": nbytes / flush_s / MiB, "sequential_mib_s": nbytes / seq_s / MiB,
+                         "ratio": seq_s / flush_s})
+            print(f"  rep {rep}: flush {nbytes / MiB:.0f} MiB in {flush_s:.3f} s ({nbytes / flush_s / MiB:.0f} MiB/s); "
+                  f"sequential write + fsync {seq_s:.3f} s ({nbytes / seq_s / MiB:.0f} MiB/s): "
+                  f"{seq_s / flush_s:.2f}x its throughput", flush=True)
+    finally:
+        s.close()
+    return {"runs": runs, "median_ratio": statistics.median(r["ratio"] for r in runs),
+            "median_flush_mib_s": statistics.median(r["flush_mib_s"] for r in runs),
+            "median_sequential_mib_s": statistics.median(r["sequential_mib_s"] for r in runs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rows, reps = (60_000, 2) if args.quick else (args.rows, args.reps)
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="embcache-bench-flush-", dir="/var/tmp"
+                                                                  if os.path.isdir("/var/tmp") else None))
+    base.mkdir(parents=True, exist_ok=True)
+    print(f"flush of {args.frac:.0%} of {rows:,} x {args.dim} float32 rows in {base}", flush=True)
+    try:
+        res = run(rows, args.dim, args.frac, reps, base)
+    finally:
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    res["config"] = {"rows": rows, "dim": args.dim, "frac": args.frac, "reps": reps,
+                     "cpus": os.cpu_count(), "load_avg": list(os.getloadavg())}
+    print(f"median: flush {res['median_flush_mib_s']:.0f} MiB/s = {res['median_ratio']:.2f}x the sequential "
+          f"write's {res['median_sequential_mib_s']:.0f} MiB/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
