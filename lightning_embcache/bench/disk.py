@@ -16,7 +16,10 @@ systems interleaved within each repetition; figures are medians over repetitions
   lookahead: peak RSS over the post-import baseline against the memory target, 1.1 x (hot + warm
   budgets) + 64 MiB.
 
-    embcache bench disk [--quick] [--json PATH] [--reps R] [--rows N]
+``--step-ms`` puts a stand-in for a training step's compute (one-thread matrix products, which
+release the GIL) after each batch's store calls: what a lookahead prefetch can overlap.
+
+    embcache bench disk [--quick] [--json PATH] [--reps R] [--rows N] [--step-ms MS]
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-every", type=int, default=50)
     p.add_argument("--table-factor", type=float, default=4.0, help="table bytes / hot_bytes (default 4)")
     p.add_argument("--lookahead", type=int, default=8, help="batches announced ahead (default 8)")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="training compute per batch between the store calls, in ms of one-thread matrix "
+                        "products (they release the GIL, as a model's forward and backward do; default 0)")
     p.add_argument("--flushes", type=int, default=40)
     p.add_argument("--flush-frac", type=float, default=0.1)
     p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
@@ -135,6 +141,26 @@ def _setup(cfg: dict) -> dict:
     return {"setup_s": time.perf_counter() - t0}
 
 
+def _compute(ms: float):
+    """A stand-in for a training step's compute: matrix products for about ``ms`` milliseconds."""
+    import torch
+
+    if ms <= 0:
+        return lambda: None
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    per = (time.perf_counter() - t0) / 20
+    reps = max(1, round(ms / 1e3 / per))
+
+    def run() -> None:
+        for _ in range(reps):
+            a @ a
+
+    return run
+
+
 def _loop(cfg: dict) -> dict:
     import numpy as np
     import torch
@@ -179,11 +205,13 @@ def _loop(cfg: dict) -> dict:
             order = LookaheadSampler(batches, store, lookahead=cfg["lookahead"])
         else:
             order = batches
+    compute = _compute(cfg.get("step_ms", 0.0))
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     done = 0
     for i, ids in enumerate(order):
         step(ids)
+        compute()
         done += 1
         if (i + 1) % cfg["flush_every"] == 0:
             flush()
@@ -270,6 +298,7 @@ def main(argv=None) -> int:
         "rows": args.rows or (60_000 if q else 500_000), "dim": args.dim, "batch": args.batch,
         "batches": args.batches or (60 if q else 300), "flush_every": args.flush_every,
         "table_factor": args.table_factor, "lookahead": args.lookahead, "flushes": args.flushes,
+        "step_ms": args.step_ms,
         "flush_frac": args.flush_frac, "space_rows": args.space_rows or (30_000 if q else 200_000), "seed": 0,
     }
     reps = args.reps or (1 if q else 3)
