@@ -122,7 +122,8 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         store_path: where the table lives; None keeps it in memory.
         hot_bytes: RAM budget of the table's hot tier; None keeps it all in RAM.
         warm_bytes: RAM budget of LZ4-compressed chunks.
-        chunk_rows: rows per store chunk, the unit of a disk read; small suits random access.
+        chunk_rows: rows per store chunk, the unit compaction rewrites (a miss reads only the
+            4 KiB blocks of its rows, whatever the chunk size); small chunks mean many files.
         latent_init: initial codes, "zeros" or "normal" (std 0.01). Rows are initialised lazily
             chunk by chunk on first touch; "normal" makes a first epoch about 3x slower in the store.
         prefetch: tell the store each next batch's ids while the current one trains (on 2 cores
@@ -142,7 +143,7 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         store_path: str | None = "runs/demo/latents",
         hot_bytes: int | None = 64 * MiB,
         warm_bytes: int = 0,
-        chunk_rows: int = 64,
+        chunk_rows: int = 1024,
         latent_init: str = "zeros",
         prefetch: bool = False,
         batch_size: int = 1024,
@@ -218,7 +219,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--hot-mib", type=float, default=None,
                    help="hot-tier budget in MiB (default: a quarter of the table)")
-    p.add_argument("--chunk-rows", type=int, default=64, help="rows per store chunk (default 64)")
+    p.add_argument("--chunk-rows", type=int, default=1024, help="rows per store chunk (default 1024)")
     p.add_argument("--prefetch", action="store_true", help="prefetch the next batch's rows in the background")
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
     p.add_argument("--sync-every", type=int, default=100, help="DeferredSync every N steps (default 100)")
