@@ -801,26 +801,26 @@ class Disk:
 
         for d, dfd in ((self.root, self._root_fd), (self.root / "segments", self._segments_fd),
                        (self.root / "chunks", self._chunks_fd)):
+            # names only (a Path per name cost more than the listing on a table of 15K chunk files)
             for name in fileio.listdir(dfd):  # the folder we hold open, not whatever the path names now
-                p = d / name
                 if is_temp(name):
                     if remove_temp:
-                        drop(p)
+                        drop(d / name)
                 elif d.name == "segments":
                     m = SEGMENT_RE.match(name)
                     if m and int(m.group(1)) < new_seq and int(m.group(1)) not in segs:
-                        drop(p)
+                        drop(d / name)
                 elif d.name == "chunks":
                     m = CHUNK_RE.match(name)
                     if m is None:
                         continue  # not a store file: never ours to delete
                     gen = int(m.group(2))
                     if gen < new_gen and gen not in gens and (int(m.group(1)), gen) not in files:
-                        drop(p)
+                        drop(d / name)
                 elif (m := CHUNKMAP_RE.match(name)) is not None:
                     gen = int(m.group(1))
                     if gen < new_gen and gen not in gens:
-                        drop(p)
+                        drop(d / name)
         return freed
 
     def disk_bytes(self) -> int:
