@@ -124,8 +124,20 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     if tier is not None:
         tier.positions = timed("tier", tier.positions)
     lookup, apply = timed("lookup", rows.lookup), timed("apply", rows.apply)
-    prefetch = getattr(rows, "prefetch", None) if cfg["prefetch"] else None
-    nxt = None
+    ahead = getattr(store, "ahead", None)
+    if ahead is not None:  # the background threads' stages (they overlap the training thread's)
+        phases.update(ahead_exchange=0.0, ahead_serve=0.0)
+        ahead.exchange = timed("ahead_exchange", ahead.exchange)
+        if ahead.serve is not None:
+            ahead.serve = timed("ahead_serve", ahead.serve)
+    prefetch = None
+    if cfg["prefetch"]:  # rows on GPUs: `ShardedDeviceRows.prefetch`; host rows: announced to the store
+        prefetch = getattr(rows, "prefetch", None) or (store.prefetch if world > 1 else None)
+    # batches announced ahead: the id exchange of the batch after next overlaps the owners' uploads
+    # for the next one (one process has no exchange: its tier prefetches the next batch only)
+    depth = (cfg["ahead"] if world > 1 else 1) if prefetch is not None else 0
+    coming: list[torch.Tensor] = []
+    hits0 = 0
     for step in range(cfg["warmup"] + cfg["steps"]):
         if step == cfg["warmup"]:
             if cuda:
@@ -135,12 +147,13 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
             sent0 = getattr(store, "exchanged_bytes", 0)
             io0 = _store_seconds(store, tier)
             ev0 = tier.evicted_rows if tier is not None else 0
+            hits0 = _hits(store)
             timing[0] = True
-        ids = nxt if nxt is not None else torch.randint(0, n, (batch,), generator=gen)
+        ids = coming.pop(0) if coming else torch.randint(0, n, (batch,), generator=gen)
         z = lookup(ids, device)
-        if prefetch is not None:  # the next batch's rows move while this step computes
-            nxt = torch.randint(0, n, (batch,), generator=gen)
-            prefetch(nxt)
+        while len(coming) < depth:  # the coming batches' rows move while this step computes
+            coming.append(torch.randint(0, n, (batch,), generator=gen))
+            prefetch(coming[-1])
         t = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(z), _targets(ids.to(device, non_blocking=True)))
         loss.backward()
@@ -154,8 +167,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
             phases["forward_backward"] += t1 - t
             phases["dense_step"] += time.perf_counter() - t2
     timing[0] = False
-    if nxt is not None:  # the prefetched batch of the step after the last
-        lookup(nxt, device)
+    hits = _hits(store) - hits0
+    for ids in coming:  # the batches announced for the steps after the last
+        lookup(ids, device)
         rows.discard()
     rows.settle()
     if cuda:
@@ -169,12 +183,19 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
            "store_ms_per_step": 1e3 * io / steps,
            "evicted_rows_per_step": ((tier.evicted_rows - ev0) / steps) if tier is not None else 0.0,
            "device_capacity_rows": tier.capacity if tier is not None else 0, "shard_rows": local.num_rows,
+           "lookups_exchanged_ahead": hits,
            "phase_ms": {k: 1e3 * v / steps for k, v in phases.items()}}
     if cfg.get("dense") and world > 1 and cuda:
         out["dense"] = _dense(rank, world, cfg, device)
     queue.put(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _hits(store: Any) -> int:
+    """Lookups that found their id exchange done ahead (sharded stores)."""
+    ahead = getattr(store, "ahead", None)
+    return ahead.hits if ahead is not None else 0
 
 
 def _store_seconds(store: Any, tier: Any) -> float:
@@ -241,7 +262,9 @@ def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for p in procs:
         p.join(60)
     elapsed = max(g["elapsed_s"] for g in got)
-    res = {"world_size": world, "rows_on": cfg["mode"], "threads": cfg["threads"], "prefetch": cfg["prefetch"],
+    res = {"world_size": world, "steps": cfg["steps"], "rows_on": cfg["mode"], "threads": cfg["threads"], "prefetch": cfg["prefetch"],
+           "ahead": cfg["ahead"] if cfg["prefetch"] and world > 1 else int(cfg["prefetch"]),
+           "lookups_exchanged_ahead_min_rank": min(g["lookups_exchanged_ahead"] for g in got),
            "samples_per_s": world * cfg["batch"] * cfg["steps"] / elapsed,
            "ms_per_step": 1e3 * elapsed / cfg["steps"],
            "store_bytes_per_step_per_rank": sum(g["store_bytes_per_step"] for g in got) / world,
@@ -251,7 +274,7 @@ def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
            "shard_rows": max(g["shard_rows"] for g in got),
            "evicted_rows_per_step_per_rank": sum(g["evicted_rows_per_step"] for g in got) / world,
            "final_loss_rank0": sorted(got, key=lambda g: g["rank"])[0]["loss"],
-           "host_phase_ms_max_rank": {k: max(g["phase_ms"][k] for g in got) for k in got[0]["phase_ms"]}}
+           "host_phase_ms_max_rank": {k: max(g["phase_ms"].get(k, 0.0) for g in got) for k in got[-1]["phase_ms"]}}
     dense = [g["dense"] for g in got if "dense" in g]
     if dense:
         res["dense_embedding_ddp"] = {"ms_per_step": max(d["ms_per_step"] for d in dense),
@@ -273,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="each rank's device budget as a fraction of its shard (rows + Adam state + bookkeeping)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="no prefetch of the next batch's rows (by default every run prefetches them)")
+    p.add_argument("--ahead", type=int, default=2,
+                   help="batches announced ahead with prefetch at several processes (default 2: the id exchange "
+                        "of the batch after next overlaps the owners' uploads for the next)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per process (default: min(4, cores / largest world size))")
     p.add_argument("--host-threads", type=int, nargs="*", default=[],
@@ -286,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or max(1, min(4, (os.cpu_count() or 2) // max(args.world_sizes)))
     mode = args.rows_on if cuda else "host"
     cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense,
-               threads=threads, mode=mode, fraction=args.device_fraction, prefetch=args.prefetch)
+               threads=threads, mode=mode, fraction=args.device_fraction, prefetch=args.prefetch,
+               ahead=args.ahead)
     results = []
     for w in args.world_sizes:
         r = run(w, cfg)
@@ -313,11 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
     for r in results:
-        print(f"world {r['world_size']} [{r['rows_on']}, {r['threads']} thr{', prefetch' if r['prefetch'] else ''}]: {r['samples_per_s']:,.0f} samples/s "
+        print(f"world {r['world_size']} [{r['rows_on']}, {r['threads']} thr{', ahead ' + str(r['ahead']) if r['prefetch'] else ''}]: {r['samples_per_s']:,.0f} samples/s "
               f"({r['speedup_vs_first']:.2f}x), {r['ms_per_step']:.1f} ms/step "
               f"(store {r['store_ms_per_step_max_rank']:.1f}), sent {r['store_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank, "
               f"device rows {r['device_capacity_rows_per_rank']:,}/{r['shard_rows']:,}, "
-              f"evicted {r['evicted_rows_per_step_per_rank']:,.0f}/step"
+              f"evicted {r['evicted_rows_per_step_per_rank']:,.0f}/step, "
+              f"exchanged ahead {r['lookups_exchanged_ahead_min_rank']}/{r.get('steps', '')}"
               + (f", dense DDP {r['dense_embedding_ddp']['ms_per_step']:.1f} ms/step" if "dense_embedding_ddp" in r else "")
               + "\n    host ms/step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_phase_ms_max_rank"].items()))
     return 0

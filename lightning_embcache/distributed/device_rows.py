@@ -17,6 +17,11 @@ parameters) and sends them back along the lookup's route with one NCCL ``all_to_
 owner runs the tier's row optimizer (the fused Adam kernel where it applies) on rows and moments
 in place. Nothing of a training step waits for a GPU (no ``.item()``/``.cpu()``/synchronize).
 
+Announced lookups (`prefetch`, or `ShardedStore.prefetch` from the Lightning handle) go through a
+two-stage pipeline (`RunAhead`): one thread exchanges the ids of the batch after next while
+another brings up the rows this owner serves for the next one, both during the current step;
+the lookup of an announced batch then only gathers and moves rows.
+
 Reads and writes through the store (`ShardedStore.get`/``update``, `row_meta`, a flush) first
 bring the tier's updated rows down into the shard's host store (`ShardedStore.before_exchange`);
 a direct write of weights at an owner goes into its tier as well, so both copies agree.
@@ -24,7 +29,6 @@ a direct write of weights at an owner goes into its tier as well, so both copies
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,7 +40,6 @@ from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.distributed.exchange import Route
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.store import EmbeddingStore, StoreError
-from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.trainable import TrainableRows
 
 
@@ -91,10 +94,9 @@ class ShardedDeviceRows:
         self._leaves: list[tuple[_Lookup, Tensor]] = []
         self._written = True  # the host store holds every update (nothing applied since write_down)
         self._stream = torch.cuda.current_stream(device)
-        self._pool: ThreadPoolExecutor | None = None
-        self._next: tuple[Tensor, Future] | None = None  # ids of the next lookup, its exchange
         store.before_exchange = self.write_down
         store.device_rows = self
+        store.ahead.serve, store.ahead.protect = self._serve, self.held_slots
 
     device_tier = None  # the handle's own (single-process) tier is not involved
 
@@ -102,83 +104,65 @@ class ShardedDeviceRows:
     def lookup(self, ids: Any, device: torch.device | str | None = None, device_ids: Tensor | None = None) -> Tensor:
         """Rows of global `ids` on this rank's GPU, a leaf with ``requires_grad=True`` when grad is
         enabled. (`device` and `device_ids` are accepted for the `TrainableRows` interface.)"""
-        ready = self._prefetched(ids)
-        route, pos = ready if ready is not None else self._route(ids)
-        tier, dim = self.tier, self.store.dim
-        with self.store._clock:
-            served = route.served.numpy()
-            slots = tier.positions(served, self.held_slots()) if len(served) else np.empty(0, np.int64)
-            slots_d = tier.to_device(slots)
-            rows_out = tier.view("weight").index_select(0, slots_d)
-            got = torch.empty((route.num_unique, dim), dtype=rows_out.dtype, device=self.device)
-            dist.all_to_all_single(got, rows_out, route.send_splits, route.recv_splits, group=self.group)
-            pos_d = tier.to_device(pos)
-            rows = got.index_select(0, pos_d)
-            route.bytes_sent += (route._out_serve) * dim * rows_out.element_size()
-            self.store._clock.bytes_sent += route.bytes_sent
-        if torch.is_grad_enabled():
-            look = _Lookup(route, pos_d, slots, slots_d)
-            self._lookups.append(look)
-            rows.requires_grad_(True)
-            self._leaves.append((look, rows))
+        ahead = self.store.ahead
+        try:
+            route = ahead.take(torch.as_tensor(ids).detach().cpu())  # exchanged ahead, rows served
+            if route is None:
+                route = self._route(ids)
+            pos = _positions(route)
+            tier, dim = self.tier, self.store.dim
+            with self.store._clock:
+                served = route.served.numpy()
+                slots = tier.positions(served, self.held_slots()) if len(served) else np.empty(0, np.int64)
+                slots_d = tier.to_device(slots)
+                rows_out = tier.view("weight").index_select(0, slots_d)
+                got = torch.empty((route.num_unique, dim), dtype=rows_out.dtype, device=self.device)
+                dist.all_to_all_single(got, rows_out, route.send_splits, route.recv_splits, group=self.group)
+                pos_d = tier.to_device(pos)
+                rows = got.index_select(0, pos_d)
+                route.bytes_sent += (route._out_serve) * dim * rows_out.element_size()
+                self.store._clock.bytes_sent += route.bytes_sent
+            if torch.is_grad_enabled():
+                look = _Lookup(route, pos_d, slots, slots_d)
+                self._lookups.append(look)
+                rows.requires_grad_(True)
+                self._leaves.append((look, rows))
+        finally:
+            ahead.release()  # the next announced lookup may bring its rows up, protecting these
         return rows
 
-    def _route(self, ids: Any) -> tuple[Route, np.ndarray]:
-        """Agree with every rank on who sends what (Gloo); and, for each batch position, the
-        position of its id in the exchange's (owner-grouped) order."""
-        _, _, route = self.store.route(ids, hook=False)
-        where = torch.empty_like(route.order)
-        where[route.order] = torch.arange(len(route.order))
-        return route, where.index_select(0, route.inverse).numpy()
+    def _route(self, ids: Any) -> Any:
+        """Agree with every rank on who sends what (Gloo, the training thread)."""
+        return self.store.route(ids, hook=False)[2]
 
     def prefetch(self, ids: Any) -> None:
-        """Exchange the next lookup's ids and bring the rows this rank serves for them up to its
-        GPU in a background thread, overlapping the current step; the next `lookup` (which must
-        be of the same ids) then only moves rows. A collective: every rank calls it at the same
-        points, after the current step's lookups.
+        """Exchange a coming lookup's ids and bring the rows this rank serves for them up to its
+        GPU in background threads, overlapping the current step; that lookup (which must be the
+        next lookup of this object, of exactly these ids) then only moves rows. Call it after the
+        current step's lookups, with the next batch's ids, and again with the one after it: the
+        exchange of the batch after next then overlaps the owners' uploads for the next one.
+        A collective: every rank calls it at the same points. (`ShardedStore.prefetch` announces
+        lookups that may come in any pattern, e.g. from a `LookaheadSampler`.)
         """
-        self._join()  # one in flight; an unused one is dropped (every rank alike)
-        idx = torch.as_tensor(ids).detach().to("cpu", copy=True)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="embcache-shard-prefetch")
-        self._next = (idx, self._pool.submit(self._prefetch_job, idx, self.held_slots()))
+        self.store.announce(ids, explicit=True, raise_invalid=False)  # invalid ids raise at the lookup
 
-    def _prefetch_job(self, idx: Tensor, protect: np.ndarray | None) -> tuple[Route, np.ndarray]:
+    def _serve(self, route: Any, protect: np.ndarray | None) -> None:
+        """`RunAhead`'s serve stage: bring up the rows this rank serves for an announced lookup."""
+        served = route.served.numpy()
+        if not len(served):
+            return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            route, pos = self._route(idx)  # its errors (invalid ids) are every rank's
-            served = route.served.numpy()
-            if len(served):
-                try:
-                    self.tier.slots(np.unique(served), protect)
-                except StoreError:
-                    # This step's rows and the next batch's do not fit the tier at once: the rows
-                    # come up at the lookup instead (an error here would stop this rank alone and
-                    # leave the others waiting in the rows' exchange).
-                    pass
-            return route, pos
+            try:
+                self.tier.slots(np.unique(served), protect)
+            except StoreError:
+                # This step's rows and the next batch's do not fit the tier at once: the rows
+                # come up at the lookup instead (an error here would stop this rank alone and
+                # leave the others waiting in the rows' exchange).
+                pass
 
     def _join(self) -> None:
-        """Wait for the exchange running ahead (before any other collective of the store)."""
-        nxt = self._next
-        if nxt is not None:
-            try:
-                nxt[1].result()
-            except Exception:
-                self._next = None  # its error is raised by the lookup it was for, or dropped
-                raise
-
-    def _prefetched(self, ids: Any) -> tuple[Route, np.ndarray] | None:
-        nxt, self._next = self._next, None
-        if nxt is None:
-            return None
-        idx, fut = nxt
-        ready = fut.result()  # invalid ids raise here, on every rank
-        now = torch.as_tensor(ids).detach().cpu()
-        if now.shape != idx.shape or not torch.equal(now.to(torch.int64), idx.to(torch.int64)):
-            raise InvalidArgumentError(
-                "lookup(ids) after prefetch(next_ids) must look up exactly next_ids (every rank exchanged "
-                "them already); got other ids")
-        return ready
+        """Wait for an owner's upload running ahead (before the tier's rows go down)."""
+        self.store.ahead.quiesce()
 
     def held_slots(self) -> np.ndarray | None:
         """Tier slots this rank serves for lookups whose gradients are not applied yet."""
@@ -276,12 +260,14 @@ class ShardedDeviceRows:
 
     def close(self) -> None:
         """Free the GPU memory (after a flush: rows not written down are dropped)."""
-        try:
-            self._join()
-        except Exception:  # closing: a failed hint does not matter any more
-            pass
-        self._next = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        ahead = self.store.ahead
+        ahead.close()  # its uploads are this tier's
+        ahead.serve, ahead.protect = None, lambda: None
         self.tier.close()
+
+
+def _positions(route: Any) -> np.ndarray:
+    """For each batch position, the row of the exchange's (owner-grouped) output holding its id."""
+    where = torch.empty_like(route.order)
+    where[route.order] = torch.arange(len(route.order))
+    return where.index_select(0, route.inverse).numpy()

@@ -38,7 +38,7 @@ from torch import Tensor
 from lightning_embcache.distributed.sharding import RowSharding
 from lightning_embcache.store.errors import InvalidArgumentError
 
-_groups: dict[tuple[int, int], object] = {}
+_groups: dict[tuple[int, int, str], object] = {}
 
 
 def world() -> tuple[int, int]:
@@ -56,7 +56,18 @@ def sharding_active() -> bool:
 def store_group() -> object:
     """The Gloo group the stores exchange rows on (made once per default group: a collective, so
     every rank reaches it at the same point, i.e. when the stores open at setup)."""
-    key = (id(dist.group.WORLD), dist.get_world_size())
+    return _gloo_group("store")
+
+
+def ahead_group() -> object:
+    """The Gloo group of the exchanges run ahead of their lookups (`RunAhead`'s thread alone uses
+    it, so they keep their order whatever the training thread exchanges meanwhile). Made with
+    `store_group`, at the same point on every rank."""
+    return _gloo_group("ahead")
+
+
+def _gloo_group(use: str) -> object:
+    key = (id(dist.group.WORLD), dist.get_world_size(), use)
     group = _groups.get(key)
     if group is None:
         group = _groups[key] = dist.new_group(backend="gloo")

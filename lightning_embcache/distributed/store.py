@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_embcache.distributed.exchange import Clock, Route, store_group, world
+from lightning_embcache.distributed.ahead import RunAhead
+from lightning_embcache.distributed.exchange import Clock, Route, ahead_group, store_group, world
 from lightning_embcache.distributed.sharding import (
     GlobalCallableInit, GlobalNormalInit, RowSharding, shard_dir, shard_layouts,
 )
@@ -28,6 +29,7 @@ from lightning_embcache.store import (
 from lightning_embcache.store.validate import as_ids
 
 RESHARD_HINT = "embcache reshard --checkpoint CKPT --world-size N"
+_INVALID = torch.empty(0, dtype=torch.int64)
 _STORE_BUDGET = object()  # trainable_rows(device_bytes=...) not given: the store's device_bytes
 
 
@@ -52,7 +54,7 @@ class ShardedStore:
     """
 
     def __init__(self, path: Path | None, num_rows: int, local: EmbeddingStore, group: object,
-                 rank: int, world_size: int) -> None:
+                 rank: int, world_size: int, ahead: object | None = None) -> None:
         self.path = path
         self.num_rows = num_rows
         self.local = local
@@ -67,6 +69,9 @@ class ShardedStore:
         self.device_bytes: int | None = None
         #: the `ShardedDeviceRows` holding this shard's hot rows on the GPU, if any
         self.device_rows: Any = None
+        # announced lookups (`prefetch`): their id exchanges run ahead on a group of their own
+        self._ahead_group = ahead
+        self.ahead = RunAhead(self._exchange_ahead)
 
     sharded = True  # the handle leaves device tiers to the store (`trainable_rows`): one per shard
 
@@ -136,7 +141,8 @@ class ShardedStore:
             self._clock.bytes_sent += route.bytes_sent
 
     def route(self, ids: Any, values: Mapping[str, Any] | None = None, deliver: bool = False,
-              unique: bool = False, hook: bool = True) -> tuple[Tensor, dict[str, Tensor], Route]:
+              unique: bool = False, hook: bool = True, group: object | None = None
+              ) -> tuple[Tensor, dict[str, Tensor], Route]:
         """Validate `ids` (and `values`) on this rank, then agree with every rank on who sends what.
 
         A rank whose arguments are invalid raises its own error; the others raise one naming it.
@@ -158,7 +164,8 @@ class ShardedStore:
             error, idx, vals = exc, torch.empty(0, dtype=torch.int64), {}
         with self._clock:
             try:
-                route = Route(self.group, self.sharding, idx, None if error is None else str(error), deliver, unique)
+                route = Route(self.group if group is None else group, self.sharding, idx,
+                              None if error is None else str(error), deliver, unique)
             except InvalidArgumentError:
                 if error is not None:
                     raise error from None
@@ -222,11 +229,45 @@ class ShardedStore:
         return ShardedTrainableRows(self, optimizer, max_grad_norm=max_grad_norm)
 
     def prefetch(self, ids: Any) -> None:
-        """Hint for the ids among `ids` that this rank owns (no communication)."""
-        idx = torch.from_numpy(as_ids(ids, self.num_rows).copy())
+        """Announce a coming lookup of `ids`: its id exchange with the owners runs ahead in a
+        background thread (and, with rows on the owners' GPUs, the owners bring the rows up), so
+        the lookup of exactly these ids only moves rows; the rows this rank owns are hinted to its
+        shard. A collective: every rank announces as many batches, in the same order, and looks
+        them up in the same pattern (a `LookaheadSampler` over a ``DistributedSampler`` does).
+        A lookup of other ids works as without the announcement.
+
+        Raises:
+            InvalidArgumentError: invalid ids (the other ranks' lookups of this batch raise too).
+        """
+        idx = self.announce(ids)
         mine = idx[self.sharding.owner(idx) == self.rank]
         if len(mine):
             self.local.prefetch(self.sharding.local(mine))
+
+    def announce(self, ids: Any, explicit: bool = False, *, raise_invalid: bool = True) -> Tensor:
+        """Queue the exchange of a coming lookup (`prefetch`); returns the validated ids. Invalid
+        ids are announced too, so that the other ranks' lookups of this batch fail with them."""
+        try:
+            idx = torch.from_numpy(as_ids(ids, self.num_rows).copy())
+        except StoreError as exc:
+            try:
+                raw = torch.as_tensor(ids).detach().to("cpu", torch.int64).reshape(-1)
+            except Exception:
+                raw = _INVALID
+            self.ahead.announce(raw, explicit, error=str(exc))
+            if raise_invalid:
+                raise
+            return _INVALID
+        self.ahead.announce(idx, explicit)
+        return idx
+
+    def _exchange_ahead(self, idx: Tensor, error: str | None = None) -> Route:
+        """The announced lookup's id exchange (`RunAhead`'s exchange thread)."""
+        return Route(self._ahead_group or self.group, self.sharding, idx, error)
+
+    def take_ahead(self, ids: Tensor) -> Route | None:
+        """The route of an announced lookup of exactly `ids` (validated), exchanged ahead; or None."""
+        return self.ahead.take(ids)
 
     def flush(self) -> int:
         """Make this shard's updates durable; returns its version (each rank flushes its own)."""
@@ -266,6 +307,7 @@ class ShardedStore:
         self.local.compact()
 
     def close(self) -> None:
+        self.ahead.close()
         if self.device_rows is not None:
             self.device_rows.close()
             self.device_rows = None
@@ -288,6 +330,7 @@ class ShardFactory:
     def __init__(self, num_rows: int, dim: int, create_options: Mapping[str, Any]) -> None:
         self.rank, self.world_size = world()
         self.group = store_group()
+        self.ahead_group = ahead_group()
         self.num_rows, self.dim = int(num_rows), int(dim)
         self.sharding = RowSharding(self.num_rows, self.world_size)
         opts = dict(create_options)
@@ -321,7 +364,7 @@ class ShardFactory:
 
     def _wrap(self, path: Path | None, local: EmbeddingStore) -> ShardedStore:
         table = None if path is None else Path(path).parent
-        store = ShardedStore(table, self.num_rows, local, self.group, self.rank, self.world_size)
+        store = ShardedStore(table, self.num_rows, local, self.group, self.rank, self.world_size, self.ahead_group)
         store.device_bytes = self.device_bytes
         return store
 

@@ -51,7 +51,17 @@ class ShardedTrainableRows:
     def lookup(self, ids: Any, device: torch.device | str | None = None, device_ids: Tensor | None = None) -> Tensor:
         """Rows of global `ids` on `device`, a leaf with ``requires_grad=True`` when grad is enabled.
         (`device_ids`, the same ids on the GPU, serve a device tier; sharded rows come from the host.)"""
-        idx, _, route = self.store.route(ids)
+        ahead = self.store.ahead
+        try:
+            route = ahead.take(torch.as_tensor(ids).detach().cpu())  # announced: exchanged ahead
+        finally:
+            ahead.release()  # host rows: nothing to protect
+        if route is None:
+            idx, _, route = self.store.route(ids)
+        else:
+            idx = torch.as_tensor(ids).detach().to("cpu", torch.int64).reshape(-1)
+            route.group = self.store.group  # the rows travel on the store's group, in program order
+            self.finish()  # as the store's route does first: gradient rows in flight reach the rows
         with self.store._clock:
             served = self.store.local.get(route.served) if len(route.served) else torch.empty(
                 (0, self.store.dim), dtype=self.store.dtype)

@@ -34,7 +34,7 @@ def _reference(lr: float):
     return ref, torch.optim.SparseAdam(ref.parameters(), lr=lr)
 
 
-def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float, prefetch: bool = False,
+def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float, prefetch: int = 0,
                                accumulate: int = 2) -> None:
     """Each rank trains its own batches through owners that hold a fraction of their shard on the
     GPU (evicting and bringing rows back every step); the reference is nn.Embedding + SparseAdam
@@ -49,6 +49,9 @@ def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float
     ref, ref_opt = _reference(0.05)
     target = torch.linspace(-1, 1, DIM, device="cuda")
     steps = 6
+    # lookups in order; `prefetch` of them 1 or 2 ahead goes on past the last one (never looked up)
+    keys = [10 * step + micro for step in range(1, steps + 2) for micro in range(accumulate)]
+    announced, i = 1, 0
     for step in range(1, steps + 1):
         ref_opt.zero_grad()
         for micro in range(accumulate):
@@ -57,8 +60,10 @@ def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float
                 (((ref(ids) - target) ** 2).sum(1).mean() / world).backward()
             ids = _batch(10 * step + micro, rank)
             z = rows.lookup(ids)
-            if prefetch:  # the next micro-batch's ids, exchanged while this one computes
-                rows.prefetch(_batch(10 * step + micro + 1 if micro + 1 < accumulate else 10 * (step + 1), rank))
+            while prefetch and announced <= i + prefetch:  # the next micro-batches' ids, exchanged meanwhile
+                rows.prefetch(_batch(keys[announced], rank))
+                announced += 1
+            i += 1
             assert z.is_cuda and z.requires_grad
             torch.testing.assert_close(z.detach(), ref.weight.detach()[ids.cuda()], rtol=1e-5, atol=1e-5)
             ((z - target) ** 2).sum(1).mean().backward()
@@ -69,6 +74,7 @@ def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float
         assert tier.evicted_rows > 0  # rows left the GPU and came back: the budget was exercised
     if prefetch:  # a read through the store waits for the exchange running ahead, then reads
         rows.prefetch(_batch(77, rank))
+        assert rows.store.ahead.hits == steps * accumulate - 1, rows.store.ahead.hits
     want = ref.weight.detach().cpu()
     torch.testing.assert_close(store.get(torch.arange(N)), want, rtol=1e-5, atol=1e-5)
     touched = torch.zeros(N, dtype=torch.bool)
@@ -144,11 +150,12 @@ def steps_never_wait_for_the_gpu(rank: int, world: int, root: str) -> None:
     """Lookups, gradients and the owners' steps in steady state make no synchronizing CUDA call."""
     opt = make_row_optimizer("adam", lr=0.05)
     store, rows = _open(root, opt, 0.5)
+    rows.prefetch(_batch(1, rank))
     for step in range(1, 12):
         if step == 6:
             torch.cuda.set_sync_debug_mode("error")
         z = rows.lookup(_batch(step, rank))
-        rows.prefetch(_batch(step + 1, rank))
+        rows.prefetch(_batch(step + 2, rank))  # two ahead: exchanges and uploads in their threads
         z.square().sum().backward()
         rows.collect()
         rows.apply(step)

@@ -175,3 +175,53 @@ def device_budget_reaches_each_shard(rank: int, world: int, root: str) -> None:
     assert isinstance(store.trainable_rows(opt, device_bytes=0), ShardedTrainableRows)
     assert store.device_rows is None
     store.close()
+
+
+def announced_lookups_train_like_sparse_adam(rank: int, world: int, root: str) -> None:
+    """Lookups announced two batches ahead (`ShardedStore.prefetch`, what a LookaheadSampler does
+    through the handle) take their exchanged routes; a second lookup per step of other ids, a
+    read, and a batch announced but never looked up leave them intact; rows equal nn.Embedding +
+    SparseAdam with the mean gradients."""
+    opt = make_row_optimizer("adam", lr=0.05)
+    store = ShardedStore.open_or_create(Path(root) / "rows", N, DIM, init="normal", seed=1, chunk_rows=100,
+                                        fields=trainable_fields(opt, DIM, torch.float32))
+    rows = store.trainable_rows(opt)
+    ref = torch.nn.Embedding(N, DIM, sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(EmbeddingStore.create(None, N, DIM, init="normal", seed=1, chunk_rows=100).get(torch.arange(N)))
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
+    target = torch.linspace(-1, 1, DIM)
+    steps = [1, 2, 3, 5, 6]  # batch 4 is announced and never looked up
+    for s in (1, 2):
+        store.prefetch(_batch(s, rank, 32))
+    for i, step in enumerate(steps):
+        ahead = 2 if step < 4 else 1
+        if step + ahead <= 6:
+            store.prefetch(_batch(step + ahead, rank, 32))  # every rank announces the same count
+        ref_opt.zero_grad()
+        for r in range(world):
+            ids = _batch(step, r, 32)
+            neg = _batch(100 + step, r, 8)
+            (((ref(ids) - target) ** 2).sum(1).mean() / world + ref(neg).sum() / world).backward()
+        z = rows.lookup(_batch(step, rank, 32))
+        n = rows.lookup(_batch(100 + step, rank, 8))  # not announced: exchanged as usual
+        (((z - target) ** 2).sum(1).mean() + n.sum()).backward()
+        rows.collect()
+        ref_opt.step()
+        rows.apply(i + 1)
+        if step == 2:  # a read between steps (validation): the announced routes stay
+            store.get(_batch(200, rank, 16))
+    assert store.ahead.hits == len(steps), store.ahead.hits
+    torch.testing.assert_close(store.get(torch.arange(N)), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    # invalid announced ids on one rank: every rank's lookup of that batch fails, then training goes on
+    bad = torch.tensor([1, N + 2]) if rank == 1 else torch.tensor([3, 4])
+    try:
+        store.prefetch(bad)
+    except InvalidArgumentError:
+        assert rank == 1
+    with pytest.raises(InvalidArgumentError, match=f"got max id {N + 2}" if rank == 1 else r"rank\(s\) \[1\]"):
+        rows.lookup(bad)
+    rows.lookup(_batch(7, rank)).sum().backward()
+    rows.collect()
+    rows.apply(9)
+    store.close()

@@ -150,3 +150,27 @@ def test_every_rank_releases_the_versions_of_checkpoints_modelcheckpoint_removed
             assert shard.pinned() == [refs["versions"][rank]], (rank, shard.pinned())
         finally:
             shard.close()
+
+
+def test_a_lookahead_sampler_under_ddp_has_every_lookup_exchanged_ahead(tmp_path):
+    """Once, under sharding the handle's prefetch only hinted the rows a rank owns: no lookup of a
+    Trainer.fit found its exchange done ahead. Both fits see the same batches; rows equal bit for bit."""
+    import os
+    import subprocess
+
+    script = Path(__file__).with_name("_lookahead_script.py")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=str(script.parent))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for got in ranks:
+        ann, plain = got["announced"], got["plain"]
+        assert ann["steps"] == plain["steps"] == 2 * 6  # 96 ids, 2 ranks, batches of 8, 2 epochs
+        assert ann["hits"] == ann["steps"] and ann["announced"] == ann["steps"], ann
+        assert plain["hits"] == 0
+        assert torch.equal(ann["rows"], plain["rows"])
+    assert torch.equal(ranks[0]["announced"]["rows"], ranks[1]["announced"]["rows"])
+    assert not torch.equal(ranks[0]["plain"]["rows"][:8], torch.zeros(8, 8))

@@ -23,8 +23,9 @@ def _need(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize(("fraction", "prefetch"), [(0.4, False), (0.4, True), (1.0, False)],
-                         ids=["budget-below-shard", "budget-below-shard-prefetch", "whole-shard"])
+@pytest.mark.parametrize(("fraction", "prefetch"), [(0.4, 0), (0.4, 1), (0.4, 2), (1.0, 0), (1.0, 2)],
+                         ids=["budget-below-shard", "budget-below-shard-prefetch", "budget-below-shard-prefetch-2",
+                              "whole-shard", "whole-shard-prefetch-2"])
 def test_gpu_rows_train_like_sparse_adam(tmp_path, world, fraction, prefetch):
     _need(world)
     run_ranks(_gpu_rank_fns.gpu_rows_match_sparse_adam, world, str(tmp_path), fraction, prefetch, backend="nccl")

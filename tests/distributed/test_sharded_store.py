@@ -107,3 +107,7 @@ def test_a_rank_with_an_empty_batch_takes_part_and_the_others_rows_train(ranks, 
 
 def test_a_device_budget_is_per_shard_and_cpu_ranks_keep_host_rows(ranks, tmp_path):
     ranks.run(_rank_fns.device_budget_reaches_each_shard, str(tmp_path))
+
+
+def test_announced_lookups_are_exchanged_ahead_and_train_like_sparse_adam(ranks, tmp_path):
+    ranks.run(_rank_fns.announced_lookups_train_like_sparse_adam, str(tmp_path), timeout=60)
