@@ -151,6 +151,7 @@ def steps_never_wait_for_the_gpu(rank: int, world: int, root: str) -> None:
     opt = make_row_optimizer("adam", lr=0.05)
     store, rows = _open(root, opt, 0.5)
     rows.prefetch(_batch(1, rank))
+    rows.prefetch(_batch(2, rank))
     for step in range(1, 12):
         if step == 6:
             torch.cuda.set_sync_debug_mode("error")
