@@ -76,6 +76,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     if cuda:
         torch.cuda.set_device(device)
     torch.set_num_threads(cfg["threads"])
+    if cfg.get("switch_interval"):
+        sys.setswitchinterval(cfg["switch_interval"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     n, dim, batch = cfg["rows"], cfg["dim"], cfg["batch"]
@@ -123,6 +125,11 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
         store.route = timed("route", store.route)
     if tier is not None:
         tier.positions = timed("tier", tier.positions)
+        if not tier.resident:  # where an owner's misses go (any thread: serve, lookup, write-back)
+            phases.update(miss_evict=0.0, miss_upload=0.0, store_read=0.0, store_write=0.0)
+            tier._evict, tier._upload = timed("miss_evict", tier._evict), timed("miss_upload", tier._upload)
+            local.read_records = timed("store_read", local.read_records)
+            local.write_records = timed("store_write", local.write_records)
     lookup, apply = timed("lookup", rows.lookup), timed("apply", rows.apply)
     ahead = getattr(store, "ahead", None)
     if ahead is not None:  # the background threads' stages (they overlap the training thread's)
@@ -299,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ahead", type=int, default=2,
                    help="batches announced ahead with prefetch at several processes (default 2: the id exchange "
                         "of the batch after next overlaps the owners' uploads for the next)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval in every process (seconds; Python's default is 0.005)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per process (default: min(4, cores / largest world size))")
     p.add_argument("--host-threads", type=int, nargs="*", default=[],
@@ -313,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.rows_on if cuda else "host"
     cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense,
                threads=threads, mode=mode, fraction=args.device_fraction, prefetch=args.prefetch,
-               ahead=args.ahead)
+               ahead=args.ahead, switch_interval=args.switch_interval)
     results = []
     for w in args.world_sizes:
         r = run(w, cfg)
