@@ -46,7 +46,7 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
         self.save_hyperparameters()
         self.automatic_optimization = False  # the codes are written directly, the decoder uses Adam
         self.latents = self.add_embedding_store("latents", num_samples, code_dim, path=store_path,
-                                                hot_bytes=hot_bytes, chunk_rows=64, init="normal", init_std=0.01)
+                                                hot_bytes=hot_bytes, chunk_rows=1024, init="normal", init_std=0.01)
         self.decoder = nn.Sequential(nn.Linear(code_dim, 128), nn.ReLU(), nn.Linear(128, 32))
 
     def training_step(self, batch, batch_idx):
