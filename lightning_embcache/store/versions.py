@@ -6,10 +6,11 @@ Concurrency design (docs/store.md, "Threads"): two locks, always taken in this o
 
 * ``self._flush_lock``, the *writer lock* (re-entrant): held for the whole of every job that
   changes what is on disk or which files the live layout reads: `flush`, the background
-  write-back `_clean`, compaction (snapshot, reading the segments, writing chunks, publishing),
-  garbage collection, retention, `pin`/`unpin` and explicit `compact()`. So these never
-  interleave: a compaction cannot fold a layout a flush or another compaction moved meanwhile,
-  and garbage collection never runs while any of them is writing.
+  write-back `_clean`, each compaction round (snapshot, reading the segments, writing chunks,
+  publishing, collecting its garbage), garbage collection, retention and `pin`/`unpin`. So these
+  never interleave: a round cannot fold a layout a flush or another round moved meanwhile, and
+  garbage collection never runs while any of them is writing. Background compaction lets go of
+  it between rounds (a waiting flush goes first), so no caller waits for more than one round.
 * ``self._lock`` (in-memory state): taken briefly inside, and by get/update/evict.
 
 Eviction write-back inside get/update holds only ``self._lock``: it only appends a *pending*
