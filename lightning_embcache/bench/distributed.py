@@ -15,8 +15,12 @@ gradient rows GPU to GPU over NCCL (`ShardedDeviceRows`). World size 1 is one pr
 `DeviceTier` of the same fraction of the whole table. Before timing, each tier is filled with
 rows marked dirty, so evictions write rows back as in a long run (an empty tier would take
 hundreds of steps to fill). ``--rows-on host``: the owners' rows in host memory, exchanged over
-Gloo. Every run announces the next batch's ids after each lookup (``prefetch``: the id exchange
-and the owners' uploads of missing rows overlap the step; ``--no-prefetch`` turns it off).
+Gloo. Every run announces coming batches' ids (``prefetch``; ``--no-prefetch`` turns it off): with
+several processes ``--ahead`` batches (default 2), so that the id exchange of the batch after
+next (one thread) and the owners' uploads of missing rows for the next (another) overlap the
+step; one process prefetches the next batch into its tier. The host time of the background
+threads' stages and of the owners' misses by part (any thread) is reported beside the training
+thread's phases. ``--switch-interval S`` sets Python's thread switch interval in every process.
 
 Every process uses ``--threads`` torch threads (default: 4, or fewer when cores / largest world
 size is smaller), the same at every world size: on 4 x H100 with 64 cores, 16 threads per process

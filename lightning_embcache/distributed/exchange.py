@@ -199,7 +199,7 @@ def _pack(rows: Tensor | Mapping[str, Tensor]):
 
 class Clock:
     """Seconds the training thread spent in exchanges (added to the store's io_wait_seconds for the
-    profiler). Exchanges run ahead by a background thread (`ShardedDeviceRows.prefetch`) are
+    profiler). Exchanges run ahead by a background thread (`RunAhead`, for announced lookups) are
     overlapped with training, so only the thread that made the clock counts."""
 
     def __init__(self) -> None:
