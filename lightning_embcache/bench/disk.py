@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flushes", type=int, default=40)
     p.add_argument("--flush-frac", type=float, default=0.1)
     p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
-    p.add_argument("--phases", default="warm,cold,space", help="any of warm,cold,space,epoch")
+    p.add_argument("--phases", default="warm,cold,space", help="any of warm,cold,space,epoch,shuffle")
     p.add_argument("--store-rev", help="also run the store as committed at this git revision (system "
                    "'store@REV', extracted with git archive; no lookahead), e.g. the one before a change")
     p.add_argument("--workdir", help="where the files go (default: a temp dir under /var/tmp, removed after)")
@@ -269,8 +269,56 @@ def _space(cfg: dict) -> dict:
             "flush_s_max": max(flush_s)}
 
 
+def _shuffle(cfg: dict) -> dict:
+    """Cold reads in `ChunkShuffleSampler` order against the disk's sequential read bandwidth.
+
+    Both in one process, the page cache dropped before each: the store's chunk files read whole in
+    chunk order (1 MiB reads), then ``--batches`` batches of get + update in the sampler's order
+    (window 16), with flushes as in the other phases. Figure: bytes of rows got per second over the
+    sequential read's bytes per second.
+    """
+    import numpy as np
+    import torch
+
+    from lightning_embcache import ChunkShuffleSampler, EmbeddingStore
+
+    torch.set_num_threads(1)
+    wd = Path(cfg["workdir"])
+    n, dim, bsz = cfg["rows"], cfg["dim"], cfg["batch"]
+    out: dict = {"system": "store+chunkshuffle", "phase": "shuffle"}
+    chunks = sorted((wd / "store" / "chunks").iterdir())
+    out["drop"] = drop_cache([wd / "store", wd / "table.npy"])
+    t0 = time.perf_counter()
+    nbytes = 0
+    for path in chunks:
+        with open(path, "rb", buffering=0) as f:
+            while block := f.read(MiB):
+                nbytes += len(block)
+    seq_s = time.perf_counter() - t0
+    out.update(sequential_mib_s=nbytes / seq_s / MiB, sequential_bytes=nbytes)
+    drop_cache([wd / "store", wd / "table.npy"])
+    table = n * dim * 4
+    store = EmbeddingStore.open(wd / "store", hot_bytes=int(table / cfg["table_factor"]))
+    order = ChunkShuffleSampler(n, chunk_rows=store.chunk_rows, window=16, seed=cfg["seed"]).order(0)
+    nb = min(cfg["batches"], n // bsz)
+    t0 = time.perf_counter()
+    for i in range(nb):
+        ids = torch.from_numpy(np.ascontiguousarray(order[i * bsz : (i + 1) * bsz]))
+        x = store.get(ids)
+        store.update(ids, x + 1)
+        if (i + 1) % cfg["flush_every"] == 0:
+            store.flush()
+    store.flush()
+    wall = time.perf_counter() - t0
+    store.close()
+    rows = nb * bsz
+    out.update(rows_per_s=rows / wall, wall_s=wall, store_mib_s=rows * dim * 4 / wall / MiB,
+               vs_sequential=(rows * dim * 4 / wall) / (nbytes / seq_s))
+    return out
+
+
 def _run_worker(cfg: dict) -> dict:
-    fn = {"setup": _setup, "space": _space}.get(cfg["phase"], _loop)
+    fn = {"setup": _setup, "space": _space, "shuffle": _shuffle}.get(cfg["phase"], _loop)
     return fn(cfg)
 
 
@@ -346,6 +394,13 @@ def main(argv=None) -> int:
                           f"CPU {res['cpu_us_per_row']:.2f} us/row  "
                           f"stall {res.get('stall_ms_per_step', 0):.2f} ms/step  close {res['close_s']:.2f} s  "
                           f"RSS +{res['rss_peak_over_start_mib']:.0f} MiB", flush=True)
+        for rep in range(reps if "shuffle" in phases else 0):
+            res = _spawn(dict(cfg, phase="shuffle", seed=rep + 1))
+            res["rep"] = rep
+            runs.append(res)
+            print(f"  rep {rep} shuffle: sequential read {res['sequential_mib_s']:.0f} MiB/s; store in "
+                  f"ChunkShuffleSampler order {res['store_mib_s']:.0f} MiB/s ({res['rows_per_s']:.0f} rows/s) = "
+                  f"{res['vs_sequential']:.2f}x", flush=True)
         if "space" in phases:
             res = _spawn(dict(cfg, phase="space"))
             runs.append(res)
