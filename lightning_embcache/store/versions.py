@@ -231,6 +231,7 @@ class Versioning:
         self._max_version = versions[-1]
         self._pins = disk.read_pins()
         seq, gen = disk.max_seq_and_gen()
+        self._own_gens_from = gen + 1  # chunk files of these generations are this handle's own
         # Segment numbers only grow: the chunk map names segments folded (and deleted) long ago,
         # and a new segment numbered like one of them would count as folded before it is.
         self._next_seq = max(seq, int(self._folded.max(initial=0)), max(m.segments, default=0)) + 1
@@ -331,6 +332,32 @@ class Versioning:
             cand = np.sort(cand[np.argsort(-stale[cand], kind="stable")[:limit]])
         return cand.astype(np.int64)
 
+    def _folded_chunk(self, c: int, base_gen: int, segs: list[Segment]) -> np.ndarray:
+        """Chunk ``c``'s records with every segment's records of it applied, oldest first.
+
+        A base file this handle's own compactions wrote is not verified again (the page cache
+        holds what was checksummed, as for the miss path); a never-written chunk computes the
+        initial values only of the rows no segment holds."""
+        disk = self._disk
+        rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
+        lo = c * self._chunk_rows
+        deltas = [got for s in segs if (got := s.rows_of_chunk(c)) is not None]
+        if base_gen:
+            recs = disk.read_chunk(c, base_gen, verify=base_gen < self._own_gens_from)
+        elif deltas and self._meta.get("init_version", 1) >= 2:
+            recs = np.empty((rows, self._row_bytes), np.uint8)
+            covered = np.zeros(rows, np.bool_)
+            for ids, _ in deltas:
+                covered[ids - lo] = True
+            rest = np.flatnonzero(~covered)
+            if len(rest):
+                recs[rest] = self._init_rows(rest + lo)
+        else:
+            recs = self._init_records(c, rows)
+        for ids, records in deltas:
+            recs[ids - lo] = records
+        return recs
+
     def _compact_round(self, everything: bool = False) -> bool:
         """Rewrite a bounded set of chunks with the committed segments' rows folded in, drop the
         prefix of segments now folded everywhere, and publish the new layout of the same rows.
@@ -360,13 +387,7 @@ class Versioning:
             for c in chunks.tolist():
                 if self._closed:  # close() waits for the writer lock: publish what is done, stop
                     break
-                rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
-                recs = disk.read_chunk(c, int(cmap[c])) if cmap[c] else self._init_records(c, rows)
-                lo = c * self._chunk_rows
-                for s in segs:
-                    got = s.rows_of_chunk(c)
-                    if got is not None:
-                        recs[got[0] - lo] = got[1]
+                recs = self._folded_chunk(c, int(cmap[c]), segs)
                 disk.write_chunk(c, gen, recs, self._compress, durable=False)
                 new_cmap[c] = gen
                 done += 1

@@ -271,3 +271,24 @@ def test_compaction_makes_its_chunks_durable_without_syncfs(shm_path, monkeypatc
         assert len(synced) >= N // CHUNK, f"{len(synced)} fsyncs for {N // CHUNK} chunk files"
     with EmbeddingStore.open(path) as store:
         assert torch.equal(store.get(torch.arange(N)), model)
+
+
+@pytest.mark.parametrize("init", ["normal", "callable"])
+def test_compaction_keeps_never_written_rows_at_their_initial_values(shm_path, init):
+    """Compaction computes the initial values of a never-written chunk only for the rows no
+    segment holds: every other row must read as in a store where nothing was compacted."""
+    kw = {"init": "normal", "init_std": 0.5, "seed": 7} if init == "normal" else \
+        {"init": lambda ids: ids[:, None].float().expand(-1, DIM) * 0.25}
+    fields = {"m": (torch.float32, 2)}
+    ids = torch.tensor([3, 4, 70, CHUNK + 1, 5 * CHUNK - 1])
+    with EmbeddingStore.create(shm_path / "ref", N, DIM, chunk_rows=CHUNK, fields=fields, **kw) as ref:
+        want = ref.get(torch.arange(N))
+        want_m = ref.get_fields(torch.arange(N), ["m"])["m"]
+    with EmbeddingStore.create(shm_path / "s", N, DIM, chunk_rows=CHUNK, fields=fields, **kw) as s:
+        s.update(ids, torch.full((len(ids), DIM), 9.0))
+        s.flush()
+        s.compact()
+        assert s.stats().segments == 0
+        want[ids] = 9.0
+        assert torch.equal(s.get(torch.arange(N)), want)
+        assert torch.equal(s.get_fields(torch.arange(N), ["m"])["m"], want_m)
