@@ -593,20 +593,6 @@ class Disk:
         if chunks:
             fileio.sync_written(self._chunks_fd, [self.chunk_path(c, gen).name for c in chunks], self.root / "chunks")
 
-    def _chunk_kind(self, path: Path) -> bytes:
-        try:
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-        except FileNotFoundError:
-            raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
-        except OSError as exc:
-            raise io_error(exc, "reading", path) from exc
-        try:
-            head = os.pread(fd, HEADER_SIZE, 0)
-        finally:
-            os.close(fd)
-        kind = head[8:16].rstrip(b"\0")
-        return kind if kind in (b"chunk", b"chunkraw") else b"chunk"  # parse_header reports the rest
-
     def _raw_chunk_directory(self, path: Path, chunk: int, *, fd: int | None = None,
                              head: bytes | None = None) -> tuple[int, np.ndarray, int]:
         head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)

@@ -14,6 +14,8 @@ import torch
 from lightning_embcache import EmbeddingStore, LookaheadSampler
 from lightning_embcache.store import uring
 
+from _store_helpers import compacted_store
+
 N, DIM, CHUNK = 6000, 16, 128
 ROW = DIM * 4
 SLOTS = 600
@@ -124,13 +126,7 @@ def test_a_forked_child_reads_through_a_ring_of_its_own(tmp_path, read_path):
 
 
 def _populated(path):
-    table = torch.randn(N, DIM, generator=torch.Generator().manual_seed(0))
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as s:
-        s.update(torch.arange(N), table)
-        s.flush()
-        s.compact()
-        s.flush()
-    return table
+    return compacted_store(path, N, DIM, CHUNK)
 
 
 def test_epochs_through_either_read_path_match_the_model(shm_path, read_path):
