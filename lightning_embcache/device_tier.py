@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_embcache.pinned import PinnedRing
-from lightning_embcache.store import EmbeddingStore, StoreError
+from lightning_embcache.store import EmbeddingStore, StoreError, rowcopy
 from lightning_embcache.store.errors import InvalidArgumentError
 
 #: host bookkeeping per device slot: id (8) + free-list entry (8) + eviction stamp (8) +
@@ -38,8 +38,20 @@ SLOT_OVERHEAD = 26
 #: rows per host<->device transfer when a whole table is loaded or written down (a pinned buffer
 #: of this many records stays allocated: 25 MiB for 1.5 KiB records)
 TRANSFER_ROWS = 16_384
-#: rows per store write of the write-back thread (it holds the store's lock for one slice at a time)
-WRITE_SLICE_ROWS = 1024
+#: most rows per store call of the tier's background threads (write-back and uploads): just below
+#: the store's threshold for copies split over its copy threads. The training and exchange threads
+#: keep the GIL busy, and every hand-off to and from those threads waits for it: under a contended
+#: GIL one 4,100-row call took 30-57 ms where two or three calls below the threshold took 0.5-18 ms
+#: (`python -m lightning_embcache.bench.owner_host`). The store's lock is free between calls.
+STORE_CALL_ROWS = rowcopy.PARALLEL_MIN_ROWS - 1
+
+
+def store_spans(n: int) -> list[tuple[int, int]]:
+    """``[a, b)`` row ranges of equal size, each at most `STORE_CALL_ROWS`, covering ``n`` rows."""
+    if n < 1:
+        return []
+    step = -(-n // -(-n // STORE_CALL_ROWS))
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
 def _entry(method: Any) -> Any:
@@ -384,8 +396,11 @@ class DeviceTier:
         """Records of ``ids`` read from the store straight into the next pinned buffer."""
         rb = self.pool.shape[1]
         self._up_slot, buf = self._up.take(len(ids) * rb)
-        return self._timed_store(self.store.read_records, torch.from_numpy(ids),
-                                 out=buf[: len(ids) * rb].view(len(ids), rb))
+        out = buf[: len(ids) * rb].view(len(ids), rb)
+        tid = torch.from_numpy(ids)
+        for a, b in store_spans(len(ids)):
+            self._timed_store(self.store.read_records, tid[a:b], out=out[a:b])
+        return out
 
     def _load_all(self) -> None:
         n = self.store.num_rows
@@ -434,10 +449,8 @@ class DeviceTier:
         try:
             item.event.synchronize()
             ids = torch.from_numpy(item.ids)
-            # in slices: the store's lock is free in between for the prefetch thread's reads
-            for a in range(0, len(ids), WRITE_SLICE_ROWS):
-                self._timed_store(self.store.write_records, ids[a : a + WRITE_SLICE_ROWS],
-                                  item.host[a : a + WRITE_SLICE_ROWS])
+            for a, b in store_spans(len(ids)):
+                self._timed_store(self.store.write_records, ids[a:b], item.host[a:b])
         except BaseException as exc:  # kept in `_down` (nothing lost) and raised by the next wait
             with self._down_cv:
                 self._writer_error = exc

@@ -12,6 +12,12 @@ import torch
 from torch import Tensor
 
 
+#: torch dtype of each numpy dtype (a view of the pinned uint8 buffer keeps it pinned for torch)
+_TORCH_DTYPE = {np.dtype(t): torch.from_numpy(np.zeros(1, t)).dtype
+                for t in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32,
+                          np.float64)}
+
+
 class PinnedRing:
     """``slots`` pinned buffers used round robin; each grows to the largest request it served."""
 
@@ -44,6 +50,16 @@ class PinnedRing:
 
     def to_device(self, src: Tensor | np.ndarray, device: torch.device) -> Tensor:
         """``src`` (host tensor or array) copied to ``device`` through the next buffer, without waiting."""
+        if isinstance(src, np.ndarray) and device.type == "cuda" and src.dtype in _TORCH_DTYPE:
+            # index arrays (the tier's slots, several per step): numpy fills the buffer on the
+            # calling thread, with no torch dispatch and no release of the GIL that a background
+            # thread would then have to wait to take back
+            i, buf = self.take(src.nbytes)
+            staged = buf[: src.nbytes]
+            np.copyto(staged.numpy().view(src.dtype).reshape(src.shape), src)
+            out = staged.view(_TORCH_DTYPE[src.dtype]).view(src.shape).to(device, non_blocking=True)
+            self.done(i, torch.cuda.current_stream(device))
+            return out
         t = torch.from_numpy(np.ascontiguousarray(src)) if isinstance(src, np.ndarray) else src.contiguous()
         if device.type != "cuda":
             return t.to(device)

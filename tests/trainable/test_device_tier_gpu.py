@@ -116,6 +116,43 @@ def test_direct_writes_through_the_device_tier_match_a_dict(tmp_path):
     store.close()
 
 
+def test_row_sets_larger_than_one_store_call_round_trip_through_the_store(tmp_path):
+    # 5,000 distinct rows per step into a tier of 8,000: every step evicts and writes back more
+    # rows than one store call takes (STORE_CALL_ROWS) and uploads as many; prefetch overlaps it
+    n = 40_000
+    store = EmbeddingStore.create(tmp_path / "s", n, DIM, hot_bytes=None)
+    tier = DeviceTier(store, "cuda", 8000 * (store.row_bytes + SLOT_OVERHEAD))
+    ref = torch.zeros(n, DIM)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randperm(n, generator=g)[:5000].numpy() for _ in range(12)]
+    for k, ids in enumerate(batches):
+        vals = torch.randn(len(ids), DIM, generator=g)
+        tier.scatter(ids, vals.cuda())
+        ref[torch.from_numpy(ids)] = vals
+        if k + 1 < len(batches):
+            tier.prefetch(batches[k + 1], tier.positions(ids))
+        probe = np.sort(batches[max(0, k - 1)])  # last step's rows: partly evicted, partly on the way down
+        torch.testing.assert_close(tier.gather(probe).cpu(), ref[torch.from_numpy(probe)])
+    assert tier.evicted_rows > 2 * 4096 and tier.written_down_rows > 2 * 4096
+    tier.write_down()
+    torch.testing.assert_close(store.get(torch.arange(n)), ref)
+    tier.close()
+    store.close()
+
+
+def test_index_arrays_reach_the_device_unchanged():
+    from lightning_embcache.pinned import PinnedRing
+
+    ring, dev = PinnedRing(2), torch.device("cuda", torch.cuda.current_device())
+    arrays = [np.arange(20, dtype=np.int64)[::3], np.array(7, np.int64), np.zeros(0, np.int32),
+              np.array([True, False, True]), np.arange(12, dtype=np.float32).reshape(3, 4).T,
+              np.arange(40, dtype=np.int32)[5:30:4]]
+    outs = [ring.to_device(a, dev) for a in arrays]  # more arrays than buffers: each is reused
+    for a, out in zip(arrays, outs):
+        assert out.device == dev and out.shape == a.shape
+        np.testing.assert_array_equal(out.cpu().numpy(), a)
+
+
 class _Decoder(EmbeddingStoreMixin, L.LightningModule):
     def __init__(self, path, device_bytes, optimizer="adam", lr=0.05):
         super().__init__()
