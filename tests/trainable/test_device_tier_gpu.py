@@ -117,11 +117,12 @@ def test_direct_writes_through_the_device_tier_match_a_dict(tmp_path):
 
 
 def test_row_sets_larger_than_one_store_call_round_trip_through_the_store(tmp_path):
-    # 5,000 distinct rows per step into a tier of 8,000: every step evicts and writes back more
-    # rows than one store call takes (STORE_CALL_ROWS) and uploads as many; prefetch overlaps it
+    # 5,000 distinct rows per step into a tier of 12,000 (the next batch prefetched beside this
+    # one): every step evicts and writes back more rows than one store call takes
+    # (STORE_CALL_ROWS) and uploads as many
     n = 40_000
     store = EmbeddingStore.create(tmp_path / "s", n, DIM, hot_bytes=None)
-    tier = DeviceTier(store, "cuda", 8000 * (store.row_bytes + SLOT_OVERHEAD))
+    tier = DeviceTier(store, "cuda", 12_000 * (store.row_bytes + SLOT_OVERHEAD))
     ref = torch.zeros(n, DIM)
     g = torch.Generator().manual_seed(5)
     batches = [torch.randperm(n, generator=g)[:5000].numpy() for _ in range(12)]
