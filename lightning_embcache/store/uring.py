@@ -27,7 +27,9 @@ import numpy as np
 
 ENTRIES = 1024  # reads per submission (a larger batch is submitted in rounds)
 
-_SYS_SETUP, _SYS_ENTER = 425, 426  # the same number on every Linux architecture (new syscall table)
+_SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427  # the same on every Linux architecture (new table)
+_REGISTER_PROBE = 8
+_OP_SUPPORTED = 1
 _OP_READ = 22
 _ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP = 1
@@ -85,9 +87,27 @@ class _Ring:
             self.cqes = np.frombuffer(cq, _CQE, cq_entries, int(cq_off[5]))
             self.sqes = np.frombuffer(sqes, _SQE, sq_entries)
             self.entries = sq_entries
+            self._check_read_supported()
         except BaseException:
             self.close()
             raise
+
+    def _check_read_supported(self) -> None:
+        """Refuse a kernel whose io_uring lacks the read operation (5.1-5.5 have io_uring but
+        not IORING_OP_READ, which came with the probe in 5.6): asked through IORING_REGISTER_PROBE,
+        so such a kernel (or a filter refusing the probe) makes the store use preadv."""
+        ops = 256
+        probe = (ctypes.c_uint8 * (16 + 8 * ops))()
+        got = _syscall()(ctypes.c_long(_SYS_REGISTER), ctypes.c_int(self.fd), ctypes.c_uint32(_REGISTER_PROBE),
+                         probe, ctypes.c_uint32(ops))
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"io_uring_register(PROBE): {os.strerror(err)}")
+        raw = np.frombuffer(probe, np.uint8)
+        last_op = int(raw[0])
+        flags = int(np.frombuffer(probe, np.uint16, 1, 16 + 8 * _OP_READ + 2)[0])
+        if last_op < _OP_READ or not flags & _OP_SUPPORTED:
+            raise OSError(95, "io_uring without IORING_OP_READ")  # EOPNOTSUPP
 
     def __del__(self) -> None:
         try:

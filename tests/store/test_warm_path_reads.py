@@ -247,3 +247,22 @@ def test_hints_are_read_by_the_next_miss_while_the_page_cache_serves_reads(shm_p
         after = s.stats()
         assert after.hot_misses == before.hot_misses
         assert after.prefetch_hits - before.prefetch_hits == 200
+
+
+def test_a_kernel_whose_io_uring_cannot_read_falls_back_to_preadv(tmp_path, monkeypatch):
+    """Linux 5.1-5.5 have io_uring but not its read operation: the ring's probe fails there (here
+    the probe's system call is made to fail), and every read goes through preadv instead."""
+    monkeypatch.setattr(uring, "_disabled", False)
+    monkeypatch.setattr(uring, "_local", threading.local())
+    monkeypatch.setattr(uring, "_SYS_REGISTER", 1 << 20)  # no such system call: ENOSYS, as a refused probe
+    blob = np.arange(8192, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(blob.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = np.zeros(64, np.uint8)
+        got = uring.read_into(out, np.array([0, 32]), np.array([fd, fd]), np.array([32, 32]), np.array([100, 5000]))
+    finally:
+        os.close(fd)
+    assert not uring.available() and list(got) == [32, 32]
+    assert out.tobytes() == blob[100:132].tobytes() + blob[5000:5032].tobytes()
