@@ -563,11 +563,16 @@ class EmbeddingStore(TieredRows, Versioning):
             s.compression_ratio = self._warm.compression_ratio
             s.bytes_read = self._disk.total_bytes_read if self._disk else 0
             s.bytes_written = self._disk.bytes_written if self._disk else 0
-            s.disk_bytes = self._disk.disk_bytes() if self._disk else 0
             s.io_wait_seconds = self._io_wait
             s.version = self._version
             s.pending_segments = len(self._pending)
             s.segments = len(self._committed)
+            disk = self._disk if not self._closed else None
+        # a scan of the store's folders: outside the lock, which get/update need every step
+        try:
+            s.disk_bytes = disk.disk_bytes() if disk is not None else 0
+        except FileNotFoundError:  # closed meanwhile, and the folder of an ephemeral store removed
+            s.disk_bytes = 0
         return s
 
     def close(self) -> None:

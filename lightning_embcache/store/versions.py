@@ -40,6 +40,7 @@ COMPACT_SEGMENTS = 32
 # Past this share a flush runs compaction rounds itself before writing (backpressure: flushes
 # faster than background compaction would otherwise pile segments up without bound).
 HARD_RATIO = 0.3
+HARD_FLOOR = 256 << 10  # below this many bytes of segments no flush waits for compaction
 # One compaction round rewrites ROUND_SHARE of the table's chunks, at most ROUND_BYTES: the
 # longest a flush or close() waits for the writer lock, and the disk it needs beside the table.
 ROUND_BYTES = 32 << 20
@@ -77,7 +78,7 @@ class Versioning:
             with self._lock:
                 self._flush_waiting -= 1
         try:
-            while self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS) and self._compact_round():
+            while self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR) and self._compact_round():
                 # Flushes come faster than background compaction folds their rows: this flush
                 # folds rounds itself first, so disk use stays bounded whatever the flush rate
                 # (backpressure). Before its own writes: a round that fails publishes nothing.
@@ -244,9 +245,10 @@ class Versioning:
     def _segment_bytes(self) -> int:
         return sum(s.nbytes for s in self._committed)
 
-    def _needs_compaction(self, ratio: float = COMPACT_RATIO, segments: int = COMPACT_SEGMENTS) -> bool:
+    def _needs_compaction(self, ratio: float = COMPACT_RATIO, segments: int = COMPACT_SEGMENTS,
+                          floor: int = 0) -> bool:
         table = self._num_rows * self._row_bytes
-        return len(self._committed) > segments or self._segment_bytes() > ratio * table
+        return len(self._committed) > segments or self._segment_bytes() > max(ratio * table, floor)
 
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
