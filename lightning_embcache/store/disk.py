@@ -332,14 +332,20 @@ class Disk:
     def reader_lock_path(self, version: int) -> Path:
         return self.root / f"readers-{version:012d}"
 
+    def _open_reader_lock(self, version: int) -> int | None:
+        """A descriptor of ``version``'s reader-lock file (created if missing); None where it
+        cannot be (a read-only directory: nobody can reclaim or rewrite anything there either)."""
+        try:
+            return os.open(self.reader_lock_path(version).name, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644,
+                           dir_fd=self._root_fd)
+        except OSError:
+            return None
+
     def lock_reader(self, version: int) -> int | None:
         """Hold a shared flock that keeps ``version`` from being reclaimed; None if not permitted."""
-        try:
-            fd = os.open(self.reader_lock_path(version).name, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644,
-                         dir_fd=self._root_fd)
-        except OSError:  # a read-only directory: nobody can reclaim anything there either
-            return None
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fd = self._open_reader_lock(version)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH)
         return fd
 
     @staticmethod
@@ -422,10 +428,8 @@ class Disk:
     def lock_version_alone(self, version: int) -> int | None:
         """An exclusive flock on ``version``'s reader lock, so no reader opens it meanwhile
         (readers wait); None if a reader holds it now. Release with `unlock_reader`."""
-        try:
-            fd = os.open(self.reader_lock_path(version).name, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644,
-                         dir_fd=self._root_fd)
-        except OSError:
+        fd = self._open_reader_lock(version)
+        if fd is None:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

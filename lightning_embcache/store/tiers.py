@@ -465,7 +465,7 @@ class TieredRows:
         since (a write-back or flush wrote a newer one)? Caller holds the lock. Every change of a
         row below the hot tier writes a new record (records are never modified in place), so a
         row whose record is where the plan found it still has the value that was read."""
-        ids, _, seg, pos, gens, segs, whole = plan
+        ids, chunks, seg, pos, gens, segs, whole = plan
         rows = self._rows
         if rows is not None and len(rows):
             now_seg, now_pos = rows.find(ids)
@@ -482,7 +482,7 @@ class TieredRows:
         if self._disk is not None:
             # A row read from its base chunk, whose chunk a compaction rewrote since (folding a
             # delta written after the plan), is found in a base chunk before and after: -1 both.
-            moved |= self._cmap[plan[1]] != gens
+            moved |= self._cmap[chunks] != gens
         if pos is not None:
             moved |= (now_pos != pos) & (after >= 0)
         for c, a, b, cached, _ in whole:  # whole chunks (warm copies) carry no positions: redo

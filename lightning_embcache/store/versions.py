@@ -179,12 +179,13 @@ class Versioning:
             raise StoreError(f"{what}() needs a store on disk; this one was created with path=None")
         return self._disk
 
-    def _apply_retention(self, collect: bool = True) -> bool:
+    def _apply_retention(self, collect: bool = True) -> None:
         """Drop versions that are not among the newest KEEP_VERSIONS, not pinned and not being read
-        by a read-only handle (in any process); True if any was. Caller holds the flush lock."""
+        by a read-only handle (in any process), then collect their garbage in the background
+        (``collect=False``: the caller collects). Caller holds the flush lock."""
         assert self._disk is not None
         if self._readonly:
-            return False
+            return
         versions = self._disk.list_versions()
         keep = set(versions[-KEEP_VERSIONS:]) | self._pins | {self._version}
         dropped = False
@@ -193,7 +194,6 @@ class Versioning:
                 dropped = True
         if dropped and collect:
             self._submit_bg(self._collect_garbage)
-        return dropped
 
     def _load_version(self, version: int | None) -> None:
         disk = self._disk
@@ -346,7 +346,7 @@ class Versioning:
         deltas = [got for s in segs if (got := s.rows_of_chunk(c)) is not None]
         if base_gen:
             recs = disk.read_chunk(c, base_gen, verify=base_gen < self._own_gens_from)
-        elif deltas and self._meta.get("init_version", 1) >= 2:
+        elif deltas:  # `_init_rows` also serves stores initialised per chunk
             recs = np.empty((rows, self._row_bytes), np.uint8)
             covered = np.zeros(rows, np.bool_)
             for ids, _ in deltas:
