@@ -110,7 +110,9 @@ def test_closing_with_entries_waiting_for_lookups_returns():
     t.start()
     t.join(5)
     assert not t.is_alive()
-    assert [e[1] for e in rec.events if e[0] == "serve"] == [0]  # the others were dropped
+    # the first entry may or may not have been served before close() (thread timing: 1 of ~10
+    # loaded full-suite runs had not); every later one waits for a lookup and is dropped
+    assert [e[1] for e in rec.events if e[0] == "serve"] in ([], [0])
 
 
 @settings(max_examples=40, deadline=None)
