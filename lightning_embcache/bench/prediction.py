@@ -17,6 +17,7 @@ fit's actual training wall time.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -33,6 +34,11 @@ from torch.utils.data import DataLoader
 
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
+
+try:
+    _getcpu = ctypes.CDLL(None).sched_getcpu
+except (AttributeError, OSError):  # not glibc
+    _getcpu = None
 
 # model -> batches per epoch for the prediction runs (5% of it is the prediction point): epochs
 # of a few seconds, so that 5% of one is more than a blink of the host's scheduler
@@ -63,8 +69,17 @@ class _Probe(L.Callback):
         self.at = {max(1, round(f * epoch_batches)): f for f in self.FRACTIONS}
         self.seen: dict[int, dict[float, Optional[float]]] = {}
         self.traces: list[dict] = []  # per epoch: each step's wall and store seconds (replayable)
+        # per batch: the training thread's CPU time and the CPU it ran on at the batch's start, to
+        # tell a host that runs slower (both clocks) from one that preempts (the wall alone)
+        self._cpu: list[float] = []
+        self._core: list[int] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._cpu, self._core = [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._cpu.append(time.thread_time())
+        self._core.append(_getcpu() if _getcpu is not None else -1)
         f = self.at.get(batch_idx)  # batch_idx batches have finished (the last one closes at this fetch)
         if f is not None:
             p = self.sp.predict()
@@ -76,7 +91,9 @@ class _Probe(L.Callback):
             self.traces.append({"wall": [round(x, 7) for x in fc.wall], "store": [round(x, 7) for x in fc.store],
                                 "saves": list(fc.saves), "val_runs": list(fc.val_runs),
                                 "device_index": list(fc.device_index),
-                                "device_wall": [round(x, 7) for x in fc.device_wall]})
+                                "device_wall": [round(x, 7) for x in fc.device_wall],
+                                "thread_cpu": [round(b - a, 7) for a, b in zip(self._cpu, self._cpu[1:])],
+                                "core": self._core})
 
 
 class _ValMLP(MLP):

@@ -362,9 +362,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="overhead from configurations interleaved in blocks of steps inside each fit (none, simple, "
                          "throughput, step; --reps fits of --batches steps): resolves a fraction of a percent")
     ap.add_argument("--block", type=int, default=20, help="with --paired: steps per block (default 20)")
+    ap.add_argument("--pin", type=int, default=None,
+                    help="run on this CPU only (os.sched_setaffinity; loader workers inherit it)")
     ap.add_argument("--out", default=None, help="write the JSON results here (default: print only)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.pin is not None:
+        os.sched_setaffinity(0, {args.pin})
     configs = args.configs.split(",")
     for c in configs:
         if c not in CONFIGS:
