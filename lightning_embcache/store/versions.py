@@ -315,24 +315,31 @@ class Versioning:
         if everything:
             limit = max(limit, ROUND_BYTES // chunk_bytes)
         folded = self._folded
-        need: list[np.ndarray] = []
+        taken = np.zeros(len(folded), np.bool_)
+        picked: list[np.ndarray] = []
         count = 0
-        for s in segs:
-            c = s.idx_chunk[folded[s.idx_chunk] < s.seq]
-            if len(c):
-                need.append(c)
-                count += len(c)
+        stale: np.ndarray | None = None
+        for s in segs:  # oldest first: its chunks go before any newer segment's
+            c = s.idx_chunk[(folded[s.idx_chunk] < s.seq) & ~taken[s.idx_chunk]]
+            if not len(c):
+                continue
+            if count + len(c) > limit:
+                # Only part of this segment's chunks fit: those with the most delta rows. A newer
+                # segment's chunks never displace an older one's, or the oldest segment (the one
+                # whose drop frees disk) could wait for a whole pass over the newer ones.
+                if stale is None:
+                    stale = np.zeros(len(folded), np.int64)
+                    for t in segs:
+                        np.add.at(stale, t.idx_chunk, t.idx_count)
+                c = c[np.argsort(-stale[c], kind="stable")[: limit - count]]
+            taken[c] = True
+            picked.append(c)
+            count += len(c)
             if count >= limit:
                 break
-        if not need:
+        if not picked:
             return np.zeros(0, np.int64)
-        cand = np.unique(np.concatenate(need))
-        if len(cand) > limit:
-            stale = np.zeros(len(folded), np.int64)
-            for s in segs:
-                np.add.at(stale, s.idx_chunk, s.idx_count)
-            cand = np.sort(cand[np.argsort(-stale[cand], kind="stable")[:limit]])
-        return cand.astype(np.int64)
+        return np.sort(np.concatenate(picked)).astype(np.int64)
 
     def _folded_chunk(self, c: int, base_gen: int, segs: list[Segment]) -> np.ndarray:
         """Chunk ``c``'s records with every segment's records of it applied, oldest first.

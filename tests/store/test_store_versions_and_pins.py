@@ -292,3 +292,38 @@ def test_compaction_keeps_never_written_rows_at_their_initial_values(shm_path, i
         want[ids] = 9.0
         assert torch.equal(s.get(torch.arange(N)), want)
         assert torch.equal(s.get_fields(torch.arange(N), ["m"])["m"], want_m)
+
+
+def test_a_round_folds_the_oldest_segments_chunks_before_a_newer_segments(shm_path):
+    """Compaction drops a segment once every chunk it touches has folded it. A round that takes
+    a newer segment's chunks with more delta rows over the oldest segment's last ones leaves the
+    oldest on disk for another whole pass over the newer one (disk use and flush backpressure
+    follow): the oldest segment's chunks go first."""
+    from lightning_embcache.store import versions
+
+    n, chunk = 64 * 16, 16  # 64 chunks; a round rewrites 1/16 of the table: 4 chunks
+    assert versions.ROUND_SHARE == 1 / 16
+    path = shm_path / "store"
+    with EmbeddingStore.create(path, n, 64, chunk_rows=chunk) as store:  # segments < 25%: no background round
+        model = store.get(torch.arange(n)).clone()
+        first = torch.arange(0, 62 * chunk, chunk)  # one row in each of chunks 0..61
+        model[first] = 1.0
+        store.update(first, model[first])
+        store.flush()
+        with store._flush_lock:
+            for _ in range(15):  # 60 of its 62 chunks folded
+                assert store._compact_round()
+        assert store.stats().segments == 1
+        # The newer segment: two rows in each of chunks 0..59 and 62..63, one in chunks 60..61.
+        second = torch.cat([torch.arange(c * chunk + 1, c * chunk + (3 if c < 60 or c > 61 else 2))
+                            for c in range(64)])
+        model[second] = 2.0
+        store.update(second, model[second])
+        store.flush()
+        assert store.stats().segments == 2
+        with store._flush_lock:
+            assert store._compact_round()
+        assert store.stats().segments == 1, _breakdown(store)
+        assert torch.equal(store.get(torch.arange(n)), model)
+        store.compact()
+        assert torch.equal(store.get(torch.arange(n)), model)
