@@ -18,6 +18,7 @@ fit's actual training wall time.
 from __future__ import annotations
 
 import ctypes
+import math
 import json
 import os
 import shutil
@@ -241,3 +242,98 @@ def aggregate(runs: list[dict]) -> dict:
             "runs": len(mine),
         }
     return out
+
+
+# -- replay: the current estimator on the batches of a saved run --------------------------------
+
+def model_bytes(model_name: str) -> int:
+    """Bytes of a benchmark MLP's float32 parameters (SGD keeps no state): what a checkpoint of it writes."""
+    width, depth, _, _, _ = MODELS[model_name]
+    return 4 * (depth * (width * width + width) + width + 1)
+
+
+def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: int = 0, epoch: int = 0,
+                 save_guess_s: Optional[float] = None, earlier_save_s: Optional[float] = None,
+                 device: bool = False) -> Optional[dict]:
+    """The prediction the current :class:`Forecast` makes after ``fraction`` of a saved epoch's
+    batches (``trace`` as kept by the benchmark), against ``actual_s``. Validation still to come is
+    charged at the mean of the epoch's own runs (the benchmark's sanity check is not in the trace);
+    checkpoint saves (every ``every_n`` steps) at the measured cost once one was seen, else at
+    ``earlier_save_s`` (a save measured in an earlier epoch), else at ``save_guess_s``."""
+    from lightning_embcache.profiling.forecast import Forecast
+
+    wall, store = trace["wall"], trace["store"]
+    n = len(wall)
+    k = max(9, math.ceil(fraction * n))
+    runs = trace["val_runs"]
+    val_s = sum(runs) / len(runs) if runs else None
+    saves = set(trace["saves"])
+    dev = [(i, s) for i, s in zip(trace.get("device_index", []), trace.get("device_wall", []))]
+    p = None
+    while p is None and k < n:  # on a GPU the prediction waits for 3 sampled steps, as the profiler does
+        fc = Forecast()
+        fc.needs_device = device
+        for i in range(k):
+            if i in saves:
+                fc.mark_save()
+            fc.add_step(wall[i], store[i])
+        for i, s in dev:
+            if i < k:
+                fc.add_device_step(i, s)
+        # validation twice an epoch in the val+ckpt runs (at half and at the end): none before 5%
+        g0 = epoch * n
+        saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
+        p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, 0.0, save_guess_s)
+        if p is None:
+            k += 1
+    if p is None:
+        return None
+    return {"predicted_s": p["seconds"], "std_s": p["std"], "at_batch": k, "actual_s": actual_s,
+            "error_pct": 100 * (p["seconds"] / actual_s - 1), "unmeasured_saves": p["unmeasured_saves"]}
+
+
+def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
+    """Every epoch of every run saved in ``paths`` (a benchmark JSON or its .jsonl), replayed with
+    and without the save estimate from the bytes a save writes."""
+    from lightning_embcache.profiling.forecast import save_estimate_s
+
+    runs: list[dict] = []
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        if path.endswith(".jsonl"):
+            runs += [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            runs += json.loads(text)["prediction"]["runs"]
+    out = []
+    for r in runs:
+        model = r.get("model")
+        if model not in MODELS or "traces" not in r:
+            continue
+        extras = r.get("extras", False)
+        for e, trace in zip(r["epochs"], r["traces"]):
+            n = len(trace["wall"])
+            every = n // 4 if extras else 0
+            device = bool(trace.get("device_index"))
+            earlier = None
+            if e["epoch"] > 0 and extras:  # the saves of epoch 0, as the profiler carries them over
+                t0 = r["traces"][0]
+                med = statistics.median(t0["wall"][1:])
+                extra = [t0["wall"][i] - med for i in t0["saves"] if i > 0]
+                earlier = max(0.0, sum(extra) / len(extra)) if extra else None
+            row = {"run": r["run"], "epoch": e["epoch"], "recorded_error_pct": e["error_pct"]}
+            for name, guess in (("free", None), ("bytes", save_estimate_s(model_bytes(model)))):
+                p = replay_epoch(trace, e["actual_s"], fraction, every, e["epoch"], guess, earlier, device)
+                row[name] = p
+            out.append(row)
+            f, b = row["free"], row["bytes"]
+            print(f"{r['run']:<28} e{e['epoch']} recorded {e['error_pct']:+7.1f}%  replayed "
+                  f"{f['error_pct'] if f else float('nan'):+7.1f}%  with the save estimate "
+                  f"{b['error_pct'] if b else float('nan'):+7.1f}%", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    replay(sys.argv[1:])

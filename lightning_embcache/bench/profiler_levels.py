@@ -12,7 +12,11 @@ every 200 steps the host's steal time (``/proc/stat``):
   benchmark runs it);
 - ``fit-pinned``: the same, the process pinned to one CPU (``os.sched_setaffinity``);
 - ``fit-pinned-frozen``: pinned, and ``gc.freeze()`` after warm-up with the collector's
-  thresholds raised (no collection inside the timed steps).
+  thresholds raised (no collection inside the timed steps);
+- ``fit-canary``: the fit, with a fixed workload (20 steps of the bare loop on its own model)
+  run every 50 batches and timed on the thread's CPU clock: if the canary slows down together
+  with the fit's steps, the CPU itself ran slower (the host: another guest on the same core, a
+  lower clock), not the fit's own code.
 
 Per run it reports the block medians of wall and CPU time (40 blocks), their ratio max/min, how
 much of the wall's level variation the CPU time carries (a slower CPU, or a thread preempted by
@@ -87,6 +91,28 @@ class _Recorder:
         gc.callbacks.remove(self._on_gc)
 
 
+class _Canary(L.Callback):
+    """Every 50 batches, 20 bare steps of a private copy of the model, timed on the thread CPU clock."""
+
+    def __init__(self, model_name: str) -> None:
+        width, depth, batch, _, _ = MODELS[model_name]
+        self.model = MLP(width, depth)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x, self.y = torch.randn(batch, width), torch.randn(batch, 1)
+        self.times: list[tuple[int, float]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx % 50:
+            return
+        t0 = time.thread_time()
+        for _ in range(20):
+            loss = torch.nn.functional.mse_loss(self.model.net(self.x), self.y)
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+        self.times.append((batch_idx, (time.thread_time() - t0) / 20))
+
+
 class _Mark(L.Callback):
     def __init__(self, rec: _Recorder) -> None:
         self.rec = rec
@@ -95,11 +121,14 @@ class _Mark(L.Callback):
         self.rec.mark()
 
 
-def _summary(name: str, rec: _Recorder, warmup: int) -> dict:
+def _summary(name: str, rec: _Recorder, warmup: int, skip_every: int = 0) -> dict:
     a = np.asarray(rec.rows[warmup:], dtype=np.float64)
     wall = np.diff(a[:, 0]) * 1e3
     cpu = np.diff(a[:, 1]) * 1e3
     ids = a[1:, 2].astype(int)
+    if skip_every:  # steps that ran the canary
+        keep = (np.arange(warmup, warmup + wall.size) + 1) % skip_every != 0
+        wall, cpu, ids = wall[keep], cpu[keep], ids[keep]
     size = wall.size // BLOCKS
     wm = np.median(wall[:BLOCKS * size].reshape(BLOCKS, size), axis=1)
     cm = np.median(cpu[:BLOCKS * size].reshape(BLOCKS, size), axis=1)
@@ -146,7 +175,8 @@ def plain_loop(model_name: str, steps: int, warmup: int) -> dict:
     return _summary("plain", rec, warmup)
 
 
-def lightning_fit(model_name: str, steps: int, warmup: int, pin: Optional[int], freeze: bool) -> dict:
+def lightning_fit(model_name: str, steps: int, warmup: int, pin: Optional[int], freeze: bool,
+                  canary: bool = False) -> dict:
     width, depth, batch, _, load_ms = MODELS[model_name]
     torch.manual_seed(0)
     old = os.sched_getaffinity(0)
@@ -156,12 +186,13 @@ def lightning_fit(model_name: str, steps: int, warmup: int, pin: Optional[int], 
 
     class _Freeze(L.Callback):
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx == warmup:
+            if batch_idx == warmup - 1:
                 gc.collect()
                 gc.freeze()
                 gc.set_threshold(100_000, 50, 1000)
 
-    callbacks: list = [StepProfiler(report=False), _Mark(rec)] + ([_Freeze()] if freeze else [])
+    can = _Canary(model_name) if canary else None
+    callbacks: list = [StepProfiler(report=False), _Mark(rec)] + ([_Freeze()] if freeze else []) + ([can] if can else [])
     dl = DataLoader(SleepyBatches(steps + warmup + 1, batch, width, load_ms), batch_size=None, num_workers=0)
     thresholds = gc.get_threshold()
     try:
@@ -176,8 +207,35 @@ def lightning_fit(model_name: str, steps: int, warmup: int, pin: Optional[int], 
         gc.unfreeze()
         gc.set_threshold(*thresholds)
         os.sched_setaffinity(0, old)
-    name = "fit" + ("-pinned" if pin is not None else "") + ("-frozen" if freeze else "")
-    return _summary(name, rec, warmup)
+    name = "fit" + ("-pinned" if pin is not None else "") + ("-frozen" if freeze else "") + ("-canary" if can else "")
+    out = _summary(name, rec, warmup, skip_every=50 if can else 0)
+    if can is not None:
+        out.update(_canary_summary(can, rec, warmup))
+    return out
+
+
+def _canary_summary(can: "_Canary", rec: _Recorder, warmup: int) -> dict:
+    """The canary's CPU time per bare step against the fit's median step around it."""
+    a = np.asarray(rec.rows, dtype=np.float64)
+    step = np.diff(a[:, 1]) * 1e3  # thread CPU per step (canary steps included: left out below)
+    pairs = []
+    for idx, t in can.times:
+        if idx < warmup or idx + 50 > step.size:
+            continue
+        pairs.append((float(np.median(step[idx + 1:idx + 50])), t * 1e3))
+    if len(pairs) < 4:
+        return {}
+    f, c = np.asarray(pairs).T
+    df, dc = f - f.mean(), c - c.mean()
+    slope = float((df * dc).sum() / (df * df).sum() * f.mean() / c.mean()) if (df * df).sum() > 0 else 0.0
+    corr = float(np.corrcoef(f, c)[0, 1])
+    print(f"   canary: bare step {np.median(c):.3f} ms (max/min {c.max() / c.min():.2f}) against the fit's "
+          f"{np.median(f):.3f} ms (max/min {f.max() / f.min():.2f}); correlation {corr:.2f}, relative slope {slope:.2f}",
+          flush=True)
+    print("   canary ms", " ".join(f"{x:.2f}" for x in c), flush=True)
+    print("   fit ms   ", " ".join(f"{x:.2f}" for x in f), flush=True)
+    return {"canary_ms": c.tolist(), "fit_ms_around_canary": f.tolist(), "canary_fit_correlation": corr,
+            "canary_relative_slope": slope}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -198,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results.append(plain_loop(args.model, args.steps, args.warmup))
         else:
             results.append(lightning_fit(args.model, args.steps, args.warmup,
-                                         pin if "pinned" in run else None, "frozen" in run))
+                                         pin if "pinned" in run else None, "frozen" in run, "canary" in run))
     out = {"command": " ".join(sys.argv), "platform": platform.platform(), "cpus": os.cpu_count(),
            "loadavg": os.getloadavg(), "model": args.model, "runs": results}
     if args.out:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -15,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from typing_extensions import override
 
-from lightning_embcache.profiling import boundaries, report
+from lightning_embcache.profiling import boundaries, report, schedule
 from lightning_embcache.profiling.interval_log import IntervalLog
 from lightning_embcache.profiling.ledger import EpochLedger
 from lightning_embcache.profiling.predictor import EpochPredictor
@@ -311,6 +312,7 @@ class StepProfiler(Callback):
             self._stores = StoreReadings(pl_module.embedding_stores)  # created after on_train_start
             self._timeline.store_io = self._stores.io_wait_seconds
         self._predictor.store_reader = self._stores.hot_tiers if self._stores and self._stores.stores else None
+        self._predictor.save_bytes_reader = functools.partial(schedule.checkpoint_bytes, trainer)
         self._batch_ended = False
         ledger = self._ledger
         self._step_in_epoch, unfinished = ledger.open_epoch_at(epoch)

@@ -27,7 +27,9 @@ What makes early steps unrepresentative, and how each is handled:
   first run at the sanity check's last batch times the validation batches.
 - **Checkpoint saves**: steps during which a checkpoint was saved are kept out of the rate; the
   saves still to come (``ModelCheckpoint(every_n_train_steps=...)``) are charged at the measured
-  extra time of a save. Saves not measured yet are counted in ``unmeasured_saves``.
+  extra time of a save. Before any save has been measured they are charged at an estimate from
+  the bytes a save writes (:func:`save_estimate_s`), with half of it as their uncertainty, and
+  counted in ``unmeasured_saves``.
 
 The uncertainty (one standard deviation) comes from the spread of the step times: the standard
 error of the rate by the method of batch means (blocks of consecutive steps, so that steps that
@@ -50,6 +52,17 @@ SHIFT_MIN_CHANGE = 0.02  # ... and by at least this fraction of the step time
 
 
 LEVEL_BLOCKS = 20  # blocks of an epoch whose mean step times give its level variation
+
+# A checkpoint save not measured yet: a fixed cost (Lightning's checkpoint dict, opening the file)
+# plus the bytes of the model's and optimizers' tensors at the rate torch.save wrote them on the
+# benchmark hosts (268 MB: 0.65 s on the 2-vCPU host, 0.7-1.1 s from an H100's memory on its host)
+SAVE_FIXED_S = 0.010
+SAVE_BYTES_PER_S = 400e6
+
+
+def save_estimate_s(nbytes: float) -> float:
+    """Estimated seconds of one checkpoint save that writes ``nbytes`` of tensors."""
+    return SAVE_FIXED_S + nbytes / SAVE_BYTES_PER_S
 
 
 def level_variation(wall: "array | list[float]") -> float:
@@ -245,12 +258,15 @@ class Forecast:
         return None if r is None else r["save_s"]
 
     def predict(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
-                saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0) -> Optional[dict]:
+                saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
+                save_guess_s: Optional[float] = None) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
-        measured in an earlier epoch, used until this epoch has measured one. ``level_cv``: how
-        much the step time of earlier epochs varied between blocks of a twentieth of an epoch
-        (:func:`level_variation`), which widens the uncertainty of the batches to go."""
+        measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:
+        a save's estimated time (:func:`save_estimate_s`), used while none has been measured.
+        ``level_cv``: how much the step time of earlier epochs varied between blocks of a
+        twentieth of an epoch (:func:`level_variation`), which widens the uncertainty of the
+        batches to go."""
         r = self.rate()
         if r is None:
             return None
@@ -260,8 +276,12 @@ class Forecast:
         steps_s = (left + (self.backlog if r["device"] else 0)) * r["mean"]
         trend = self.trend_seconds(r, len(self.wall), left)
         save_s = r["save_s"] if r["save_s"] is not None else save_s
+        measured = save_s is not None
+        if not measured:
+            save_s = save_guess_s
         r["save_s"] = save_s
         saves_s = saves_left * save_s if save_s is not None else 0.0
+        guess_std = 0.0 if measured else 0.5 * saves_s
         val_s = (val_runs_left * val_run_s) if val_run_s is not None else 0.0
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s)
@@ -271,9 +291,10 @@ class Forecast:
         window_blocks = LEVEL_BLOCKS * r["steps"] / max(1, total_batches)
         blocks_left = LEVEL_BLOCKS * left / max(1, total_batches)
         level_s = left * r["mean"] * level_cv * math.sqrt(1.0 / max(1.0, window_blocks) + 1.0 / max(1.0, blocks_left))
-        std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_s ** 2)
+        std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_s ** 2
+                        + guess_std ** 2)
         # the rate at the end of this epoch (later epochs run at it), the trend levelled off
         end_rate = r["mean"] + (self.trend_seconds(r, total_batches, 1) if r["slope"] else 0.0)
         return {"seconds": total, "std": std, "at_batch": done, "rate_s": r["mean"], "rate": r,
-                "end_rate_s": end_rate, "trend_s": trend, "unmeasured_saves": saves_left if save_s is None else 0,
+                "end_rate_s": end_rate, "trend_s": trend, "unmeasured_saves": 0 if measured else saves_left,
                 "val_known": val_run_s is not None or val_runs_left == 0}

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
-from lightning_embcache.profiling.forecast import Forecast, level_variation
+from lightning_embcache.profiling.forecast import Forecast, level_variation, save_estimate_s
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 
@@ -48,6 +48,9 @@ class EpochPredictor:
         self.store_reader: Optional[Callable[[], Optional[tuple[float, float]]]] = None
         self._store_mark = -1
         self._store_first: Optional[tuple[int, tuple[float, float]]] = None
+        # () -> bytes a checkpoint save writes (the module's and optimizers' tensors): a save's
+        # cost until one has been measured. Read only when a prediction has saves to charge
+        self.save_bytes_reader: Optional[Callable[[], int]] = None
         # finished steps' host phases not yet handed to the forecast (one append per step; the
         # forecast takes them whenever it is read), and the batch count at which add_step has
         # something to do (the store reading, the kept prediction)
@@ -201,6 +204,14 @@ class EpochPredictor:
             return self._sanity_batch_s * val_batches
         return None
 
+    def _save_guess(self, trainer: Any) -> Optional[float]:
+        """A checkpoint save's estimated seconds from the bytes it writes; None if unknown."""
+        try:
+            nbytes = self.save_bytes_reader() if self.save_bytes_reader is not None else None
+        except Exception:  # a module or optimizer the reader does not understand: no estimate
+            return None
+        return None if nbytes is None else save_estimate_s(nbytes)
+
     def _read_store(self) -> Optional[tuple[float, float]]:
         try:
             return self.store_reader() if self.store_reader is not None else None
@@ -245,7 +256,9 @@ class EpochPredictor:
         val_left = schedule.val_runs(trainer, epoch, done, target, start_total) or 0
         g_now = int(trainer.global_step)
         g_end = g_now + (target - done) // acc
-        p = fc.predict(target, val_left, val_s, schedule.saves(trainer, g_now, g_end), self._save_s, self._level_cv)
+        saves = schedule.saves(trainer, g_now, g_end)
+        guess = self._save_guess(trainer) if saves and self._save_s is None and not fc.saves else None
+        p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess)
         if p is None:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,

@@ -94,7 +94,7 @@ def _prediction_lines(epochs: list[dict]) -> list[str]:
     unmeasured = max((e.get("predicted_unmeasured_saves") or 0) for e in rows)
     if unmeasured:
         lines.append(f"(up to {unmeasured} checkpoint save(s) per epoch came before any was measured: "
-                     "a prediction counts those as free)")
+                     "a prediction charges those at an estimate from the bytes a save writes)")
     return ["epoch wall time (validation inside the epoch included), predicted early in each epoch:", *lines]
 
 

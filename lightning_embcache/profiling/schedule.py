@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import torch
+
 
 def _finite_int(value: Any) -> Optional[int]:
     if value is None or isinstance(value, bool):
@@ -72,3 +74,29 @@ def saves(trainer: Any, first_step: int, last_step: int) -> int:
         if every > 0 and last_step > first_step:
             n_saves += last_step // every - first_step // every
     return n_saves
+
+
+def checkpoint_bytes(trainer: Any) -> int:
+    """Bytes of tensors a checkpoint of ``trainer`` writes: the module's state (parameters and
+    buffers) and every optimizer's state (moments, step counters). Embedding stores flush their
+    own rows to their folder, outside the checkpoint file: not counted."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    module = trainer.lightning_module
+    if module is not None:
+        for t in module.parameters():
+            add(t)
+        for t in module.buffers():
+            add(t)
+    for opt in getattr(trainer, "optimizers", None) or []:
+        for state in opt.state.values():
+            for v in state.values():
+                add(v)
+    return total

@@ -7,11 +7,13 @@ import math
 from unittest import mock
 
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, FakeStore, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling import PHASES
+from lightning_embcache.profiling import forecast, schedule
 from lightning_embcache.profiling.forecast import Forecast
 
 DATA, FWD, BWD, OPT, OTHER = 2 * MS, 5 * MS, 7 * MS, 4 * MS, 1 * MS
@@ -171,10 +173,48 @@ def test_a_save_measured_in_one_epoch_is_charged_in_the_next(tmp_path):
     _, wall, _ = _fit(sp, batches=200, epochs=2, clock=clock, extra=(ckpt, saves), enable_checkpointing=True)
     first, second = sp.summary()
     assert first["predicted_unmeasured_saves"] == 4
-    assert _close(first["predicted_epoch_seconds"], wall.epochs[0] - 4 * 0.040)  # counted as free
+    # none measured yet: each charged at the estimate for the 9 float32 parameters of the model
+    guess = forecast.SAVE_FIXED_S + 9 * 4 / forecast.SAVE_BYTES_PER_S
+    assert _close(first["predicted_epoch_seconds"], wall.epochs[0] - 4 * 0.040 + 4 * guess)
     assert second["predicted_unmeasured_saves"] == 0
     assert _close(second["predicted_epoch_seconds"], wall.epochs[1]), second
-    assert "counts those as free" in sp.report_table()
+    assert "charges those at an estimate from the bytes a save writes" in sp.report_table()
+
+
+class BigModel(CostModel):
+    """A CostModel with 1M more float32 parameters and Adam (two moments and a step per tensor)."""
+
+    def __init__(self, cost):
+        super().__init__(cost, FWD, BWD, OPT)
+        self.big = torch.nn.Parameter(torch.zeros(1000, 1000))
+
+    def _loss(self, batch):
+        return super()._loss(batch) + 0.0 * self.big.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_an_unmeasured_save_is_charged_at_the_bytes_it_writes(tmp_path):
+    clock = FakeClock()
+    cost = Cost(clock)
+    # parameters (1,000,000 + 9 floats), Adam's exp_avg and exp_avg_sq of each, one step scalar per tensor
+    nbytes = 3 * (1_000_000 + 9) * 4 + 3 * 4
+    per_save = forecast.save_estimate_s(nbytes)
+    assert _close(per_save, forecast.SAVE_FIXED_S + nbytes / forecast.SAVE_BYTES_PER_S)
+    saves = SaveCost(cost, per_save)  # a save that takes exactly the estimate
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=50, save_top_k=-1)
+    sp = StepProfiler(report=False)  # at 5% (batch 10): the first save comes at step 50
+    with mock.patch("time.perf_counter", clock):
+        model = BigModel(cost)
+    t, wall, _ = _fit(sp, batches=200, epochs=1, clock=clock, model=model, extra=(ckpt, saves),
+                      enable_checkpointing=True)
+    assert schedule.checkpoint_bytes(t) == nbytes
+    e = sp.summary()[0]
+    assert saves.saves == 4 and e["predicted_at_batch"] == 10 and e["predicted_unmeasured_saves"] == 4
+    assert _close(e["predicted_epoch_seconds"], wall.epochs[0]), e
+    # the estimate's uncertainty: half of what the unmeasured saves were charged
+    assert e["predicted_epoch_std_seconds"] >= 0.5 * 4 * per_save * (1 - 1e-9)
 
 
 def test_a_warming_store_tier_trend_is_carried_on():
