@@ -244,7 +244,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=8000)
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--runs", default="plain,fit,fit-pinned,fit-pinned-frozen,plain")
+    ap.add_argument("--plain-steps", type=int, default=None,
+                    help="steps of the bare loop (default 3x --steps: about as long as a fit's, its steps being shorter)")
+    ap.add_argument("--runs", default="plain,fit-canary,fit-pinned-canary,fit-pinned-frozen-canary,fit-canary")
     ap.add_argument("--pin", type=int, default=None, help="CPU to pin to (default: the last one allowed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -253,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = []
     for run in args.runs.split(","):
         if run == "plain":
-            results.append(plain_loop(args.model, args.steps, args.warmup))
+            results.append(plain_loop(args.model, args.plain_steps or 3 * args.steps, args.warmup))
         else:
             results.append(lightning_fit(args.model, args.steps, args.warmup,
                                          pin if "pinned" in run else None, "frozen" in run, "canary" in run))

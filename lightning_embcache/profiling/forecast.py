@@ -49,6 +49,7 @@ MIN_STEPS = 8  # steps (after the first) before a prediction is made
 SHIFT_BLOCKS = 16  # blocks of steps the level-shift search compares
 SHIFT_T = 5.0  # |t| of the block medians before and after a boundary that counts as a shift
 SHIFT_MIN_CHANGE = 0.02  # ... and by at least this fraction of the step time
+SHIFT_MIN_AFTER = 3  # blocks a new level must have lasted to set the rate
 
 
 LEVEL_BLOCKS = 20  # blocks of an epoch whose mean step times give its level variation
@@ -96,7 +97,7 @@ def level_shift(w: np.ndarray) -> Optional[int]:
     s = 0
     while SHIFT_BLOCKS - s >= 6:
         best, best_t = None, 0.0
-        for j in range(s + 3, SHIFT_BLOCKS - 2):
+        for j in range(s + 3, SHIFT_BLOCKS - SHIFT_MIN_AFTER + 1):
             a, b = med[s:j], med[j:]
             diff = abs(float(b.mean() - a.mean()))
             if diff < SHIFT_MIN_CHANGE * level:
