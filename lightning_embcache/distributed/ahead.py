@@ -13,7 +13,10 @@ its own, so consecutive entries overlap like a pipeline:
 2. **serve** (owners keeping rows on their GPUs): bring the rows this rank serves for the entry
    up to its device tier. An entry's serve starts once the lookup of the entry before it took
    its rows, and protects every row whose gradient is still to come, so it never evicts a row a
-   step still reads or updates; meanwhile the next entries' exchanges run.
+   step still reads or updates; meanwhile the next entries' exchanges run. With
+   ``serve_ahead=False`` there is no serve thread: the lookup brings the rows up itself, in the
+   training thread, and only the exchange runs ahead (one thread fewer sharing the interpreter lock;
+   the distributed benchmark's ``uploads=lookup``, slower than the serve thread where measured).
 
 A lookup takes the first pending entry of exactly its ids (entries before it were never looked
 up and are dropped); a lookup of other ids (a second lookup per step, validation) exchanges its
@@ -66,6 +69,8 @@ class RunAhead:
 
     def __init__(self, exchange: Callable[[Tensor, str | None], Any]) -> None:
         self.exchange = exchange
+        #: serve announced entries in a thread of their own (False: their lookups bring the rows up)
+        self.serve_ahead = True
         #: ``serve(route, protect)``: bring this rank's served rows up (set by `ShardedDeviceRows`)
         self.serve: Callable[[Any, np.ndarray | None], None] | None = None
         #: ``protect() -> slots``: rows whose gradients are still to come (set with `serve`)
@@ -88,9 +93,10 @@ class RunAhead:
         prev = self._pending[-1] if self._pending else None
         e = Entry(ids, explicit)
         e.routed = self._pools[0].submit(self.exchange, ids, error)
-        if prev is None:  # nothing ahead of it: the rows of this step stay
-            e.protect = self.protect()
-        e.ready = self._pools[1].submit(self._serve_job, e, prev)
+        if self.serve_ahead:
+            if prev is None:  # nothing ahead of it: the rows of this step stay
+                e.protect = self.protect()
+            e.ready = self._pools[1].submit(self._serve_job, e, prev)
         self._pending.append(e)
         self.announced += 1
 
@@ -107,7 +113,8 @@ class RunAhead:
 
     # ---- lookups (training thread) -----------------------------------------------------------
     def take(self, ids: Tensor) -> Any:
-        """The route of a pending entry of exactly ``ids`` with its rows served, or None.
+        """The route of a pending entry of exactly ``ids`` with its rows served (announced while
+        ``serve_ahead``; else the lookup brings them up), or None.
 
         Call `release` when the lookup holds its rows (also after an error). Raises the entry's
         exchange error (invalid ids on some rank), or `InvalidArgumentError` when an explicitly
@@ -129,7 +136,7 @@ class RunAhead:
             self._drop(self._pending.popleft(), wait=True)
         e = self._pending.popleft()
         self._taking.append(e)
-        route = e.ready.result()  # type: ignore[union-attr]
+        route = (e.routed if e.ready is None else e.ready).result()  # type: ignore[union-attr]
         self.hits += 1
         return route
 

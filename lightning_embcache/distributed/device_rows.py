@@ -29,6 +29,8 @@ a direct write of weights at an owner goes into its tier as well, so both copies
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,10 @@ from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.distributed.exchange import Route
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.store import EmbeddingStore, StoreError
+from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.trainable import TrainableRows
+
+log = logging.getLogger(__name__)
 
 
 def auto_device_bytes(local: EmbeddingStore, device: torch.device) -> int:
@@ -73,12 +78,26 @@ class ShardedDeviceRows:
         * ``device_bytes`` smaller than the shard keeps the rows used last on the GPU (CLOCK);
           rows still to receive gradients are never evicted.
 
+    Args:
+        switch_interval: if given, ``sys.setswitchinterval(switch_interval)`` (seconds) while
+            these rows are open, restored at `close`. **Process-wide**: every thread of the
+            process takes turns on the interpreter lock at that interval. A shorter interval
+            than Python's 5 ms lets the exchange, upload and write-back threads take their turns
+            sooner after each call that released the lock; measured in docs/benchmarks.md
+            (Distributed).
+
     Raises:
-        InvalidArgumentError: invalid ids on any rank (every rank raises; nothing changes).
+        InvalidArgumentError: invalid ids on any rank (every rank raises; nothing changes); a
+            ``switch_interval`` out of range.
     """
 
     def __init__(self, store: Any, optimizer: RowOptimizer, device: torch.device, device_bytes: int | None, *,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, switch_interval: float | None = None) -> None:
+        if switch_interval is not None and (isinstance(switch_interval, bool) or not isinstance(switch_interval, (int, float))
+                                            or not 0 < switch_interval <= 1):
+            raise InvalidArgumentError(
+                f"Invalid value for switch_interval={switch_interval!r}. Must be in (0, 1] seconds, or None to leave "
+                f"Python's setting ({sys.getswitchinterval()}) as it is")
         device = torch.device(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -97,6 +116,7 @@ class ShardedDeviceRows:
         store.before_exchange = self.write_down
         store.device_rows = self
         store.ahead.serve, store.ahead.protect = self._serve, self.held_slots
+        self._switch = _SwitchInterval(switch_interval)
 
     device_tier = None  # the handle's own (single-process) tier is not involved
 
@@ -264,6 +284,25 @@ class ShardedDeviceRows:
         ahead.close()  # its uploads are this tier's
         ahead.serve, ahead.protect = None, lambda: None
         self.tier.close()
+        self._switch.restore()
+
+
+class _SwitchInterval:
+    """Python's thread switch interval while the rows are open (``switch_interval``), restored at
+    `ShardedDeviceRows.close` unless something else changed it meanwhile. Process-wide."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.before = self.set = None
+        if seconds is not None:
+            self.before = sys.getswitchinterval()
+            sys.setswitchinterval(float(seconds))
+            self.set = sys.getswitchinterval()  # as Python rounds it (whole microseconds)
+            log.info("sys.setswitchinterval(%s) while sharded rows train (was %s)", self.set, self.before)
+
+    def restore(self) -> None:
+        if self.set is not None and sys.getswitchinterval() == self.set:
+            sys.setswitchinterval(self.before)
+        self.set = None
 
 
 def _positions(route: Any) -> np.ndarray:

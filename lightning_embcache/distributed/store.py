@@ -205,7 +205,8 @@ class ShardedStore:
         return self.local.field_spec(name)
 
     def trainable_rows(self, optimizer: Any, *, max_grad_norm: float | None = None,
-                       device: torch.device | str | None = None, device_bytes: Any = _STORE_BUDGET) -> Any:
+                       device: torch.device | str | None = None, device_bytes: Any = _STORE_BUDGET,
+                       switch_interval: float | None = None) -> Any:
         """Trainable rows over this store (what `TrainableRows` is for one process).
 
         On a GPU (``device``, or by default this rank's current CUDA device when the training
@@ -213,7 +214,7 @@ class ShardedStore:
         `DeviceTier` of ``device_bytes`` (default: the store's ``device_bytes``; None: the whole
         shard up to a quarter of the GPU) and rows travel GPU to GPU (`ShardedDeviceRows`).
         ``device_bytes=0`` or a CPU device: the owners' rows stay in host memory
-        (`ShardedTrainableRows`).
+        (`ShardedTrainableRows`). ``switch_interval``: see `ShardedDeviceRows` (rows on GPUs only).
         """
         from lightning_embcache.distributed.device_rows import ShardedDeviceRows
         from lightning_embcache.distributed.trainable import ShardedTrainableRows
@@ -225,7 +226,12 @@ class ShardedStore:
             if self.device_rows is not None:
                 self.device_rows.write_down()
                 self.device_rows.close()
-            return ShardedDeviceRows(self, optimizer, torch.device(device), budget, max_grad_norm=max_grad_norm)
+            return ShardedDeviceRows(self, optimizer, torch.device(device), budget, max_grad_norm=max_grad_norm,
+                                     switch_interval=switch_interval)
+        if switch_interval is not None:
+            raise InvalidArgumentError(
+                f"switch_interval={switch_interval!r} applies to rows on the owners' GPUs; these rows stay in host "
+                f"memory (device={device!r}, device_bytes={budget!r}): leave it None")
         return ShardedTrainableRows(self, optimizer, max_grad_norm=max_grad_norm)
 
     def prefetch(self, ids: Any) -> None:

@@ -19,11 +19,12 @@ def _batch(step: int, rank: int, n: int = 128) -> torch.Tensor:
     return torch.randint(0, N, (n,), generator=g)
 
 
-def _open(root: str, opt, fraction: float):
+def _open(root: str, opt, fraction: float, **gpu_options):
     store = ShardedStore.open_or_create(Path(root) / "rows", N, DIM, init="normal", seed=1, chunk_rows=100,
                                         fields=trainable_fields(opt, DIM, torch.float32))
     budget = int(fraction * store.local.num_rows * (store.local.row_bytes + SLOT_OVERHEAD))
-    rows = store.trainable_rows(opt, device=torch.device("cuda", torch.cuda.current_device()), device_bytes=budget)
+    rows = store.trainable_rows(opt, device=torch.device("cuda", torch.cuda.current_device()), device_bytes=budget,
+                                **gpu_options)
     return store, rows
 
 
@@ -41,9 +42,13 @@ def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float
     with the mean of the ranks' gradients over the same batches. Lookups, the final rows (read
     through the store, i.e. after the write-back), the per-row metadata and a flushed and reopened
     shard all match."""
+    import sys
+
     opt = make_row_optimizer("adam", lr=0.05)
-    store, rows = _open(root, opt, fraction)
+    switch0 = sys.getswitchinterval()
+    store, rows = _open(root, opt, fraction, switch_interval=0.0005)  # process-wide while the rows are open
     assert isinstance(rows, ShardedDeviceRows)
+    assert sys.getswitchinterval() == 0.0005
     tier = rows.tier
     assert (tier.capacity < store.local.num_rows) == (fraction < 1), (tier.capacity, store.local.num_rows)
     ref, ref_opt = _reference(0.05)
@@ -97,6 +102,7 @@ def gpu_rows_match_sparse_adam(rank: int, world: int, root: str, fraction: float
                                         chunk_rows=100, fields=trainable_fields(opt, DIM, torch.float32))
     assert torch.equal(again.get(torch.arange(N)), after)
     again.close()
+    assert sys.getswitchinterval() == switch0  # restored when the rows closed
 
 
 def direct_writes_reach_gpu_rows(rank: int, world: int, root: str) -> None:

@@ -174,6 +174,8 @@ def device_budget_reaches_each_shard(rank: int, world: int, root: str) -> None:
     assert isinstance(store.trainable_rows(opt, device="cpu"), ShardedTrainableRows)
     assert isinstance(store.trainable_rows(opt, device_bytes=0), ShardedTrainableRows)
     assert store.device_rows is None
+    with pytest.raises(InvalidArgumentError, match=r"switch_interval=0.001 applies to rows on the owners' GPUs"):
+        store.trainable_rows(opt, device_bytes=0, switch_interval=0.001)
     store.close()
 
 

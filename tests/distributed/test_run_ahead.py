@@ -138,3 +138,53 @@ def test_any_sequence_takes_only_announced_entries_in_order_and_serves_each_at_m
     serves = [e[1] for e in rec.events if e[0] == "serve"]
     assert len(serves) <= len([o for o in ops if o[0] == "announce"])
     assert all(p is None or set(p) <= set(rec.held) for *_, p in (e for e in rec.events if e[0] == "serve"))
+
+
+def test_without_serve_ahead_only_the_exchanges_run_ahead_and_lookups_take_their_routes():
+    rec = Recorder()
+    a = _ahead(rec)
+    a.serve_ahead = False  # the lookups bring the rows up themselves (the benchmark's uploads=lookup)
+    for k in (1, 2, 3):
+        a.announce(_ids(k))
+    a.quiesce()  # nothing to wait for
+    assert _lookup(a, rec, 1) == 1
+    assert _lookup(a, rec, 3) == 3  # 2 announced, never looked up: dropped
+    a.close()
+    assert [e for e in rec.events if e[0] == "serve"] == []
+    assert [e[1] for e in rec.events if e[0] == "exchange"] == [1, 2, 3]
+    assert a.hits == 2
+
+
+def test_sharded_device_rows_refuse_a_bad_switch_interval_before_anything_opens():
+    import sys
+
+    from lightning_embcache.distributed.device_rows import ShardedDeviceRows
+
+    before = sys.getswitchinterval()
+    for bad in (0, -0.001, 2.0, True, "0.001"):
+        with pytest.raises(InvalidArgumentError, match=r"switch_interval=.*Must be in \(0, 1\] seconds"):
+            ShardedDeviceRows(None, None, "cuda", 0, switch_interval=bad)
+    assert sys.getswitchinterval() == before
+
+
+def test_the_switch_interval_is_set_while_open_and_restored_unless_changed_meanwhile():
+    import sys
+
+    from lightning_embcache.distributed.device_rows import _SwitchInterval
+
+    before = sys.getswitchinterval()
+    try:
+        s = _SwitchInterval(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        s.restore()
+        assert sys.getswitchinterval() == before
+        s.restore()  # twice is fine
+        assert sys.getswitchinterval() == before
+        s = _SwitchInterval(0.0002)
+        sys.setswitchinterval(0.003)  # the user's own change wins
+        s.restore()
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+        _SwitchInterval(None).restore()
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+    finally:
+        sys.setswitchinterval(before)
