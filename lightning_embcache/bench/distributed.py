@@ -1,7 +1,7 @@
 """Scaling of an auto-decoder whose per-sample codes are trainable rows of a row-sharded store.
 
     python -m lightning_embcache.bench.distributed --world-sizes 1 2 4 --rows 10000000 --dim 64 \\
-        --batch 8192 --steps 40 --device-fraction 0.5 --threads 4 --out bench-results/distributed-scaling.json
+        --batch 8192 --steps 100 --device-fraction 0.5 --threads 4 --repeat 5 --out bench-results/distributed-scaling.json
 
 Each world size runs in fresh processes (one per GPU; NCCL for the decoder's DDP). Per step and
 rank: `lookup` of `--batch` random ids (rows fetched from their owners), a 3-layer MLP decoder
@@ -21,6 +21,15 @@ next (one thread) and the owners' uploads of missing rows for the next (another)
 step; one process prefetches the next batch into its tier. The host time of the background
 threads' stages and of the owners' misses by part (any thread) is reported beside the training
 thread's phases. ``--switch-interval S`` sets Python's thread switch interval in every process.
+
+``--variants`` times several configurations one after another in the same processes of each
+world size (one setup, one filled tier), ``--repeat`` times, interleaved, so that settings are
+compared on the same machine state: ``default``, ``si=SECONDS`` (switch interval),
+``uploads=lookup`` (no upload thread: the lookup brings the misses up; one process: no tier
+prefetch), ``finite=off`` (the store's NaN/Inf check of written-back rows off: what a trusted
+write-back path would save), joined with ``+``. Each result's ``speedup_vs_first`` compares it
+with the median of the same variant at the first world size; runs of a few hundred ms vary by
+10-20% (and now and then 2x), so compare medians over repeats.
 
 Every process uses ``--threads`` torch threads (default: 4, or fewer when cores / largest world
 size is smaller), the same at every world size: on 4 x H100 with 64 cores, 16 threads per process
@@ -80,8 +89,6 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     if cuda:
         torch.cuda.set_device(device)
     torch.set_num_threads(cfg["threads"])
-    if cfg.get("switch_interval"):
-        sys.setswitchinterval(cfg["switch_interval"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     n, dim, batch = cfg["rows"], cfg["dim"], cfg["batch"]
@@ -107,9 +114,6 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     decoder = _decoder(dim).to(device)
     model = torch.nn.parallel.DistributedDataParallel(decoder, device_ids=[rank] if cuda else None)
     dense_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    sent0 = t0 = io0 = 0.0
-    ev0 = 0
     # host seconds per phase (the host waits in them for its peers and for old copies, never for
     # the current step's GPU work): where a step's time goes
     phases = dict.fromkeys(("route", "tier", "lookup", "forward_backward", "apply", "dense_step"), 0.0)
@@ -141,14 +145,72 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
         ahead.exchange = timed("ahead_exchange", ahead.exchange)
         if ahead.serve is not None:
             ahead.serve = timed("ahead_serve", ahead.serve)
-    prefetch = None
-    if cfg["prefetch"]:  # rows on GPUs: `ShardedDeviceRows.prefetch`; host rows: announced to the store
-        prefetch = getattr(rows, "prefetch", None) or (store.prefetch if world > 1 else None)
-    # batches announced ahead: the id exchange of the batch after next overlaps the owners' uploads
-    # for the next one (one process has no exchange: its tier prefetches the next batch only)
-    depth = (cfg["ahead"] if world > 1 else 1) if prefetch is not None else 0
+    gen = torch.Generator().manual_seed(1000 + rank)
+    switch0 = sys.getswitchinterval()
+    check0 = getattr(local, "_check_finite", True)
+    results = []
+    for name in cfg["variants"]:
+        v = parse_variant(name)
+        # a variant's settings, switched between timed runs in the same processes (see `parse_variant`)
+        sys.setswitchinterval(v.get("si", cfg.get("switch_interval") or switch0))
+        uploads = v.get("uploads", "background")
+        if ahead is not None:
+            ahead.serve_ahead = uploads == "background"
+        local._check_finite = check0 if v.get("finite", "on") == "on" else False
+        prefetch = None
+        if cfg["prefetch"] and not (world == 1 and uploads == "lookup"):
+            # rows on GPUs: `ShardedDeviceRows.prefetch`; host rows: announced to the store; one
+            # process with uploads=lookup: no tier prefetch (the lookup brings the misses up)
+            prefetch = getattr(rows, "prefetch", None) or (store.prefetch if world > 1 else None)
+        # batches announced ahead: the id exchange of the batch after next overlaps the owners'
+        # uploads for the next one (one process has no exchange: its tier prefetches the next batch)
+        depth = (cfg["ahead"] if world > 1 else 1) if prefetch is not None else 0
+        for k in phases:
+            phases[k] = 0.0
+        out = _timed_steps(cfg, rank, world, store, rows, tier, model, dense_opt, gen, lookup, apply, prefetch,
+                           depth, phases, timing, device, cuda)
+        out["variant"] = name
+        results.append(out)
+    sys.setswitchinterval(switch0)
+    local._check_finite = check0
+    if cfg.get("dense") and world > 1 and cuda:
+        results[0]["dense"] = _dense(rank, world, cfg, device)
+    queue.put({"rank": rank, "runs": results})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def parse_variant(name: str) -> dict[str, Any]:
+    """``--variants`` names: ``default`` or ``+``-joined settings: ``si=SECONDS`` (thread switch
+    interval), ``uploads=background|lookup`` (the owners' uploads of announced lookups in a thread
+    of their own, or at the lookup; one process: tier prefetch or none), ``finite=on|off`` (the
+    store's NaN/Inf check of rows written back from the GPU: off measures what a trusted
+    write-back path would save)."""
+    out: dict[str, Any] = {}
+    if name == "default":
+        return out
+    for part in name.split("+"):
+        key, _, val = part.partition("=")
+        if key == "si":
+            out["si"] = float(val)
+        elif key == "uploads" and val in ("background", "lookup"):
+            out["uploads"] = val
+        elif key == "finite" and val in ("on", "off"):
+            out["finite"] = val
+        else:
+            raise SystemExit(f"--variants: unknown setting {part!r} in {name!r}; see parse_variant")
+    return out
+
+
+def _timed_steps(cfg: dict[str, Any], rank: int, world: int, store: Any, rows: Any, tier: Any, model: Any,
+                 dense_opt: Any, gen: torch.Generator, lookup: Any, apply: Any, prefetch: Any, depth: int,
+                 phases: dict[str, float], timing: list[bool], device: torch.device, cuda: bool) -> dict[str, Any]:
+    """``--warmup`` + ``--steps`` training steps; figures of the timed ones."""
+    n, batch = cfg["rows"], cfg["batch"]
+    local = getattr(store, "local", store)
+    sent0 = t0 = io0 = 0.0
+    ev0 = hits0 = 0
     coming: list[torch.Tensor] = []
-    hits0 = 0
     for step in range(cfg["warmup"] + cfg["steps"]):
         if step == cfg["warmup"]:
             if cuda:
@@ -190,17 +252,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     steps = cfg["steps"]
     sent = (getattr(store, "exchanged_bytes", 0) - sent0) / steps
     io = _store_seconds(store, tier) - io0
-    out = {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach()),
-           "store_ms_per_step": 1e3 * io / steps,
-           "evicted_rows_per_step": ((tier.evicted_rows - ev0) / steps) if tier is not None else 0.0,
-           "device_capacity_rows": tier.capacity if tier is not None else 0, "shard_rows": local.num_rows,
-           "lookups_exchanged_ahead": hits,
-           "phase_ms": {k: 1e3 * v / steps for k, v in phases.items()}}
-    if cfg.get("dense") and world > 1 and cuda:
-        out["dense"] = _dense(rank, world, cfg, device)
-    queue.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"rank": rank, "elapsed_s": elapsed, "store_bytes_per_step": sent, "loss": float(loss.detach()),
+            "store_ms_per_step": 1e3 * io / steps,
+            "evicted_rows_per_step": ((tier.evicted_rows - ev0) / steps) if tier is not None else 0.0,
+            "device_capacity_rows": tier.capacity if tier is not None else 0, "shard_rows": local.num_rows,
+            "lookups_exchanged_ahead": hits, "prefetch": prefetch is not None, "ahead": depth,
+            "phase_ms": {k: 1e3 * v / steps for k, v in phases.items()}}
 
 
 def _hits(store: Any) -> int:
@@ -262,19 +319,24 @@ def _dense(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> 
     return {"ms_per_step": ms, "samples_per_s": world * batch / (ms / 1e3)}
 
 
-def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+def run(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """One world size in fresh processes: one result per ``cfg["variants"]`` entry, in order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    got = [queue.get(timeout=cfg.get("timeout", 600)) for _ in range(world)]
+    ranks = [queue.get(timeout=cfg.get("timeout", 600)) for _ in range(world)]
     for p in procs:
         p.join(60)
+    return [_summary(world, cfg, [r["runs"][i] for r in ranks]) for i in range(len(cfg["variants"]))]
+
+
+def _summary(world: int, cfg: dict[str, Any], got: list[dict[str, Any]]) -> dict[str, Any]:
     elapsed = max(g["elapsed_s"] for g in got)
-    res = {"world_size": world, "steps": cfg["steps"], "rows_on": cfg["mode"], "threads": cfg["threads"], "prefetch": cfg["prefetch"],
-           "ahead": cfg["ahead"] if cfg["prefetch"] and world > 1 else int(cfg["prefetch"]),
+    res = {"world_size": world, "variant": got[0]["variant"], "steps": cfg["steps"], "rows_on": cfg["mode"],
+           "threads": cfg["threads"], "prefetch": got[0]["prefetch"], "ahead": got[0]["ahead"],
            "lookups_exchanged_ahead_min_rank": min(g["lookups_exchanged_ahead"] for g in got),
            "samples_per_s": world * cfg["batch"] * cfg["steps"] / elapsed,
            "ms_per_step": 1e3 * elapsed / cfg["steps"],
@@ -312,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
                         "of the batch after next overlaps the owners' uploads for the next)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval in every process (seconds; Python's default is 0.005)")
+    p.add_argument("--variants", nargs="+", default=["default"],
+                   help="configurations timed one after another in the same processes of each world size, "
+                        "e.g. default si=0.0005 uploads=lookup uploads=lookup+si=0.0005 finite=off "
+                        "(see parse_variant); each is compared with the same variant at the first world size")
+    p.add_argument("--repeat", type=int, default=1, help="time the list of variants this many times, interleaved")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per process (default: min(4, cores / largest world size))")
     p.add_argument("--host-threads", type=int, nargs="*", default=[],
@@ -326,25 +393,29 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.rows_on if cuda else "host"
     cfg = dict(rows=args.rows, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup, dense=args.dense,
                threads=threads, mode=mode, fraction=args.device_fraction, prefetch=args.prefetch,
-               ahead=args.ahead, switch_interval=args.switch_interval)
+               ahead=args.ahead, switch_interval=args.switch_interval, variants=list(args.variants) * args.repeat)
+    for v in args.variants:
+        parse_variant(v)
     results = []
     for w in args.world_sizes:
-        r = run(w, cfg)
-        results.append(r)
-        print(json.dumps(r), flush=True)
+        for r in run(w, cfg):
+            results.append(r)
+            print(json.dumps(r), flush=True)
     extra = []
     if args.device_tier_baseline and cuda:
         extra.append(({**cfg, "mode": "resident", "dense": False}, "1 (whole table in the device tier)"))
     for t in args.host_threads:
         extra.append(({**cfg, "mode": "host", "threads": t, "dense": False}, f"1 (host rows, {t} threads)"))
     for c, label in extra:
-        r = run(1, c)
+        r = run(1, {**c, "variants": ["default"]})[0]
         r["world_size"] = label
         print(json.dumps(r), flush=True)
         results.append(r)
-    base = results[0]["samples_per_s"]
+    # each variant against the same variant at the first world size (median over --repeat)
+    first = args.world_sizes[0]
     for r in results:
-        r["speedup_vs_first"] = r["samples_per_s"] / base
+        same = [b["samples_per_s"] for b in results if b["world_size"] == first and b["variant"] == r["variant"]]
+        r["speedup_vs_first"] = r["samples_per_s"] / (sorted(same)[len(same) // 2] if same else results[0]["samples_per_s"])
     report = {"config": cfg,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu",
               "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__,
@@ -353,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
     for r in results:
-        print(f"world {r['world_size']} [{r['rows_on']}, {r['threads']} thr{', ahead ' + str(r['ahead']) if r['prefetch'] else ''}]: {r['samples_per_s']:,.0f} samples/s "
+        print(f"world {r['world_size']} {r['variant']} [{r['rows_on']}, {r['threads']} thr{', ahead ' + str(r['ahead']) if r['prefetch'] else ''}]: {r['samples_per_s']:,.0f} samples/s "
               f"({r['speedup_vs_first']:.2f}x), {r['ms_per_step']:.1f} ms/step "
               f"(store {r['store_ms_per_step_max_rank']:.1f}), sent {r['store_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank, "
               f"device rows {r['device_capacity_rows_per_rank']:,}/{r['shard_rows']:,}, "
