@@ -10,6 +10,10 @@ do), and compares how the tier splits them (`device_tier.store_spans`) with one 
 
     python -m lightning_embcache.bench.owner_host --rows 2500000 --dim 64 --miss-rows 4100 --busy 0 1 2
 
+``--busy-writes N ...`` also times the calls beside N threads that write other records into the
+same store in the tier's spans without pause (the write-back thread at its busiest: they take the
+store's lock and the GIL as it does); ``--threads-only`` skips the Python-busy runs.
+
 Reported per store call set: the median wall time in the background thread and its own CPU time.
 No GPU is needed: the records go to and from ordinary host buffers.
 """
@@ -33,7 +37,8 @@ def _layouts(k: int) -> dict[str, list[tuple[int, int]]]:
             "tier (store_spans)": store_spans(k)}
 
 
-def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads: int) -> list[dict[str, Any]]:
+def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads: int,
+        busy_writes: list[int] | None = None) -> list[dict[str, Any]]:
     from lightning_embcache import EmbeddingStore, make_row_optimizer, trainable_fields
 
     torch.set_num_threads(threads)
@@ -68,10 +73,21 @@ def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads
             for j in range(200):
                 s += j
 
+    from lightning_embcache.device_tier import store_spans
+
+    other = torch.from_numpy(np.sort(rng.choice(rows, miss_rows, replace=False)))
+    other_recs = store.read_records(other)
+
+    def write_work() -> None:  # the write-back thread at its busiest, on rows the timed calls do not touch
+        while not stop.is_set():
+            for a, b in store_spans(miss_rows):
+                store.write_records(other[a:b], other_recs[a:b])
+
     results = []
-    for nbusy in busy:
+    runs = [(n, "python", python_work) for n in busy] + [(n, "store writes", write_work) for n in busy_writes or []]
+    for nbusy, kind, work in runs:
         stop.clear()
-        workers = [threading.Thread(target=python_work, daemon=True) for _ in range(nbusy)]
+        workers = [threading.Thread(target=work, daemon=True) for _ in range(nbusy)]
         for w in workers:
             w.start()
         try:
@@ -92,11 +108,12 @@ def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads
                     t.join()
                     wall = sorted(x[0] for x in times)
                     cpu = sorted(x[1] for x in times)
-                    results.append({"busy_threads": nbusy, "op": op, "layout": layout, "calls": len(spans),
+                    results.append({"busy_threads": nbusy, "busy_kind": kind, "op": op, "layout": layout,
+                                    "calls": len(spans),
                                     "wall_ms_median": 1e3 * wall[reps // 2], "wall_ms_mean": 1e3 * sum(wall) / reps,
                                     "thread_cpu_ms_median": 1e3 * cpu[reps // 2]})
                     r = results[-1]
-                    print(f"busy={nbusy} {op:13s} {layout:19s} calls={len(spans)} wall median "
+                    print(f"busy={nbusy} ({kind}) {op:13s} {layout:19s} calls={len(spans)} wall median "
                           f"{r['wall_ms_median']:7.2f} ms  mean {r['wall_ms_mean']:7.2f}  own cpu "
                           f"{r['thread_cpu_ms_median']:.2f}", flush=True)
         finally:
@@ -112,12 +129,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=2_500_000, help="rows of the owner's shard (host store)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--miss-rows", type=int, default=4100, help="rows read and written back per step")
-    p.add_argument("--busy", type=int, nargs="+", default=[0, 1, 2], help="threads running Python beside it")
+    p.add_argument("--busy", type=int, nargs="*", default=[0, 1, 2], help="threads running Python beside it")
+    p.add_argument("--busy-writes", type=int, nargs="*", default=[],
+                   help="threads writing other records into the store beside it (store lock and GIL)")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--threads", type=int, default=4, help="torch threads")
     p.add_argument("--json", type=str, default=None, help="write the results here")
     a = p.parse_args(argv)
-    res = run(a.rows, a.dim, a.miss_rows, a.busy, a.reps, a.threads)
+    res = run(a.rows, a.dim, a.miss_rows, a.busy, a.reps, a.threads, a.busy_writes)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "torch": torch.__version__, "results": res}, f, indent=1)
