@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # On the device machine (nvidia-h100-x4): the GPU cells of the strategy matrix, then the scaling
 # benchmark. Usage: bash tests/distributed/gpu_run.sh {matrix|scaling|all}
-# Writes under $OUT: matrix-gpu.json, scaling.json, run.log (at most 8 files come back).
+# (carry .whl, or set WHL to the folder holding the lz4 wheel, e.g. WHL=.gpu/.whl)
+# Writes under $OUT: matrix-gpu.json, scaling.json, owner-host.json, run.log (at most 8 files come back).
+# scaling: 1, 2 and 4 processes (WORLDS) with the default and a 0.5 ms switch interval, 5 interleaved
+# repeats each (the medians go into docs/benchmarks.md), then the owner's store calls on this host's
+# CPU alone, beside a Python thread and beside a writing thread (bench owner_host).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ${WHL:-.whl}/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_COMPILE_THREADS=4
 what=${1:-all}
@@ -28,7 +32,10 @@ if [[ $what == matrix || $what == all ]]; then
   for l in /tmp/m/*.log; do echo "=== $l"; tail -c 3000 $l; done >> $LOG
 fi
 if [[ $what == scaling || $what == all ]]; then
-  timeout ${SCALING_S:-130} python3 -m lightning_embcache.bench.distributed --world-sizes 1 2 4 --rows ${ROWS:-10000000} --dim 64 \
-    --batch ${BATCH:-8192} --steps ${STEPS:-50} --warmup 10 --dense --device-tier-baseline --out $OUT/scaling.json >> $LOG 2>&1
+  timeout ${SCALING_S:-240} python3 -m lightning_embcache.bench.distributed --world-sizes ${WORLDS:-1 2 4} --rows ${ROWS:-10000000} \
+    --dim 64 --batch ${BATCH:-8192} --steps ${STEPS:-100} --warmup 10 --device-fraction 0.5 --threads 4 \
+    --variants default si=0.0005 --repeat ${REPEAT:-5} --out $OUT/scaling.json >> $LOG 2>&1
+  timeout ${OWNER_S:-120} python3 -m lightning_embcache.bench.owner_host --rows 2500000 --busy 0 1 --busy-writes 1 \
+    --reps 20 --json $OUT/owner-host.json >> $LOG 2>&1
 fi
 grep -h "^single\|^ddp\|^fsdp\|^world\|Error\|error" $LOG | cut -c1-400 | tail -60
