@@ -241,6 +241,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._folded = np.zeros(0, np.int64)  # per chunk: newest segment folded into its base file
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
+        self._clean_due = False  # a background clean was asked for (a running compaction runs it between rounds)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
         self._writing_gens: set[int] = set()  # compaction generations being written
         num_chunks = (self._num_rows + self._chunk_rows - 1) // self._chunk_rows
@@ -423,6 +424,7 @@ class EmbeddingStore(TieredRows, Versioning):
                 self._dirty_estimate += len(idx)
                 if self._dirty_estimate > self._hot.limit // 2:
                     self._dirty_estimate = 0
+                    self._clean_due = True
                     self._submit_bg(self._clean)
         self._stats.updates += 1
         self._io_wait += time.perf_counter() - t0

@@ -344,6 +344,7 @@ class TieredRows:
         """
         with self._flush_lock:
             with self._lock:
+                self._clean_due = False
                 hot = self._hot
                 if self._closed or hot.resident or self._disk is None:
                     return
