@@ -78,3 +78,47 @@ def test_paired_switch_routes_each_action_to_the_active_configuration_and_back()
     # SimpleProfiler saw exactly the steps of its blocks, every start matched by its stop
     assert len(simple.recorded_durations["fetch"]) == 2 * blocks.count("simple")
     assert not simple.current_actions
+
+
+def test_prediction_replay_gives_the_forecasts_prediction_on_saved_batches():
+    import torch
+
+    from lightning_embcache.bench.prediction import model_bytes, replay_epoch
+    from lightning_embcache.bench.profiler import MLP, MODELS
+    from lightning_embcache.profiling.forecast import save_estimate_s
+
+    for name, (width, depth, *_rest) in MODELS.items():  # what a checkpoint of the model writes
+        assert model_bytes(name) == sum(p.numel() * p.element_size() for p in MLP(width, depth).parameters())
+    # 400 batches of 10 ms after a 100 ms first one, a 0.2 s save every 100 steps, validation runs of 0.5 s
+    wall = [0.1] + [0.01] * 399
+    for i in (100, 200, 300):
+        wall[i] += 0.2
+    trace = {"wall": wall, "store": [0.0] * 400, "saves": [100, 200, 300], "val_runs": [0.5, 0.5]}
+    actual = sum(wall) + 2 * 0.5 + 0.2  # the save at step 400 comes after the last batch
+    guess = save_estimate_s(1e6)
+    p = replay_epoch(trace, actual, 0.05, every_n=100, save_guess_s=guess)
+    assert p["at_batch"] == 20 and p["unmeasured_saves"] == 4
+    assert abs(p["predicted_s"] - (0.1 + 399 * 0.01 + 2 * 0.5 + 4 * guess)) < 1e-9
+    assert abs(p["predicted_s"] - actual - 4 * (guess - 0.2)) < 1e-9
+    # after the save at batch 100 its measured extra time replaces the estimate
+    p = replay_epoch(trace, actual, 0.30, every_n=100, save_guess_s=guess)
+    assert p["unmeasured_saves"] == 0 and abs(p["error_pct"]) < 1e-6
+    free = replay_epoch(trace, actual, 0.05, every_n=100)
+    assert abs(actual - free["predicted_s"] - 4 * 0.2) < 1e-9  # saves counted as free
+
+
+def test_level_diagnostics_tell_the_fit_from_the_host(tmp_path, capsys):
+    from lightning_embcache.bench import profiler_levels
+
+    out = tmp_path / "levels.json"
+    assert profiler_levels.main(["--steps", "300", "--warmup", "20", "--plain-steps", "300",
+                                 "--runs", "plain,fit-canary", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["run"] for r in runs] == ["plain", "fit-canary"]
+    for r in runs:
+        assert r["steps"] >= 280 and len(r["wall_block_medians_ms"]) == profiler_levels.BLOCKS
+        # a step's CPU time never exceeds its wall time (one thread)
+        assert all(c <= w * 1.01 + 1e-3 for c, w in zip(r["cpu_block_medians_ms"], r["wall_block_medians_ms"]))
+        assert r["gc_seconds"] >= 0 and r["migrations"] >= 0
+    assert len(runs[1]["canary_ms"]) >= 4 and all(c > 0 for c in runs[1]["canary_ms"])
+    assert "canary: bare step" in capsys.readouterr().out
