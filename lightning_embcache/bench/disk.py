@@ -18,8 +18,10 @@ systems interleaved within each repetition; figures are medians over repetitions
 
 ``--step-ms`` puts a stand-in for a training step's compute (one-thread matrix products, which
 release the GIL) after each batch's store calls: what a lookahead prefetch can overlap.
+``--read-iops`` runs the cold phase's processes on a slower disk: a block-I/O cgroup caps their
+reads per second (see `slowdisk`; needs root).
 
-    embcache bench disk [--quick] [--json PATH] [--reps R] [--rows N] [--step-ms MS]
+    embcache bench disk [--quick] [--json PATH] [--reps R] [--rows N] [--step-ms MS] [--read-iops N]
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="training compute per batch between the store calls, in ms of one-thread matrix "
                         "products (they release the GIL, as a model's forward and backward do; default 0)")
+    p.add_argument("--read-iops", type=int, default=0,
+                   help="cap the cold phase's reads at this many per second (a slower disk, through a "
+                        "block-I/O cgroup; needs root; default: the disk as it is)")
     p.add_argument("--flushes", type=int, default=40)
     p.add_argument("--flush-frac", type=float, default=0.1)
     p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
@@ -148,10 +153,12 @@ def _compute(ms: float):
     if ms <= 0:
         return lambda: None
     a = torch.randn(256, 256)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    per = (time.perf_counter() - t0) / 20
+    per = float("inf")
+    for _ in range(5):  # the fastest of 5 timings of 10 (the first products warm up and run slow)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ a
+        per = min(per, (time.perf_counter() - t0) / 10)
     reps = max(1, round(ms / 1e3 / per))
 
     def run() -> None:
@@ -209,16 +216,19 @@ def _loop(cfg: dict) -> dict:
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     done = 0
+    compute_s = 0.0
     for i, ids in enumerate(order):
         step(ids)
+        t1 = time.perf_counter()
         compute()
+        compute_s += time.perf_counter() - t1
         done += 1
         if (i + 1) % cfg["flush_every"] == 0:
             flush()
     flush()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
-    out.update(rows_per_s=done * bsz / wall, wall_s=wall, cpu_s=cpu, cpu_us_per_row=1e6 * cpu / max(done * bsz, 1),
+    out.update(rows_per_s=done * bsz / wall, wall_s=wall, compute_s=compute_s, cpu_s=cpu, cpu_us_per_row=1e6 * cpu / max(done * bsz, 1),
                batches=done)
     st = stats()
     if st is not None:  # getattr: a --store-rev store may predate some fields
@@ -325,12 +335,19 @@ def _run_worker(cfg: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
-def _spawn(cfg: dict, tree: Path | None = None) -> dict:
+def _spawn(cfg: dict, tree: Path | None = None, cgroup: Path | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if tree is not None:  # the package of another revision, with this benchmark module in it
         env["PYTHONPATH"] = str(tree)
+    enter = None
+    if cgroup is not None:
+        from .slowdisk import enter as enter_cgroup
+
+        def enter() -> None:
+            enter_cgroup(cgroup)
     r = subprocess.run([sys.executable, "-m", "lightning_embcache.bench.disk", "--worker", json.dumps(cfg)],
-                       capture_output=True, text=True, env=env, timeout=900, cwd=str(tree) if tree else None)
+                       capture_output=True, text=True, env=env, timeout=900, cwd=str(tree) if tree else None,
+                       preexec_fn=enter)
     if r.returncode != 0:
         raise RuntimeError(f"worker {cfg.get('system')}/{cfg['phase']} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -346,7 +363,7 @@ def main(argv=None) -> int:
         "rows": args.rows or (60_000 if q else 500_000), "dim": args.dim, "batch": args.batch,
         "batches": args.batches or (60 if q else 300), "flush_every": args.flush_every,
         "table_factor": args.table_factor, "lookahead": args.lookahead, "flushes": args.flushes,
-        "step_ms": args.step_ms,
+        "step_ms": args.step_ms, "read_iops": args.read_iops,
         "flush_frac": args.flush_frac, "space_rows": args.space_rows or (30_000 if q else 200_000), "seed": 0,
     }
     reps = args.reps or (1 if q else 3)
@@ -355,6 +372,11 @@ def main(argv=None) -> int:
     wd = Path(args.workdir or tempfile.mkdtemp(prefix="embcache-bench-disk-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
     wd.mkdir(parents=True, exist_ok=True)
     cfg["workdir"] = str(wd)
+    slow = None
+    if args.read_iops:
+        from .slowdisk import throttled_cgroup
+
+        slow = throttled_cgroup(wd, args.read_iops)
     runs: list[dict] = []
     try:
         print(f"setup: {cfg['rows']} x {cfg['dim']} rows ({cfg['rows'] * cfg['dim'] * 4 / MiB:.0f} MiB) in {wd}", flush=True)
@@ -386,7 +408,8 @@ def main(argv=None) -> int:
                         warm_cache([wd / "store", wd / "table.npy"] + [t / "data" / "store" for t in trees.values()])
                     tree = trees.get(system)
                     res = _spawn(dict(cfg, phase=phase, system=system.split("@")[0], seed=rep + 1,
-                                      workdir=str(tree / "data") if tree else cfg["workdir"]), tree)
+                                      workdir=str(tree / "data") if tree else cfg["workdir"]), tree,
+                                 slow if phase == "cold" else None)
                     res["system"] = system
                     res["rep"] = rep
                     runs.append(res)

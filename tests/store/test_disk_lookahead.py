@@ -99,3 +99,30 @@ def test_stats_report_stalls_tier_bytes_and_disk_use(shm_path):
         assert st.warm_bytes_written > 0 and st.warm_bytes_read > 0
         assert st.table_bytes == N * ROW
         assert 1.0 <= st.disk_use_ratio == st.disk_bytes / st.table_bytes < 3.0
+
+
+def test_the_prefetch_thread_reads_one_announced_batch_per_round_oldest_first(shm_path, monkeypatch):
+    """A get that misses rows of a prefetch round waits for the whole round: rounds of one
+    announced batch each, oldest first, so the first batch's get never waits for the reads of
+    the whole window announced at the start of an epoch."""
+    import threading
+
+    _populated(shm_path / "s")
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        monkeypatch.setattr(s, "_reads_cached", lambda: False)  # reads wait for the disk
+        rounds, gate = [], threading.Event()
+        real = s._prefetch_once
+
+        def recorded(idx, upcoming=False):
+            rounds.append(np.sort(np.asarray(idx)).tolist())
+            gate.wait(10)  # the first round holds on until the whole window is announced
+            return real(idx, upcoming)
+
+        monkeypatch.setattr(s, "_prefetch_once", recorded)
+        batches = [np.arange(k * 50, k * 50 + 40) for k in range(4)]
+        for b in batches:
+            s.upcoming(torch.from_numpy(b))
+        gate.set()
+        _wait(lambda: not s._hint_task)
+        assert rounds == [b.tolist() for b in batches]
+        assert s.stats().prefetched_rows == 160

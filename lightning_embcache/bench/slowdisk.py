@@ -1,0 +1,55 @@
+"""A slower disk for benchmarks: run a process inside a block-I/O-throttled cgroup.
+
+The development VMs' disks are cached by their hosts, so a "cold" read is served almost as fast
+as the page cache and nothing is left for a lookahead prefetch to hide. The kernel's block
+throttle (cgroup v1 ``blkio.throttle.read_iops_device``, v2 ``io.max riops=``) caps the read
+operations per second the processes of a cgroup may issue to one disk: a network volume or a
+busy SSD, on the same files. Needs root (or a delegated cgroup); Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+V1 = Path("/sys/fs/cgroup/blkio")
+V2 = Path("/sys/fs/cgroup")
+
+
+def disk_of(path: str | os.PathLike) -> str:
+    """``major:minor`` of the whole disk holding ``path`` (the throttle applies to disks, not
+    partitions)."""
+    dev = os.stat(path).st_dev
+    ident = f"{os.major(dev)}:{os.minor(dev)}"
+    sysfs = Path("/sys/dev/block") / ident
+    if (sysfs / "partition").exists():
+        ident = (sysfs.resolve().parent / "dev").read_text().strip()
+    return ident
+
+
+def throttled_cgroup(path: str | os.PathLike, read_iops: int, name: str = "embcache-bench-slowdisk") -> Path:
+    """Create (or reuse) cgroup ``name`` whose reads from ``path``'s disk are capped at
+    ``read_iops`` per second; returns its ``cgroup.procs`` file (write a pid there to move that
+    process in). Raises RuntimeError saying what is missing when the host does not allow it."""
+    if read_iops <= 0:
+        raise ValueError(f"read_iops must be a positive number of reads per second; got {read_iops}")
+    disk = disk_of(path)
+    errors = []
+    for root, knob, value in ((V1, "blkio.throttle.read_iops_device", f"{disk} {read_iops}"),
+                              (V2, "io.max", f"{disk} riops={read_iops}")):
+        if not (root / "cgroup.procs").exists() or (root is V2 and not (root / "cgroup.controllers").exists()):
+            continue
+        group = root / name
+        try:
+            group.mkdir(exist_ok=True)
+            (group / knob).write_text(value)
+            return group / "cgroup.procs"
+        except OSError as exc:
+            errors.append(f"{group / knob}: {exc}")
+    raise RuntimeError("--read-iops needs a writable block-I/O cgroup (root on Linux, cgroup v1 blkio or v2 io "
+                       f"controller); could not set one up: {'; '.join(errors) or 'no blkio/io cgroup found'}")
+
+
+def enter(procs: Path) -> None:
+    """Move the calling process into the cgroup of ``procs`` (a `subprocess` ``preexec_fn``)."""
+    procs.write_text(str(os.getpid()))
