@@ -229,3 +229,34 @@ def test_stores_created_with_per_chunk_init_keep_their_initial_values(shm_path):
         assert torch.equal(s.get(ids), expect[[3, 200]])
     with EmbeddingStore.open(path) as s:
         assert torch.equal(s.get(torch.arange(chunk * CHUNK, (chunk + 1) * CHUNK)), expect)
+
+
+def test_a_call_wanting_many_blocks_of_a_chunk_reads_it_whole_and_verified(shm_path, monkeypatch):
+    """First reads of at least 1/8 of a chunk's 4 KiB blocks (an epoch in ChunkShuffleSampler
+    order) read the chunk in one sequential read, from the disk if need be, and check every
+    block; a single row reads its block only; a damaged block is still a named corruption."""
+    from _store_helpers import compacted_store
+
+    n, dim, chunk = 4096, 128, 256  # 512-byte rows: 32 blocks per chunk
+    table = compacted_store(shm_path / "s", n, dim, chunk)
+    whole = chunk * dim * 4
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, flags=0: reads.append((sum(len(b) for b in bufs), flags))
+                        or real(fd, bufs, off, flags))
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (dim * 4 + 11)) as s:
+        ids = torch.arange(2 * chunk, 3 * chunk, 32)  # 8 rows in 8 different blocks of chunk 2
+        assert torch.equal(s.get(ids), table[ids])
+        assert (whole, 0) in reads, reads
+        reads.clear()
+        one = torch.tensor([5 * chunk + 7])
+        assert torch.equal(s.get(one), table[one])
+        assert all(size < whole for size, _ in reads), reads
+    f = sorted((shm_path / "s" / "chunks").glob("c00000007-*"))[-1]
+    raw = bytearray(f.read_bytes())
+    raw[-whole + 3 * 4096 + 5] ^= 0xFF  # block 3 of chunk 7's records
+    f.write_bytes(bytes(raw))
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (dim * 4 + 11)) as s:
+        with pytest.raises(CorruptStoreError) as info:
+            s.get(torch.arange(7 * chunk, 8 * chunk, 32))
+        assert f.name in str(info.value)
