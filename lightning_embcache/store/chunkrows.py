@@ -127,6 +127,10 @@ class ChunkRows:
             raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
         off, crcs = 0, None
         try:
+            if _FADV_WILLNEED is not None:
+                # A miss wants its block, not readahead around it; advised before the header is
+                # read, or that first read pulls the file's first 128 KiB or more into the cache.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             head = os.pread(fd, HEADER_SIZE, 0)
             if head[8:16] != b"chunkraw":  # LZ4 (or damaged): read whole, read_chunk verifies it
                 os.close(fd)
@@ -135,8 +139,6 @@ class ChunkRows:
                 rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head)
                 if os.fstat(fd).st_size < off + rows * self.rb:
                     raise CorruptStoreError(path, f"truncated: shorter than its {rows} rows")
-                if _FADV_WILLNEED is not None:  # a miss wants its block, not readahead around it
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
