@@ -156,6 +156,12 @@ def main(config_file: str) -> None:
     if trainer.global_rank == 0:
         world = trainer.world_size
         (out / "result.json").write_text(json.dumps({"ok": True, "world": world, "steps": trainer.global_step}))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # Before the interpreter shuts down: a Gloo group left to its destructor can abort the
+        # process at exit ("terminate called without an active exception", once in ~50 runs here).
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
