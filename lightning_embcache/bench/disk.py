@@ -19,7 +19,8 @@ systems interleaved within each repetition; figures are medians over repetitions
 ``--step-ms`` puts a stand-in for a training step's compute (one-thread matrix products, which
 release the GIL) after each batch's store calls: what a lookahead prefetch can overlap.
 ``--read-iops`` runs the cold phase's processes on a slower disk: a block-I/O cgroup caps their
-reads per second (see `slowdisk`; needs root).
+reads per second; ``--mem-limit-mib`` caps their memory, page cache included, so a table a few
+times the limit is read from the disk as one far beyond RAM would be (see `slowdisk`; needs root).
 
     embcache bench disk [--quick] [--json PATH] [--reps R] [--rows N] [--step-ms MS] [--read-iops N]
 """
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-iops", type=int, default=0,
                    help="cap the cold phase's reads at this many per second (a slower disk, through a "
                         "block-I/O cgroup; needs root; default: the disk as it is)")
+    p.add_argument("--mem-limit-mib", type=int, default=0,
+                   help="cap the cold phase's processes' memory, page cache included, at this many MiB (a "
+                        "table far beyond RAM, through a memory cgroup; needs root; default: no cap)")
     p.add_argument("--flushes", type=int, default=40)
     p.add_argument("--flush-frac", type=float, default=0.1)
     p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
@@ -355,16 +359,16 @@ def _run_worker(cfg: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
-def _spawn(cfg: dict, tree: Path | None = None, cgroup: Path | None = None) -> dict:
+def _spawn(cfg: dict, tree: Path | None = None, cgroups: tuple[Path, ...] = ()) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if tree is not None:  # the package of another revision, with this benchmark module in it
         env["PYTHONPATH"] = str(tree)
     enter = None
-    if cgroup is not None:
-        from .slowdisk import enter as enter_cgroup
+    if cgroups:
+        from .slowdisk import enter as enter_cgroups
 
         def enter() -> None:
-            enter_cgroup(cgroup)
+            enter_cgroups(*cgroups)
     r = subprocess.run([sys.executable, "-m", "lightning_embcache.bench.disk", "--worker", json.dumps(cfg)],
                        capture_output=True, text=True, env=env, timeout=900, cwd=str(tree) if tree else None,
                        preexec_fn=enter)
@@ -383,7 +387,7 @@ def main(argv=None) -> int:
         "rows": args.rows or (60_000 if q else 500_000), "dim": args.dim, "batch": args.batch,
         "batches": args.batches or (60 if q else 300), "flush_every": args.flush_every,
         "table_factor": args.table_factor, "lookahead": args.lookahead, "flushes": args.flushes,
-        "step_ms": args.step_ms, "read_iops": args.read_iops,
+        "step_ms": args.step_ms, "read_iops": args.read_iops, "mem_limit_mib": args.mem_limit_mib,
         "flush_frac": args.flush_frac, "space_rows": args.space_rows or (30_000 if q else 200_000), "seed": 0,
     }
     reps = args.reps or (1 if q else 3)
@@ -392,11 +396,15 @@ def main(argv=None) -> int:
     wd = Path(args.workdir or tempfile.mkdtemp(prefix="embcache-bench-disk-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
     wd.mkdir(parents=True, exist_ok=True)
     cfg["workdir"] = str(wd)
-    slow = None
+    slow: tuple[Path, ...] = ()
     if args.read_iops:
         from .slowdisk import throttled_cgroup
 
-        slow = throttled_cgroup(wd, args.read_iops)
+        slow += (throttled_cgroup(wd, args.read_iops),)
+    if args.mem_limit_mib:
+        from .slowdisk import memory_cgroup
+
+        slow += (memory_cgroup(args.mem_limit_mib * MiB),)
     runs: list[dict] = []
     try:
         print(f"setup: {cfg['rows']} x {cfg['dim']} rows ({cfg['rows'] * cfg['dim'] * 4 / MiB:.0f} MiB) in {wd}", flush=True)
@@ -429,7 +437,7 @@ def main(argv=None) -> int:
                     tree = trees.get(system)
                     res = _spawn(dict(cfg, phase=phase, system=system.split("@")[0], seed=rep + 1,
                                       workdir=str(tree / "data") if tree else cfg["workdir"]), tree,
-                                 slow if phase == "cold" else None)
+                                 slow if phase == "cold" else ())
                     res["system"] = system
                     res["rep"] = rep
                     runs.append(res)

@@ -1,10 +1,14 @@
-"""A slower disk for benchmarks: run a process inside a block-I/O-throttled cgroup.
+"""A slower disk for benchmarks: run a process inside a block-I/O-throttled cgroup, and a table
+far beyond the page cache: inside a memory-limited one.
 
 The development VMs' disks are cached by their hosts, so a "cold" read is served almost as fast
 as the page cache and nothing is left for a lookahead prefetch to hide. The kernel's block
 throttle (cgroup v1 ``blkio.throttle.read_iops_device``, v2 ``io.max riops=``) caps the read
 operations per second the processes of a cgroup may issue to one disk: a network volume or a
-busy SSD, on the same files. Needs root (or a delegated cgroup); Linux only.
+busy SSD, on the same files. A memory limit (cgroup v1 ``memory.limit_in_bytes``, v2
+``memory.max``) bounds the page cache the process's reads may fill, so a table a few times the
+limit behaves as one far beyond RAM: its rows are read from the disk again after they were
+evicted. Needs root (or a delegated cgroup); Linux only.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 from pathlib import Path
 
 V1 = Path("/sys/fs/cgroup/blkio")
+V1_MEMORY = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
 
 
@@ -50,6 +55,39 @@ def throttled_cgroup(path: str | os.PathLike, read_iops: int, name: str = "embca
                        f"controller); could not set one up: {'; '.join(errors) or 'no blkio/io cgroup found'}")
 
 
-def enter(procs: Path) -> None:
-    """Move the calling process into the cgroup of ``procs`` (a `subprocess` ``preexec_fn``)."""
-    procs.write_text(str(os.getpid()))
+def _own_cgroup(controller: str, table: str | None = None) -> str:
+    """This process's cgroup path for ``controller`` (v1; "" asks for the v2 path), from
+    ``/proc/self/cgroup`` (or ``table``, text in its format); "" if none."""
+    text = Path("/proc/self/cgroup").read_text() if table is None else table
+    for line in text.splitlines():
+        _, names, where = line.split(":", 2)
+        if controller in names.split(",") or (not names and controller == ""):
+            return where.lstrip("/")
+    return ""
+
+
+def memory_cgroup(limit_bytes: int, name: str = "embcache-bench-memory") -> Path:
+    """Create (or reuse) cgroup ``name`` under this process's memory cgroup, limited to
+    ``limit_bytes`` of memory (the process's own and the page cache its reads fill); returns its
+    ``cgroup.procs``. Raises RuntimeError saying what is missing when the host does not allow it."""
+    if limit_bytes <= 0:
+        raise ValueError(f"limit_bytes must be a positive number of bytes; got {limit_bytes}")
+    errors = []
+    for root, knob, own in ((V1_MEMORY, "memory.limit_in_bytes", "memory"), (V2, "memory.max", "")):
+        if not (root / "cgroup.procs").exists() or (root is V2 and not (root / "cgroup.controllers").exists()):
+            continue
+        group = root / _own_cgroup(own) / name
+        try:
+            group.mkdir(exist_ok=True)
+            (group / knob).write_text(str(int(limit_bytes)))
+            return group / "cgroup.procs"
+        except OSError as exc:
+            errors.append(f"{group / knob}: {exc}")
+    raise RuntimeError("--mem-limit-mib needs a writable memory cgroup (root on Linux, cgroup v1 memory or v2 "
+                       f"memory controller); could not set one up: {'; '.join(errors) or 'no memory cgroup found'}")
+
+
+def enter(*procs: Path) -> None:
+    """Move the calling process into the cgroups of ``procs`` (a `subprocess` ``preexec_fn``)."""
+    for p in procs:
+        p.write_text(str(os.getpid()))

@@ -42,3 +42,27 @@ def test_without_a_block_io_cgroup_the_option_is_refused_saying_what_it_needs(tm
         slowdisk.throttled_cgroup(tmp_path, 100)
     with pytest.raises(ValueError, match="read_iops must be a positive"):
         slowdisk.throttled_cgroup(tmp_path, 0)
+
+
+def test_a_memory_limit_goes_under_this_process_s_own_memory_cgroup(tmp_path, monkeypatch):
+    v1 = tmp_path / "memory"
+    (v1 / "jobs" / "mine").mkdir(parents=True)
+    (v1 / "cgroup.procs").write_text("")
+    monkeypatch.setattr(slowdisk, "V1_MEMORY", v1)
+    monkeypatch.setattr(slowdisk, "V2", tmp_path / "none")
+    monkeypatch.setattr(slowdisk, "_own_cgroup", lambda controller: "jobs/mine" if controller == "memory" else "")
+    procs = slowdisk.memory_cgroup(300 << 20, name="g")
+    assert procs == v1 / "jobs" / "mine" / "g" / "cgroup.procs"
+    assert (v1 / "jobs" / "mine" / "g" / "memory.limit_in_bytes").read_text() == str(300 << 20)
+    monkeypatch.setattr(slowdisk, "V1_MEMORY", tmp_path / "none1")
+    with pytest.raises(RuntimeError, match="--mem-limit-mib needs a writable memory cgroup"):
+        slowdisk.memory_cgroup(1 << 20)
+    with pytest.raises(ValueError, match="limit_bytes must be a positive"):
+        slowdisk.memory_cgroup(0)
+
+
+def test_own_cgroup_reads_the_controller_s_line_of_proc_self_cgroup():
+    table = "9:name=systemd:/\n4:cpu,memory:/jobs/mine\n0::/unified/me\n"
+    assert slowdisk._own_cgroup("memory", table) == "jobs/mine"
+    assert slowdisk._own_cgroup("", table) == "unified/me"
+    assert slowdisk._own_cgroup("blkio", table) == ""
