@@ -316,7 +316,10 @@ class ChunkRows:
         sel = np.flatnonzero(todo)
         if len(sel):
             ids = chunks[sel] * self.cr + local[sel]
-            brk = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1] + 1) | (fds[sel][1:] != fds[sel][:-1]), True])
+            # a run is adjacent in the file and in ``out`` (in a sparse chunk rows the file does
+            # not hold lie between rows adjacent in the file)
+            brk = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1] + 1) | (sel[1:] != sel[:-1] + 1)
+                                       | (fds[sel][1:] != fds[sel][:-1]), True])
             starts = brk[:-1]
             at = sel[starts]
             lens = np.diff(brk) * rb

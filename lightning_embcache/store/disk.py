@@ -21,6 +21,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -215,9 +216,21 @@ class Disk:
         per_entry = 4 * -(-chunk_rows * row_bytes // BLOCK) + 112
         self._directories_max = max(64, min(2 * self.num_chunks + 64, DIRECTORY_CACHE_BYTES // per_entry))
         self._chunks_dir = str(root / "chunks")
-        # Records of never-written rows (sorted ids): the store's `_init_rows`. A sparse chunk file
-        # holds only the rows ever written; whole-chunk reads fill the others in with this.
-        self.init_rows: Callable[[np.ndarray], np.ndarray] | None = None
+        # Records of never-written rows: the store's `_init_rows` (see `set_init_rows`)
+        self._init_rows: Callable[[], Callable[[np.ndarray], np.ndarray] | None] = lambda: None
+
+    def set_init_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> None:
+        """``fn(ids)``: records of never-written sorted ``ids``. A sparse chunk file holds only
+        the rows ever written; its other rows come from this. A store's own method is held
+        weakly: a reference cycle would keep a store dropped without close() (and its writer
+        lock) alive until the cycle collector ran."""
+        self._init_rows = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)  # type: ignore[assignment]
+
+    def init_rows(self, ids: np.ndarray) -> np.ndarray:
+        fn = self._init_rows()
+        if fn is None:  # a Disk used without its store (internal tools, tests)
+            raise StoreError(f"the rows {ids[:4].tolist()}... of a sparse chunk need the store's initial values")
+        return fn(ids)
 
     def close(self) -> None:
         for name in ("_root_fd", "_segments_fd", "_chunks_fd"):
@@ -491,8 +504,6 @@ class Disk:
         absent[present] = False
         rest = np.flatnonzero(absent)
         if len(rest):
-            if self.init_rows is None:  # a Disk used without its store (internal tools, tests)
-                raise StoreError(f"{self.chunk_path(chunk, gen)} is a sparse chunk: its other rows need the store's init")
             dense[rest] = self.init_rows(rest + chunk * self.chunk_rows)
         dense[present] = recs
         return dense
