@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_embcache.store import CorruptStoreError, EmbeddingStore, StoreError
+from lightning_embcache.store.disk import rows_held
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -57,7 +58,8 @@ def _row_bytes(store: EmbeddingStore) -> int:
 
 
 def _chunk_raw_bytes(path: Path, store: EmbeddingStore) -> int:
-    """Uncompressed size of the records held by the base chunk files (from their names)."""
+    """Uncompressed size of the records held by the base chunk files (from their names; a sparse
+    file's from its header: it holds only the rows ever written)."""
     raw = 0
     for p in (path / "chunks").glob("c*-g*"):
         try:
@@ -65,7 +67,7 @@ def _chunk_raw_bytes(path: Path, store: EmbeddingStore) -> int:
         except ValueError:
             continue
         rows = max(0, min(store.chunk_rows, store.num_rows - chunk * store.chunk_rows))
-        raw += rows * _row_bytes(store)
+        raw += rows_held(p, rows) * _row_bytes(store)
     return raw
 
 
