@@ -29,9 +29,9 @@ import threading
 import numpy as np
 
 from . import uring
+from .disk import SPARSE_KIND
 from .errors import CorruptStoreError
 from .fileio import HEADER_SIZE, crc32
-from .disk import SPARSE_KIND
 from .memory import zeros
 
 BLOCK = 4096
