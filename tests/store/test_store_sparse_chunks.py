@@ -39,7 +39,12 @@ def inline_background(monkeypatch):
             monkeypatch.setattr(module, "ThreadPoolExecutor", InlineExecutor)
 
 
-def initial_rows(n: int, dim: int, init: str, seed: int) -> torch.Tensor:
+def ramp(ids: torch.Tensor) -> torch.Tensor:
+    """A callable init: a deterministic function of the ids."""
+    return ids.to(torch.float32)[:, None] * 0.5 + torch.arange(4, dtype=torch.float32) * 0.25
+
+
+def initial_rows(n: int, dim: int, init, seed: int) -> torch.Tensor:
     """The table as created: read from a store without a path, which never writes a chunk file."""
     with EmbeddingStore.create(None, n, dim, init=init, seed=seed) as s:
         return s.get(torch.arange(n)).clone()
@@ -101,10 +106,13 @@ OPS = st.one_of(
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(init=st.sampled_from(["zeros", "normal"]), mode=st.sampled_from(sorted(MODES)),
-       ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 3))
-def test_random_sequences_on_a_fresh_store_read_like_a_tensor(inline_background, init, mode, ops, seed):
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(init=st.sampled_from(["zeros", "normal", "callable"]), mode=st.sampled_from(sorted(MODES)),
+       compression=st.sampled_from([None, "lz4"]), ops=st.lists(OPS, min_size=1, max_size=14),
+       seed=st.integers(0, 3))
+def test_random_sequences_on_a_fresh_store_read_like_a_tensor(inline_background, init, mode, compression, ops, seed):
+    init = ramp if init == "callable" else init
+    again = {"init": ramp} if init is ramp else {}  # a callable init is passed again on open
     root = Path(tempfile.mkdtemp(prefix="embcache-sparse-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
         path = root / "store"
@@ -112,7 +120,8 @@ def test_random_sequences_on_a_fresh_store_read_like_a_tensor(inline_background,
         durable = model.clone()
         written: set[int] = set()
         gen = torch.Generator().manual_seed(seed)
-        s = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init=init, seed=seed, **MODES[mode])
+        s = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init=init, seed=seed, compression=compression,
+                                  **MODES[mode])
         try:
             for op in ops:
                 if op[0] in ("update", "update_range"):
@@ -131,7 +140,7 @@ def test_random_sequences_on_a_fresh_store_read_like_a_tensor(inline_background,
                     assert_only_written_rows_stored(path, written, CHUNK)
                 elif op[0] == "reopen":
                     s.close()
-                    s = EmbeddingStore.open(path, **MODES[mode])
+                    s = EmbeddingStore.open(path, **MODES[mode], **again)
                     model = durable.clone()
                 else:
                     ids = torch.tensor(op[1])
@@ -145,7 +154,7 @@ def test_random_sequences_on_a_fresh_store_read_like_a_tensor(inline_background,
         finally:
             s.close()
         for how in MODES.values():  # a fresh handle reads every kind of chunk file from disk
-            with EmbeddingStore.open(path, readonly=True, **how) as r:
+            with EmbeddingStore.open(path, readonly=True, **how, **again) as r:
                 got = torch.cat([r.get(torch.arange(a, min(N, a + 37))) for a in range(0, N, 37)])
                 assert torch.equal(got, model)
     finally:
@@ -319,3 +328,11 @@ def test_an_undamaged_sparse_store_reads_back_and_verifies(shm_path):
     assert summary["disk"]["chunks"]["files"] == 1
     # a sparse file holds 30 rows of 32 B: its records are nearly all its bytes
     assert 0.5 < summary["compression_ratio"] <= 1.0
+
+
+def test_verify_names_a_damaged_sparse_chunk(shm_path):
+    _, f = _sparse_store(shm_path / "store")
+    _flip(f, f.stat().st_size - 5)  # a record's byte: only its block checksum can tell
+    report = verify_store(shm_path / "store")
+    assert not report.ok
+    assert any(f.name in d for v in report.versions for d in v.damaged), report.as_dict()
