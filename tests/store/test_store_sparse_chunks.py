@@ -336,3 +336,53 @@ def test_verify_names_a_damaged_sparse_chunk(shm_path):
     report = verify_store(shm_path / "store")
     assert not report.ok
     assert any(f.name in d for v in report.versions for d in v.damaged), report.as_dict()
+
+
+# ------------------------------------------------------------------ one reader, several generations
+def test_a_chunk_reader_reads_each_generation_asked_of_sparse_files(shm_path):
+    """Two sparse generations of a chunk holding different rows (a read-only handle keeps the old
+    one): a reader shared by two threads reads rows of the one each asks for, also when another
+    thread opened the other one in between, and when the open-file bound closes its files."""
+    from lightning_embcache.store.chunkrows import ChunkRows
+
+    n, cr, dim = 1024, 64, 8
+    path = shm_path / "store"
+    model = initial_rows(n, dim, "normal", 2)
+    with EmbeddingStore.create(path, n, dim, chunk_rows=cr, init="normal", seed=2) as s:
+        first = torch.arange(0, n, 7)  # every chunk: 9-10 of 64 rows
+        s.update(first, torch.ones(len(first), dim))
+        model[first] = 1.0
+        s.flush()
+        s.compact()
+        s.flush()
+        old = {c: int(s._cmap[c]) for c in range(n // cr)}
+        old_model = model.clone()
+        second = torch.arange(3, n, 11)
+        s.update(second, torch.full((len(second), dim), 2.0))
+        model[second] = 2.0
+        s.flush()
+        with EmbeddingStore.open(path, readonly=True):  # keeps the old generation's files
+            s.compact()
+            s.flush()
+            new = {c: int(s._cmap[c]) for c in range(n // cr)}
+            assert all(new[c] > old[c] for c in new)
+            assert all(held_rows(f) is not None for f in chunk_files(path).values())
+            reader = ChunkRows(s._disk)
+            reader.max_files = 2  # closes and reopens files between reads (their bitmaps are kept)
+            ids = np.arange(n)
+            chunks, local = ids // cr, ids % cr
+            for gens, want in ((new, model), (old, old_model), (new, model)):
+                g = np.array([gens[c] for c in chunks.tolist()], np.int64)
+                for part in np.array_split(np.arange(n), 5):
+                    got = reader.read(chunks[part], local[part], g[part])
+                    assert np.array_equal(got, want[torch.from_numpy(part)].numpy().view(np.uint8).reshape(len(part), -1))
+            # another thread opens the old generation between this one's open and its read
+            ensure = reader._ensure_open
+
+            def interleaved(ch, gs):
+                ensure(ch, gs)
+                reader._open(0, old[0])
+            reader._ensure_open = interleaved
+            got = reader.read(np.zeros(cr, np.int64), np.arange(cr), np.full(cr, new[0], np.int64))
+            assert np.array_equal(got, model[:cr].numpy().view(np.uint8).reshape(cr, -1))
+            reader.close()
