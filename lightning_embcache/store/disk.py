@@ -59,17 +59,17 @@ def _is_count(v: object) -> bool:
     return type(v) is int and 0 <= v < 1 << 62
 
 
-def rows_held(path: Path, rows: int) -> int:
-    """Rows a base chunk file of a chunk of ``rows`` rows holds: all of them, or for a sparse file
-    the count its header names (unchecked: for summaries, not for reading rows)."""
+def sparse_rows_held(path: Path) -> int | None:
+    """Rows a sparse base chunk file holds (the count its header names, unchecked: for summaries,
+    not for reading rows); None for a dense file or one that cannot be read."""
     try:
         with open(path, "rb") as f:
             head = f.read(HEADER_SIZE + _SPARSE_HEAD.size)
     except OSError:
-        return rows
+        return None
     if head[8:16].rstrip(b"\0") != SPARSE_KIND or len(head) < HEADER_SIZE + _SPARSE_HEAD.size:
-        return rows
-    return min(rows, _SPARSE_HEAD.unpack_from(head, HEADER_SIZE)[2])
+        return None
+    return _SPARSE_HEAD.unpack_from(head, HEADER_SIZE)[2]
 
 
 DIRECTORY_CACHE_BYTES = 16 << 20  # verified block checksums of raw chunks kept for sparse reads

@@ -325,7 +325,7 @@ def test_an_undamaged_sparse_store_reads_back_and_verifies(shm_path):
     report = verify_store(shm_path / "store")
     assert report.ok, report.problems
     summary = inspect_store(shm_path / "store")
-    assert summary["disk"]["chunks"]["files"] == 1
+    assert summary["disk"]["chunks"]["files"] == 1 and summary["disk"]["chunks"]["sparse_files"] == 1
     # a sparse file holds 30 rows of 32 B: its records are nearly all its bytes
     assert 0.5 < summary["compression_ratio"] <= 1.0
 
