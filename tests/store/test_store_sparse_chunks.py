@@ -386,3 +386,24 @@ def test_a_chunk_reader_reads_each_generation_asked_of_sparse_files(shm_path):
             got = reader.read(np.zeros(cr, np.int64), np.arange(cr), np.full(cr, new[0], np.int64))
             assert np.array_equal(got, model[:cr].numpy().view(np.uint8).reshape(cr, -1))
             reader.close()
+
+
+def test_a_sparse_chunk_holding_more_than_65535_rows(shm_path):
+    """A row's rank in its sparse file no longer fits 16 bits: the reader keeps 32."""
+    n, cr, dim = 200_000, 150_000, 1  # chunks of 150,000 and 50,000 rows
+    path = shm_path / "store"
+    model = initial_rows(n, dim, "normal", 3)
+    ids = torch.arange(0, 140_000, 2)  # 70,000 rows of chunk 0: under half, sparse
+    ids = torch.cat([ids, torch.tensor([150_000, 199_999])])
+    vals = torch.randn(len(ids), dim)
+    with EmbeddingStore.create(path, n, dim, chunk_rows=cr, init="normal", seed=3) as s:
+        s.update(ids, vals)
+        model[ids] = vals
+        s.flush()
+        s.compact()
+        s.flush()
+    assert [len(held_rows(f)) for f in chunk_files(path).values()] == [70_000, 2]
+    with EmbeddingStore.open(path, hot_bytes=4096 * (dim * 4 + 11)) as s:
+        for lo in (0, 131_000, 139_990, 149_990, 150_000, 199_990):
+            probe = torch.arange(lo, min(n, lo + 2_000))
+            assert torch.equal(s.get(probe), model[probe]), lo
