@@ -35,9 +35,12 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
     if not path.is_dir():
         return 0, 0
     for entry in os.scandir(path):
-        if entry.is_file(follow_symlinks=False):
-            total += entry.stat(follow_symlinks=False).st_size
-            files += 1
+        try:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+                files += 1
+        except FileNotFoundError:  # a temp file a writer's background compaction renamed meanwhile
+            pass
     return total, files
 
 
