@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_embcache.store import CorruptStoreError, EmbeddingStore, StoreError
+from lightning_embcache.store.disk import sparse_rows_held
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -34,9 +35,12 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
     if not path.is_dir():
         return 0, 0
     for entry in os.scandir(path):
-        if entry.is_file(follow_symlinks=False):
-            total += entry.stat(follow_symlinks=False).st_size
-            files += 1
+        try:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+                files += 1
+        except FileNotFoundError:  # a temp file a writer's background compaction renamed meanwhile
+            pass
     return total, files
 
 
@@ -56,17 +60,20 @@ def _row_bytes(store: EmbeddingStore) -> int:
     return int(store.row_bytes) if hasattr(store, "row_bytes") else store.dim * store.dtype.itemsize
 
 
-def _chunk_raw_bytes(path: Path, store: EmbeddingStore) -> int:
-    """Uncompressed size of the records held by the base chunk files (from their names)."""
-    raw = 0
+def _chunk_raw_bytes(path: Path, store: EmbeddingStore) -> tuple[int, int]:
+    """(uncompressed size of the records held by the base chunk files, sparse files among them):
+    from their names, a sparse file's from its header (it holds only the rows ever written)."""
+    raw = sparse = 0
     for p in (path / "chunks").glob("c*-g*"):
         try:
             chunk = int(p.name[1:].split("-g")[0])
         except ValueError:
             continue
         rows = max(0, min(store.chunk_rows, store.num_rows - chunk * store.chunk_rows))
-        raw += rows * _row_bytes(store)
-    return raw
+        held = sparse_rows_held(p)
+        raw += (rows if held is None else min(rows, held)) * _row_bytes(store)
+        sparse += held is not None
+    return raw, sparse
 
 
 def shard_dirs(path: str | os.PathLike[str]) -> list[Path]:
@@ -104,12 +111,12 @@ def inspect_store(path: str | os.PathLike[str]) -> dict[str, Any]:
             "pinned": store.pinned(),
             "last_flush": _last_flush(root),
         }
-        chunk_raw = _chunk_raw_bytes(root, store)
+        chunk_raw, sparse_files = _chunk_raw_bytes(root, store)
     chunks, chunk_files = _dir_bytes(root / "chunks")
     segments, segment_files = _dir_bytes(root / "segments")
     meta, meta_files = _dir_bytes(root)
     summary["disk"] = {
-        "chunks": {"bytes": chunks, "files": chunk_files},
+        "chunks": {"bytes": chunks, "files": chunk_files, "sparse_files": sparse_files},
         "segments": {"bytes": segments, "files": segment_files},
         "metadata": {"bytes": meta, "files": meta_files},  # META, manifests, chunk maps, PINS, LOCK
         "total_bytes": chunks + segments + meta,
@@ -141,7 +148,8 @@ def format_inspection(s: dict[str, Any]) -> str:
         f"version      {s['version']} (last flush {s['last_flush'] or 'never'})",
         f"versions     {s['versions']}, pinned {s['pinned'] or 'none'}",
         f"on disk      {human_bytes(d['total_bytes'])}: chunks {human_bytes(d['chunks']['bytes'])} "
-        f"({d['chunks']['files']} files), segments {human_bytes(d['segments']['bytes'])} "
+        f"({d['chunks']['files']} files, {d['chunks'].get('sparse_files', 0)} sparse), "
+        f"segments {human_bytes(d['segments']['bytes'])} "
         f"({d['segments']['files']} files), metadata {human_bytes(d['metadata']['bytes'])}",
         f"compression  {s['compression_ratio']:.2f}x on base chunks",
     ]

@@ -8,6 +8,11 @@ a block's checksum is checked the first time a row in it is read through this ha
 per block (one byte per 4 KiB of table) remembers it, so checking a whole batch is a few
 vectorised array operations. LZ4 chunks are read and decompressed whole.
 
+A sparse base chunk (kind ``sparse``) holds only the rows ever written, packed in row order after
+a bitmap of them: it is read like a raw chunk of those rows (a row's offset is its rank among
+them, kept per row while the file is known), and the rows it does not hold get their initial
+values, computed per row as for a never-written chunk.
+
 Reads go through ``pread`` rather than maps of the files on purpose: a mapped file's pages count
 in the process's RSS (a kernel with large page-cache folios maps up to 2 MiB per fault: 1,000
 random rows of a 64 MiB file made RSS grow by 64 MiB), which would break the memory budget, and
@@ -24,6 +29,7 @@ import threading
 import numpy as np
 
 from . import uring
+from .disk import SPARSE_KIND
 from .errors import CorruptStoreError
 from .fileio import HEADER_SIZE, crc32
 from .memory import zeros
@@ -80,6 +86,11 @@ class ChunkRows:
         self._fd = np.full(nc, -1, np.int64)
         self._gen = np.zeros(nc, np.int64)
         self._off = np.zeros(nc, np.int64)
+        self._len = np.zeros(nc, np.int64)  # bytes of records in the file (fewer in a sparse chunk)
+        self._sparse = np.zeros(nc, np.bool_)  # the file held open is a sparse chunk
+        # per table row of a sparse chunk known here: 1 + its rank among the rows the file holds,
+        # 0 if it holds none (lazily zeroed: only sparse chunks' pages cost memory)
+        self._slot = zeros(disk.num_rows, np.uint16 if disk.chunk_rows < 0xFFFF else np.uint32)
         # chunk -> block checksums of its generation in ``_gen``, kept while the file is closed by
         # the open-file bound (4 bytes per 4 KiB of table touched) so that reopening reads nothing
         self._crcs: dict[int, array.array] = {}
@@ -125,19 +136,25 @@ class ChunkRows:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
-        off, crcs = 0, None
+        off, crcs, present, nbytes = 0, None, None, 0
         try:
             if _FADV_WILLNEED is not None:
                 # A miss wants its block, not readahead around it; advised before the header is
                 # read, or that first read pulls the file's first 128 KiB or more into the cache.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             head = os.pread(fd, HEADER_SIZE, 0)
-            if head[8:16] != b"chunkraw":  # LZ4 (or damaged): read whole, read_chunk verifies it
+            kind = head[8:16].rstrip(b"\0")
+            if kind == b"chunkraw":
+                rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head)
+            elif kind == SPARSE_KIND:
+                present, crcs, off = disk._sparse_chunk_directory(path, chunk, fd=fd, head=head)
+                rows = len(present)
+            else:  # LZ4 (or damaged): read whole, read_chunk verifies it
                 os.close(fd)
                 fd = -2
-            else:
-                rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head)
-                if os.fstat(fd).st_size < off + rows * self.rb:
+            if fd >= 0:
+                nbytes = rows * self.rb
+                if os.fstat(fd).st_size < off + nbytes:
                     raise CorruptStoreError(path, f"truncated: shorter than its {rows} rows")
         except BaseException:
             if fd >= 0:
@@ -153,7 +170,13 @@ class ChunkRows:
                 self._crcs[chunk] = array.array("I", crcs.astype(np.uint32).tobytes())
             else:
                 self._crcs.pop(chunk, None)
-            self._fd[chunk], self._gen[chunk], self._off[chunk] = fd, gen, off
+            self._fd[chunk], self._gen[chunk], self._off[chunk], self._len[chunk] = fd, gen, off, nbytes
+            self._sparse[chunk] = present is not None
+            if present is not None:
+                lo = chunk * self.cr
+                slots = self._slot[lo : lo + disk.chunk_rows_of(chunk)]
+                slots[:] = 0
+                slots[present] = np.arange(1, len(present) + 1, dtype=slots.dtype)
 
     def _trim(self, keep: set) -> None:
         """Over the bound: close the oldest quarter of the open files (once reads end), never one
@@ -236,18 +259,36 @@ class ChunkRows:
             if len(self._order) > self.max_files:
                 self._trim(set(np.unique(chunks).tolist()))
 
+    def _to_file_rows(self, chunks: np.ndarray, local: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows in the files held open, rows of ``local`` a sparse file does not hold): in a
+        sparse chunk a row's place in the file is its rank among the rows the file holds
+        (caller holds the lock; ``other`` rows are not read through the files held open)."""
+        sparse = self._sparse[chunks] & ~other
+        absent = np.zeros(len(chunks), np.bool_)
+        if not sparse.any():
+            return local, absent
+        local = local.copy()
+        at = np.flatnonzero(sparse)
+        slot = self._slot[chunks[at] * self.cr + local[at]].astype(np.int64) - 1
+        absent[at[slot < 0]] = True
+        local[at] = np.maximum(slot, 0)
+        return local, absent
+
     def _read(self, chunks, local, gens) -> np.ndarray:
         n, rb = len(chunks), self.rb
         out = np.empty((n, rb), np.uint8)
         if not n:
             return out
         self._ensure_open(chunks, gens)
+        asked = local
         with self._lock:  # one consistent view of the descriptors and verified blocks
             fds = self._fd[chunks]
             # Another thread may have opened another generation of a chunk, or closed it, since
             # `_ensure_open`: those rows are read from the generation asked for, on their own.
             other = (self._gen[chunks] != gens) | (fds == -1)
+            local, absent = self._to_file_rows(chunks, local, other)
             base = self._off[chunks]
+            nbytes = self._len[chunks]
             off = local * rb
             g0 = chunks * self.bpc + off // BLOCK
             g1 = chunks * self.bpc + (off + rb - 1) // BLOCK
@@ -257,7 +298,11 @@ class ChunkRows:
             crcs = {c: self._crcs[c] for c in np.unique(chunks[~ok & ~other]).tolist() if c in self._crcs}
         todo = ~other
         if other.any():
-            self._read_other(out, np.flatnonzero(other), chunks, local, gens)
+            self._read_other(out, np.flatnonzero(other), chunks, asked, gens)
+        if absent.any():  # rows a sparse chunk does not hold: never written, computed per row
+            sel = np.flatnonzero(absent)
+            out[sel] = self.disk.init_rows(chunks[sel] * self.cr + asked[sel])
+            todo &= ~absent
         lz4 = fds == -2
         if lz4.any():  # LZ4 chunks: whole, decompressed
             for i in np.flatnonzero(lz4).tolist():
@@ -266,12 +311,15 @@ class ChunkRows:
             todo &= ~lz4
         first = todo & ~ok
         if first.any():
-            self._read_verifying(out, np.flatnonzero(first), chunks, local, gens, fds, base, crcs)
+            self._read_verifying(out, np.flatnonzero(first), chunks, local, gens, fds, base, crcs, nbytes)
             todo &= ok
         sel = np.flatnonzero(todo)
         if len(sel):
             ids = chunks[sel] * self.cr + local[sel]
-            brk = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1] + 1) | (fds[sel][1:] != fds[sel][:-1]), True])
+            # a run is adjacent in the file and in ``out`` (in a sparse chunk rows the file does
+            # not hold lie between rows adjacent in the file)
+            brk = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1] + 1) | (sel[1:] != sel[:-1] + 1)
+                                       | (fds[sel][1:] != fds[sel][:-1]), True])
             starts = brk[:-1]
             at = sel[starts]
             lens = np.diff(brk) * rb
@@ -297,7 +345,7 @@ class ChunkRows:
                 got = self.disk.read_chunk(ch, gen)[local[sel]]
             out[sel] = got
 
-    def _verify_cached_chunks(self, out, rows, chunks, local, gens, fds, base, crcs, *,
+    def _verify_cached_chunks(self, out, rows, chunks, local, gens, fds, base, crcs, nbytes, *,
                               wait: bool = False) -> np.ndarray:
         """Chunks whose every page is in the page cache are read and verified whole, in one read
         and one pass of checksums (``RWF_NOWAIT`` fails rather than wait for the disk, so a cold
@@ -310,7 +358,7 @@ class ChunkRows:
         rb = self.rb
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             ch = int(c[a])
-            n = min(self.cr, self.disk.num_rows - ch * self.cr) * rb
+            n = int(nbytes[rows[a]])
             buf = bytearray(n)
             try:
                 got = os.preadv(int(fds[rows[a]]), [buf], int(base[rows[a]]), 0 if wait else _RWF_NOWAIT)
@@ -334,7 +382,7 @@ class ChunkRows:
                 self._ok[ch * self.bpc : ch * self.bpc + len(cl)] = 1
         return rows[left]
 
-    def _read_verifying(self, out, rows, chunks, local, gens, fds, base, crcs) -> None:
+    def _read_verifying(self, out, rows, chunks, local, gens, fds, base, crcs, nbytes) -> None:
         """Rows whose blocks were not verified yet: read their blocks whole and check them.
 
         A chunk this call wants at least 1/8 of the blocks of (an epoch in `ChunkShuffleSampler`
@@ -348,9 +396,11 @@ class ChunkRows:
             first_block = local[rows] * self.rb // BLOCK
             new_block = np.r_[True, (c[1:] != c[:-1]) | (first_block[1:] != first_block[:-1])]
             blocks = np.add.reduceat(new_block.astype(np.int64), bounds[:-1])
-            dense = np.repeat((blocks * DENSE_SHARE >= self.bpc) & (blocks >= 2), np.diff(bounds))
+            in_file = -(-nbytes[rows[bounds[:-1]]] // BLOCK)  # fewer than bpc in a sparse chunk
+            dense = np.repeat((blocks * DENSE_SHARE >= in_file) & (blocks >= 2), np.diff(bounds))
             if dense.any():
-                rest = self._verify_cached_chunks(out, rows[dense], chunks, local, gens, fds, base, crcs, wait=True)
+                rest = self._verify_cached_chunks(out, rows[dense], chunks, local, gens, fds, base, crcs, nbytes,
+                                                  wait=True)
                 rows = np.sort(np.concatenate([rows[~dense], rest]))
                 if not len(rows):
                     return
@@ -362,7 +412,7 @@ class ChunkRows:
             np.add.at(self._first_reads, c, 1)
             busy = seen >= WHOLE_AFTER
             if busy.any():
-                rest = self._verify_cached_chunks(out, rows[busy], chunks, local, gens, fds, base, crcs)
+                rest = self._verify_cached_chunks(out, rows[busy], chunks, local, gens, fds, base, crcs, nbytes)
                 rows = np.sort(np.concatenate([rows[~busy], rest]))
                 if not len(rows):
                     return
@@ -370,7 +420,7 @@ class ChunkRows:
         c = chunks[rows]
         off = local[rows] * rb
         b0, b1 = off // BLOCK, (off + rb - 1) // BLOCK
-        raw_len = np.minimum(self.cr, self.disk.num_rows - c * self.cr) * rb
+        raw_len = nbytes[rows]
         lo = b0 * BLOCK
         hi = np.minimum((b1 + 1) * BLOCK, raw_len)
         mv = memoryview(out.reshape(-1))
@@ -416,7 +466,8 @@ class ChunkRows:
             self._ensure_open(chunks, gens)
             with self._lock:
                 fds, base = self._fd[chunks], self._off[chunks]
-            raw = fds >= 0
+                local, absent = self._to_file_rows(chunks, local, self._gen[chunks] != gens)
+            raw = (fds >= 0) & ~absent
             lo = local[raw] * self.rb // BLOCK * BLOCK
             for fd, pos in zip(fds[raw].tolist(), (base[raw] + lo).tolist()):
                 os.posix_fadvise(fd, pos, BLOCK, _FADV_WILLNEED)

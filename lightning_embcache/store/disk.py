@@ -3,7 +3,7 @@
     META                     immutable table description (rows, schema, chunking, init)
     manifest-<version>       one per retained version: chunk map generation + segment list
     chunkmap-<gen>           per chunk, the generation of its base file (0 = never written)
-    chunks/c<chunk>-g<gen>   immutable base chunk (raw or LZ4)
+    chunks/c<chunk>-g<gen>   immutable base chunk (raw, LZ4, or sparse: only the rows ever written)
     segments/s<seq>          immutable delta segment: the rows one flush (or one write-back) wrote
     PINS                     versions that must never be reclaimed (checkpoints)
     LOCK                     the writer's flock
@@ -21,6 +21,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -29,12 +30,14 @@ import lz4.block
 import numpy as np
 
 from . import fileio
-from .errors import CorruptStoreError, VersionNotFoundError, io_error
+from .errors import CorruptStoreError, StoreError, VersionNotFoundError, io_error
 from .fileio import ANY_STORE, HEADER_SIZE, crc32, open_dir, pack, parse_header, read_file, write_file, write_parts
 from .warm import MIN_RATIO
 
 _SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows
 _CHUNK_HEAD = struct.Struct("<QQQB")  # chunk, rows, raw length, compressed flag
+_SPARSE_HEAD = struct.Struct("<QQQQ")  # chunk, rows, rows present, length of their records
+SPARSE_KIND = b"sparse"  # a base chunk holding only its rows ever written (the rest are `init`)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 BLOCK = 4096  # raw chunks: one checksum per block of this many bytes
 MANIFEST_RE = re.compile(r"^manifest-(\d{12})$")
@@ -54,6 +57,19 @@ def _json(path: Path, data: bytes) -> object:
 def _is_count(v: object) -> bool:
     """A non-negative int from JSON (not a bool, not a float)."""
     return type(v) is int and 0 <= v < 1 << 62
+
+
+def sparse_rows_held(path: Path) -> int | None:
+    """Rows a sparse base chunk file holds (the count its header names, unchecked: for summaries,
+    not for reading rows); None for a dense file or one that cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_SIZE + _SPARSE_HEAD.size)
+    except OSError:
+        return None
+    if head[8:16].rstrip(b"\0") != SPARSE_KIND or len(head) < HEADER_SIZE + _SPARSE_HEAD.size:
+        return None
+    return _SPARSE_HEAD.unpack_from(head, HEADER_SIZE)[2]
 
 
 DIRECTORY_CACHE_BYTES = 16 << 20  # verified block checksums of raw chunks kept for sparse reads
@@ -213,6 +229,21 @@ class Disk:
         per_entry = 4 * -(-chunk_rows * row_bytes // BLOCK) + 112
         self._directories_max = max(64, min(2 * self.num_chunks + 64, DIRECTORY_CACHE_BYTES // per_entry))
         self._chunks_dir = str(root / "chunks")
+        # Records of never-written rows: the store's `_init_rows` (see `set_init_rows`)
+        self._init_rows: Callable[[], Callable[[np.ndarray], np.ndarray] | None] = lambda: None
+
+    def set_init_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> None:
+        """``fn(ids)``: records of never-written sorted ``ids``. A sparse chunk file holds only
+        the rows ever written; its other rows come from this. A store's own method is held
+        weakly: a reference cycle would keep a store dropped without close() (and its writer
+        lock) alive until the cycle collector ran."""
+        self._init_rows = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)  # type: ignore[assignment]
+
+    def init_rows(self, ids: np.ndarray) -> np.ndarray:
+        fn = self._init_rows()
+        if fn is None:  # a Disk used without its store (internal tools, tests)
+            raise StoreError(f"the rows {ids[:4].tolist()}... of a sparse chunk need the store's initial values")
+        return fn(ids)
 
     def close(self) -> None:
         for name in ("_root_fd", "_segments_fd", "_chunks_fd"):
@@ -475,11 +506,30 @@ class Disk:
         return min(self.chunk_rows, self.num_rows - chunk * self.chunk_rows)
 
     def read_chunk(self, chunk: int, gen: int, *, verify: bool = True) -> np.ndarray:
-        """A whole base chunk, every byte checksum-verified.
+        """A whole base chunk, every byte checksum-verified; the rows a sparse file does not hold
+        are filled in with their initial values (`init_rows`)."""
+        present, recs = self.read_chunk_present(chunk, gen, verify=verify)
+        if present is None:
+            return recs
+        rows = self.chunk_rows_of(chunk)
+        dense = np.empty((rows, self.row_bytes), np.uint8)
+        absent = np.ones(rows, np.bool_)
+        absent[present] = False
+        rest = np.flatnonzero(absent)
+        if len(rest):
+            dense[rest] = self.init_rows(rest + chunk * self.chunk_rows)
+        dense[present] = recs
+        return dense
 
-        A raw chunk is read through one descriptor (header, directory, records): compaction reads
-        thousands of chunks from a background thread, and each system call there is a hand-over
-        of the GIL with the training thread (four opens per chunk cost more than its bytes)."""
+    def read_chunk_present(self, chunk: int, gen: int, *, verify: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+        """(rows held, their records) of a base chunk file, every byte checksum-verified: rows
+        held is None for a dense file (raw or LZ4: every row, in order), else the sorted
+        chunk-relative rows of a sparse file, whose records are those rows' only.
+
+        A raw or sparse chunk is read through one descriptor (header, directory, records):
+        compaction reads thousands of chunks from a background thread, and each system call there
+        is a hand-over of the GIL with the training thread (four opens per chunk cost more than
+        its bytes). ``verify=False``: a file this handle wrote (the caller knows)."""
         path = self.chunk_path(chunk, gen)
         try:
             fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
@@ -487,10 +537,17 @@ class Disk:
             raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
         except OSError as exc:
             raise io_error(exc, "reading", path) from exc
+        present = None
         try:
             head = os.pread(fd, HEADER_SIZE, 0)
-            if head[8:16].rstrip(b"\0") == b"chunkraw":
+            kind = head[8:16].rstrip(b"\0")
+            if kind == b"chunkraw":
                 rows, crcs, data_off = self._raw_chunk_directory(path, chunk, fd=fd, head=head)
+                data = self._pread(path, data_off, rows * self.row_bytes, fd=fd)
+                self.bytes_read += HEADER_SIZE
+            elif kind == SPARSE_KIND:
+                present, crcs, data_off = self._sparse_chunk_directory(path, chunk, fd=fd, head=head)
+                rows = len(present)
                 data = self._pread(path, data_off, rows * self.row_bytes, fd=fd)
                 self.bytes_read += HEADER_SIZE
             else:
@@ -510,17 +567,17 @@ class Disk:
             if len(raw) != raw_len:
                 raise CorruptStoreError(path, f"LZ4 data decompresses to {len(raw)} bytes, expected {raw_len}")
             self.bytes_read += len(payload) + HEADER_SIZE
-            return np.frombuffer(bytearray(raw), np.uint8).reshape(rows, self.row_bytes)
-        if verify:  # False: a file this handle wrote (the caller knows)
+            return None, np.frombuffer(bytearray(raw), np.uint8).reshape(rows, self.row_bytes)
+        if verify:
             view = memoryview(data)
             for i, crc in enumerate(crcs.tolist()):
                 if crc32(view[i * BLOCK : (i + 1) * BLOCK]) != crc:
                     raise CorruptStoreError(path, f"block {i} of chunk {chunk} fails its checksum")
-        return np.frombuffer(bytearray(data), np.uint8).reshape(rows, self.row_bytes)
+        return present, np.frombuffer(bytearray(data), np.uint8).reshape(rows, self.row_bytes)
 
     def read_chunk_rows(self, chunk: int, gen: int, local: np.ndarray) -> np.ndarray | None:
         """Only rows ``local`` (chunk-relative) of a raw base chunk, reading and verifying just the
-        4 KiB blocks that hold them; None for an LZ4 chunk (read it whole).
+        4 KiB blocks that hold them; None for an LZ4 or sparse chunk (read it whole: `read_chunk`).
 
         The per-miss path of random access to a table larger than RAM: one pread per row after the
         chunk's checksummed directory, which is read and verified once and then kept (files are
@@ -575,9 +632,16 @@ class Disk:
         finally:
             os.close(fd)
 
-    def write_chunk(self, chunk: int, gen: int, records: np.ndarray, compress: bool, *, durable: bool = True) -> None:
-        """``durable=False``: no fsync (a compaction round makes its files durable at once with
+    def write_chunk(self, chunk: int, gen: int, records: np.ndarray, compress: bool, *, durable: bool = True,
+                    present: np.ndarray | None = None) -> None:
+        """Write base chunk ``chunk`` of generation ``gen``: every row's ``records`` (raw, or LZ4
+        when ``compress`` and it pays), or with ``present`` (sorted chunk-relative rows) a sparse
+        file holding just those rows' ``records``: the others keep their initial values.
+        ``durable=False``: no fsync (a compaction round makes its files durable at once with
         `sync_chunks` before it publishes them)."""
+        if present is not None:
+            self._write_sparse_chunk(chunk, gen, present, records, durable)
+            return
         raw = records.tobytes()
         if compress:
             packed = lz4.block.compress(raw, store_size=False)
@@ -590,6 +654,22 @@ class Disk:
         crcs = np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
         directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
         self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunkraw", directory, self.uid) + [raw],
+                                          dir_fd=self._chunks_fd, durable=durable)
+
+    def _write_sparse_chunk(self, chunk: int, gen: int, present: np.ndarray, records: np.ndarray,
+                            durable: bool) -> None:
+        """``header | directory (chunk, rows, count, length; a bitmap of the rows held; a crc32 per
+        4 KiB block of their records) | their records, packed in row order``: the file offset of a
+        row held is its rank among the rows held, so a miss reads just its blocks, as in a raw chunk."""
+        rows = self.chunk_rows_of(chunk)
+        held = np.zeros(-(-rows // 64) * 64, np.bool_)
+        held[present] = True
+        raw = np.ascontiguousarray(records).tobytes()
+        view = memoryview(raw)
+        crcs = np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
+        directory = (_SPARSE_HEAD.pack(chunk, rows, len(present), len(raw)) + np.packbits(held, bitorder="little").tobytes()
+                     + crcs.tobytes())
+        self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(SPARSE_KIND, directory, self.uid) + [raw],
                                           dir_fd=self._chunks_fd, durable=durable)
 
     def sync_chunks(self, chunks: list[int], gen: int) -> None:
@@ -612,6 +692,33 @@ class Disk:
         if len(crcs) != -(-raw_len // BLOCK):
             raise CorruptStoreError(path, "chunk directory has the wrong number of block checksums")
         return rows, crcs, HEADER_SIZE + length
+
+    def _sparse_chunk_directory(self, path: Path, chunk: int, *, fd: int | None = None,
+                                head: bytes | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+        """(sorted chunk-relative rows held, block checksums of their records, offset of the
+        records) of a sparse chunk file, its directory checked: checksum, chunk, row count, a
+        bitmap whose bits match the count, one checksum per block."""
+        head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)
+        length, pcrc = parse_header(path, head, SPARSE_KIND, self.uid)
+        rows = self.chunk_rows_of(chunk)
+        bitmap = -(-rows // 64) * 8
+        if length < _SPARSE_HEAD.size + bitmap or length > _SPARSE_HEAD.size + bitmap + 4 * -(-rows * self.row_bytes // BLOCK):
+            raise CorruptStoreError(path, f"sparse chunk directory of {length} bytes does not fit chunk {chunk}")
+        directory = self._pread(path, HEADER_SIZE, length, fd=fd)
+        if crc32(directory) != pcrc:
+            raise CorruptStoreError(path, "chunk directory fails its checksum")
+        c, r, count, data_len = _SPARSE_HEAD.unpack_from(directory)
+        if c != chunk or r != rows or count > rows or data_len != count * self.row_bytes:
+            raise CorruptStoreError(path, f"describes chunk {c} with {count} of {r} rows; expected chunk {chunk} "
+                                    f"with at most {rows}")
+        held = np.unpackbits(np.frombuffer(directory, np.uint8, bitmap, _SPARSE_HEAD.size), bitorder="little")
+        present = np.flatnonzero(held)
+        if len(present) != count or (count and present[-1] >= rows):
+            raise CorruptStoreError(path, f"sparse chunk bitmap lists {len(present)} rows, its header {count}")
+        crcs = np.frombuffer(directory, np.uint32, offset=_SPARSE_HEAD.size + bitmap)
+        if len(crcs) != -(-data_len // BLOCK):
+            raise CorruptStoreError(path, "chunk directory has the wrong number of block checksums")
+        return present, crcs, HEADER_SIZE + length
 
     def _check_chunk_head(self, path: Path, chunk: int, c: int, rows: int, raw_len: int) -> None:
         if c != chunk or rows != self.chunk_rows_of(chunk) or raw_len != rows * self.row_bytes:

@@ -257,6 +257,7 @@ class EmbeddingStore(TieredRows, Versioning):
                     Disk.write_meta(root, meta)
                 self._disk = Disk(root, self._num_rows, self._chunk_rows, self._row_bytes,
                                   fileio.uuid_bytes(meta["uuid"]))
+                self._disk.set_init_rows(self._init_rows)  # the rows a sparse chunk file does not hold
                 if create:
                     self._disk.write_manifest(Manifest(0, 0, []))
                 self._load_version(version)

@@ -45,6 +45,9 @@ HARD_FLOOR = 256 << 10  # below this many bytes of segments no flush waits for c
 # longest a flush or close() waits for the writer lock, and the disk it needs beside the table.
 ROUND_BYTES = 32 << 20
 ROUND_SHARE = 1 / 16
+# A chunk whose base is never-written or sparse stays sparse (a file of just the rows ever written;
+# the others keep their initial values) while those rows are under this share of the chunk.
+SPARSE_SHARE = 0.5
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
@@ -346,31 +349,47 @@ class Versioning:
             return np.zeros(0, np.int64)
         return np.sort(np.concatenate(picked)).astype(np.int64)
 
-    def _folded_chunk(self, c: int, base_gen: int, segs: list[Segment]) -> np.ndarray:
-        """Chunk ``c``'s records with every segment's records of it applied, oldest first.
+    def _folded_chunk(self, c: int, base_gen: int, segs: list[Segment]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Chunk ``c``'s records with every segment's records of it applied, oldest first, and
+        which rows they are: None for every row of the chunk, else the sorted chunk-relative
+        rows ever written, when its base is never-written or sparse and those rows are under
+        SPARSE_SHARE of the chunk (a sparse file then holds just them: compaction never writes
+        the initial value of a row nobody wrote).
 
         A base file this handle's own compactions wrote is not verified again (the page cache
-        holds what was checksummed, as for the miss path); a never-written chunk computes the
-        initial values only of the rows no segment holds."""
+        holds what was checksummed, as for the miss path); a chunk that becomes dense computes the
+        initial values only of the rows nobody wrote."""
         disk = self._disk
         rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
         lo = c * self._chunk_rows
         deltas = [got for s in segs if (got := s.rows_of_chunk(c)) is not None]
         if base_gen:
-            recs = disk.read_chunk(c, base_gen, verify=base_gen < self._own_gens_from)
-        elif deltas:  # `_init_rows` also serves stores initialised per chunk
-            recs = np.empty((rows, self._row_bytes), np.uint8)
-            covered = np.zeros(rows, np.bool_)
-            for ids, _ in deltas:
-                covered[ids - lo] = True
-            rest = np.flatnonzero(~covered)
-            if len(rest):
-                recs[rest] = self._init_rows(rest + lo)
+            present, recs = disk.read_chunk_present(c, base_gen, verify=base_gen < self._own_gens_from)
+            if present is None:  # a dense base stays dense
+                for ids, records in deltas:
+                    recs[ids - lo] = records
+                return recs, None
         else:
-            recs = self._init_records(c, rows)
+            present, recs = np.zeros(0, np.int64), np.zeros((0, self._row_bytes), np.uint8)
+        written = np.zeros(rows, np.bool_)
+        written[present] = True
+        for ids, _ in deltas:
+            written[ids - lo] = True
+        local = np.flatnonzero(written)
+        if len(local) >= SPARSE_SHARE * rows:
+            dense = np.empty((rows, self._row_bytes), np.uint8)
+            rest = np.flatnonzero(~written)
+            if len(rest):  # `_init_rows` also serves stores initialised per chunk
+                dense[rest] = self._init_rows(rest + lo)
+            dense[present] = recs
+            for ids, records in deltas:
+                dense[ids - lo] = records
+            return dense, None
+        packed = np.empty((len(local), self._row_bytes), np.uint8)
+        packed[local.searchsorted(present)] = recs
         for ids, records in deltas:
-            recs[ids - lo] = records
-        return recs
+            packed[local.searchsorted(ids - lo)] = records
+        return packed, local
 
     def _compact_round(self, everything: bool = False) -> bool:
         """Rewrite a bounded set of chunks with the committed segments' rows folded in, drop the
@@ -406,8 +425,8 @@ class Versioning:
             for c in chunks.tolist():
                 if self._closed:  # close() waits for the writer lock: publish what is done, stop
                     break
-                recs = self._folded_chunk(c, int(cmap[c]), segs)
-                disk.write_chunk(c, gen, recs, self._compress, durable=False)
+                recs, present = self._folded_chunk(c, int(cmap[c]), segs)
+                disk.write_chunk(c, gen, recs, self._compress, durable=False, present=present)
                 time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see below)
                 new_cmap[c] = gen
                 done += 1

@@ -80,6 +80,9 @@ def test_unpinned_version_is_reclaimed_and_its_bytes_freed(shm_path):
     path = shm_path / "store"
     rng = np.random.default_rng(2)
     with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=HOT) as s:
+        # every row written: the pinned version's chunk files are dense, a whole table (a few
+        # random rows would be sparse files holding just those rows)
+        _cycle(s, rng, rows=4 * N)
         for _ in range(3):
             _cycle(s, rng)
         s.compact()
