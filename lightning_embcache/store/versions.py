@@ -472,7 +472,11 @@ class Versioning:
             if m.version != version:
                 self._parent = version
                 self._version = self._max_version = m.version
-            self._index_rebuild()
+            if drop:
+                # Segments left the layout: renumber the index. A round that dropped none leaves
+                # it as it is (it indexes segments only; rebuilding it over every delta record,
+                # under the store lock, took ~10 ms a round that a training thread's get waited for).
+                self._index_rebuild()
             self._below_token += 1  # same rows, but the folded segments are no longer read
             self._stats.compactions += 1
         if self._closed:
