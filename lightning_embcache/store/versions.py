@@ -205,6 +205,13 @@ class Versioning:
         if not versions:
             raise CorruptStoreError(self._root, "holds no manifest (an interrupted create?)")
         latest = disk.read_latest(versions[-1])
+        for _ in range(3):
+            if versions[-1] >= latest:
+                break
+            # A writer publishes a manifest before it records it in LATEST: one published after
+            # the listing above is in the folder now. Only a manifest still missing is damage.
+            versions = disk.list_versions() or versions
+            latest = disk.read_latest(versions[-1])
         if versions[-1] < latest and (version is None or not self._readonly):
             # Opening the newest manifest left would silently roll back (and a writer would then
             # collect the newer rows' segments as garbage).
