@@ -59,6 +59,13 @@ def _is_count(v: object) -> bool:
     return type(v) is int and 0 <= v < 1 << 62
 
 
+def _block_crcs(raw: bytes | memoryview) -> np.ndarray:
+    """A crc32 per 4 KiB block of a chunk's records (raw and sparse files): a miss verifies
+    just the blocks it reads."""
+    view = memoryview(raw)
+    return np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
+
+
 def sparse_rows_held(path: Path) -> int | None:
     """Rows a sparse base chunk file holds (the count its header names, unchecked: for summaries,
     not for reading rows); None for a dense file or one that cannot be read."""
@@ -541,17 +548,15 @@ class Disk:
         try:
             head = os.pread(fd, HEADER_SIZE, 0)
             kind = head[8:16].rstrip(b"\0")
-            if kind == b"chunkraw":
-                rows, crcs, data_off = self._raw_chunk_directory(path, chunk, fd=fd, head=head)
+            data = None
+            if kind in (b"chunkraw", SPARSE_KIND):
+                if kind == b"chunkraw":
+                    rows, crcs, data_off = self._raw_chunk_directory(path, chunk, fd=fd, head=head)
+                else:
+                    present, crcs, data_off = self._sparse_chunk_directory(path, chunk, fd=fd, head=head)
+                    rows = len(present)
                 data = self._pread(path, data_off, rows * self.row_bytes, fd=fd)
                 self.bytes_read += HEADER_SIZE
-            elif kind == SPARSE_KIND:
-                present, crcs, data_off = self._sparse_chunk_directory(path, chunk, fd=fd, head=head)
-                rows = len(present)
-                data = self._pread(path, data_off, rows * self.row_bytes, fd=fd)
-                self.bytes_read += HEADER_SIZE
-            else:
-                data = None
         finally:
             os.close(fd)
         if data is None:  # LZ4 (or damaged: read_file names what is wrong)
@@ -642,7 +647,7 @@ class Disk:
         if present is not None:
             self._write_sparse_chunk(chunk, gen, present, records, durable)
             return
-        raw = records.tobytes()
+        raw = memoryview(np.ascontiguousarray(records)).cast("B")  # the records' bytes, not a copy
         if compress:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
@@ -650,8 +655,7 @@ class Disk:
                 self.bytes_written += self._write(self.chunk_path(chunk, gen), b"chunk", head + packed, durable=durable)
                 return
         # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
-        view = memoryview(raw)
-        crcs = np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
+        crcs = _block_crcs(raw)
         directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
         self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunkraw", directory, self.uid) + [raw],
                                           dir_fd=self._chunks_fd, durable=durable)
@@ -664,9 +668,8 @@ class Disk:
         rows = self.chunk_rows_of(chunk)
         held = np.zeros(-(-rows // 64) * 64, np.bool_)
         held[present] = True
-        raw = np.ascontiguousarray(records).tobytes()
-        view = memoryview(raw)
-        crcs = np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
+        raw = memoryview(np.ascontiguousarray(records)).cast("B")
+        crcs = _block_crcs(raw)
         directory = (_SPARSE_HEAD.pack(chunk, rows, len(present), len(raw)) + np.packbits(held, bitorder="little").tobytes()
                      + crcs.tobytes())
         self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(SPARSE_KIND, directory, self.uid) + [raw],

@@ -367,7 +367,7 @@ class Versioning:
         holds what was checksummed, as for the miss path); a chunk that becomes dense computes the
         initial values only of the rows nobody wrote."""
         disk = self._disk
-        rows = min(self._chunk_rows, self._num_rows - c * self._chunk_rows)
+        rows = disk.chunk_rows_of(c)
         lo = c * self._chunk_rows
         deltas = [got for s in segs if (got := s.rows_of_chunk(c)) is not None]
         if base_gen:
@@ -434,7 +434,7 @@ class Versioning:
                     break
                 recs, present = self._folded_chunk(c, int(cmap[c]), segs)
                 disk.write_chunk(c, gen, recs, self._compress, durable=False, present=present)
-                time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see below)
+                time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see the docstring)
                 new_cmap[c] = gen
                 done += 1
             if self._closed and not done and len(chunks):
