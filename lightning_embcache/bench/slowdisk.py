@@ -32,6 +32,23 @@ def disk_of(path: str | os.PathLike) -> str:
     return ident
 
 
+def _make_group(candidates: list[tuple[Path, Path, str, str]], refusal: str) -> Path:
+    """The first of ``candidates`` (hierarchy root, group folder, knob, value; v1 first) whose
+    hierarchy is mounted and lets us make the group and set the knob: its ``cgroup.procs``.
+    RuntimeError ``refusal`` plus what failed otherwise."""
+    errors = []
+    for root, group, knob, value in candidates:
+        if not (root / "cgroup.procs").exists() or (root is V2 and not (root / "cgroup.controllers").exists()):
+            continue
+        try:
+            group.mkdir(exist_ok=True)
+            (group / knob).write_text(value)
+            return group / "cgroup.procs"
+        except OSError as exc:
+            errors.append(f"{group / knob}: {exc}")
+    raise RuntimeError(f"{refusal}; could not set one up: {'; '.join(errors) or 'no such cgroup hierarchy found'}")
+
+
 def throttled_cgroup(path: str | os.PathLike, read_iops: int, name: str = "embcache-bench-slowdisk") -> Path:
     """Create (or reuse) cgroup ``name`` whose reads from ``path``'s disk are capped at
     ``read_iops`` per second; returns its ``cgroup.procs`` file (write a pid there to move that
@@ -39,20 +56,10 @@ def throttled_cgroup(path: str | os.PathLike, read_iops: int, name: str = "embca
     if read_iops <= 0:
         raise ValueError(f"read_iops must be a positive number of reads per second; got {read_iops}")
     disk = disk_of(path)
-    errors = []
-    for root, knob, value in ((V1, "blkio.throttle.read_iops_device", f"{disk} {read_iops}"),
-                              (V2, "io.max", f"{disk} riops={read_iops}")):
-        if not (root / "cgroup.procs").exists() or (root is V2 and not (root / "cgroup.controllers").exists()):
-            continue
-        group = root / name
-        try:
-            group.mkdir(exist_ok=True)
-            (group / knob).write_text(value)
-            return group / "cgroup.procs"
-        except OSError as exc:
-            errors.append(f"{group / knob}: {exc}")
-    raise RuntimeError("--read-iops needs a writable block-I/O cgroup (root on Linux, cgroup v1 blkio or v2 io "
-                       f"controller); could not set one up: {'; '.join(errors) or 'no blkio/io cgroup found'}")
+    return _make_group([(V1, V1 / name, "blkio.throttle.read_iops_device", f"{disk} {read_iops}"),
+                        (V2, V2 / name, "io.max", f"{disk} riops={read_iops}")],
+                       "--read-iops needs a writable block-I/O cgroup (root on Linux, cgroup v1 blkio or v2 io "
+                       "controller)")
 
 
 def _own_cgroup(controller: str, table: str | None = None) -> str:
@@ -72,19 +79,11 @@ def memory_cgroup(limit_bytes: int, name: str = "embcache-bench-memory") -> Path
     ``cgroup.procs``. Raises RuntimeError saying what is missing when the host does not allow it."""
     if limit_bytes <= 0:
         raise ValueError(f"limit_bytes must be a positive number of bytes; got {limit_bytes}")
-    errors = []
-    for root, knob, own in ((V1_MEMORY, "memory.limit_in_bytes", "memory"), (V2, "memory.max", "")):
-        if not (root / "cgroup.procs").exists() or (root is V2 and not (root / "cgroup.controllers").exists()):
-            continue
-        group = root / _own_cgroup(own) / name
-        try:
-            group.mkdir(exist_ok=True)
-            (group / knob).write_text(str(int(limit_bytes)))
-            return group / "cgroup.procs"
-        except OSError as exc:
-            errors.append(f"{group / knob}: {exc}")
-    raise RuntimeError("--mem-limit-mib needs a writable memory cgroup (root on Linux, cgroup v1 memory or v2 "
-                       f"memory controller); could not set one up: {'; '.join(errors) or 'no memory cgroup found'}")
+    limit = str(int(limit_bytes))
+    return _make_group([(V1_MEMORY, V1_MEMORY / _own_cgroup("memory") / name, "memory.limit_in_bytes", limit),
+                        (V2, V2 / _own_cgroup("") / name, "memory.max", limit)],
+                       "--mem-limit-mib needs a writable memory cgroup (root on Linux, cgroup v1 memory or v2 "
+                       "memory controller)")
 
 
 def enter(*procs: Path) -> None:
