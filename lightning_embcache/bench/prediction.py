@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
+from lightning_embcache.profiling.forecast import Forecast, save_estimate_s
 
 try:
     _getcpu = ctypes.CDLL(None).sched_getcpu
@@ -94,7 +95,9 @@ class _Probe(L.Callback):
                                 "device_index": list(fc.device_index),
                                 "device_wall": [round(x, 7) for x in fc.device_wall],
                                 "thread_cpu": [round(b - a, 7) for a, b in zip(self._cpu, self._cpu[1:])],
-                                "core": self._core})
+                                "core": self._core,
+                                # (batch, bytes per batch) of the hot tiers' fill, as last projected
+                                "store_fill": self.sp._predictor._fill})
 
 
 class _ValMLP(MLP):
@@ -115,6 +118,7 @@ def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = N
                        "error_pct": e["prediction_error_pct"],
                        "unmeasured_saves": e.get("predicted_unmeasured_saves"),
                        "store_fill_batch": e.get("predicted_store_fill_batch"),
+                       "store_fill_s": e.get("predicted_store_fill_seconds"),
                        "error_pct_by_fraction": {f: (100 * (v / e["epoch_wall_seconds"] - 1) if v else None)
                                                  for f, v in later.items()}})
     fit_actual = sum(e["epoch_wall_seconds"] for e in s)
@@ -252,15 +256,29 @@ def model_bytes(model_name: str) -> int:
     return 4 * (depth * (width * width + width) + width + 1)
 
 
+class _KnownRate(Forecast):
+    """A :class:`Forecast` told the rate (seconds per step) the rest of the epoch will run at: what
+    the estimator would predict if it knew that, all else (validation, saves) as it is."""
+
+    rate_s = 0.0
+
+    def rate(self) -> Optional[dict]:
+        r = super().rate()
+        return None if r is None else dict(r, mean=self.rate_s, slope=0.0)
+
+
 def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: int = 0, epoch: int = 0,
                  save_guess_s: Optional[float] = None, earlier_save_s: Optional[float] = None,
-                 device: bool = False) -> Optional[dict]:
+                 device: bool = False, rate_s: Optional[float] = None,
+                 store_fill: Optional[tuple[int, float]] = None) -> Optional[dict]:
     """The prediction the current :class:`Forecast` makes after ``fraction`` of a saved epoch's
     batches (``trace`` as kept by the benchmark), against ``actual_s``. Validation still to come is
     charged at the mean of the epoch's own runs (the benchmark's sanity check is not in the trace);
     checkpoint saves (every ``every_n`` steps) at the measured cost once one was seen, else at
-    ``earlier_save_s`` (a save measured in an earlier epoch), else at ``save_guess_s``."""
-    from lightning_embcache.profiling.forecast import Forecast
+    ``earlier_save_s`` (a save measured in an earlier epoch), else at ``save_guess_s``. ``rate_s``:
+    the rate is this instead of the estimator's (an oracle); ``store_fill``: (batch, bytes per
+    batch) of a hot tier's fill, as the profiler projected it."""
+    from lightning_embcache.profiling.forecast import eviction_estimate_s
 
     wall, store = trace["wall"], trace["store"]
     n = len(wall)
@@ -271,7 +289,9 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
     dev = [(i, s) for i, s in zip(trace.get("device_index", []), trace.get("device_wall", []))]
     p = None
     while p is None and k < n:  # on a GPU the prediction waits for 3 sampled steps, as the profiler does
-        fc = Forecast()
+        fc = Forecast() if rate_s is None else _KnownRate()
+        if rate_s is not None:
+            fc.rate_s = rate_s
         fc.needs_device = device
         for i in range(k):
             if i in saves:
@@ -283,7 +303,8 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         # validation twice an epoch in the val+ckpt runs (at half and at the end): none before 5%
         g0 = epoch * n
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
-        p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, 0.0, save_guess_s)
+        fill = None if store_fill is None else (store_fill[0], eviction_estimate_s(store_fill[1]))
+        p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, 0.0, save_guess_s, fill)
         if p is None:
             k += 1
     if p is None:
@@ -292,11 +313,24 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
             "error_pct": 100 * (p["seconds"] / actual_s - 1), "unmeasured_saves": p["unmeasured_saves"]}
 
 
+# the demo's hot tier (a quarter of its 1M x 64 float32 table): the bytes per batch of runs saved
+# before the benchmark kept the profiler's fill projection
+DEMO_HOT_BYTES = 1_000_000 * 64 * 4 // 4
+
+
+def _steps_mean(wall: list[float], saves: set[int], lo: int, hi: int) -> Optional[float]:
+    x = [wall[i] for i in range(max(1, lo), hi) if i not in saves]
+    return sum(x) / len(x) if x else None
+
+
 def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
     """Every epoch of every run saved in ``paths`` (a benchmark JSON or its .jsonl), replayed with
-    and without the save estimate from the bytes a save writes."""
-    from lightning_embcache.profiling.forecast import save_estimate_s
-
+    the current estimator (``estimate``; ``free``: checkpoint saves not yet measured counted as
+    free) and with two oracles that separate the estimator's error from the host's:
+    ``rest_rate`` knows the mean step time of the rest of the epoch (what is left is the
+    validation and save charges' error), ``first_rate`` knows the first ``fraction`` perfectly and
+    takes its mean step time as the rest's (what it misses, no estimator that sees only those
+    steps can foresee: the host's and the workload's change after them)."""
     runs: list[dict] = []
     for path in paths:
         with open(path) as f:
@@ -308,12 +342,14 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
     out = []
     for r in runs:
         model = r.get("model")
-        if model not in MODELS or "traces" not in r:
+        if (model not in MODELS and model != "demo") or "traces" not in r:
             continue
         extras = r.get("extras", False)
         for e, trace in zip(r["epochs"], r["traces"]):
             n = len(trace["wall"])
+            k = max(9, math.ceil(fraction * n))
             every = n // 4 if extras else 0
+            saves = set(trace["saves"])
             device = bool(trace.get("device_index"))
             earlier = None
             if e["epoch"] > 0 and extras:  # the saves of epoch 0, as the profiler carries them over
@@ -321,15 +357,40 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
                 med = statistics.median(t0["wall"][1:])
                 extra = [t0["wall"][i] - med for i in t0["saves"] if i > 0]
                 earlier = max(0.0, sum(extra) / len(extra)) if extra else None
+            guess = save_estimate_s(model_bytes(model)) if model in MODELS else None
+            fill = trace.get("store_fill")
+            if model == "demo":
+                every = 250  # the demo's ModelCheckpoint(every_n_train_steps=250)
+                if fill is None and e.get("store_fill_batch"):
+                    fill = (e["store_fill_batch"], DEMO_HOT_BYTES / e["store_fill_batch"])
             row = {"run": r["run"], "epoch": e["epoch"], "recorded_error_pct": e["error_pct"]}
-            for name, guess in (("free", None), ("bytes", save_estimate_s(model_bytes(model)))):
-                p = replay_epoch(trace, e["actual_s"], fraction, every, e["epoch"], guess, earlier, device)
-                row[name] = p
+            args = (e["actual_s"], fraction, every, e["epoch"])
+            row["free"] = replay_epoch(trace, *args, None, earlier, device)
+            row["estimate"] = replay_epoch(trace, *args, guess, earlier, device, store_fill=fill)
+            rest = _steps_mean(trace["wall"], saves, k, n)
+            first = _steps_mean(trace["wall"], saves, 1, k)
+            # the oracles know the rate; saves and validation are charged as the estimator does
+            row["rest_rate"] = replay_epoch(trace, *args, guess, earlier, device, rate_s=rest)
+            row["first_rate"] = replay_epoch(trace, *args, guess, earlier, device, rate_s=first)
             out.append(row)
-            f, b = row["free"], row["bytes"]
-            print(f"{r['run']:<28} e{e['epoch']} recorded {e['error_pct']:+7.1f}%  replayed "
-                  f"{f['error_pct'] if f else float('nan'):+7.1f}%  with the save estimate "
-                  f"{b['error_pct'] if b else float('nan'):+7.1f}%", flush=True)
+
+            def pct(name: str) -> float:
+                return row[name]["error_pct"] if row[name] else float("nan")
+
+            print(f"{r['run']:<28} e{e['epoch']} recorded {e['error_pct']:+7.1f}%  replayed {pct('estimate'):+7.1f}% "
+                  f"(saves free {pct('free'):+7.1f}%); oracles: rest's rate {pct('rest_rate'):+6.1f}%, "
+                  f"first {100 * fraction:g}%'s rate {pct('first_rate'):+7.1f}%", flush=True)
+    for group, pick in (("CPU models", lambda x: not x["run"].startswith(("gpu", "demo"))),
+                        ("demo", lambda x: x["run"].startswith("demo")),
+                        ("GPU models", lambda x: x["run"].startswith("gpu"))):
+        mine = [x for x in out if pick(x)]
+        if not mine:
+            continue
+        print(f"{group}, {len(mine)} epochs: |error| median, within 2%, within 5%:")
+        for name in ("estimate", "rest_rate", "first_rate"):
+            errs = [abs(x[name]["error_pct"]) for x in mine if x[name]]
+            print(f"  {name:<11} {statistics.median(errs):5.1f}%  {sum(v <= 2 for v in errs):3d}  "
+                  f"{sum(v <= 5 for v in errs):3d}  of {len(errs)}")
     return out
 
 

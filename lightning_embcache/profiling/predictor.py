@@ -13,11 +13,12 @@ import time
 from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
-from lightning_embcache.profiling.forecast import Forecast, level_variation, save_estimate_s
+from lightning_embcache.profiling.forecast import Forecast, eviction_estimate_s, level_variation, save_estimate_s
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 
 SYNC_EVERY = 256  # steps at most between handing the pending steps to the forecast
+FULL = 0.99  # a hot tier this close to its budget is full (eviction keeps it a few rows under)
 
 
 class EpochPredictor:
@@ -48,6 +49,9 @@ class EpochPredictor:
         self.store_reader: Optional[Callable[[], Optional[tuple[float, float]]]] = None
         self._store_mark = -1
         self._store_first: Optional[tuple[int, tuple[float, float]]] = None
+        # the latest projection of the fill: (batch of this epoch at which the hot tiers will be
+        # full, bytes they take in per batch); kept for the predictions that do not read stats()
+        self._fill: Optional[tuple[int, float]] = None
         # () -> bytes a checkpoint save writes (the module's and optimizers' tensors): a save's
         # cost until one has been measured. Read only when a prediction has saves to charge
         self.save_bytes_reader: Optional[Callable[[], int]] = None
@@ -73,6 +77,7 @@ class EpochPredictor:
         self._landmark = None
         self._store_mark = -1
         self._store_first = None
+        self._fill = None
         self._hosts = []
         self._fed = step_in_epoch
         self._next_check = 0
@@ -220,21 +225,31 @@ class EpochPredictor:
 
     def store_fill_batch(self, done: int, target: int) -> Optional[int]:
         """The batch of this epoch at which the stores' hot tiers will be full, at the rate they
-        filled since the first reading, if that comes before ``target``; else None. After it every
-        row brought in evicts one, and batches are slower by a cost not measured yet."""
+        filled since the first reading, if that comes before ``target``; else None (None too once
+        they are full). After it every row brought in evicts one, and batches are slower."""
+        fill = self._project_fill(done, target)
+        return fill[0] if fill is not None and fill[0] > done else None
+
+    def _project_fill(self, done: int, target: int) -> Optional[tuple[int, float]]:
+        """Reads the stores and updates the projection of the fill: (batch, bytes per batch) if
+        the hot tiers fill before ``target`` (or have filled as projected), else None."""
         first = self._store_first
-        if first is None or done <= first[0]:
-            return None
+        if first is None or done <= first[0] or (self._fill is not None and done >= self._fill[0]):
+            return self._fill  # (past the projected fill, the rate since the first reading is no fill rate)
         now = self._read_store()
         if now is None:
-            return None
+            return self._fill
         (b0, (hot0, budget)), (hot, budget_now) = first, now
         rate = (hot - hot0) / (done - b0)
         budget = min(budget, budget_now)
-        if rate <= 0.0 or budget <= 0.0 or hot >= budget:
+        if budget > 0.0 and hot >= FULL * budget:
+            return self._fill  # full already: what was projected before it filled still holds
+        if rate <= 0.0 or budget <= 0.0:
+            self._fill = None
             return None
         fill = done + math.ceil((budget - hot) / rate)
-        return fill if fill < target else None
+        self._fill = (fill, rate) if fill < target else None
+        return self._fill
 
     def predict(self, trainer: Any, with_store: bool = False) -> Optional[dict]:
         """Predicted wall seconds of the running epoch and of the fit (docs/profiler.md);
@@ -258,13 +273,16 @@ class EpochPredictor:
         g_end = g_now + (target - done) // acc
         saves = schedule.saves(trainer, g_now, g_end)
         guess = self._save_guess(trainer) if saves and self._save_s is None and not fc.saves else None
-        p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess)
+        fill_batch = self.store_fill_batch(done, target) if with_store else None
+        # batches after the hot tiers fill: charged at an estimate from the bytes they bring in
+        fill = None if self._fill is None else (self._fill[0], eviction_estimate_s(self._fill[1]))
+        p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, fill)
         if p is None:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,
                "fit_s": None, "fit_std_s": None, "unmeasured_saves": p["unmeasured_saves"],
-               "validation_measured": p["val_known"],
-               "store_fill_batch": self.store_fill_batch(done, target) if with_store else None}
+               "validation_measured": p["val_known"], "store_fill_batch": fill_batch,
+               "store_fill_s": p["store_fill_s"]}
         # the fit: the epochs still to come after this one, under max_epochs / max_steps
         budget, epochs = schedule.batch_budget(trainer), schedule.epochs_left(trainer)
         full_n = self.epoch_batches or trainer.num_training_batches

@@ -90,7 +90,8 @@ def _prediction_lines(epochs: list[dict]) -> list[str]:
     fills = [(e["epoch"], e["predicted_store_fill_batch"]) for e in rows if e.get("predicted_store_fill_batch")]
     for epoch, batch in fills:
         lines.append(f"(epoch {epoch}: the prediction came before the stores' hot tiers fill up, at about batch "
-                     f"{batch}; batches after that, each evicting rows, were not measured yet)")
+                     f"{batch}; batches after that, each evicting rows, were charged at an estimate "
+                     "from the bytes they bring in)")
     unmeasured = max((e.get("predicted_unmeasured_saves") or 0) for e in rows)
     if unmeasured:
         lines.append(f"(up to {unmeasured} checkpoint save(s) per epoch came before any was measured: "

@@ -97,6 +97,7 @@ def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoc
         "prediction_error_pct": error,
         "predicted_unmeasured_saves": prediction["unmeasured_saves"] if prediction is not None else None,
         "predicted_store_fill_batch": prediction.get("store_fill_batch") if prediction is not None else None,
+        "predicted_store_fill_seconds": prediction.get("store_fill_s") if prediction is not None else None,
         "predicted_fit_seconds": fit,
         "predicted_fit_std_seconds": fit_std,
         "samples": int(samples) if samples_known else None,

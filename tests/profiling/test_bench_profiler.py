@@ -122,3 +122,34 @@ def test_level_diagnostics_tell_the_fit_from_the_host(tmp_path, capsys):
         assert r["gc_seconds"] >= 0 and r["migrations"] >= 0
     assert len(runs[1]["canary_ms"]) >= 4 and all(c > 0 for c in runs[1]["canary_ms"])
     assert "canary: bare step" in capsys.readouterr().out
+
+
+def test_prediction_replay_oracles_split_the_estimators_error_from_the_hosts(tmp_path, capsys):
+    from lightning_embcache.bench.prediction import replay
+
+    # 400 batches: 10 ms for the first 100, then the host runs at 15 ms; the store fills at 200
+    wall = [0.01] * 100 + [0.015] * 300
+    actual = sum(wall)
+    trace = {"wall": wall, "store": [0.0] * 400, "saves": [], "val_runs": []}
+    run = {"run": "small/workers=0/plain", "model": "small", "extras": False,
+           "epochs": [{"epoch": 0, "error_pct": -99.0, "actual_s": actual}], "traces": [trace]}
+    demo = {"run": "demo/max_steps=400", "model": "demo",
+            "epochs": [{"epoch": 0, "error_pct": -99.0, "actual_s": actual, "store_fill_batch": 200}],
+            "traces": [dict(trace, wall=[0.01] * 400, store_fill=[200, 90_000])]}
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(run) + "\n" + json.dumps(demo) + "\n")
+    rows = replay([str(path)])
+    small, d = rows
+    # after 5% (20 batches) every 10 ms: the estimator and the first-5% oracle miss the same
+    expect = 100 * ((0.2 + 380 * 0.01) / actual - 1)
+    assert abs(small["estimate"]["error_pct"] - expect) < 1e-6
+    assert abs(small["first_rate"]["error_pct"] - expect) < 1e-6
+    # knowing the rest's rate leaves only what the first 20 batches' own time differs by
+    rest = (80 * 0.01 + 300 * 0.015) / 380
+    assert abs(small["rest_rate"]["predicted_s"] - (0.2 + 380 * rest)) < 1e-9
+    # the demo's fill at 200 (90 kB a batch: 2 ms more each at the estimate's rate) is charged
+    from lightning_embcache.profiling.forecast import EVICTION_BYTES_PER_S
+
+    assert abs(d["estimate"]["predicted_s"] - (4.0 + 200 * 90_000 / EVICTION_BYTES_PER_S)) < 1e-9
+    out = capsys.readouterr().out
+    assert "oracles: rest's rate" in out and "CPU models, 1 epochs" in out

@@ -454,6 +454,74 @@ def test_a_hot_tier_filling_before_the_epoch_ends_is_reported_with_the_predictio
     assert abs(p_late["epoch_s"] / wall2.epochs[0] - 1) < 0.01, (p_late, wall2.epochs)
 
 
+class EvictingStore(FakeStore):
+    """A cold store whose hot tier takes `per_batch` bytes per get up to `budget`; once full, each
+    get costs `evict_s` more (the rows it brings in evict as many)."""
+
+    def __init__(self, cost, per_batch, budget, evict_s):
+        super().__init__(cost, 1 * MS)
+        self.per_batch, self.budget, self.evict_s = per_batch, budget, evict_s
+        self.hot = 0
+
+    def get(self, ids):
+        full = self.hot >= self.budget
+        self.hot = min(self.budget, self.hot + self.per_batch)
+        self.seconds = 1 * MS + (self.evict_s if full else 0.0)
+        return super().get(ids)
+
+    def stats(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(io_wait_seconds=self.io, hot_bytes=self.hot, hot_budget_bytes=self.budget)
+
+
+def test_batches_after_the_hot_tier_fills_are_charged_from_the_bytes_they_bring_in(tmp_path):
+    clock = FakeClock()
+    cost = Cost(clock)
+    # each batch brings in the bytes that, at the estimate's rate, cost the 10 ms an eviction adds
+    per_batch = int(10 * MS * forecast.EVICTION_BYTES_PER_S)
+    store = EvictingStore(cost, per_batch, 150 * per_batch, 10 * MS)
+    model = CostModel(cost, FWD, BWD, OPT, store_s=1.0)
+    model.embedding_stores = {"rows": store}
+    seen = {}
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx in (100, 300):
+                seen[batch_idx] = sp.predict()
+
+    sp = StepProfiler(report=False, log_every_n_steps=10, predict_at=0.1)
+    _, wall, _ = _fit(sp, batches=400, epochs=1, clock=clock, model=model, logger=_logger(tmp_path), extra=[Probe()])
+    actual = wall.epochs[0]
+    # the tier is full after 150 gets: the 250 batches after them cost 10 ms more each
+    e = sp.summary()[0]
+    assert e["predicted_at_batch"] == 40 and e["predicted_store_fill_batch"] == 150
+    assert math.isclose(e["predicted_store_fill_seconds"], 250 * 10 * MS, rel_tol=1e-6)
+    assert abs(e["prediction_error_pct"]) < 0.5, e  # it was -25% without the charge
+    # the charge is an estimate: half of it is in the +/-
+    assert e["predicted_epoch_std_seconds"] >= 0.5 * 250 * 10 * MS
+    # later, still before the fill: the same projection
+    assert seen[100]["store_fill_batch"] == 150 and abs(seen[100]["epoch_s"] / actual - 1) < 0.005
+    # once the new level has been measured it replaces the estimate: nothing is charged twice
+    late = seen[300]
+    assert late["store_fill_batch"] is None and late["store_fill_s"] < 0.05 * 250 * 10 * MS
+    assert abs(late["epoch_s"] / actual - 1) < 0.01, (late, actual)
+
+
+def test_the_fill_charge_leaves_out_the_share_the_rate_already_holds():
+    fc = Forecast()
+    for i in range(100):  # steps 75.. already pay the 4 ms the fill adds
+        fc.add_step(0.010 + (0.004 if i >= 75 else 0.0), 0.0)
+    fc.shift_detection = False  # the window: the later half, steps 50-99, half of them after the fill
+    p = fc.predict(200, 0, None, 0, store_fill=(75, 0.004))
+    r = fc.rate()
+    assert r["window_start"] == 50 and math.isclose(r["mean"], 0.012)
+    assert math.isclose(p["store_fill_s"], 100 * 0.002)  # 100 batches to go, half the extra still missing
+    assert math.isclose(p["seconds"], fc.elapsed + 100 * 0.014)  # each at the new level
+    assert math.isclose(p["end_rate_s"], 0.014)
+    assert fc.predict(200, 0, None, 0)["store_fill_s"] == 0.0
+
+
 def test_step_times_pending_for_the_forecast_stay_bounded_without_a_logger():
     from lightning_embcache.profiling.predictor import SYNC_EVERY
 
