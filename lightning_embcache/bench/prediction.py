@@ -303,7 +303,7 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         # validation twice an epoch in the val+ckpt runs (at half and at the end): none before 5%
         g0 = epoch * n
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
-        fill = None if store_fill is None else (store_fill[0], eviction_estimate_s(store_fill[1]))
+        fill = None if store_fill is None else (store_fill[0], *eviction_estimate_s(store_fill[1]))
         p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, 0.0, save_guess_s, fill)
         if p is None:
             k += 1

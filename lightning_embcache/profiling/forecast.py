@@ -34,7 +34,8 @@ What makes early steps unrepresentative, and how each is handled:
   ``stats()`` the batch at which their hot tiers will be full, and the bytes each batch brings in.
   After that batch every row brought in evicts one; before it no batch has paid for that, so the
   batches after it are charged an estimate (:func:`eviction_estimate_s`), less the share the
-  rate's window already holds, with half of it as its uncertainty.
+  rate's window already holds, with a wide uncertainty (the cost has differed 20-fold between
+  store versions and hosts).
 
 The uncertainty (one standard deviation) comes from the spread of the step times: the standard
 error of the rate by the method of batch means (blocks of consecutive steps, so that steps that
@@ -67,10 +68,13 @@ SAVE_BYTES_PER_S = 400e6
 
 
 # A batch after an embedding store's hot tier is full: every row it brings in evicts one, and the
-# evicted rows go to the warm tier, its spill files and their compaction. Extra step time per byte
-# brought in per batch, as the demo's cold store ran on the H100 benchmark host (27-76 MB/s over
-# four runs at two store versions); not measured on the user's store before the tier is full
-EVICTION_BYTES_PER_S = 45e6
+# evicted rows go to the warm tier, its spill files and their compaction; nothing has measured that
+# before the tier is full. Extra step time per byte a batch brings in: the estimate is the current
+# store's in `embcache demo` on the 2-vCPU development host (batches after the fill -0.9 .. +1.1 ms
+# slower than before it, 272 kB each, six runs: within the host's noise); its uncertainty is half
+# the cost of earlier store versions on the H100 benchmark host (+3.6 .. +10.5 ms: 27-76 MB/s)
+EVICTION_BYTES_PER_S = 1e9
+EVICTION_SLOW_BYTES_PER_S = 45e6
 
 
 def save_estimate_s(nbytes: float) -> float:
@@ -78,9 +82,11 @@ def save_estimate_s(nbytes: float) -> float:
     return SAVE_FIXED_S + nbytes / SAVE_BYTES_PER_S
 
 
-def eviction_estimate_s(bytes_per_batch: float) -> float:
-    """Estimated extra seconds of a batch that brings ``bytes_per_batch`` into a full hot tier."""
-    return max(0.0, bytes_per_batch) / EVICTION_BYTES_PER_S
+def eviction_estimate_s(bytes_per_batch: float) -> tuple[float, float]:
+    """Estimated extra seconds of a batch that brings ``bytes_per_batch`` into a full hot tier,
+    and the uncertainty of that estimate (one standard deviation)."""
+    b = max(0.0, bytes_per_batch)
+    return b / EVICTION_BYTES_PER_S, 0.5 * b / EVICTION_SLOW_BYTES_PER_S
 
 
 def level_variation(wall: "array | list[float]") -> float:
@@ -278,7 +284,7 @@ class Forecast:
     def predict(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
                 saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
                 save_guess_s: Optional[float] = None,
-                store_fill: Optional[tuple[int, float]] = None) -> Optional[dict]:
+                store_fill: Optional[tuple[int, float, float]] = None) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
         measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:
@@ -286,9 +292,9 @@ class Forecast:
         ``level_cv``: how much the step time of earlier epochs varied between blocks of a
         twentieth of an epoch (:func:`level_variation`), which widens the uncertainty of the
         batches to go. ``store_fill``: (batch of this epoch at which the stores' hot tiers fill,
-        extra seconds of each batch after it): the batches after the fill are charged that extra,
-        less the share of it the rate's window already holds (its batches after the fill), with
-        half of the charge as its uncertainty."""
+        extra seconds of each batch after it, its uncertainty): the batches after the fill are
+        charged that extra, less the share of it the rate's window already holds (its batches
+        after the fill)."""
         r = self.rate()
         if r is None:
             return None
@@ -305,14 +311,15 @@ class Forecast:
         saves_s = saves_left * save_s if save_s is not None else 0.0
         guess_std = 0.0 if measured else 0.5 * saves_s
         val_s = (val_runs_left * val_run_s) if val_run_s is not None else 0.0
-        fill_s = fill_step = 0.0
+        fill_s = fill_step = fill_std = 0.0
         fills_in_epoch = False
         if store_fill is not None:
-            at, extra = store_fill
+            at, extra, extra_std = store_fill
             lo, n = r["window_start"], len(self.wall)
             before = min(max(at - self.start_batches - lo, 0), n - lo) / max(1, n - lo)
             fill_step = extra * before
-            fill_s = max(0, total_batches - max(done, at)) * fill_step
+            after = max(0, total_batches - max(done, at))
+            fill_s, fill_std = after * fill_step, after * extra_std * before
             fills_in_epoch = at < total_batches
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s + fill_s)
@@ -323,7 +330,7 @@ class Forecast:
         blocks_left = LEVEL_BLOCKS * left / max(1, total_batches)
         level_s = left * r["mean"] * level_cv * math.sqrt(1.0 / max(1.0, window_blocks) + 1.0 / max(1.0, blocks_left))
         std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_s ** 2
-                        + guess_std ** 2 + (0.5 * fill_s) ** 2)
+                        + guess_std ** 2 + fill_std ** 2)
         # the rate at the end of this epoch (later epochs run at it), the trend levelled off
         end_rate = r["mean"] + (self.trend_seconds(r, total_batches, 1) if r["slope"] else 0.0)
         if fills_in_epoch:

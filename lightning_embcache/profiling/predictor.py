@@ -275,7 +275,7 @@ class EpochPredictor:
         guess = self._save_guess(trainer) if saves and self._save_s is None and not fc.saves else None
         fill_batch = self.store_fill_batch(done, target) if with_store else None
         # batches after the hot tiers fill: charged at an estimate from the bytes they bring in
-        fill = None if self._fill is None else (self._fill[0], eviction_estimate_s(self._fill[1]))
+        fill = None if self._fill is None else (self._fill[0], *eviction_estimate_s(self._fill[1]))
         p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, fill)
         if p is None:
             return None
