@@ -260,3 +260,26 @@ def test_a_call_wanting_many_blocks_of_a_chunk_reads_it_whole_and_verified(shm_p
         with pytest.raises(CorruptStoreError) as info:
             s.get(torch.arange(7 * chunk, 8 * chunk, 32))
         assert f.name in str(info.value)
+
+
+def test_a_call_wanting_many_wide_rows_of_a_chunk_reads_it_whole(shm_path, monkeypatch):
+    """Wide rows: 1/32 of a chunk's rows in distinct blocks are only 1/16 of its blocks (under the
+    1/8 share), yet an epoch in ChunkShuffleSampler order asks that many per call: they read the
+    chunk whole too. A few random rows of a chunk still read only their blocks."""
+    from _store_helpers import compacted_store
+
+    n, dim, chunk = 2048, 512, 512  # 2 KiB rows: 256 blocks per chunk
+    table = compacted_store(shm_path / "s", n, dim, chunk)
+    whole = chunk * dim * 4
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, flags=0: reads.append((sum(len(b) for b in bufs), flags))
+                        or real(fd, bufs, off, flags))
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (dim * 4 + 11)) as s:
+        ids = torch.arange(chunk, 2 * chunk, 32)  # 16 rows (1/32) in 16 of the 256 blocks of chunk 1
+        assert torch.equal(s.get(ids), table[ids])
+        assert (whole, 0) in reads, reads
+        reads.clear()
+        few = torch.arange(3 * chunk, 4 * chunk, 128)  # 4 rows of chunk 3
+        assert torch.equal(s.get(few), table[few])
+        assert all(size < whole for size, _ in reads), reads
