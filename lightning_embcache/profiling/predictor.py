@@ -243,7 +243,10 @@ class EpochPredictor:
         rate = (hot - hot0) / (done - b0)
         budget = min(budget, budget_now)
         if budget > 0.0 and hot >= FULL * budget:
-            return self._fill  # full already: what was projected before it filled still holds
+            # full already: at the projected rate, and no later than now
+            if self._fill is not None and self._fill[0] > done:
+                self._fill = (done, self._fill[1])
+            return self._fill
         if rate <= 0.0 or budget <= 0.0:
             self._fill = None
             return None

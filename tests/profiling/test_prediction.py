@@ -509,6 +509,18 @@ def test_batches_after_the_hot_tier_fills_are_charged_from_the_bytes_they_bring_
     assert abs(late["epoch_s"] / actual - 1) < 0.01, (late, actual)
 
 
+def test_a_hot_tier_full_sooner_than_projected_is_charged_from_the_reading_that_saw_it_full():
+    from lightning_embcache.profiling.predictor import EpochPredictor
+
+    readings = iter([(10.0, 100.0), (20.0, 100.0), (100.0, 100.0)])
+    ep = EpochPredictor(0.05, 0, None)
+    ep.store_reader = lambda: next(readings)
+    ep._store_first = (10, ep.store_reader())  # 10 bytes at batch 10, 20 at batch 20: full at 100
+    assert ep.store_fill_batch(20, 400) == 100 and ep._fill == (100, 1.0)
+    assert ep.store_fill_batch(50, 400) is None  # full at batch 50 already
+    assert ep._fill == (50, 1.0)  # charged from there, at the bytes per batch it filled with
+
+
 def test_the_fill_charge_leaves_out_the_share_the_rate_already_holds():
     fc = Forecast()
     for i in range(100):  # steps 75.. already pay the 4 ms the fill adds
