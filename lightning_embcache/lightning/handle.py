@@ -225,6 +225,16 @@ class EmbeddingStoreHandle:
             seconds = self._io_reported = max(seconds, getattr(self, "_io_reported", 0.0))
         return seconds
 
+    def thread_io_wait_seconds(self) -> float:
+        """Seconds the calling thread spent in this store's calls so far: what the training
+        thread waited for (a `DeferredSync` flush in its background thread overlaps the step and
+        is not part of it). O(1). With a device tier, as `io_wait_seconds`."""
+        store = self._store
+        if self._device_tier is not None or store is None or store.closed:
+            return self.io_wait_seconds
+        own = getattr(store, "thread_io_wait_seconds", None)  # a sharded store may not count per thread
+        return own() if own is not None else store.io_wait_seconds
+
     @_store_call
     def stats(self) -> StoreStats:
         """The store's `StoreStats` (bytes per tier, hits, dirty rows, flushes, ...)."""

@@ -14,10 +14,10 @@ class StoreReadings:
         self.stores = stores
 
     def io_wait_seconds(self) -> float:
-        """Cumulative seconds waited in store calls, summed over the stores."""
-        # a handle's io_wait_seconds is O(1); stats() scans dirty marks and the store folder
-        return sum(h.io_wait_seconds if hasattr(h, "io_wait_seconds") else h.stats().io_wait_seconds
-                   for h in self.stores.values())
+        """Cumulative seconds the calling (training) thread waited in store calls, summed over
+        the stores; a store that does not count per thread gives its callers' total."""
+        # O(1) on a handle; stats() scans dirty marks and the store folder
+        return sum(_thread_wait(h) for h in self.stores.values())
 
     def hot_tiers(self) -> Optional[tuple[float, float]]:
         """(hot bytes, hot budget bytes) summed over the stores whose hot tier has a budget."""
@@ -29,3 +29,12 @@ class StoreReadings:
                 hot += s.hot_bytes
                 budget += b
         return (hot, budget) if budget > 0 else None
+
+
+def _thread_wait(h: Any) -> float:
+    """Seconds the calling thread waited in store ``h`` (a background flush's time is its own
+    thread's, overlapping the step); falls back to the total over threads, then to stats()."""
+    own = getattr(h, "thread_io_wait_seconds", None)
+    if own is not None:
+        return own()
+    return h.io_wait_seconds if hasattr(h, "io_wait_seconds") else h.stats().io_wait_seconds

@@ -221,6 +221,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._reader_fd: int | None = None  # read-only handles: shared flock on their version
         self._stats = StoreStats()
         self._io_wait = 0.0
+        self._io_wait_by_thread: dict[int, float] = {}  # threading.get_ident() -> seconds
         self._seg_index: dict[int, list[Segment]] = {}  # chunk -> segments holding its rows
         self._committed: list[Segment] = []
         self._pending: list[Segment] = []
@@ -315,8 +316,23 @@ class EmbeddingStore(TieredRows, Versioning):
 
     @property
     def io_wait_seconds(self) -> float:
-        """Seconds callers spent inside get/update/flush/prefetch so far; O(1), unlike stats()."""
+        """Seconds callers spent inside get/update/flush/prefetch so far, in every thread; O(1),
+        unlike stats()."""
         return self._io_wait
+
+    def thread_io_wait_seconds(self, thread: int | None = None) -> float:
+        """Seconds one thread spent inside get/update/flush/prefetch so far: the calling thread's,
+        or that of ``thread`` (a ``threading.get_ident()``). What a training step waited for: a
+        flush in a background thread (`DeferredSync`) overlaps the step instead."""
+        return self._io_wait_by_thread.get(threading.get_ident() if thread is None else thread, 0.0)
+
+    def _waited(self, t0: float) -> None:
+        """Count a call that began at ``t0`` as the calling thread's wait."""
+        dt = time.perf_counter() - t0
+        self._io_wait += dt
+        by = self._io_wait_by_thread
+        me = threading.get_ident()
+        by[me] = by.get(me, 0.0) + dt
 
     def field_spec(self, name: str) -> tuple[torch.dtype, int]:
         """(dtype, columns) of field ``name``."""
@@ -337,7 +353,7 @@ class EmbeddingStore(TieredRows, Versioning):
             # so the ids are validated without a pass of their own, on torch's intra-op threads.
             out = self._gather_checked(ids)
             self._stats.gets += 1
-            self._io_wait += time.perf_counter() - t0
+            self._waited(t0)
             return out
         idx = as_ids(ids, self._num_rows)
         if hot.all_loaded:  # other id forms (lists, numpy arrays), already validated
@@ -350,7 +366,7 @@ class EmbeddingStore(TieredRows, Versioning):
             with self._lock:
                 out = self._read_rows(idx, ("weight",))["weight"]
         self._stats.gets += 1
-        self._io_wait += time.perf_counter() - t0
+        self._waited(t0)
         return out
 
     def update(self, ids: Any, values: Any) -> None:
@@ -371,7 +387,7 @@ class EmbeddingStore(TieredRows, Versioning):
             else:
                 self._scatter(self._resolve(idx, load=True), {"weight": v})
         self._stats.updates += 1
-        self._io_wait += time.perf_counter() - t0
+        self._waited(t0)
 
     def get_fields(self, ids: Any, names: Sequence[str] = ("weight",)) -> dict[str, torch.Tensor]:
         """Several per-row fields of ``ids`` at once (e.g. weights and optimizer moments)."""
@@ -385,7 +401,7 @@ class EmbeddingStore(TieredRows, Versioning):
             with self._lock:
                 out = self._read_rows(idx, names)
         self._stats.gets += 1
-        self._io_wait += time.perf_counter() - t0
+        self._waited(t0)
         return out
 
     def update_fields(self, ids: Any, values: Mapping[str, Any]) -> None:
@@ -410,7 +426,7 @@ class EmbeddingStore(TieredRows, Versioning):
                 self._check_open()
                 self._write_around(idx, None, vals, load=not full)
             self._stats.updates += 1
-            self._io_wait += time.perf_counter() - t0
+            self._waited(t0)
             return
         with self._lock:
             self._check_open()
@@ -428,7 +444,7 @@ class EmbeddingStore(TieredRows, Versioning):
                     self._clean_due = True
                     self._submit_bg(self._clean)
         self._stats.updates += 1
-        self._io_wait += time.perf_counter() - t0
+        self._waited(t0)
 
     # ------------------------------------------------------------------ whole records (trainers)
     def record_view(self, records: torch.Tensor, name: str) -> torch.Tensor:
@@ -471,7 +487,7 @@ class EmbeddingStore(TieredRows, Versioning):
             for n, v in fields.items():
                 self._schema.view(out, n).copy_(v)
         self._stats.gets += 1
-        self._io_wait += time.perf_counter() - t0
+        self._waited(t0)
         return out
 
     def write_records(self, ids: Any, records: torch.Tensor) -> None:
@@ -501,7 +517,7 @@ class EmbeddingStore(TieredRows, Versioning):
             self.update_fields(idx, {n: self._schema.view(records, n) for n in self._schema.names})
             self._stats.updates -= 1  # counted once, below
         self._stats.updates += 1
-        self._io_wait += time.perf_counter() - t0
+        self._waited(t0)
 
     def prefetch(self, ids: Any) -> None:
         """Hint: bring these rows into the hot tier in the background; returns at once."""

@@ -94,7 +94,7 @@ class Versioning:
             self._flush_lock.release()
         self._trim_heap()
         self._maybe_compact()
-        self._io_wait += time.perf_counter() - t0
+        self._waited(t0)
         return version
 
     def _flush_locked(self) -> int:

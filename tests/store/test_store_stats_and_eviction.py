@@ -105,3 +105,34 @@ def test_set_budget_lowers_the_hot_tier_at_once(shm_path):
         for lo in range(0, 300, 50):
             s.get(torch.arange(lo, lo + 50))
         assert s.stats().hot_bytes > 50 * SLOT
+
+
+def test_io_wait_is_counted_per_thread(shm_path):
+    """A flush in another thread (DeferredSync's) adds to io_wait_seconds but not to the calling
+    thread's thread_io_wait_seconds: the profiler's store_io is what the training thread waited."""
+    import threading
+
+    from lightning_embcache.profiling.stores import StoreReadings
+
+    with EmbeddingStore.create(shm_path / "s", N, DIM, chunk_rows=CHUNK) as s:
+        s.get(torch.arange(10))
+        mine = s.thread_io_wait_seconds()
+        assert mine > 0 and mine == s.io_wait_seconds
+        s.update(torch.arange(N), torch.randn(N, DIM))
+        mine = s.thread_io_wait_seconds()
+        other = {}
+
+        def flush() -> None:
+            s.flush()
+            other["ident"] = threading.get_ident()
+            other["seconds"] = s.thread_io_wait_seconds()
+
+        t = threading.Thread(target=flush)
+        t.start()
+        t.join()
+        assert other["seconds"] > 0
+        assert s.thread_io_wait_seconds() == mine  # this thread made no call meanwhile
+        assert s.thread_io_wait_seconds(other["ident"]) == other["seconds"]
+        assert s.io_wait_seconds == pytest.approx(mine + other["seconds"])
+        # the profiler reads the calling thread's figure from whatever has one
+        assert StoreReadings({"s": s}).io_wait_seconds() == mine
