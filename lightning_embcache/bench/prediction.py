@@ -391,6 +391,9 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
             errs = [abs(x[name]["error_pct"]) for x in mine if x[name]]
             print(f"  {name:<11} {statistics.median(errs):5.1f}%  {sum(v <= 2 for v in errs):3d}  "
                   f"{sum(v <= 5 for v in errs):3d}  of {len(errs)}")
+        est = [x["estimate"] for x in mine if x["estimate"]]
+        inside = sum(abs(p["predicted_s"] - p["actual_s"]) <= 2 * p["std_s"] for p in est)
+        print(f"  the actual time within 2 standard deviations of the estimate: {inside} of {len(est)}")
     return out
 
 

@@ -40,7 +40,9 @@ What makes early steps unrepresentative, and how each is handled:
 The uncertainty (one standard deviation) comes from the spread of the step times: the standard
 error of the rate by the method of batch means (blocks of consecutive steps, so that steps that
 are slow together count as one observation), times the batches to go, combined with the
-step-to-step spread over those batches, and half the size of any trend correction.
+step-to-step spread over those batches, and half the size of any trend correction; and the
+variation of the host's speed between blocks of steps, as earlier epochs showed it and at least
+as this epoch's steps so far show it (:func:`level_variation_so_far`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ SHIFT_MIN_AFTER = 3  # blocks a new level must have lasted to set the rate
 
 
 LEVEL_BLOCKS = 20  # blocks of an epoch whose mean step times give its level variation
+SO_FAR_BLOCKS = 16  # blocks (of at least 4 steps) of the running epoch's steps so far, likewise
 
 # A checkpoint save not measured yet: a fixed cost (Lightning's checkpoint dict, opening the file)
 # plus the bytes of the model's and optimizers' tensors at the rate torch.save wrote them on the
@@ -87,6 +90,23 @@ def eviction_estimate_s(bytes_per_batch: float) -> tuple[float, float]:
     and the uncertainty of that estimate (one standard deviation)."""
     b = max(0.0, bytes_per_batch)
     return b / EVICTION_BYTES_PER_S, 0.5 * b / EVICTION_SLOW_BYTES_PER_S
+
+
+def level_variation_so_far(wall: "array | list[float]") -> float:
+    """:func:`level_variation` of the running epoch's steps so far, over up to 16 blocks of at
+    least 4 steps (0 for fewer than 4 blocks): how much the host's speed has varied already. Its
+    blocks are shorter than a twentieth of the epoch, so it understates what the rest of the
+    epoch may bring; it keeps a first epoch's +/- from claiming a steadiness its steps did not
+    show."""
+    n = len(wall) - 1
+    size = max(4, n // SO_FAR_BLOCKS)
+    m = n // size
+    if m < 4:
+        return 0.0
+    w = np.asarray(wall, dtype=np.float64)[1:1 + m * size]  # a view of an array('d')
+    med = np.median(w.reshape(m, size), axis=1)
+    mean = float(med.mean())
+    return float(med.std(ddof=1)) / mean if mean > 0 else 0.0
 
 
 def level_variation(wall: "array | list[float]") -> float:
@@ -291,7 +311,8 @@ class Forecast:
         a save's estimated time (:func:`save_estimate_s`), used while none has been measured.
         ``level_cv``: how much the step time of earlier epochs varied between blocks of a
         twentieth of an epoch (:func:`level_variation`), which widens the uncertainty of the
-        batches to go. ``store_fill``: (batch of this epoch at which the stores' hot tiers fill,
+        batches to go; at least what this epoch's steps so far show
+        (:func:`level_variation_so_far`). ``store_fill``: (batch of this epoch at which the stores' hot tiers fill,
         extra seconds of each batch after it, its uncertainty): the batches after the fill are
         charged that extra, less the share of it the rate's window already holds (its batches
         after the fill)."""
@@ -323,9 +344,10 @@ class Forecast:
             fills_in_epoch = at < total_batches
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s + fill_s)
-        # the host's speed may change within the epoch as it did in earlier ones: the window the
-        # rate was taken over and the batches to go each stand for a number of blocks whose
-        # levels (treated as independent) differ by level_cv
+        # the host's speed may change within the epoch as it did in earlier ones, and at least
+        # as it has so far in this one: the window the rate was taken over and the batches to go
+        # each stand for a number of blocks whose levels (treated as independent) differ by it
+        level_cv = max(level_cv, level_variation_so_far(self.wall))
         window_blocks = LEVEL_BLOCKS * r["steps"] / max(1, total_batches)
         blocks_left = LEVEL_BLOCKS * left / max(1, total_batches)
         level_s = left * r["mean"] * level_cv * math.sqrt(1.0 / max(1.0, window_blocks) + 1.0 / max(1.0, blocks_left))

@@ -587,3 +587,25 @@ def test_level_changes_seen_in_an_earlier_epoch_widen_the_uncertainty():
     miss = abs(second["predicted_epoch_seconds"] - wall.epochs[1])
     assert second["predicted_epoch_std_seconds"] > 0.5 * miss
     assert miss <= 2 * second["predicted_epoch_std_seconds"]
+
+
+def test_a_first_epoch_whose_steps_so_far_changed_speed_says_so_in_its_uncertainty():
+    from lightning_embcache.profiling.forecast import level_variation_so_far
+
+    clock = FakeClock()
+    sp = StepProfiler(report=False, predict_at=0.1)
+    # 100 fast batches, then 100 slow ones, and so on: the first 200 batches see one switch
+    _, wall, _ = _fit(sp, batches=2000, epochs=1, clock=clock, model=Alternating(Cost(clock), 100, 5 * MS))
+    e = sp.summary()[0]
+    actual = wall.epochs[0]
+    assert _close(actual, 2000 * STEP + 1000 * 5 * MS)
+    assert e["predicted_at_batch"] == 200
+    # the rate is the new (slow) level's, its 100 batches all alike; the epoch averages both levels
+    miss = e["predicted_epoch_seconds"] - actual
+    assert _close(miss, 1800 * 2.5 * MS, rel=1e-6)
+    # the steps so far switched between 19 and 24 ms (block medians: ~12% variation), which the
+    # +/- carries to the batches to go: the actual time lies within it (the window's batches
+    # alone, all alike, gave a +/- of nothing)
+    cv = level_variation_so_far([0.0] + [STEP + (5 * MS if (i // 100) % 2 else 0.0) for i in range(199)])
+    assert 0.10 < cv < 0.14
+    assert miss <= 2 * e["predicted_epoch_std_seconds"] <= 4 * miss
