@@ -136,3 +136,23 @@ def test_io_wait_is_counted_per_thread(shm_path):
         assert s.io_wait_seconds == pytest.approx(mine + other["seconds"])
         # the profiler reads the calling thread's figure from whatever has one
         assert StoreReadings({"s": s}).io_wait_seconds() == mine
+
+
+def test_warm_tier_serves_chunks_read_only_and_unchanged():
+    """A warm hit is served without copying the chunk (a read-only view of what the tier
+    holds): nothing a caller does with it can change the tier's copy, and repeated hits give
+    the same rows, raw or LZ4-compressed."""
+    from lightning_embcache.store.warm import WarmTier
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (64, 32), dtype=np.uint8)  # incompressible: kept raw
+    packed = np.zeros((64, 32), np.uint8)  # compresses: kept LZ4
+    tier = WarmTier(1 << 20)
+    tier.put(0, raw)
+    tier.put(1, packed)
+    for chunk, expect in ((0, raw), (1, packed)):
+        got = tier.get(chunk)
+        assert np.array_equal(got.reshape(64, 32), expect)
+        with pytest.raises(ValueError):
+            got[0] = 1
+        assert np.array_equal(tier.get(chunk).reshape(64, 32), expect)
