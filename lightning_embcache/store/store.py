@@ -519,6 +519,34 @@ class EmbeddingStore(TieredRows, Versioning):
         self._stats.updates += 1
         self._waited(t0)
 
+    # Trusted record copies for the device tier's own rows (ids it validated, unique; weights it
+    # checked on the GPU). Each is one copy that releases the GIL once: a background thread beside
+    # a busy training thread waits for the GIL after every release. False: not in memory mode's
+    # steady state; nothing was done, use read_records/write_records.
+    def _read_records_trusted(self, idx: torch.Tensor, out: torch.Tensor) -> bool:
+        t0 = time.perf_counter()
+        self._check_usable()
+        with self._lock:
+            if self._closed or not self._hot.all_loaded:
+                return False
+            torch.index_select(self._hot.pool, 0, idx, out=out)  # bounds-checked, intra-op threads
+        self._stats.gets += 1
+        self._waited(t0)
+        return True
+
+    def _write_records_trusted(self, idx: torch.Tensor, records: torch.Tensor) -> bool:
+        t0 = time.perf_counter()
+        self._check_usable(write=True)
+        with self._lock:
+            if self._closed or not (self._hot.all_loaded and self._cow is None):
+                return False
+            i = idx.numpy()
+            self._hot.pool_np[i] = records.numpy()
+            self._hot.dirty[i] = 1
+        self._stats.updates += 1
+        self._waited(t0)
+        return True
+
     def prefetch(self, ids: Any) -> None:
         """Hint: bring these rows into the hot tier in the background; returns at once."""
         self._check_usable()
