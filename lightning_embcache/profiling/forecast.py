@@ -34,8 +34,8 @@ What makes early steps unrepresentative, and how each is handled:
   ``stats()`` the batch at which their hot tiers will be full, and the bytes each batch brings in.
   After that batch every row brought in evicts one; before it no batch has paid for that, so the
   batches after it are charged an estimate (:func:`eviction_estimate_s`), less the share the
-  rate's window already holds, with a wide uncertainty (the cost has differed 20-fold between
-  store versions and hosts).
+  rate's window already holds, with a wide uncertainty (the cost has differed several-fold
+  between runs, store versions and hosts).
 
 The uncertainty (one standard deviation) comes from the spread of the step times: the standard
 error of the rate by the method of batch means (blocks of consecutive steps, so that steps that
@@ -73,10 +73,10 @@ SAVE_BYTES_PER_S = 400e6
 # A batch after an embedding store's hot tier is full: every row it brings in evicts one, and the
 # evicted rows go to the warm tier, its spill files and their compaction; nothing has measured that
 # before the tier is full. Extra step time per byte a batch brings in: the estimate is the current
-# store's in `embcache demo` on the 2-vCPU development host (batches after the fill -0.9 .. +1.1 ms
-# slower than before it, 272 kB each, six runs: within the host's noise); its uncertainty is half
-# the cost of earlier store versions on the H100 benchmark host (+3.6 .. +10.5 ms: 27-76 MB/s)
-EVICTION_BYTES_PER_S = 1e9
+# store's in `embcache demo` on the 2-vCPU development host (batches of 272 kB after the fill
+# -0.9 .. +5.0 ms slower than before it, mean +0.96 ms over 14 runs); its uncertainty is half the
+# cost of earlier store versions on the H100 benchmark host (+3.6 .. +10.5 ms: 27-76 MB/s)
+EVICTION_BYTES_PER_S = 280e6
 EVICTION_SLOW_BYTES_PER_S = 45e6
 
 

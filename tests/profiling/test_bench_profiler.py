@@ -117,8 +117,10 @@ def test_level_diagnostics_tell_the_fit_from_the_host(tmp_path, capsys):
     assert [r["run"] for r in runs] == ["plain", "fit-canary"]
     for r in runs:
         assert r["steps"] >= 280 and len(r["wall_block_medians_ms"]) == profiler_levels.BLOCKS
-        # a step's CPU time never exceeds its wall time (one thread)
-        assert all(c <= w * 1.01 + 1e-3 for c, w in zip(r["cpu_block_medians_ms"], r["wall_block_medians_ms"]))
+        # a step's CPU time does not exceed its wall time (one thread), up to the VM's two clocks
+        # drifting apart under load (block medians of the thread clock seen 4% above the wall's at
+        # load 3 on the 2-vCPU host)
+        assert all(c <= w * 1.10 + 1e-2 for c, w in zip(r["cpu_block_medians_ms"], r["wall_block_medians_ms"]))
         assert r["gc_seconds"] >= 0 and r["migrations"] >= 0
     assert len(runs[1]["canary_ms"]) >= 4 and all(c > 0 for c in runs[1]["canary_ms"])
     assert "canary: bare step" in capsys.readouterr().out
