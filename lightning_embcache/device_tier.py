@@ -18,6 +18,7 @@ No Lightning imports; `TrainableRows` and the Lightning handle drive it.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,10 @@ def store_spans(n: int) -> list[tuple[int, int]]:
         return []
     step = -(-n // -(-n // STORE_CALL_ROWS))
     return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def _declined(*_: Any) -> bool:
+    return False
 
 
 def _entry(method: Any) -> Any:
@@ -137,6 +142,10 @@ class DeviceTier:
         self.loaded_rows = 0
         self.evicted_rows = 0
         self.written_down_rows = 0
+        #: the tier's own store calls go through the store's trusted record copies (one GIL release
+        #: each; NaN/Inf checked by one sum); False: the checked public calls in `store_spans`
+        #: (the distributed benchmark's ``store=checked``)
+        self.trusted_store_calls = True
         # I/O accounting for the profiler's store_io: wall time the calling (training) thread spent
         # in the tier's entry points, and the time of every store call the tier made (any thread),
         # which the store also counts in its own io_wait_seconds
@@ -373,9 +382,10 @@ class DeviceTier:
             # A row still on its way down is newer than the store's copy: take it from the device
             # copy its write-down was made from (stream order makes that copy current), never wait.
             seqs = self._down_seq[ids] if self._down else None
-            if seqs is not None and seqs.any():
+            on_way = np.flatnonzero(seqs) if seqs is not None else ()
+            if len(on_way):  # one pass over the batch; then per row set over these few rows only
                 for item in self._down:
-                    mine = np.flatnonzero(seqs == item.seq)
+                    mine = on_way[seqs[on_way] == item.seq]
                     if len(mine):
                         pos = np.searchsorted(item.ids, ids[mine])
                         self.pool.index_copy_(0, self.to_device(slots[mine]),
@@ -398,9 +408,15 @@ class DeviceTier:
         self._up_slot, buf = self._up.take(len(ids) * rb)
         out = buf[: len(ids) * rb].view(len(ids), rb)
         tid = torch.from_numpy(ids)
+        if self.trusted_store_calls and self._timed_store(self._trusted("read"), tid, out):
+            return out
         for a, b in store_spans(len(ids)):
             self._timed_store(self.store.read_records, tid[a:b], out=out[a:b])
         return out
+
+    def _trusted(self, op: str) -> Any:
+        """The store's trusted record copy ``op`` (read/write), or one that declines (another store)."""
+        return getattr(self.store, f"_{op}_records_trusted", _declined)
 
     def _load_all(self) -> None:
         n = self.store.num_rows
@@ -449,8 +465,10 @@ class DeviceTier:
         try:
             item.event.synchronize()
             ids = torch.from_numpy(item.ids)
-            for a, b in store_spans(len(ids)):
-                self._timed_store(self.store.write_records, ids[a:b], item.host[a:b])
+            if not (self.trusted_store_calls and self._finite(item.host)
+                    and self._timed_store(self._trusted("write"), ids, item.host)):
+                for a, b in store_spans(len(ids)):
+                    self._timed_store(self.store.write_records, ids[a:b], item.host[a:b])
         except BaseException as exc:  # kept in `_down` (nothing lost) and raised by the next wait
             with self._down_cv:
                 self._writer_error = exc
@@ -463,6 +481,15 @@ class DeviceTier:
                 self._down_seq[mine] = 0  # the store has their newest value now
             self.written_down_rows += len(item.ids)
             self._down_cv.notify_all()
+
+    def _finite(self, records: Tensor) -> bool:
+        """Whether the store's NaN/Inf check (``check_finite``) would pass ``records``' weights, in
+        one pass that releases the GIL once: their sum is finite. A row set that fails (NaN/Inf,
+        or finite weights whose sum overflows) goes through the checked `write_records`, which
+        raises the store's own error for NaN/Inf (the rows stay in `_down`: nothing is lost)."""
+        if not getattr(self.store, "_check_finite", True) or not len(records):
+            return True
+        return math.isfinite(self.store.record_view(records, "weight").sum(dtype=torch.float32).item())
 
     def _raise_writer_error(self) -> None:
         if self._writer_error is not None:

@@ -26,10 +26,13 @@ thread's phases. ``--switch-interval S`` sets Python's thread switch interval in
 world size (one setup, one filled tier), ``--repeat`` times, interleaved, so that settings are
 compared on the same machine state: ``default``, ``si=SECONDS`` (switch interval),
 ``uploads=lookup`` (no upload thread: the lookup brings the misses up; one process: no tier
-prefetch), ``finite=off`` (the store's NaN/Inf check of written-back rows off: what a trusted
-write-back path would save), joined with ``+``. Each result's ``speedup_vs_first`` compares it
-with the median of the same variant at the first world size; runs of a few hundred ms vary by
-10-20% (and now and then 2x), so compare medians over repeats.
+prefetch), ``finite=off`` (the store's NaN/Inf check of written-back rows off),
+``store=checked`` (the tier's store calls as checked public calls in slices) and
+``prepare=lookup`` (the batch positions computed in the lookup), joined with ``+``:
+``store=checked+prepare=lookup`` is the owner path before its trusted store calls. Each
+result's ``speedup_vs_first`` compares it with the median of the same variant at the first world
+size; runs of a few hundred ms vary by 10-20% (and now and then 2x), so compare medians over
+repeats.
 
 Every process uses ``--threads`` torch threads (default: 4, or fewer when cores / largest world
 size is smaller), the same at every world size: on 4 x H100 with 64 cores, 16 threads per process
@@ -138,6 +141,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
             tier._evict, tier._upload = timed("miss_evict", tier._evict), timed("miss_upload", tier._upload)
             local.read_records = timed("store_read", local.read_records)
             local.write_records = timed("store_write", local.write_records)
+            local._read_records_trusted = timed("store_read", local._read_records_trusted)
+            local._write_records_trusted = timed("store_write", local._write_records_trusted)
     lookup, apply = timed("lookup", rows.lookup), timed("apply", rows.apply)
     ahead = getattr(store, "ahead", None)
     if ahead is not None:  # the background threads' stages (they overlap the training thread's)
@@ -148,6 +153,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     gen = torch.Generator().manual_seed(1000 + rank)
     switch0 = sys.getswitchinterval()
     check0 = getattr(local, "_check_finite", True)
+    prepare0 = getattr(ahead, "prepare", None)
     results = []
     for name in cfg["variants"]:
         v = parse_variant(name)
@@ -157,6 +163,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
         if ahead is not None:
             ahead.serve_ahead = uploads == "background"
         local._check_finite = check0 if v.get("finite", "on") == "on" else False
+        if tier is not None:
+            tier.trusted_store_calls = v.get("store", "trusted") == "trusted"
+        if ahead is not None:
+            ahead.prepare = prepare0 if v.get("prepare", "ahead") == "ahead" else None
         prefetch = None
         if cfg["prefetch"] and not (world == 1 and uploads == "lookup"):
             # rows on GPUs: `ShardedDeviceRows.prefetch`; host rows: announced to the store; one
@@ -184,8 +194,10 @@ def parse_variant(name: str) -> dict[str, Any]:
     """``--variants`` names: ``default`` or ``+``-joined settings: ``si=SECONDS`` (thread switch
     interval), ``uploads=background|lookup`` (the owners' uploads of announced lookups in a thread
     of their own, or at the lookup; one process: tier prefetch or none), ``finite=on|off`` (the
-    store's NaN/Inf check of rows written back from the GPU: off measures what a trusted
-    write-back path would save)."""
+    store's NaN/Inf check of rows written back from the GPU), ``store=trusted|checked`` (the
+    device tier's store reads and write-backs as one trusted copy per row set, or as the checked
+    public calls in slices, as before), ``prepare=ahead|lookup`` (a lookup's batch positions
+    computed by the exchange thread, or by the lookup in the training thread, as before)."""
     out: dict[str, Any] = {}
     if name == "default":
         return out
@@ -197,6 +209,10 @@ def parse_variant(name: str) -> dict[str, Any]:
             out["uploads"] = val
         elif key == "finite" and val in ("on", "off"):
             out["finite"] = val
+        elif key == "store" and val in ("trusted", "checked"):
+            out["store"] = val
+        elif key == "prepare" and val in ("ahead", "lookup"):
+            out["prepare"] = val
         else:
             raise SystemExit(f"--variants: unknown setting {part!r} in {name!r}; see parse_variant")
     return out

@@ -5,8 +5,9 @@ records of its missing rows into a pinned buffer (`EmbeddingStore.read_records`)
 evicted dirty ones back (`write_records`), in two background threads, while the training and id
 exchange threads run Python. This runs the same store calls at the same sizes in one background
 thread, alone and beside ``--busy`` threads that run Python (they hold the GIL as those threads
-do), and compares how the tier splits them (`device_tier.store_spans`) with one call per row set
-(reads) and 1,024-row slices (writes)::
+do), and compares the tier's trusted copies (one call per row set that releases the GIL once, the
+write-back's NaN/Inf sum included) with the checked calls split as the tier split them before
+(`device_tier.store_spans`), one checked call per row set, and 1,024-row slices::
 
     python -m lightning_embcache.bench.owner_host --rows 2500000 --dim 64 --miss-rows 4100 --busy 0 1 2
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -65,6 +67,13 @@ def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads
                 store.write_records(sets[i][a:b], recs[i][a:b])
         return f
 
+    def trusted_reads(i: int) -> None:  # the device tier's call: one copy, no id pass
+        store._read_records_trusted(sets[i], buf)
+
+    def trusted_writes(i: int) -> None:  # the write-back's: the NaN/Inf sum, then one copy
+        math.isfinite(store.record_view(recs[i], "weight").sum(dtype=torch.float32).item())
+        store._write_records_trusted(sets[i], recs[i])
+
     stop = threading.Event()
 
     def python_work() -> None:
@@ -91,9 +100,10 @@ def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads
         for w in workers:
             w.start()
         try:
-            for op, make in (("read_records", reads), ("write_records", writes)):
-                for layout, spans in _layouts(miss_rows).items():
-                    fn = make(spans)
+            for op, make, trusted in (("read_records", reads, trusted_reads), ("write_records", writes, trusted_writes)):
+                for layout, spans in [*_layouts(miss_rows).items(), ("trusted (one copy)", None)]:
+                    fn = trusted if spans is None else make(spans)
+                    spans = spans or [(0, miss_rows)]
                     times: list[tuple[float, float]] = []
 
                     def body() -> None:

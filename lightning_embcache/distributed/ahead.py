@@ -75,6 +75,8 @@ class RunAhead:
         self.serve: Callable[[Any, np.ndarray | None], None] | None = None
         #: ``protect() -> slots``: rows whose gradients are still to come (set with `serve`)
         self.protect: Callable[[], np.ndarray | None] = lambda: None
+        #: ``prepare(route)``: more of the lookup's host work, done in the exchange thread (set with `serve`)
+        self.prepare: Callable[[Any], None] | None = None
         self._pending: collections.deque[Entry] = collections.deque()
         self._taking: list[Entry] = []  # taken or dropped by the lookup in progress: opened at `release`
         self._pools: list[ThreadPoolExecutor] = []
@@ -92,13 +94,19 @@ class RunAhead:
             self._drop(self._pending.popleft())
         prev = self._pending[-1] if self._pending else None
         e = Entry(ids, explicit)
-        e.routed = self._pools[0].submit(self.exchange, ids, error)
+        e.routed = self._pools[0].submit(self._exchange_job, ids, error)
         if self.serve_ahead:
             if prev is None:  # nothing ahead of it: the rows of this step stay
                 e.protect = self.protect()
             e.ready = self._pools[1].submit(self._serve_job, e, prev)
         self._pending.append(e)
         self.announced += 1
+
+    def _exchange_job(self, ids: Tensor, error: str | None) -> Any:
+        route = self.exchange(ids, error)
+        if self.prepare is not None:
+            self.prepare(route)
+        return route
 
     def _serve_job(self, e: Entry, prev: Entry | None) -> Any:
         protect = e.protect

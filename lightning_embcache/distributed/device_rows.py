@@ -116,6 +116,7 @@ class ShardedDeviceRows:
         store.before_exchange = self.write_down
         store.device_rows = self
         store.ahead.serve, store.ahead.protect = self._serve, self.held_slots
+        store.ahead.prepare = _prepare  # host work of the lookup and upload, two batches ahead
         self._switch = _SwitchInterval(switch_interval)
 
     device_tier = None  # the handle's own (single-process) tier is not involved
@@ -129,7 +130,7 @@ class ShardedDeviceRows:
             route = ahead.take(torch.as_tensor(ids).detach().cpu())  # exchanged ahead, rows served
             if route is None:
                 route = self._route(ids)
-            pos = _positions(route)
+            pos = route.positions if route.positions is not None else _positions(route)
             tier, dim = self.tier, self.store.dim
             with self.store._clock:
                 served = route.served.numpy()
@@ -168,12 +169,14 @@ class ShardedDeviceRows:
 
     def _serve(self, route: Any, protect: np.ndarray | None) -> None:
         """`RunAhead`'s serve stage: bring up the rows this rank serves for an announced lookup."""
-        served = route.served.numpy()
-        if not len(served):
+        uniq = route.served_unique
+        if uniq is None:
+            uniq = np.unique(route.served.numpy())
+        if not len(uniq):
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             try:
-                self.tier.slots(np.unique(served), protect)
+                self.tier.slots(uniq, protect)
             except StoreError:
                 # This step's rows and the next batch's do not fit the tier at once: the rows
                 # come up at the lookup instead (an error here would stop this rank alone and
@@ -282,7 +285,7 @@ class ShardedDeviceRows:
         """Free the GPU memory (after a flush: rows not written down are dropped)."""
         ahead = self.store.ahead
         ahead.close()  # its uploads are this tier's
-        ahead.serve, ahead.protect = None, lambda: None
+        ahead.serve, ahead.protect, ahead.prepare = None, lambda: None, None
         self.tier.close()
         self._switch.restore()
 
@@ -303,6 +306,13 @@ class _SwitchInterval:
         if self.set is not None and sys.getswitchinterval() == self.set:
             sys.setswitchinterval(self.before)
         self.set = None
+
+
+def _prepare(route: Any) -> None:
+    """`RunAhead`'s prepare stage, in the exchange thread: the lookup's `_positions` and the
+    distinct ids the upload brings up (its sort would otherwise hold up the upload thread)."""
+    route.positions = _positions(route)
+    route.served_unique = np.unique(route.served.numpy())
 
 
 def _positions(route: Any) -> np.ndarray:

@@ -124,6 +124,11 @@ class Route:
         self._out_serve = sum(self.recv_splits) - self.recv_splits[rank]
         self.bytes_sent = (world_size - 1) * 16
         self.served: Tensor | None = None
+        #: per batch position, the row of the rows' exchange output holding its id, and the
+        #: distinct ids of `served` (computed ahead by the exchange thread for lookups of rows on
+        #: GPUs, off the upload and training threads; None: computed where needed)
+        self.positions: Any = None
+        self.served_unique: Any = None
         self._send_ids = send_ids
         if not deliver:
             recv = torch.empty(sum(self.recv_splits), dtype=torch.int64)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# On the device machine (nvidia-h100-x4): the GPU cells of the strategy matrix, then the scaling
-# benchmark. Usage: bash tests/distributed/gpu_run.sh {matrix|scaling|all}
+# On the device machine (nvidia-h100-x4): the GPU cells of the strategy matrix, the scaling
+# benchmark, the GPU tests of tests/distributed. Usage: bash tests/distributed/gpu_run.sh {matrix|scaling|tests|all}
 # (carry .whl, or set WHL to the folder holding the lz4 wheel, e.g. WHL=.gpu/.whl)
-# Writes under $OUT: matrix-gpu.json, scaling.json, owner-host.json, run.log (at most 8 files come back).
-# scaling: 1, 2 and 4 processes (WORLDS) with the default and a 0.5 ms switch interval, 5 interleaved
-# repeats each (the medians go into docs/benchmarks.md), then the owner's store calls on this host's
-# CPU alone, beside a Python thread and beside a writing thread (bench owner_host).
+# Writes under $OUT: matrix-gpu.json, scaling.json, owner-host.json, gpu-tests.log, run.log (at most 8 files come back).
+# scaling: 1, 2 and 4 processes (WORLDS) with the current owner path (default) and the one before its
+# trusted store calls (store=checked+prepare=lookup) as VARIANTS, REPEAT interleaved repeats each
+# (the medians go into docs/benchmarks.md), then the owner's store calls on this host's CPU alone,
+# beside a Python thread and beside a writing thread (bench owner_host).
+# tests: every @pytest.mark.gpu test of tests/distributed (the 4-GPU cells skip on fewer GPUs).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ${WHL:-.whl}/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,8 +36,13 @@ fi
 if [[ $what == scaling || $what == all ]]; then
   timeout ${SCALING_S:-240} python3 -m lightning_embcache.bench.distributed --world-sizes ${WORLDS:-1 2 4} --rows ${ROWS:-10000000} \
     --dim 64 --batch ${BATCH:-8192} --steps ${STEPS:-100} --warmup 10 --device-fraction 0.5 --threads 4 \
-    --variants default si=0.0005 --repeat ${REPEAT:-5} --out $OUT/scaling.json >> $LOG 2>&1
+    --variants ${VARIANTS:-default store=checked+prepare=lookup} --repeat ${REPEAT:-5} --out $OUT/scaling.json >> $LOG 2>&1
   timeout ${OWNER_S:-120} python3 -m lightning_embcache.bench.owner_host --rows 2500000 --busy 0 1 --busy-writes 1 \
     --reps 20 --json $OUT/owner-host.json >> $LOG 2>&1
+fi
+if [[ $what == tests || $what == all ]]; then
+  timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/distributed > $OUT/gpu-tests.log 2>&1
+  echo "tests_rc=$?" >> $OUT/gpu-tests.log
+  tail -25 $OUT/gpu-tests.log >> $LOG
 fi
 grep -h "^single\|^ddp\|^fsdp\|^world\|Error\|error" $LOG | cut -c1-400 | tail -60

@@ -29,3 +29,6 @@ def test_an_unknown_variant_setting_is_refused_before_any_process_starts():
         bench.main(["--world-sizes", "1", "--variants", "uploads=thread"])
     assert bench.parse_variant("si=0.0005+uploads=lookup+finite=off") == {"si": 0.0005, "uploads": "lookup",
                                                                            "finite": "off"}
+    assert bench.parse_variant("store=checked+prepare=lookup") == {"store": "checked", "prepare": "lookup"}
+    with pytest.raises(SystemExit, match="unknown setting 'store=fast'"):
+        bench.parse_variant("store=fast")

@@ -188,3 +188,25 @@ def test_the_switch_interval_is_set_while_open_and_restored_unless_changed_meanw
         assert sys.getswitchinterval() == pytest.approx(0.003)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_prepare_runs_in_the_exchange_thread_before_the_serve_and_the_lookup_see_the_route():
+    rec = Recorder()
+    a = _ahead(rec)
+    training = threading.get_ident()
+    prepared: list[tuple[int, bool]] = []
+
+    def prepare(route):
+        with rec.lock:
+            rec.events.append(("prepare", route))
+        prepared.append((route, threading.get_ident() != training))
+
+    a.prepare = prepare
+    a.announce(_ids(1))
+    a.announce(_ids(2))
+    assert _lookup(a, rec, 1) == 1 and _lookup(a, rec, 2) == 2
+    assert prepared == [(1, True), (2, True)]
+    for k in (1, 2):  # each route prepared after its exchange, before its serve
+        order = [e[0] for e in rec.events if e[1] == k]
+        assert order == ["exchange", "prepare", "serve"]
+    a.close()
