@@ -2,7 +2,7 @@
 
     embcache --version
     embcache demo [--root runs/demo] [--samples N] ...   train the demo auto-decoder, print a report
-    embcache bench {store,disk,optim,profiler,sync,tuning,train,distributed,flush} [--out FILE] [...]
+    embcache bench {store,disk,optim,profiler,sync,tuning,train,distributed,flush,shuffle} [--out FILE] [...]
     embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
@@ -31,9 +31,10 @@ BENCHMARKS: dict[str, str] = {
     "train": "lightning_embcache.bench.train",
     "distributed": "lightning_embcache.bench.distributed",
     "flush": "lightning_embcache.bench.flush",
+    "shuffle": "lightning_embcache.bench.shuffle",
 }
 # the module's own name for its output file flag, where it is not --out
-OUTPUT_FLAG = {"store": "--json", "disk": "--json", "optim": "--json", "sync": "--json"}
+OUTPUT_FLAG = {"store": "--json", "disk": "--json", "optim": "--json", "sync": "--json", "shuffle": "--json"}
 BENCHMARK_HELP = {
     "store": "store get/update/flush against in-RAM and on-disk baselines",
     "disk": "disk mode (miss path, lookahead, disk use) against numpy.memmap",
@@ -44,6 +45,7 @@ BENCHMARK_HELP = {
     "train": "end-to-end training throughput",
     "distributed": "auto-decoder with row-sharded trainable rows at 1, 2, 4 processes",
     "flush": "a large flush against a sequential write of the same bytes",
+    "shuffle": "the randomness ChunkShuffleSampler trades, on data stored class by class",
 }
 
 EXIT_DAMAGED = 1
