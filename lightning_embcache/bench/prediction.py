@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
-from lightning_embcache.profiling.forecast import Forecast, save_estimate_s
+from lightning_embcache.profiling.forecast import Forecast, eviction_estimate_s, save_estimate_s
 
 try:
     _getcpu = ctypes.CDLL(None).sched_getcpu
@@ -278,8 +278,6 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
     ``earlier_save_s`` (a save measured in an earlier epoch), else at ``save_guess_s``. ``rate_s``:
     the rate is this instead of the estimator's (an oracle); ``store_fill``: (batch, bytes per
     batch) of a hot tier's fill, as the profiler projected it."""
-    from lightning_embcache.profiling.forecast import eviction_estimate_s
-
     wall, store = trace["wall"], trace["store"]
     n = len(wall)
     k = max(9, math.ceil(fraction * n))
