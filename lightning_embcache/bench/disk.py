@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .results import write_json
+
 MiB = 1 << 20
 
 
@@ -442,7 +444,8 @@ def main(argv=None) -> int:
             archive = subprocess.run(["git", "archive", rev, "lightning_embcache"], capture_output=True, check=True,
                                      cwd=Path(__file__).resolve().parents[2]).stdout
             subprocess.run(["tar", "x", "-C", str(tree)], input=archive, check=True)
-            shutil.copy(Path(__file__), tree / "lightning_embcache" / "bench" / "disk.py")
+            for name in ("disk.py", "results.py"):  # this benchmark's code, whatever that revision had
+                shutil.copy(Path(__file__).with_name(name), tree / "lightning_embcache" / "bench" / name)
             trees[f"store@{rev}"] = tree
             systems.append(f"store@{rev}")
             # that revision writes (and reads) its own format: its own copy of the table
@@ -522,8 +525,7 @@ def main(argv=None) -> int:
                                       "load_avg": os.getloadavg()},
               "summary": summary, "runs": runs, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     return 0
 
 

@@ -17,13 +17,14 @@ Figure: the flush's throughput as a share of the sequential write's, median over
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from .results import write_json
 
 MiB = 1 << 20
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median: flush {res['median_flush_mib_s']:.0f} MiB/s = {res['median_ratio']:.2f}x the sequential "
           f"write's {res['median_sequential_mib_s']:.0f} MiB/s")
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        write_json(args.out, res)
     return 0
 
 

@@ -26,13 +26,13 @@ uniform run's final weights) and the full-data gradient, over the same for unifo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+from .results import write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "embcache bench shuffle " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": vars(args), "summary": summary, "runs": runs, "seconds": time.perf_counter() - t0}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     return 0
 
 

@@ -231,6 +231,15 @@ def test_stores_created_with_per_chunk_init_keep_their_initial_values(shm_path):
         assert torch.equal(s.get(torch.arange(chunk * CHUNK, (chunk + 1) * CHUNK)), expect)
 
 
+def _record_preadv(monkeypatch) -> list:
+    """(bytes, flags) of every os.preadv from here on (the store's whole-chunk reads use it)."""
+    reads: list = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, flags=0: reads.append((sum(len(b) for b in bufs), flags))
+                        or real(fd, bufs, off, flags))
+    return reads
+
+
 def test_a_call_wanting_many_blocks_of_a_chunk_reads_it_whole_and_verified(shm_path, monkeypatch):
     """First reads of at least 1/8 of a chunk's 4 KiB blocks (an epoch in ChunkShuffleSampler
     order) read the chunk in one sequential read, from the disk if need be, and check every
@@ -240,10 +249,7 @@ def test_a_call_wanting_many_blocks_of_a_chunk_reads_it_whole_and_verified(shm_p
     n, dim, chunk = 4096, 128, 256  # 512-byte rows: 32 blocks per chunk
     table = compacted_store(shm_path / "s", n, dim, chunk)
     whole = chunk * dim * 4
-    reads = []
-    real = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, flags=0: reads.append((sum(len(b) for b in bufs), flags))
-                        or real(fd, bufs, off, flags))
+    reads = _record_preadv(monkeypatch)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (dim * 4 + 11)) as s:
         ids = torch.arange(2 * chunk, 3 * chunk, 32)  # 8 rows in 8 different blocks of chunk 2
         assert torch.equal(s.get(ids), table[ids])
@@ -271,10 +277,7 @@ def test_a_call_wanting_many_wide_rows_of_a_chunk_reads_it_whole(shm_path, monke
     n, dim, chunk = 2048, 512, 512  # 2 KiB rows: 256 blocks per chunk
     table = compacted_store(shm_path / "s", n, dim, chunk)
     whole = chunk * dim * 4
-    reads = []
-    real = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, flags=0: reads.append((sum(len(b) for b in bufs), flags))
-                        or real(fd, bufs, off, flags))
+    reads = _record_preadv(monkeypatch)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (dim * 4 + 11)) as s:
         ids = torch.arange(chunk, 2 * chunk, 32)  # 16 rows (1/32) in 16 of the 256 blocks of chunk 1
         assert torch.equal(s.get(ids), table[ids])
