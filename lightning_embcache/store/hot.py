@@ -10,21 +10,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .memory import PageBuffer, zeros
+from .memory import PageBuffer, private_zeros
+from .memory import zeros as plain_zeros
 
 # Per-slot bookkeeping of the cached layout: id (8) + reference bit (1) + dirty (1) + in-flight (1).
 SLOT_OVERHEAD = 11
 
 
 class HotTier:
-    def __init__(self, num_rows: int, row_bytes: int, chunk_rows: int, capacity: int | None) -> None:
+    """``private``: the rows and bookkeeping of a writable store, which forked children do not
+    inherit (`memory.PageBuffer`)."""
+
+    def __init__(self, num_rows: int, row_bytes: int, chunk_rows: int, capacity: int | None, *,
+                 private: bool = False) -> None:
         self.num_rows = num_rows
         self.row_bytes = row_bytes
         self.chunk_rows = chunk_rows
         self.resident = capacity is None
         self.capacity = num_rows if capacity is None else int(capacity)
         self.limit = self.capacity  # usable slots (set_budget can lower it without reallocating)
-        self.buffer = PageBuffer(self.capacity * row_bytes)
+        zeros = private_zeros if private else plain_zeros
+        self._zeros = zeros
+        self.buffer = PageBuffer(self.capacity * row_bytes, private=private)
         self.pool = self.buffer.tensor(self.capacity, row_bytes)  # uint8 (capacity, row_bytes)
         self.pool_np = self.pool.numpy()
         self.dirty = zeros(self.capacity, np.uint8)
@@ -38,11 +45,13 @@ class HotTier:
             self.loaded = zeros(num_chunks, np.bool_)
         else:
             self.slot_of = zeros(num_rows, np.int32)  # slot + 1; 0 = not resident
-            self.id_of = np.full(self.capacity, -1, np.int64)
+            self.id_of = zeros(self.capacity, np.int64)
+            self.id_of[:] = -1
             self.ref = zeros(self.capacity, np.uint8)
             # free slots as a stack (the top at the end), taken and given back as whole arrays;
             # 4 bytes a slot (a list of Python ints was ~36)
-            self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)
+            self._free = zeros(self.capacity, np.int32)
+            self._free[:] = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)
             self._nfree = self.capacity
             self.hand = 0
         self.used = 0
@@ -119,7 +128,7 @@ class HotTier:
         """Rows ``ids`` will be read by a coming batch: count them in the window (an id repeated
         in ``ids`` counts once: every copy assigns the same count)."""
         if self.want is None:
-            self.want = zeros(self.num_rows, np.uint8)  # 1 byte per table row, touched pages only
+            self.want = self._zeros(self.num_rows, np.uint8)  # 1 byte per table row, touched pages only
         w = self.want[ids]
         self.want[ids] = w + (w < 255)
 

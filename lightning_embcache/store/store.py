@@ -265,7 +265,8 @@ class EmbeddingStore(TieredRows, Versioning):
             else:
                 self._cmap = np.zeros(num_chunks, np.int32)
             try:
-                self._hot = HotTier(self._num_rows, self._row_bytes, self._chunk_rows, capacity)
+                self._hot = HotTier(self._num_rows, self._row_bytes, self._chunk_rows, capacity,
+                                    private=not self._readonly)
             except (MemoryError, OverflowError, ValueError, OSError) as exc:
                 need = (capacity if capacity is not None else self._num_rows) * self._row_bytes
                 raise InvalidArgumentError(

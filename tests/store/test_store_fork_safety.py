@@ -103,3 +103,59 @@ def test_dataloader_fork_workers_read_from_readonly_store_beside_writer(store_pa
         assert os.getpid() not in pids and len(pids) >= 1, f"rows were not read in worker processes: {pids}"
         writer.update([0], torch.zeros(1, DIM))
         writer.flush()
+
+
+def _private_dirty_mib(pid: int, lo: int, hi: int) -> float:
+    """MiB of process ``pid``'s private dirty pages in mappings overlapping [lo, hi)."""
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a < hi and b > lo
+            elif inside and line.startswith("Private_Dirty:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+@pytest.mark.parametrize("hot", ["memory mode", "hot tier"])
+def test_a_forked_child_does_not_keep_copies_of_a_writable_stores_rows(shm_path, hot):
+    """A DataLoader worker forked from the training process: the store's rows are not shared
+    with it, so rows the parent rewrites afterwards are neither copied at their first write nor
+    kept twice (before: the child held the old copy of every page written, +the whole table)."""
+    import signal
+    import time
+
+    n, dim = 65536, 256  # 64 MiB of rows
+    hot_bytes = None if hot == "memory mode" else 2 * n * (dim * 4 + 11)
+    with EmbeddingStore.create(shm_path / "big", n, dim, chunk_rows=4096, hot_bytes=hot_bytes) as s:
+        ids = torch.arange(n)
+
+        def write_all(value: float) -> None:  # in batches, as training does: rows go through the hot tier
+            for part in ids.split(4096):
+                s.update(part, torch.full((len(part), dim), value))
+
+        write_all(1.0)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            os.write(w, b"x")
+            time.sleep(60)
+            os._exit(0)
+        os.close(w)
+        pool = s._hot.pool_np  # where the rows live in memory
+        lo = pool.__array_interface__["data"][0]
+        hi = lo + pool.nbytes
+        try:
+            os.read(r, 1)
+            write_all(2.0)  # an epoch of updates
+            held = _private_dirty_mib(pid, lo, hi)
+            assert held < 1, f"the forked child holds {held:.0f} MiB of old row pages"
+            assert torch.equal(s.get(ids[:5]), torch.full((5, dim), 2.0))
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
