@@ -32,6 +32,7 @@ from torch import Tensor
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, StoreError, rowcopy
 from lightning_embcache.store.errors import InvalidArgumentError
+from lightning_embcache.store.memory import private_zeros
 
 #: host bookkeeping per device slot: id (8) + free-list entry (8) + eviction stamp (8) +
 #: reference bit (1) + dirty (1); the budget counts it with the record
@@ -155,14 +156,18 @@ class DeviceTier:
         if self.resident:
             self._load_all()
         else:
-            self.slot_of = np.zeros(n, np.int32)      # slot + 1; 0 = not on the device
-            self.id_of = np.full(capacity, -1, np.int64)
-            self.ref = np.zeros(capacity, np.uint8)
-            self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+            # Host-side maps, written every step: private (not shared with forked DataLoader
+            # workers, where each page written after a fork would be copied and kept twice)
+            self.slot_of = private_zeros(n, np.int32)      # slot + 1; 0 = not on the device
+            self.id_of = private_zeros(capacity, np.int64)
+            self.id_of[:] = -1
+            self.ref = private_zeros(capacity, np.uint8)
+            self._free = private_zeros(capacity, np.int64)
+            self._free[:] = np.arange(capacity - 1, -1, -1, dtype=np.int64)
             self._nfree = capacity
             self._hand = 0
-            self._stamp = np.zeros(capacity, np.int64)  # == _stamp_id: kept by the current call
-            self._down_seq = np.zeros(n, np.int32)  # seq of the newest `_Down` holding the id; 0 = none
+            self._stamp = private_zeros(capacity, np.int64)  # == _stamp_id: kept by the current call
+            self._down_seq = private_zeros(n, np.int32)  # seq of the newest `_Down` holding the id; 0 = none
             self._stamp_id = 0
 
     @contextmanager
