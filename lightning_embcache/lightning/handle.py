@@ -312,6 +312,7 @@ class EmbeddingStoreHandle:
             return None
         tier = self._device_tier
         if tier is not None and tier.store is store and tier.device.index == (device.index or 0):
+            store._check_usable()  # a forked child: the tier's host maps are not mapped there
             return tier
         if tier is not None:
             tier.close()

@@ -598,6 +598,8 @@ class EmbeddingStore(TieredRows, Versioning):
     # ------------------------------------------------------------------ stats, lifecycle
     def stats(self) -> StoreStats:
         """A snapshot of tier sizes, hit/miss counts, dirty rows and I/O totals."""
+        if not self._readonly and os.getpid() != self._pid:
+            self._check_usable()  # a writable store's memory is not mapped in a forked child: refuse
         with self._lock:
             s = StoreStats(**{k: getattr(self._stats, k) for k in StoreStats.counter_fields()})
             s.hot_bytes = self._hot.nbytes() if not self._closed else 0

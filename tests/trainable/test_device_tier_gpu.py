@@ -269,3 +269,37 @@ def test_16_mixed_unscales_the_rows_gradients(tmp_path, device_bytes):
             moved[precision] = s.get(torch.arange(N)) - w0
     assert moved["32-true"].abs().max() > 1e-3
     torch.testing.assert_close(moved["16-mixed"], moved["32-true"], rtol=0.05, atol=2e-3)
+
+
+def test_a_forked_child_gets_a_clear_error_not_a_crash_from_the_device_tier(tmp_path):
+    """The tier's host maps are not mapped in a forked child (a DataLoader worker): a call there
+    names the problem (ForkedWriterError) instead of reading unmapped memory."""
+    import os
+
+    from lightning_embcache import ForkedWriterError
+
+    class M(EmbeddingStoreMixin, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.z = self.add_embedding_store("z", N, DIM, path=str(tmp_path / "z"), optimizer="adam", lr=0.1,
+                                              device_bytes=N // 4 * (DIM * 12 + SLOT_OVERHEAD))
+            self.lin = torch.nn.Linear(DIM, 1)
+
+    m = M().cuda()
+    ids = torch.arange(64, device="cuda")
+    m.z.get(ids)  # the tier exists and holds rows
+    assert m.z._device_tier is not None
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            m.z.get(ids)
+        except ForkedWriterError:
+            code = 0
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"child exit {os.waitstatus_to_exitcode(status)}"
+    torch.testing.assert_close(m.z.get(ids), m.z.get(ids))  # the parent carries on
+    m.z.close()
