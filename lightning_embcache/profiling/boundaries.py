@@ -30,6 +30,15 @@ def loop_actions(trainer: Any, *, fetch: tuple[Hook, Hook], transfer: tuple[Hook
 
 def batch_size(batch: Any) -> int:
     """Lightning's ``extract_batch_size`` (about 10 us) with a fast path for the common layouts."""
+    # exact types first (a check each; shape[0] costs half of size(0)); subclasses below
+    kind = type(batch)
+    if kind is torch.Tensor:
+        shape = batch.shape
+        return shape[0] if shape else 1
+    if (kind is tuple or kind is list) and batch and type(batch[0]) is torch.Tensor:
+        shape = batch[0].shape
+        if shape:
+            return shape[0]
     if isinstance(batch, torch.Tensor):
         return batch.size(0) if batch.ndim else 1
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:

@@ -385,15 +385,16 @@ class StepProfiler(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if not self._timeline.active:
+        tl = self._timeline
+        if not tl.active:
             self._start_epoch(trainer, pl_module)
         if self._batch_ended:
             self._close_step(trainer)
-        self._timeline.switch(FORWARD)
+        tl.switch(FORWARD)
         if self._samples_known:
             try:
-                self._samples = int(self.batch_size_fn(batch) if self.batch_size_fn is not None
-                                    else boundaries.batch_size(batch))
+                fn = self.batch_size_fn
+                self._samples = boundaries.batch_size(batch) if fn is None else int(fn(batch))
             except Exception as err:  # an opaque batch: report no samples/s rather than fail training
                 self._samples_known = False
                 self._samples = 0
@@ -417,18 +418,21 @@ class StepProfiler(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # A step runs from its fetch to the next fetch: what Lightning and other callbacks do after
-        # this batch (logging, checkpoints, progress bar) is this step's "other".
-        self._timeline.switch(OTHER)
+        # this batch (logging, checkpoints, progress bar) is this step's "other". After an
+        # optimizer step the phase is "other" already (its return switched to it): no switch
+        tl = self._timeline
+        if tl.phase != OTHER:
+            tl.switch(OTHER)
         self._batch_ended = True
 
     def _close_step(self, trainer: Optional[Trainer], log: bool = True, next_phase: int = OTHER) -> None:
         self._batch_ended = False
-        host = self._timeline.end_step(self._ledger.open_epoch, self._samples, self._step_in_epoch >= self._warmup_steps,
-                                       next_phase)
+        step = self._step_in_epoch
+        host = self._timeline.end_step(self._ledger.open_epoch, self._samples, step >= self._warmup_steps, next_phase)
         self._predictor.add_step(host, trainer if trainer is not None else self._trainer)
-        self._step_in_epoch += 1
-        self._batches_seen += 1
-        if log and self._batches_seen >= self._next_log:
+        self._step_in_epoch = step + 1
+        seen = self._batches_seen = self._batches_seen + 1
+        if log and seen >= self._next_log:
             self._log_interval(trainer)
 
     # tap callbacks: the trainer's profiler saw one of the actions that bound a phase

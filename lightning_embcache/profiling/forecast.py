@@ -187,6 +187,20 @@ class Forecast:
         self.store.append(store)
         self.elapsed += wall
 
+    def add_steps(self, walls: list[float], stores: list[float]) -> None:
+        """Many steps at once, as :meth:`add_step` takes them one by one."""
+        if not walls:
+            return
+        if self._save_pending:
+            self._save_pending = False
+            self.saves.append(len(self.wall))
+        self.wall.extend(walls)
+        self.store.extend(stores)
+        elapsed = self.elapsed
+        for w in walls:  # summed in step order: the same float as one add_step per step
+            elapsed += w
+        self.elapsed = elapsed
+
     def add_device_step(self, index: int, seconds: float) -> None:
         self.device_index.append(index)
         self.device_wall.append(seconds)

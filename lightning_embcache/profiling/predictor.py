@@ -61,6 +61,7 @@ class EpochPredictor:
         self._hosts: list[list[float]] = []
         self._fed = 0
         self._next_check = 0
+        self._hosts_due = math.inf  # pending steps at which add_step has something to do
 
     # -- feeding ------------------------------------------------------------------------------
 
@@ -81,13 +82,14 @@ class EpochPredictor:
         self._hosts = []
         self._fed = step_in_epoch
         self._next_check = 0
+        self._hosts_due = -step_in_epoch  # the first step checks
 
     def add_step(self, host: list[float], trainer: Any) -> None:
         """A finished step's host phases; makes the kept prediction once the epoch reaches
         ``predict_at``."""
         hosts = self._hosts
         hosts.append(host)
-        if self._fed + len(hosts) >= self._next_check and self.forecast is not None:
+        if len(hosts) >= self._hosts_due:  # _next_check - _fed; inf until an epoch begins
             self._check(trainer)
 
     def _sync(self) -> None:
@@ -95,9 +97,10 @@ class EpochPredictor:
         hosts, fc = self._hosts, self.forecast
         if not hosts or fc is None:
             return
-        for h in hosts:
-            fc.add_step(h[DATA] + h[FORWARD] + h[BACKWARD] + h[OPTIMIZER] + h[STORE] + h[OTHER], h[STORE])
+        fc.add_steps([h[DATA] + h[FORWARD] + h[BACKWARD] + h[OPTIMIZER] + h[STORE] + h[OTHER] for h in hosts],
+                     [h[STORE] for h in hosts])
         self._fed += len(hosts)
+        self._hosts_due = self._next_check - self._fed
         hosts.clear()
 
     def _check(self, trainer: Any) -> None:
@@ -106,6 +109,7 @@ class EpochPredictor:
         # would otherwise pile up over an epoch where nothing reads the forecast
         self._next_check = self._due(trainer)
         self._next_check = min(self._next_check, self.forecast.batches + SYNC_EVERY)
+        self._hosts_due = self._next_check - self._fed
 
     def _due(self, trainer: Any) -> float:
         """Does what is due at this batch count; returns the count at which something is next."""

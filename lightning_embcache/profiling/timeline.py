@@ -81,22 +81,32 @@ class Totals:
         batches, hosts, devices, samples, steadies, forceds = zip(*steps)
         self.batches += sum(batches)
         self.samples += sum(samples)
-        host_cols = [sum(c) for c in zip(*hosts)]
+        host_cols = list(map(sum, zip(*hosts)))
         wall = host_cols[DATA] + host_cols[FORWARD] + host_cols[BACKWARD] + host_cols[OPTIMIZER] + \
             host_cols[STORE] + host_cols[OTHER]
         self.wall_s += wall
         self.val_s += host_cols[VALIDATION]
         self.host_phase_s = [a + b for a, b in zip(self.host_phase_s, host_cols)]
-        timed = [d for d in devices if d is not None]
-        if timed:
-            self.phase_s = [a + sum(c) for a, c in zip(self.phase_s, zip(*timed))]
-            self.device_steps += len(timed)
+        every_batch = all(batches)  # no epoch tail among them: the usual span
+        if devices == hosts:  # the host clock (the same lists: compared by identity first)
+            self.phase_s = [a + b for a, b in zip(self.phase_s, host_cols)]
+            self.device_steps += len(steps)
+            timed = None
+        else:
+            timed = [d for d in devices if d is not None]
+            if timed:
+                self.phase_s = [a + b for a, b in zip(self.phase_s, map(sum, zip(*timed)))]
+                self.device_steps += len(timed)
+        if timed or not all(forceds):  # steps drawn at random (not on the host clock)
             sampled = [d for d, f, b in zip(devices, forceds, batches) if d is not None and not f and b]
             if sampled:
-                self.sampled_s = [a + sum(c) for a, c in zip(self.sampled_s, zip(*sampled))]
+                self.sampled_s = [a + b for a, b in zip(self.sampled_s, map(sum, zip(*sampled)))]
                 self.sampled_steps += len(sampled)
-        self.untimed_steps += sum(1 for d, b in zip(devices, batches) if d is None and b)
-        if all(steadies) and all(batches):  # the usual span: every step steady
+        if every_batch:
+            self.untimed_steps += devices.count(None)
+        else:
+            self.untimed_steps += sum(1 for d, b in zip(devices, batches) if d is None and b)
+        if every_batch and all(steadies):  # every step steady
             self.steady_batches += len(steps)
             self.steady_wall_s += wall
             return
@@ -255,19 +265,23 @@ class StepTimeline:
         """
         now = time.perf_counter()
         dt = now - self._t
-        moved = 0.0
-        if self.store_io is not None:
-            io = self.store_io()
-            moved = io - self._io
-            self._io = io
-            if moved > 0.0:
-                moved = min(moved, dt)
-                self._acc[STORE] += moved
-                dt -= moved
-            else:
-                moved = 0.0
-        self._acc[self.phase] += dt
         self._t = now
+        if self.store_io is None:  # the usual case, kept short: it runs about 9 times a step
+            self._acc[self.phase] += dt
+            self.phase = phase
+            if self._recording and device and phase != self._dev_phase:
+                self._mark(phase)
+            return
+        io = self.store_io()
+        moved = io - self._io
+        self._io = io
+        if moved > 0.0:
+            moved = min(moved, dt)
+            self._acc[STORE] += moved
+            dt -= moved
+        else:
+            moved = 0.0
+        self._acc[self.phase] += dt
         self.phase = phase
         if self._recording:
             self._seg_store_acc += moved
@@ -285,30 +299,48 @@ class StepTimeline:
         """Close the current step (its phases were charged by earlier switches) and enter
         ``next_phase``; returns the closed step's host phases. On CUDA one event marks the
         boundary when this step or the next one is timed on the device, none otherwise."""
-        self.switch(next_phase, device=False)
         host = self._acc
-        if self._cuda:
-            was = self._recording
-            if was:
-                self._mark(next_phase)
-            self._close(epoch, 1, samples, steady)
+        if self.store_io is None:  # switch(next_phase, device=False), inlined: once per step
+            now = time.perf_counter()
+            host[self.phase] += now - self._t
+            self._t = now
+            self.phase = next_phase
+        else:
+            self.switch(next_phase, device=False)
+        # _close inlined too; the epoch's tail goes through _close
+        self._acc = [0.0] * 7
+        self.last_host = host
+        index = self.steps_closed
+        self.steps_closed = index + 1
+        if not self._cuda:
+            self._sink(epoch, 1, host, host, samples, steady, True)
+            return host
+        if not self._recording:
+            self._sink(epoch, 1, host, None, samples, steady, False)
             # is the next step timed? gaps of 1..2k-1 steps (mean k), never periodic
             if self._countdown > 0:
                 self._countdown -= 1
-                self._recording = False
-                self._events = []
             else:
                 k = self._sample_every
                 self._countdown = self._rng.randrange(2 * k - 1) if k > 1 else 0
-                if was:  # the boundary event starts the next step's chain
-                    self._events = [self._events[-1]]
-                    self._seg_phase = []
-                    self._seg_store = []
-                    self._dev_phase = next_phase
-                else:
-                    self._start_recording(next_phase)
+                self._start_recording(next_phase)
+            return host
+        self._mark(next_phase)
+        forced, self._forced = self._forced, False
+        self._pending.append((epoch, 1, host, samples, steady, self._events, self._seg_phase,
+                              self._seg_store, forced, index))
+        if self._countdown > 0:
+            self._countdown -= 1
+            self._recording = False
+            self._events = []
         else:
-            self._close(epoch, 1, samples, steady)
+            k = self._sample_every
+            self._countdown = self._rng.randrange(2 * k - 1) if k > 1 else 0
+            # the boundary event starts the next step's chain
+            self._events = [self._events[-1]]
+            self._seg_phase = []
+            self._seg_store = []
+            self._dev_phase = next_phase
         return host
 
     def end_epoch(self, epoch: int, last_step: Optional[tuple[int, bool]] = None) -> None:
