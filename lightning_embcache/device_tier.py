@@ -56,6 +56,14 @@ def store_spans(n: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
+def finite_weights(store: EmbeddingStore, records: Tensor) -> bool:
+    """Whether the store's NaN/Inf check (``check_finite``) would pass host ``records``' weights,
+    in one pass that releases the GIL once: their sum is finite."""
+    if not getattr(store, "_check_finite", True) or not len(records):
+        return True
+    return math.isfinite(store.record_view(records, "weight").sum(dtype=torch.float32).item())
+
+
 def _declined(*_: Any) -> bool:
     return False
 
@@ -488,13 +496,10 @@ class DeviceTier:
             self._down_cv.notify_all()
 
     def _finite(self, records: Tensor) -> bool:
-        """Whether the store's NaN/Inf check (``check_finite``) would pass ``records``' weights, in
-        one pass that releases the GIL once: their sum is finite. A row set that fails (NaN/Inf,
-        or finite weights whose sum overflows) goes through the checked `write_records`, which
-        raises the store's own error for NaN/Inf (the rows stay in `_down`: nothing is lost)."""
-        if not getattr(self.store, "_check_finite", True) or not len(records):
-            return True
-        return math.isfinite(self.store.record_view(records, "weight").sum(dtype=torch.float32).item())
+        """`finite_weights` of the tier's store. A row set that fails (NaN/Inf, or finite weights
+        whose sum overflows) goes through the checked `write_records`, which raises the store's
+        own error for NaN/Inf (the rows stay in `_down`: nothing is lost)."""
+        return finite_weights(self.store, records)
 
     def _raise_writer_error(self) -> None:
         if self._writer_error is not None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import threading
 import time
 from typing import Any, Callable
@@ -42,6 +41,7 @@ def _layouts(k: int) -> dict[str, list[tuple[int, int]]]:
 def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads: int,
         busy_writes: list[int] | None = None) -> list[dict[str, Any]]:
     from lightning_embcache import EmbeddingStore, make_row_optimizer, trainable_fields
+    from lightning_embcache.device_tier import finite_weights, store_spans
 
     torch.set_num_threads(threads)
     store = EmbeddingStore.create(None, rows, dim, fields=trainable_fields(make_row_optimizer("adam", lr=1e-3), dim,
@@ -71,7 +71,7 @@ def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads
         store._read_records_trusted(sets[i], buf)
 
     def trusted_writes(i: int) -> None:  # the write-back's: the NaN/Inf sum, then one copy
-        math.isfinite(store.record_view(recs[i], "weight").sum(dtype=torch.float32).item())
+        finite_weights(store, recs[i])
         store._write_records_trusted(sets[i], recs[i])
 
     stop = threading.Event()
@@ -81,8 +81,6 @@ def run(rows: int, dim: int, miss_rows: int, busy: list[int], reps: int, threads
             s = 0
             for j in range(200):
                 s += j
-
-    from lightning_embcache.device_tier import store_spans
 
     other = torch.from_numpy(np.sort(rng.choice(rows, miss_rows, replace=False)))
     other_recs = store.read_records(other)

@@ -521,7 +521,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._waited(t0)
 
     # Trusted record copies for the device tier's own rows (ids it validated, unique; weights it
-    # checked on the GPU). Each is one copy that releases the GIL once: a background thread beside
+    # checked with one sum). Each is one copy that releases the GIL once: a background thread beside
     # a busy training thread waits for the GIL after every release. False: not in memory mode's
     # steady state; nothing was done, use read_records/write_records.
     def _read_records_trusted(self, idx: torch.Tensor, out: torch.Tensor) -> bool:
@@ -598,8 +598,7 @@ class EmbeddingStore(TieredRows, Versioning):
     # ------------------------------------------------------------------ stats, lifecycle
     def stats(self) -> StoreStats:
         """A snapshot of tier sizes, hit/miss counts, dirty rows and I/O totals."""
-        if not self._readonly and os.getpid() != self._pid:
-            self._check_usable()  # a writable store's memory is not mapped in a forked child: refuse
+        self._check_owner()  # (a closed store still reports: no _check_usable)
         with self._lock:
             s = StoreStats(**{k: getattr(self._stats, k) for k in StoreStats.counter_fields()})
             s.hot_bytes = self._hot.nbytes() if not self._closed else 0
@@ -694,6 +693,10 @@ class EmbeddingStore(TieredRows, Versioning):
             raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
         if write and self._readonly:
             raise ReadOnlyError("this store was opened with readonly=True; open it with readonly=False to write")
+        self._check_owner()
+
+    def _check_owner(self) -> None:
+        """A writable store's memory is not mapped in a forked child (memory.PageBuffer): refuse there."""
         if not self._readonly and os.getpid() != self._pid:
             raise ForkedWriterError(
                 "a writable EmbeddingStore cannot be used in a forked child process (e.g. a DataLoader "
