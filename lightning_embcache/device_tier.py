@@ -31,6 +31,7 @@ from torch import Tensor
 
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, StoreError, rowcopy
+from lightning_embcache.store import idsets
 from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.store.memory import private_zeros
 
@@ -233,7 +234,7 @@ class DeviceTier:
         self._prefetching = self._prefetcher.submit(self._prefetch_job, ids.copy(), keep)
 
     def _prefetch_job(self, ids: np.ndarray, keep: np.ndarray | None) -> None:
-        ids = np.unique(ids)
+        ids = idsets.unique(ids)
         if len(ids) > self.capacity // 2:
             ids = ids[: self.capacity // 2]
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
@@ -350,7 +351,7 @@ class DeviceTier:
             if swept > 2 * cap:  # two full turns of the hand: fewer evictable rows than needed
                 for v in victims:  # undo the picks, nothing changed
                     self._stamp[v] = 0
-                kept = len(np.unique(keep)) if len(keep) else 0
+                kept = len(idsets.unique(keep)) if len(keep) else 0
                 raise StoreError(
                     f"the device tier holds {cap} rows (device_bytes={self.budget_bytes}) but this step "
                     f"needs {kept + k} at once (the batch plus rows whose gradients are not applied "

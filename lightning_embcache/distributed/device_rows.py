@@ -42,6 +42,7 @@ from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.distributed.exchange import Route
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.store import EmbeddingStore, StoreError
+from lightning_embcache.store import idsets
 from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.trainable import TrainableRows
 
@@ -171,7 +172,7 @@ class ShardedDeviceRows:
         """`RunAhead`'s serve stage: bring up the rows this rank serves for an announced lookup."""
         uniq = route.served_unique
         if uniq is None:
-            uniq = np.unique(route.served.numpy())
+            uniq = idsets.unique(route.served.numpy())
         if not len(uniq):
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
@@ -312,7 +313,7 @@ def _prepare(route: Any) -> None:
     """`RunAhead`'s prepare stage, in the exchange thread: the lookup's `_positions` and the
     distinct ids the upload brings up (its sort would otherwise hold up the upload thread)."""
     route.positions = _positions(route)
-    route.served_unique = np.unique(route.served.numpy())
+    route.served_unique = idsets.unique(route.served.numpy())
 
 
 def _positions(route: Any) -> np.ndarray:

@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from . import uring
+from . import idsets, uring
 from .disk import SPARSE_KIND
 from .errors import CorruptStoreError
 from .fileio import HEADER_SIZE, crc32
@@ -258,7 +258,7 @@ class ChunkRows:
             for c, g in set(zip(chunks[stale].tolist(), gens[stale].tolist())):
                 self._open(c, g)
             if len(self._order) > self.max_files:
-                self._trim(set(np.unique(chunks).tolist()))
+                self._trim(set(idsets.unique(chunks).tolist()))
 
     def _to_file_rows(self, chunks: np.ndarray, local: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows in the files held open, rows of ``local`` a sparse file does not hold): in a
@@ -296,7 +296,7 @@ class ChunkRows:
             ok = ((self._ok_gen[chunks] == gens) & (self._ok[g0] != 0) & (self._ok[g1] != 0)) \
                 | (gens >= self.trusted_from_gen)
             # the checksums of the generations held now (a later `_open` replaces, never mutates)
-            crcs = {c: self._crcs[c] for c in np.unique(chunks[~ok & ~other]).tolist() if c in self._crcs}
+            crcs = {c: self._crcs[c] for c in idsets.unique(chunks[~ok & ~other]).tolist() if c in self._crcs}
         todo = ~other
         if other.any():
             self._read_other(out, np.flatnonzero(other), chunks, asked, gens)
@@ -451,7 +451,7 @@ class ChunkRows:
         self.disk.bytes_read += nread
         g = gens[rows]
         with self._lock:
-            for ch in np.unique(c).tolist():
+            for ch in idsets.unique(c).tolist():
                 gen = int(g[c == ch][0])
                 if self._ok_gen[ch] != gen:  # flags of another generation of this chunk: start over
                     self._ok[ch * self.bpc : (ch + 1) * self.bpc] = 0

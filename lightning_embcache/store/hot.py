@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import idsets
 from .memory import PageBuffer, private_zeros
 from .memory import zeros as plain_zeros
 
@@ -102,7 +103,7 @@ class HotTier:
                 if honour_want:
                     cand &= self.want[np.maximum(ids, 0)] == 0
                 if protect is not None and len(protect):
-                    cand &= ~np.isin(idx, protect)
+                    cand &= ~idsets.isin(idx, protect)
                 picked = idx[cand][:need]
                 # Second chance: clear reference bits of what the hand passed over.
                 stop = w if len(picked) < need else int(np.flatnonzero(cand)[need - 1]) + 1
@@ -114,14 +115,14 @@ class HotTier:
             if need <= 0:
                 break
             if out:  # a second lap must not count slots picked on the first
-                got = np.unique(np.concatenate(out))
+                got = idsets.unique(np.concatenate(out))
                 out, need = [got], n - len(got)
                 if protect is not None and len(protect):
                     protect = np.concatenate([protect, got])
                 else:
                     protect = got
         # A second lap of the hand can meet slots picked on the first: never hand one out twice.
-        return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+        return idsets.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
 
     # ---- lookahead -----------------------------------------------------------------------------
     def expect(self, ids: np.ndarray) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import uring
+from . import idsets, uring
 from .errors import CorruptStoreError
 from .fileio import crc32
 
@@ -100,7 +100,7 @@ class RowIndex:
             parts.append((run[0][a:b], run[1][a:b], run[2][a:b]))
         (mi, ms, mp), (ri, rs, rp) = parts
         if len(ri) and len(mi):
-            old = ~np.isin(mi, ri, assume_unique=True)
+            old = ~idsets.isin(mi, ri, b_sorted_unique=True)
             mi, ms, mp = mi[old], ms[old], mp[old]
         return np.concatenate([mi, ri]), np.concatenate([ms, rs]), np.concatenate([mp, rp])
 
@@ -122,7 +122,7 @@ def _verify_ranges(seg, pos: np.ndarray, out: np.ndarray, rows: np.ndarray) -> n
     ent = seg.idx_start.searchsorted(pos, "right") - 1
     todo = ~verified[ent]
     if todo.any():
-        for e in np.unique(ent[todo]).tolist():
+        for e in idsets.unique(ent[todo]).tolist():
             a, c = int(seg.idx_start[e]), int(seg.idx_count[e])
             data = seg._read(seg.records_offset + a * rb, c * rb)
             if crc32(data) != int(seg.idx_crc[e]):

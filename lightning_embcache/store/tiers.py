@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import uring
+from . import idsets, uring
 from .chunkrows import ChunkRows
 from .errors import InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
 from .hot import SLOT_OVERHEAD
@@ -108,7 +108,7 @@ class TieredRows:
                 recs = self._hot.pool_np.take(part, axis=0)  # contiguous pool: take gathers fastest
                 if self._cow:
                     saved = np.fromiter(self._cow, np.int64, len(self._cow))
-                    for pos in np.flatnonzero(np.isin(part, saved)).tolist():
+                    for pos in np.flatnonzero(idsets.isin(part, saved)).tolist():
                         recs[pos] = self._cow[int(part[pos])]
                 return recs
 
@@ -117,7 +117,7 @@ class TieredRows:
     def _save_cow(self, slots: np.ndarray) -> None:
         """Before overwriting rows a flush is still writing, keep their snapshot records."""
         hit = slots[self._hot.inflight[slots]]
-        for s in np.unique(hit).tolist():
+        for s in idsets.unique(hit).tolist():
             if s not in self._cow:
                 self._cow[s] = self._hot.pool_np[s].copy()
 
@@ -143,7 +143,7 @@ class TieredRows:
             if slots is idx:
                 return slots
             miss = idx[slots < 0]
-            for c in np.unique(miss // self._chunk_rows).tolist():
+            for c in idsets.unique(miss // self._chunk_rows).tolist():
                 self._load_chunk_resident(c)
             hot.all_loaded = bool(hot.loaded.all())
             self._stats.hot_misses += len(miss)
@@ -163,7 +163,7 @@ class TieredRows:
         self._stats.hot_misses += n_asked
         if not n_miss:
             return slots
-        mids = np.unique(idx[missing])
+        mids = idsets.unique(idx[missing])
         if len(mids) > hot.limit or (for_write and len(mids) > hot.limit // 2):
             if for_write:
                 self._write_around(idx, mids, values or {}, load)
@@ -172,9 +172,9 @@ class TieredRows:
             raise TooLarge(slots, mids, self._fetch(mids))
         ahead = self._take_hints(mids) if load and not for_write and self._hinted else None
         if ahead is not None:  # this miss reads the announced rows of coming batches with its own
-            both = np.union1d(mids, ahead)
+            both = idsets.union(mids, ahead)
             records = self._fetch(both)
-            mine = np.isin(both, mids, assume_unique=True)
+            mine = idsets.isin(both, mids, b_sorted_unique=True)
             ahead, ahead_records, records = both[~mine], records[~mine], records[mine]
         else:
             records = self._fetch(mids) if load else np.zeros((len(mids), self._row_bytes), np.uint8)
@@ -205,13 +205,13 @@ class TieredRows:
         hot = self._hot
         hinted = np.concatenate(self._hinted)
         self._hinted = []
-        cand = np.unique(hinted[hot.want[hinted] > 0])
+        cand = idsets.unique(hinted[hot.want[hinted] > 0])
         cand = cand[hot.slot_of[cand] == 0]
         fetching = self._fetching
         if fetching is not None and len(cand):  # rows the prefetch thread is reading now
             pos = np.minimum(fetching.searchsorted(cand), len(fetching) - 1)
             cand = cand[fetching[pos] != cand]
-        cand = np.setdiff1d(cand, mids, assume_unique=True)
+        cand = cand[~idsets.isin(cand, mids, b_sorted_unique=True)]
         cand = cand[: max(0, hot.limit // 4 - len(mids))]
         return cand if len(cand) else None
 
@@ -538,7 +538,7 @@ class TieredRows:
             uc = chunks[bounds[:-1]]
             pick = np.zeros(len(uc), np.bool_)
             if len(warm):
-                pick |= np.isin(uc, warm.chunks())
+                pick |= idsets.isin(uc, warm.chunks())
             if warm.budget:
                 pick |= np.diff(bounds) * 8 > cr  # dense: read whole and keep it warm
             for i in np.flatnonzero(pick).tolist():
@@ -756,7 +756,7 @@ class TieredRows:
             token = self._below_token
             compactions = self._stats.compactions
             if hot.resident:  # memory mode over a store on disk: whole chunks
-                chunks = np.unique(idx // cr)
+                chunks = idsets.unique(idx // cr)
                 chunks = chunks[~hot.loaded[chunks]]
                 if not len(chunks):
                     return True
@@ -764,7 +764,7 @@ class TieredRows:
             else:
                 if upcoming:  # rows a get already read (the hint's batch went by): skip them
                     idx = idx[hot.want[idx] > 0]
-                miss = np.unique(idx[hot.lookup(idx) < 0])
+                miss = idsets.unique(idx[hot.lookup(idx) < 0])
                 if len(miss) > hot.limit // 2:
                     miss = miss[: hot.limit // 2]
                 if not len(miss):
@@ -850,7 +850,7 @@ class TieredRows:
                 victims = hot.victims(want)
                 if len(victims) < want:  # everything was recently used: take any idle slot
                     occ = np.flatnonzero((hot.id_of[: hot.limit] >= 0) & ~hot.inflight[: hot.limit])
-                    victims = np.unique(np.concatenate([victims, occ[: want]]))[:want]
+                    victims = idsets.unique(np.concatenate([victims, occ[: want]]))[:want]
                 self._evict_slots(victims)
                 freed += len(victims) * per
         return freed

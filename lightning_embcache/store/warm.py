@@ -7,6 +7,8 @@ from collections import OrderedDict
 import lz4.block
 import numpy as np
 
+from . import idsets
+
 # A chunk that compresses worse than this is kept raw: decompressing it would cost time for nothing.
 MIN_RATIO = 1.05
 
@@ -72,7 +74,7 @@ class WarmTier:
 
     def discard_many(self, chunks: np.ndarray) -> None:
         if self._items:
-            for c in np.unique(chunks).tolist():
+            for c in idsets.unique(chunks).tolist():
                 self.discard(c)
 
     def shrink(self, limit: int) -> int:

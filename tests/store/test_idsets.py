@@ -1,0 +1,27 @@
+"""The store's sort-based id set operations against numpy's own (any ids, duplicates, empties)."""
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from lightning_embcache.store import idsets
+
+ids = arrays(np.int64, st.integers(0, 200), elements=st.integers(-5, 300))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids, ids)
+def test_matches_numpy(a, b):
+    assert np.array_equal(idsets.unique(a), np.unique(a))
+    assert np.array_equal(idsets.union(a, b), np.union1d(a, b))
+    assert np.array_equal(idsets.isin(a, b), np.isin(a, b))
+    assert np.array_equal(idsets.isin(a, np.unique(b), b_sorted_unique=True), np.isin(a, b))
+    assert np.array_equal(idsets.setdiff(a, b), np.setdiff1d(a, b))
+
+
+def test_shapes_and_dtypes_are_kept():
+    a = np.array([[3, 1], [3, 2]], np.int32)
+    u = idsets.unique(a)
+    assert u.dtype == np.int32 and u.tolist() == [1, 2, 3]
+    assert idsets.isin(a, np.array([3])).tolist() == [[True, False], [True, False]]
+    assert idsets.isin(np.zeros(0, np.int64), np.array([1])).shape == (0,)
