@@ -603,11 +603,11 @@ class TieredRows:
         """Index a segment this handle just wrote (a flush or a write-back): newest of all."""
         trust(seg)  # written by us a moment ago: the page cache holds what was checksummed
         if self._rows is None:
-            self._rows = RowIndex()
+            self._rows = RowIndex(num_rows=self._num_rows)
         self._rows.add(seg)
 
     def _index_rebuild(self) -> None:
-        self._rows = RowIndex(sorted(self._committed + self._pending, key=lambda g: g.seq))
+        self._rows = RowIndex(sorted(self._committed + self._pending, key=lambda g: g.seq), self._num_rows)
 
     def _layout_of(self, chunk: int) -> tuple[int, tuple]:
         """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =

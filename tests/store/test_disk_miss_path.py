@@ -31,17 +31,20 @@ class _Seg:
        st.integers(0, 300), st.integers(0, 300))
 def test_row_index_finds_the_newest_record_like_a_dict(segments, lo, width):
     """RowIndex answers 'which segment and position holds the newest record of id i' exactly as
-    a dict filled segment by segment (newest last), whether built at once or added one by one."""
+    a dict filled segment by segment (newest last), whether built at once or added one by one,
+    with or without its bitmap of the ids indexed."""
     model = {}
     for k, ids in enumerate(segments):
         for p, i in enumerate(sorted(ids)):
             model[i] = (k, p)
     built = RowIndex([_Seg(sorted(s)) for s in segments])
-    added = RowIndex()
+    built_bits = RowIndex([_Seg(sorted(s)) for s in segments], num_rows=302)
+    added, added_bits = RowIndex(), RowIndex(num_rows=302)
     for s in segments:
         added.add(_Seg(sorted(s)))
+        added_bits.add(_Seg(sorted(s)))
     probe = np.arange(0, 302, dtype=np.int64)
-    for index in (built, added):
+    for index in (built, added, built_bits, added_bits):
         seg, pos = index.find(probe)
         got = {int(i): (int(s), int(p)) for i, s, p in zip(probe, seg, pos) if s >= 0}
         assert got == model
@@ -63,6 +66,23 @@ def test_row_index_merges_its_recent_run_into_the_main_one():
     keys = np.array(sorted(model), np.int64)
     seg, pos = index.find(keys)
     assert [(int(s), int(p)) for s, p in zip(seg, pos)] == [model[int(k)] for k in keys]
+
+
+def test_row_index_bitmap_skips_the_search_for_ids_never_indexed(monkeypatch):
+    """Ids with no delta record are answered from the bitmap: the binary search sees only the
+    ids that have one (a batch of never-written rows searches nothing)."""
+    index = RowIndex(num_rows=10_000)
+    index.add(_Seg(np.arange(0, 10_000, 10)))
+    searched = []
+    real = RowIndex._find_in
+    monkeypatch.setattr(RowIndex, "_find_in", staticmethod(
+        lambda run, ids, seg, pos: (searched.append(len(ids)), real(run, ids, seg, pos))))
+    seg, _ = index.find(np.arange(1, 10_000, 10))  # none indexed
+    assert (seg == -1).all() and searched == []
+    probe = np.arange(0, 100, dtype=np.int64)
+    seg, pos = index.find(probe)
+    assert searched == [10, 10]  # main and recent run, the 10 indexed ids only
+    assert (seg >= 0).tolist() == (probe % 10 == 0).tolist() and pos[probe % 10 == 0].tolist() == list(range(10))
 
 
 def _layered_store(path, compression=None, init="zeros"):
