@@ -111,6 +111,7 @@ class ChunkRows:
         # [row reads, those the page cache did not hold] through this reader and the store's
         # segments (`uring.read_into`): whether lookahead reads in the background (tiers.upcoming)
         self.cache_counts = [0, 0]
+        self._advised: dict[tuple[int, int], None] = {}  # (chunk, gen) asked for whole lately, oldest first
 
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
@@ -464,21 +465,52 @@ class ChunkRows:
             for f, x0, x1 in zip(first[span].tolist(), b0[span].tolist(), b1[span].tolist()):
                 self._ok[f + x0 : f + x1 + 1] = 1
 
-    def will_need(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> None:
-        """Ask the kernel to start reading these rows' blocks now (asynchronously; a hint)."""
-        if _FADV_WILLNEED is None or not len(chunks):
-            return
+    def will_need(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> bool:
+        """Ask the kernel to start reading these rows' blocks now (asynchronously; a hint).
+        True if every row lies in a chunk asked for whole (none in an LZ4 chunk, none asked
+        block by block, no call failed).
+
+        ``chunks`` sorted (rows of sorted ids). A chunk of which at least 1/64 of the rows are
+        wanted is asked for whole, once per generation while it stays among the last few hundred
+        asked (`ChunkShuffleSampler` order announces each chunk in every batch of its window);
+        other rows block by block."""
+        if _FADV_WILLNEED is None:
+            return False
+        if not len(chunks):
+            return True
         self._enter()
         try:
             self._ensure_open(chunks, gens)
             with self._lock:
-                fds, base = self._fd[chunks], self._off[chunks]
+                fds, base, nbytes = self._fd[chunks], self._off[chunks], self._len[chunks]
                 local, absent = self._to_file_rows(chunks, local, self._gen[chunks] != gens)
             raw = (fds >= 0) & ~absent
-            lo = local[raw] * self.rb // BLOCK * BLOCK
-            for fd, pos in zip(fds[raw].tolist(), (base[raw] + lo).tolist()):
-                os.posix_fadvise(fd, pos, BLOCK, _FADV_WILLNEED)
+            everything = bool(raw.all())
+            if not raw.any():
+                return everything
+            c, g, fds, base, nbytes = chunks[raw], gens[raw], fds[raw], base[raw], nbytes[raw]
+            block = local[raw] * self.rb // BLOCK * BLOCK
+            bounds = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True])
+            starts = bounds[:-1]
+            dense = np.diff(bounds) * DENSE_ROWS >= nbytes[starts] // self.rb
+            advised = self._advised
+            for i, a in enumerate(starts.tolist()):
+                fd = int(fds[a])
+                key = (int(c[a]), int(g[a]))
+                if key in advised:  # asked for whole lately
+                    continue
+                everything &= bool(dense[i])
+                if dense[i]:
+                    advised[key] = None
+                    if len(advised) > 512:
+                        del advised[next(iter(advised))]
+                    os.posix_fadvise(fd, int(base[a]), int(nbytes[a]), _FADV_WILLNEED)
+                    continue
+                b = int(bounds[i + 1])
+                for pos in idsets.unique(block[a:b]).tolist():
+                    os.posix_fadvise(fd, int(base[a]) + pos, BLOCK, _FADV_WILLNEED)
+            return everything
         except (CorruptStoreError, OSError):
-            pass
+            return False
         finally:
             self._leave()

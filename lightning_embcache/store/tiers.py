@@ -251,8 +251,8 @@ class TieredRows:
             self._hot.expect(idx)
             if self._hinted is None:
                 self._hinted = []
-            self._hinted.append(idx)  # the store's own copy (as_ids copies)
             if self._hint_task:
+                self._hinted.append(idx)  # the store's own copy (as_ids copies)
                 return  # the running task takes this hint on its next round (or a miss does)
             if self._reads_cached():
                 # Rows come up from the page cache: the next miss reads the announced rows with
@@ -260,13 +260,44 @@ class TieredRows:
                 # with this one for the GIL (each hand-over a wake-up, on a loaded host a time
                 # slice), so it reads only while rows come from the disk, where its reads overlap
                 # the training step.
+                self._hinted.append(idx)
                 if sum(len(h) for h in self._hinted) > self._hot.limit // 4:
                     del self._hinted[0]  # a hint only: its rows are read when their get comes
                 return
+            if self._warm.budget and self._advise(idx):
+                # Rows wait for the disk, and each lies in a raw base chunk that the coming
+                # batches want a good part of (`ChunkShuffleSampler` order): the kernel reads
+                # those chunks ahead, and the get that first wants one reads it whole from the
+                # page cache into the warm tier, which serves the chunk's other rows. No thread
+                # loads rows one by one and takes turns with this one for the GIL, and no miss
+                # reads them early (it would wait for reads still in flight).
+                return
+            self._hinted.append(idx)
             self._hint_task = True
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
             self._prefetcher.submit(self._prefetch_hinted)
+
+    def _advise(self, idx: np.ndarray) -> bool:
+        """Start the kernel reading the base-chunk blocks of announced rows that are not hot
+        (``posix_fadvise(WILLNEED)``: asynchronous, no thread, no GIL held while the disk works).
+        True if every such row lies in a chunk asked for whole (none in a delta segment or an
+        LZ4 chunk; see `ChunkRows.will_need`). Caller holds the lock."""
+        reader = self._chunkrows_reader()
+        if reader is None:
+            return False
+        ids = idsets.unique(idx)
+        ids = ids[self._hot.slot_of[ids] == 0]
+        rows = self._rows
+        if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
+            return False
+        chunks = ids // self._chunk_rows
+        gens = self._cmap[chunks]
+        base = gens > 0
+        if not base.any():
+            return True
+        c = chunks[base]
+        return reader.will_need(c, ids[base] - c * self._chunk_rows, gens[base])
 
     def _reads_cached(self) -> bool:
         """Whether this store's recent reads below the hot tier came from the page cache (under
@@ -540,7 +571,7 @@ class TieredRows:
             if len(warm):
                 pick |= idsets.isin(uc, warm.chunks())
             if warm.budget:
-                pick |= np.diff(bounds) * 8 > cr  # dense: read whole and keep it warm
+                pick |= np.diff(bounds) * 64 >= cr  # dense: read whole and keep it warm
             for i in np.flatnonzero(pick).tolist():
                 c = int(uc[i])
                 cached = warm.get(c)
@@ -600,7 +631,12 @@ class TieredRows:
 
     # ---- the delta segments: one index over all of them ----------------------------------------
     def _index_add(self, seg: Any) -> None:
-        """Index a segment this handle just wrote (a flush or a write-back): newest of all."""
+        """Index a segment this handle just wrote (a flush or a write-back): newest of all.
+
+        Rows below the hot tier change here too: a prefetch that read a whole chunk before this
+        segment existed must not keep that copy (warm tier), even when the write began before
+        the prefetch planned its reads (`_begin_write_back` moved the token then)."""
+        self._below_token += 1
         trust(seg)  # written by us a moment ago: the page cache holds what was checksummed
         if self._rows is None:
             self._rows = RowIndex(num_rows=self._num_rows)

@@ -1,4 +1,12 @@
-"""Warm tier: LZ4-compressed chunks in RAM, least recently used first out, within a byte budget."""
+"""Warm tier: LZ4-compressed chunks in RAM, least recently used first out, within a byte budget.
+
+Chunks are kept compressed where LZ4 gains at least 5% (else raw). The budget's slack also holds
+the decompressed records of the most recently used compressed chunks, dropped first when the
+budget is short: a chunk that serves a few rows to each of many batches (`ChunkShuffleSampler`
+order: about 1/32 of its rows per batch while it is in the window) is decompressed once, not
+once per batch. A store whose chunks do not compress stops trying for a while, so its puts cost
+a copy at most.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +19,31 @@ from . import idsets
 
 # A chunk that compresses worse than this is kept raw: decompressing it would cost time for nothing.
 MIN_RATIO = 1.05
+# After this many incompressible chunks in a row, the next SKIP_PUTS puts are kept raw untried.
+GIVE_UP_AFTER = 4
+SKIP_PUTS = 32
 
 
 class WarmTier:
     def __init__(self, budget: int) -> None:
         self.budget = max(int(budget), 0)
-        self._items: OrderedDict[int, tuple[bytes, bool, int]] = OrderedDict()
-        self.nbytes = 0
+        # chunk -> (bytes or read-only uint8 array, compressed?, raw length); oldest first
+        self._items: OrderedDict[int, tuple[bytes | np.ndarray, bool, int]] = OrderedDict()
+        self._raw: OrderedDict[int, np.ndarray] = OrderedDict()  # decompressed copies, oldest first
+        self._item_bytes = 0  # bytes of ``_items`` (compressed where LZ4 paid)
+        self._raw_copy_bytes = 0
+        self._incompressible = 0  # incompressible puts in a row
+        self._skip = 0  # puts left to keep raw without trying LZ4
         self.raw_bytes = 0
         self.hits = 0
         self.misses = 0
         self.bytes_read = 0  # raw bytes served from the tier
         self.bytes_written = 0  # bytes stored into it (compressed where LZ4 paid)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the chunks as kept plus the decompressed copies (what the budget bounds)."""
+        return self._item_bytes + self._raw_copy_bytes
 
     def __contains__(self, chunk: int) -> bool:
         return chunk in self._items
@@ -35,9 +56,10 @@ class WarmTier:
         return np.fromiter(self._items, np.int64, len(self._items))
 
     def get(self, chunk: int) -> np.ndarray | None:
-        """The chunk's records as a flat, read-only uint8 array, or None. A raw chunk is served
-        without a copy (a batch in `ChunkShuffleSampler` order takes 1/32 of a chunk's rows per
-        hit: copying the whole chunk first cost 32 times the rows it served)."""
+        """The chunk's records as a flat, read-only uint8 array, or None. Served without a copy
+        where a raw form is held (a batch in `ChunkShuffleSampler` order takes 1/32 of a chunk's
+        rows per hit: copying or decompressing the whole chunk each time cost 32 times the rows
+        it served)."""
         item = self._items.get(chunk)
         if item is None:
             self.misses += 1
@@ -46,31 +68,69 @@ class WarmTier:
         self.hits += 1
         data, compressed, raw_len = item
         self.bytes_read += raw_len
-        if compressed:
-            data = lz4.block.decompress(data, uncompressed_size=raw_len)
-        return np.frombuffer(data, dtype=np.uint8)
+        if not compressed:
+            return data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        arr = self._raw.get(chunk)
+        if arr is not None:
+            self._raw.move_to_end(chunk)
+            return arr
+        arr = np.frombuffer(lz4.block.decompress(data, uncompressed_size=raw_len), dtype=np.uint8)
+        self._keep_raw(chunk, arr)
+        return arr
 
     def put(self, chunk: int, records: np.ndarray) -> None:
+        """Keep a chunk's records (read whole). Records kept raw are kept as they are, not
+        copied: the caller must not change them afterwards."""
         if self.budget <= 0:
             return
-        raw = records.tobytes()
-        packed = lz4.block.compress(raw, store_size=False)
-        compressed = len(raw) >= MIN_RATIO * len(packed)
-        data = packed if compressed else raw
-        if len(data) > self.budget:
+        raw = _frozen(records)
+        data: bytes | np.ndarray = raw
+        compressed = False
+        if self._skip:
+            self._skip -= 1
+        else:
+            packed = lz4.block.compress(raw, store_size=False)
+            compressed = raw.nbytes >= MIN_RATIO * len(packed)
+            if compressed:
+                data, self._incompressible = packed, 0
+            else:
+                self._incompressible += 1
+                if self._incompressible >= GIVE_UP_AFTER:
+                    self._incompressible, self._skip = 0, SKIP_PUTS
+        size = _size(data)
+        if size > self.budget:
             return
         self.discard(chunk)
-        self._items[chunk] = (data, compressed, len(raw))
-        self.bytes_written += len(data)
-        self.nbytes += len(data)
-        self.raw_bytes += len(raw)
+        self._items[chunk] = (data, compressed, raw.nbytes)
+        self._item_bytes += size
+        self.bytes_written += size
+        self.raw_bytes += raw.nbytes
+        if compressed:
+            self._keep_raw(chunk, raw)  # just read for a batch: its next batches want it too
         self.shrink(self.budget)
+
+    def _keep_raw(self, chunk: int, arr: np.ndarray) -> None:
+        self._raw[chunk] = arr
+        self._raw_copy_bytes += arr.nbytes
+        self._trim_raw(self.budget)
+
+    def _trim_raw(self, limit: int) -> int:
+        """Drop decompressed copies, oldest first, until the tier fits ``limit``."""
+        freed = 0
+        while self.nbytes > limit and self._raw:
+            _, arr = self._raw.popitem(last=False)
+            self._raw_copy_bytes -= arr.nbytes
+            freed += arr.nbytes
+        return freed
 
     def discard(self, chunk: int) -> None:
         item = self._items.pop(chunk, None)
         if item is not None:
-            self.nbytes -= len(item[0])
+            self._item_bytes -= _size(item[0])
             self.raw_bytes -= item[2]
+        arr = self._raw.pop(chunk, None)
+        if arr is not None:
+            self._raw_copy_bytes -= arr.nbytes
 
     def discard_many(self, chunks: np.ndarray) -> None:
         if self._items:
@@ -78,15 +138,37 @@ class WarmTier:
                 self.discard(c)
 
     def shrink(self, limit: int) -> int:
-        """Drop least recently used chunks until at most ``limit`` bytes remain; return bytes freed."""
-        freed = 0
+        """Drop decompressed copies, then least recently used chunks, until at most ``limit``
+        bytes remain; return bytes freed."""
+        freed = self._trim_raw(limit)
         while self.nbytes > limit and self._items:
-            _, (data, _, raw_len) = self._items.popitem(last=False)
-            self.nbytes -= len(data)
-            self.raw_bytes -= raw_len
-            freed += len(data)
+            chunk = next(iter(self._items))
+            before = self.nbytes
+            self.discard(chunk)
+            freed += before - self.nbytes
         return freed
 
     @property
     def compression_ratio(self) -> float:
-        return self.raw_bytes / self.nbytes if self.nbytes else 1.0
+        return self.raw_bytes / self._item_bytes if self._item_bytes else 1.0
+
+
+def _size(data: bytes | np.ndarray) -> int:
+    return data.nbytes if isinstance(data, np.ndarray) else len(data)
+
+
+def _frozen(records: np.ndarray) -> np.ndarray:
+    """``records`` as a flat read-only uint8 array of exactly their bytes (a view where they own
+    their memory; a copy where they are part of a larger buffer the tier must not keep alive)."""
+    arr = np.ascontiguousarray(records).view(np.uint8).reshape(-1)
+    base = arr
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    owner = base.base
+    sized = owner is None or (isinstance(owner, (bytes, bytearray)) and len(owner) == arr.nbytes)
+    if not sized or base.nbytes != arr.nbytes:
+        arr = arr.copy()  # a view of a larger buffer, or of memory the tier cannot size
+    else:
+        arr = arr.view()
+    arr.flags.writeable = False
+    return arr

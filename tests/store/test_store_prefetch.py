@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -179,3 +180,57 @@ def test_prefetch_of_a_few_rows_keeps_every_row_of_their_chunks_right(shm_path, 
         _wait_prefetched(s, 0, len(few))
         assert torch.equal(s.get(few), table[few])
         assert torch.equal(s.get(torch.arange(N)), table)
+
+
+def test_a_whole_chunk_read_during_a_write_back_never_serves_stale_rows(shm_path):
+    """A background write-back (`_clean`) marks dirty rows clean, writes them to a segment and
+    indexes it; a prefetch that read a whole chunk holding them meanwhile must not keep its copy
+    in the warm tier. It did when the write began before the prefetch planned: the row, later
+    dropped from the hot tier as clean, came back from the warm copy with its old value."""
+    path = shm_path / "store"
+    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK) as s:
+        s.update(torch.arange(N), _table(0))
+        s.flush()
+    with EmbeddingStore.open(path, hot_bytes=HOT, warm_bytes=4 * CHUNK * ROW_BYTES) as s:
+        chunk = 3
+        mine = torch.arange(chunk * CHUNK, chunk * CHUNK + 100)  # dirty, hot: the write-back's rows
+        s.update(mine, _table(1)[mine])
+        begun, read_done = threading.Event(), threading.Event()
+        disk_write = s._disk.write_segment
+
+        def slow_write(*args, **kwargs):  # the write-back's segment, held until the prefetch read
+            begun.set()
+            assert read_done.wait(10)
+            return disk_write(*args, **kwargs)
+
+        s._disk.write_segment = slow_write
+        cleaner = threading.Thread(target=s._clean)
+        cleaner.start()
+        assert begun.wait(10)
+        s._disk.write_segment = disk_write
+        real_read = s._read_below
+
+        def read_then_let_the_write_back_finish(plan):
+            out = real_read(plan)  # the whole chunk, with the rows' values before the write-back
+            read_done.set()
+            cleaner.join(10)  # segment written and indexed before the prefetch installs
+            return out
+
+        s._read_below = read_then_let_the_write_back_finish
+        rest = torch.arange(chunk * CHUNK + 100, (chunk + 1) * CHUNK)  # not hot: read whole
+        s.prefetch(rest)
+        _wait_prefetched_or_dropped(s)
+        s._read_below = real_read
+        assert not cleaner.is_alive()
+        s.set_budget(hot_bytes=ROW_BYTES + 11)  # the rows leave the hot tier (clean: nothing written)
+        assert read_done.is_set()  # the prefetch read the chunk while the write-back ran
+        s.set_budget(hot_bytes=HOT)
+        assert torch.equal(s.get(mine), _table(1)[mine])
+
+
+def _wait_prefetched_or_dropped(store, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while store._fetching is not None or store._prefetcher is None:
+        assert time.monotonic() < deadline, "the prefetch did not finish"
+        time.sleep(0.01)
+    store._prefetcher.submit(lambda: None).result(timeout)  # the prefetch job has returned
