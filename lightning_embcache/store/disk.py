@@ -705,7 +705,8 @@ class Disk:
         length, pcrc = parse_header(path, head, SPARSE_KIND, self.uid)
         rows = self.chunk_rows_of(chunk)
         bitmap = -(-rows // 64) * 8
-        if length < _SPARSE_HEAD.size + bitmap or length > _SPARSE_HEAD.size + bitmap + 4 * -(-rows * self.row_bytes // BLOCK):
+        if (length < _SPARSE_HEAD.size + bitmap or length > _SPARSE_HEAD.size + bitmap + 4 * -(-rows * self.row_bytes // BLOCK)
+                or (length - _SPARSE_HEAD.size - bitmap) % 4):
             raise CorruptStoreError(path, f"sparse chunk directory of {length} bytes does not fit chunk {chunk}")
         directory = self._pread(path, HEADER_SIZE, length, fd=fd)
         if crc32(directory) != pcrc:

@@ -233,3 +233,17 @@ def test_fuzz_figures():
     """Prints the figures docs/reliability.md reports (run after the fuzz tests, -s to see them)."""
     print(f"\nFUZZ {json.dumps(STATS)}")
     assert STATS["missed"] == 0
+
+
+def test_a_sparse_chunk_directory_of_a_length_that_is_no_whole_checksum_is_a_named_error():
+    """Found by the crafted-files test: a sparse chunk's directory, checksum valid, one byte
+    short of its last block checksum raised numpy's ValueError instead of CorruptStoreError."""
+    path = _copy(_template(None))
+    try:
+        sparse = [p for p in _files(path) if p.read_bytes()[8:16].rstrip(b"\0") == b"sparse"]
+        assert sparse, "the template store has no sparse chunk to craft"
+        _craft(sparse[0], _split(sparse[0])[1][:-1])
+        with pytest.raises(CorruptStoreError, match="does not fit"):
+            _read_everything(path)
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
