@@ -111,7 +111,8 @@ class ChunkRows:
         # [row reads, those the page cache did not hold] through this reader and the store's
         # segments (`uring.read_into`): whether lookahead reads in the background (tiers.upcoming)
         self.cache_counts = [0, 0]
-        self._advised: dict[tuple[int, int], None] = {}  # (chunk, gen) asked for whole lately, oldest first
+        # (chunk, gen) -> rows of it announced lately (-1: asked for whole), oldest first
+        self._advised: dict[tuple[int, int], int] = {}
 
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
@@ -467,13 +468,14 @@ class ChunkRows:
 
     def will_need(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> bool:
         """Ask the kernel to start reading these rows' blocks now (asynchronously; a hint).
-        True if every row lies in a chunk asked for whole (none in an LZ4 chunk, none asked
-        block by block, no call failed).
+        True if it could ask for every row (none lies in an LZ4 chunk, no call failed).
 
-        ``chunks`` sorted (rows of sorted ids). A chunk of which at least 1/64 of the rows are
-        wanted is asked for whole, once per generation while it stays among the last few hundred
-        asked (`ChunkShuffleSampler` order announces each chunk in every batch of its window);
-        other rows block by block."""
+        ``chunks`` sorted (rows of sorted ids). A chunk of which at least 1/64 of the rows were
+        announced over the last calls is asked for whole, once per generation while it stays
+        among the last few hundred chunks announced (`ChunkShuffleSampler` order announces each
+        chunk in every batch of its window); other rows by their blocks (one request for their
+        span where they lie close together or are four or more: a system call costs about as
+        much as the kernel's reading a few blocks more)."""
         if _FADV_WILLNEED is None:
             return False
         if not len(chunks):
@@ -492,22 +494,30 @@ class ChunkRows:
             block = local[raw] * self.rb // BLOCK * BLOCK
             bounds = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True])
             starts = bounds[:-1]
-            dense = np.diff(bounds) * DENSE_ROWS >= nbytes[starts] // self.rb
+            counts = np.diff(bounds).tolist()
+            rows_in_file = (nbytes[starts] // self.rb).tolist()
             advised = self._advised
             for i, a in enumerate(starts.tolist()):
                 fd = int(fds[a])
                 key = (int(c[a]), int(g[a]))
-                if key in advised:  # asked for whole lately
+                seen = advised.get(key, 0)
+                if seen < 0:  # asked for whole lately
                     continue
-                everything &= bool(dense[i])
-                if dense[i]:
-                    advised[key] = None
-                    if len(advised) > 512:
-                        del advised[next(iter(advised))]
+                seen += counts[i]  # rows of it announced lately, this call's included
+                whole = seen * DENSE_ROWS >= rows_in_file[i]
+                advised[key] = -1 if whole else seen
+                if len(advised) > 512:
+                    del advised[next(iter(advised))]
+                if whole:
                     os.posix_fadvise(fd, int(base[a]), int(nbytes[a]), _FADV_WILLNEED)
                     continue
                 b = int(bounds[i + 1])
-                for pos in idsets.unique(block[a:b]).tolist():
+                blocks = idsets.unique(block[a:b])
+                span = int(blocks[-1]) - int(blocks[0]) + BLOCK
+                if len(blocks) >= 4 or span <= 4 * BLOCK * len(blocks):  # one request for the span
+                    os.posix_fadvise(fd, int(base[a]) + int(blocks[0]), span, _FADV_WILLNEED)
+                    continue
+                for pos in blocks.tolist():
                     os.posix_fadvise(fd, int(base[a]) + pos, BLOCK, _FADV_WILLNEED)
             return everything
         except (CorruptStoreError, OSError):

@@ -265,12 +265,13 @@ class TieredRows:
                     del self._hinted[0]  # a hint only: its rows are read when their get comes
                 return
             if self._warm.budget and self._advise(idx):
-                # Rows wait for the disk, and each lies in a raw base chunk that the coming
-                # batches want a good part of (`ChunkShuffleSampler` order): the kernel reads
-                # those chunks ahead, and the get that first wants one reads it whole from the
-                # page cache into the warm tier, which serves the chunk's other rows. No thread
-                # loads rows one by one and takes turns with this one for the GIL, and no miss
-                # reads them early (it would wait for reads still in flight).
+                # Rows wait for the disk and each lies in a raw base chunk: the kernel reads them
+                # ahead (whole chunks where the coming batches want a good part of one, as in
+                # `ChunkShuffleSampler` order), and the get that first wants a chunk reads it from
+                # the page cache, whole into the warm tier where it wants enough of it, which then
+                # serves its other rows. No thread loads rows one by one and takes turns with
+                # this one for the GIL, and no miss reads them early (it would wait for reads
+                # still in flight).
                 return
             self._hinted.append(idx)
             self._hint_task = True
@@ -281,8 +282,8 @@ class TieredRows:
     def _advise(self, idx: np.ndarray) -> bool:
         """Start the kernel reading the base-chunk blocks of announced rows that are not hot
         (``posix_fadvise(WILLNEED)``: asynchronous, no thread, no GIL held while the disk works).
-        True if every such row lies in a chunk asked for whole (none in a delta segment or an
-        LZ4 chunk; see `ChunkRows.will_need`). Caller holds the lock."""
+        True if that covers every such row (none lies in a delta segment or an LZ4 chunk).
+        Caller holds the lock."""
         reader = self._chunkrows_reader()
         if reader is None:
             return False
