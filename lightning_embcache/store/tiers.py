@@ -236,9 +236,10 @@ class TieredRows:
         """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
         entering its window). They are loaded ahead of that get, and until it reads them,
         eviction prefers rows no coming batch reads. Returns at once. While rows come from the
-        disk a prefetch thread loads them in the background; while they come from the page cache
-        the next get that misses loads them with its own rows in one batch. In memory mode, or
-        for a store without a path, this is `prefetch`."""
+        disk a prefetch thread loads them in the background (with a warm tier, the kernel is
+        asked for their chunks instead and the get reads them from the page cache); while they
+        come from the page cache the next get that misses loads them with its own rows in one
+        batch. In memory mode, or for a store without a path, this is `prefetch`."""
         self._check_usable()
         idx = self._valid_ids(ids)
         if self._disk is None:
