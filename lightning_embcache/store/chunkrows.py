@@ -473,45 +473,58 @@ class ChunkRows:
         ``chunks`` sorted (rows of sorted ids). A chunk of which at least 1/64 of the rows were
         announced over the last calls is asked for whole, once per generation while it stays
         among the last few hundred chunks announced (`ChunkShuffleSampler` order announces each
-        chunk in every batch of its window); other rows by their blocks (one request for their
-        span where they lie close together or are four or more: a system call costs about as
-        much as the kernel's reading a few blocks more)."""
+        chunk in every batch of its window), through a descriptor opened just for that if none
+        is open: its header is not read here (a disk read the caller would wait for). Other rows
+        by their blocks (one request for their span where they lie close together or are four
+        or more: a system call costs about as much as the kernel's reading a few blocks more)."""
         if _FADV_WILLNEED is None:
             return False
         if not len(chunks):
             return True
+        bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
+        starts = bounds[:-1]
+        counts = np.diff(bounds).tolist()
+        advised = self._advised
+        sparse_rows = []  # (first, end) positions of the chunks asked block by block
         self._enter()
         try:
-            self._ensure_open(chunks, gens)
-            with self._lock:
-                fds, base, nbytes = self._fd[chunks], self._off[chunks], self._len[chunks]
-                local, absent = self._to_file_rows(chunks, local, self._gen[chunks] != gens)
-            raw = (fds >= 0) & ~absent
-            everything = bool(raw.all())
-            if not raw.any():
-                return everything
-            c, g, fds, base, nbytes = chunks[raw], gens[raw], fds[raw], base[raw], nbytes[raw]
-            block = local[raw] * self.rb // BLOCK * BLOCK
-            bounds = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True])
-            starts = bounds[:-1]
-            counts = np.diff(bounds).tolist()
-            rows_in_file = (nbytes[starts] // self.rb).tolist()
-            advised = self._advised
             for i, a in enumerate(starts.tolist()):
-                fd = int(fds[a])
-                key = (int(c[a]), int(g[a]))
-                seen = advised.get(key, 0)
+                c, g = int(chunks[a]), int(gens[a])
+                seen = advised.get((c, g), 0)
                 if seen < 0:  # asked for whole lately
                     continue
                 seen += counts[i]  # rows of it announced lately, this call's included
-                whole = seen * DENSE_ROWS >= rows_in_file[i]
-                advised[key] = -1 if whole else seen
+                whole = seen * DENSE_ROWS >= self.disk.chunk_rows_of(c)
+                advised[(c, g)] = -1 if whole else seen
                 if len(advised) > 512:
                     del advised[next(iter(advised))]
-                if whole:
-                    os.posix_fadvise(fd, int(base[a]), int(nbytes[a]), _FADV_WILLNEED)
-                    continue
-                b = int(bounds[i + 1])
+                if not whole:
+                    sparse_rows.append((a, int(bounds[i + 1])))
+                elif self._fd[c] >= 0 and self._gen[c] == g:
+                    os.posix_fadvise(int(self._fd[c]), 0, 0, _FADV_WILLNEED)
+                elif self._fd[c] != -2 or self._gen[c] != g:
+                    fd = os.open(_chunk_name(c, g), _OPEN_FLAGS, dir_fd=self.disk._chunks_fd)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
+                    finally:
+                        os.close(fd)
+                else:
+                    return False  # an LZ4 chunk: read whole by the miss, not here
+            if not sparse_rows:
+                return True
+            sel = np.concatenate([np.arange(a, b) for a, b in sparse_rows])
+            chunks, local, gens = chunks[sel], local[sel], gens[sel]
+            self._ensure_open(chunks, gens)
+            with self._lock:
+                fds, base = self._fd[chunks], self._off[chunks]
+                local, absent = self._to_file_rows(chunks, local, self._gen[chunks] != gens)
+            raw = (fds >= 0) & ~absent
+            everything = bool(raw.all())
+            c, fds, base = chunks[raw], fds[raw], base[raw]
+            block = local[raw] * self.rb // BLOCK * BLOCK
+            bounds = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True])
+            for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                fd = int(fds[a])
                 blocks = idsets.unique(block[a:b])
                 span = int(blocks[-1]) - int(blocks[0]) + BLOCK
                 if len(blocks) >= 4 or span <= 4 * BLOCK * len(blocks):  # one request for the span
@@ -520,6 +533,8 @@ class ChunkRows:
                 for pos in blocks.tolist():
                     os.posix_fadvise(fd, int(base[a]) + pos, BLOCK, _FADV_WILLNEED)
             return everything
+        except FileNotFoundError:
+            return False  # a compaction replaced the file meanwhile: the miss reads the new one
         except (CorruptStoreError, OSError):
             return False
         finally:
