@@ -468,7 +468,8 @@ class ChunkRows:
 
     def will_need(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> bool:
         """Ask the kernel to start reading these rows' blocks now (asynchronously; a hint).
-        True if it could ask for every row (none lies in an LZ4 chunk, no call failed).
+        True if it could ask for every row (none asked block by block lies in an LZ4 chunk, no
+        call failed).
 
         ``chunks`` sorted (rows of sorted ids). A chunk of which at least 1/64 of the rows were
         announced over the last calls is asked for whole, once per generation while it stays
@@ -500,16 +501,14 @@ class ChunkRows:
                     del advised[next(iter(advised))]
                 if not whole:
                     sparse_rows.append((a, int(bounds[i + 1])))
-                elif self._fd[c] >= 0 and self._gen[c] == g:
+                elif self._fd[c] >= 0 and self._gen[c] == g:  # (`_enter`: it stays open meanwhile)
                     os.posix_fadvise(int(self._fd[c]), 0, 0, _FADV_WILLNEED)
-                elif self._fd[c] != -2 or self._gen[c] != g:
+                else:  # not open here, or an LZ4 chunk (read whole by the miss)
                     fd = os.open(_chunk_name(c, g), _OPEN_FLAGS, dir_fd=self.disk._chunks_fd)
                     try:
                         os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
                     finally:
                         os.close(fd)
-                else:
-                    return False  # an LZ4 chunk: read whole by the miss, not here
             if not sparse_rows:
                 return True
             sel = np.concatenate([np.arange(a, b) for a, b in sparse_rows])
