@@ -283,8 +283,8 @@ class TieredRows:
     def _advise(self, idx: np.ndarray) -> bool:
         """Start the kernel reading the base-chunk blocks of announced rows that are not hot
         (``posix_fadvise(WILLNEED)``: asynchronous, no thread, no GIL held while the disk works).
-        True if that covers every such row (none lies in a delta segment or an LZ4 chunk).
-        Caller holds the lock."""
+        True if that covers every such row (none lies in a delta segment; see
+        `ChunkRows.will_need`). Caller holds the lock."""
         reader = self._chunkrows_reader()
         if reader is None:
             return False
