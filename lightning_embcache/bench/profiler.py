@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -207,13 +208,21 @@ def actions_per_step(batches: int = 200) -> dict:
 
 
 def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
-    """Microseconds per step of StepProfiler's own work, outside Lightning: the hook and
-    profiler-action sequence of one automatic-optimization step, called directly in a loop
-    (on ``device="cuda"`` with its CUDA events, read at log intervals as in a fit)."""
+    """Microseconds per step StepProfiler adds to the loop, outside Lightning: the profiler
+    actions of one automatic-optimization step in the order Lightning 2.6 opens them, through
+    StepProfiler's tap, and each per-step callback hook the profiler leaves visible called as
+    Lightning's ``_call_callback_hooks`` calls it (an action named after ``state_key`` around
+    the call); minus the same sequence through a tap with no hooks (on ``device="cuda"`` with its
+    CUDA events, read at log intervals as in a fit)."""
     from lightning.pytorch.profilers import PassThroughProfiler
 
+    from lightning_embcache.profiling import boundaries
+    from lightning_embcache.profiling.callback import _PER_STEP_HOOKS
     from lightning_embcache.profiling.tap import ProfilerTap
     from lightning_embcache.profiling.timeline import StepTimeline
+
+    class _TrainingEpochLoop:
+        _results = types.SimpleNamespace(batch=None)
 
     class _Stub:  # what the hooks read from the trainer
         current_epoch = 0
@@ -221,34 +230,72 @@ def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
         is_global_zero = True
         loggers: list = []
         num_training_batches = steps
+        fit_loop = types.SimpleNamespace(epoch_loop=_TrainingEpochLoop())
+        strategy = types.SimpleNamespace()
+        lightning_module = types.SimpleNamespace()
 
     sp = StepProfiler(report=False, log_every_n_steps=50)
     trainer = _Stub()
     sp._trainer = trainer
     sp._timeline = StepTimeline(sp._ledger.add_step, torch.device(device), None, sample_every=sp.sample_every_n_steps)
     sp._device = torch.device(device)
-    fetch, move, opt = ("[_TrainingEpochLoop].train_dataloader_next", "[Strategy]S.batch_to_device",
-                        "[LightningModule]M.optimizer_step")
-    tap = ProfilerTap(PassThroughProfiler(), {fetch: sp._fetch_start, move: sp._transfer_start},
-                      {fetch: sp._fetch_stop, move: sp._transfer_stop, opt: sp._auto_step_stop})
+    sp._loop_batch = boundaries.loop_batch(trainer)
+    sp._skip_hooks(_PER_STEP_HOOKS if sp._loop_batch is not None else _PER_STEP_HOOKS[1:])
+    on_start, on_stop = boundaries.loop_actions(
+        trainer, fetch=(sp._fetch_start, sp._fetch_stop), transfer=(sp._transfer_start, sp._transfer_stop),
+        batch=(sp._batch_start, sp._batch_stop), backward=sp._backward_start, after_backward=sp._after_backward,
+        before_optimizer_step=sp._optimizer_start, auto_step_stop=sp._auto_step_stop,
+        manual_step=(sp._manual_step_start, sp._manual_step_stop))
+    tap = ProfilerTap(PassThroughProfiler(), on_start, on_stop)
     batch = (torch.zeros(4, 2), torch.zeros(4, 1))
     sp._start_epoch(trainer, None)
+    results = trainer.fit_loop.epoch_loop._results
+    loop, module, strategy = "_TrainingEpochLoop", "[LightningModule]SimpleNamespace.", "[Strategy]SimpleNamespace."
 
-    def step() -> None:
-        tap.start(fetch)
-        tap.stop(fetch)
-        tap.start(move)
-        tap.stop(move)
-        sp.on_train_batch_start(trainer, None, batch, 0)
-        sp.on_before_backward(trainer, None, None)
-        sp.on_after_backward(trainer, None)
-        sp.on_before_optimizer_step(trainer, None, None)
-        tap.stop(opt)
-        sp.on_train_batch_end(trainer, None, None, batch, 0)
+    def lightning_step(profiler: Any, callbacks: list) -> Any:
+        fetch = f"[{loop}].train_dataloader_next"
 
-    def bare() -> None:  # the same calls on nothing: the loop's own cost
-        for _ in range(10):
-            pass
+        def hooks(name: str, *args: Any) -> None:  # Lightning's _call_callback_hooks
+            for cb in callbacks:
+                fn = getattr(cb, name)
+                if callable(fn):
+                    with profiler.profile(f"[Callback]{cb.state_key}.{name}"):
+                        fn(trainer, None, *args)
+
+        def step() -> None:
+            act = profiler.profile
+            profiler.start(fetch)
+            profiler.stop(fetch)
+            with act(strategy + "batch_to_device"):
+                pass
+            results.batch = batch
+            hooks("on_train_batch_start", batch, 0)
+            with act(module + "on_train_batch_start"), act(strategy + "on_train_batch_start"):
+                pass
+            with act("run_training_batch"), act(module + "optimizer_step"):
+                with act(strategy + "training_step"):
+                    pass
+                hooks("on_before_zero_grad", None)
+                with act(module + "on_before_zero_grad"), act(module + "optimizer_zero_grad"):
+                    pass
+                with act(strategy + "backward"):
+                    hooks("on_before_backward", None)
+                    with act(module + "on_before_backward"):
+                        pass
+                    hooks("on_after_backward")
+                    with act(module + "on_after_backward"):
+                        pass
+                hooks("on_before_optimizer_step", None)
+                with act(module + "on_before_optimizer_step"), act(module + "configure_gradient_clipping"):
+                    pass
+            hooks("on_train_batch_end", None, batch, 0)
+            with act(module + "on_train_batch_end"):
+                pass
+            results.batch = None
+        return step
+
+    step = lightning_step(tap, [sp])
+    bare = lightning_step(ProfilerTap(PassThroughProfiler(), {}, {}), [])  # the same actions, no profiler
 
     def per_call_us(fn: Any, n: int) -> float:  # best of 5: the least disturbed by other processes
         best = float("inf")
@@ -269,6 +316,7 @@ def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
 
     out = {"stepprofiler": per_call_us(step, steps // 5), "empty_loop": per_call_us(bare, steps // 5)}
     out["own_us_per_step"] = out["stepprofiler"] - out["empty_loop"]
+    out["callback_hooks_per_step"] = sum(callable(getattr(sp, h)) for h in _PER_STEP_HOOKS)
     # what Lightning's default profiler costs per profiled action, against the tap's no-op context
     out["passthrough_profile_us_per_action"] = per_call_us(action(pt), steps)
     out["tap_profile_us_per_action"] = per_call_us(action(tap), steps)

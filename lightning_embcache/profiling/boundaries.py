@@ -1,6 +1,6 @@
 """What a step's boundaries look like from outside Lightning's loop: the profiler actions that
-bracket the loader's ``next()``, the host-to-device transfer and the optimizer step, and the batch
-size of a batch."""
+bracket the loader's ``next()``, the host-to-device transfer, the batch, backward and the
+optimizer step, and the batch size of a batch."""
 
 from __future__ import annotations
 
@@ -12,20 +12,40 @@ from lightning.pytorch.utilities.data import extract_batch_size
 Hook = Callable[[], None]
 
 
-def loop_actions(trainer: Any, *, fetch: tuple[Hook, Hook], transfer: tuple[Hook, Hook], auto_step_stop: Hook,
+def loop_actions(trainer: Any, *, fetch: tuple[Hook, Hook], transfer: tuple[Hook, Hook], batch: tuple[Hook, Hook],
+                 backward: Hook, after_backward: Hook, before_optimizer_step: Hook, auto_step_stop: Hook,
                  manual_step: tuple[Hook, Hook]) -> tuple[dict[str, Hook], dict[str, Hook]]:
     """``(on_start, on_stop)``: action name -> hook, for a
-    :class:`~lightning_embcache.profiling.tap.ProfilerTap` on ``trainer``'s profiler. Each pair is
-    (called at the action's start, called at its stop)."""
+    :class:`~lightning_embcache.profiling.tap.ProfilerTap` on ``trainer``'s profiler. Pairs are
+    (called at the action's start, called at its stop).
+
+    Every phase boundary of a step is an action Lightning opens anyway, so the profiler needs no
+    per-step callback hook (each costs the loop about a microsecond): the batch's
+    ``run_training_batch`` (forward starts; its end is the batch's end), the LightningModule's own
+    ``on_before_backward`` / ``on_after_backward`` / ``on_before_optimizer_step`` hooks (Lightning
+    calls them on every module, under automatic and manual optimization, on every strategy and
+    precision plugin, right after the callbacks' hooks of the same name), and the optimizer step's
+    action (its return)."""
     loop_name = type(trainer.fit_loop.epoch_loop).__name__
     strategy = type(trainer.strategy).__name__
-    module = type(trainer.lightning_module).__name__
+    module = f"[LightningModule]{type(trainer.lightning_module).__name__}."
     fetch_action = f"[{loop_name}].train_dataloader_next"
     transfer_action = f"[Strategy]{strategy}.batch_to_device"
-    on_start = {fetch_action: fetch[0], transfer_action: transfer[0], "optimizer_step": manual_step[0]}
-    on_stop = {fetch_action: fetch[1], transfer_action: transfer[1],
-               f"[LightningModule]{module}.optimizer_step": auto_step_stop, "optimizer_step": manual_step[1]}
+    on_start = {fetch_action: fetch[0], transfer_action: transfer[0], "run_training_batch": batch[0],
+                module + "on_before_backward": backward, module + "on_after_backward": after_backward,
+                module + "on_before_optimizer_step": before_optimizer_step, "optimizer_step": manual_step[0]}
+    on_stop = {fetch_action: fetch[1], transfer_action: transfer[1], "run_training_batch": batch[1],
+               module + "optimizer_step": auto_step_stop, "optimizer_step": manual_step[1]}
     return on_start, on_stop
+
+
+def loop_batch(trainer: Any) -> Any:
+    """The object whose ``batch`` attribute holds the training batch from Lightning's transfer to
+    the batch's end (the training loop's result collection; Lightning points it at each batch for
+    ``self.log``), or None where this Lightning has none: then the batch size needs the
+    ``on_train_batch_start`` hook."""
+    results = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None)
+    return results if results is not None and hasattr(results, "batch") else None
 
 
 def batch_size(batch: Any) -> int:

@@ -29,7 +29,11 @@ from lightning_embcache.profiling.timeline import (
 log = logging.getLogger(__name__)
 warning_cache = WarningCache()
 
-_SKIPPABLE_HOOKS = ("on_before_zero_grad", "on_after_backward")
+# Lightning calls every callback's per-step hooks (about a microsecond each: an action name with
+# the state_key, a profiler context); the profiler takes its boundaries from profiler actions
+# instead (boundaries.loop_actions) and hides these from the Trainer during a fit
+_PER_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_zero_grad",
+                   "on_before_optimizer_step", "on_train_batch_end")
 _PROFILER_METHODS = frozenset({"profile", "start", "stop", "describe", "teardown_profiler"})
 _NOT_A_PROFILER = ("StepProfiler is a callback, not a Lightning profiler: pass it as "
                    "Trainer(callbacks=[StepProfiler()]), not Trainer(profiler=StepProfiler()). It wraps whatever "
@@ -53,14 +57,15 @@ class StepProfiler(Callback):
         - ``data_wait``: the loader's own ``next()`` (fetch, collate, worker hand-off) and the
           ``batch_to_device`` transfer; for the first batch of an epoch, from the epoch's start
           (iterator creation and worker start-up included).
-        - ``forward``: ``on_train_batch_start`` to ``on_before_backward`` (``training_step``, and
-          ``zero_grad`` which Lightning runs after it). Under manual optimization, all of your
-          ``training_step`` code outside ``manual_backward`` and ``opt.step()``.
-        - ``backward``: ``on_before_backward`` to ``on_before_optimizer_step`` (or to batch end on
-          an accumulation micro-step); includes the DDP gradient all-reduce.
-        - ``optimizer``: ``on_before_optimizer_step`` to the return of the optimizer step
-          (gradient clipping, ``optimizer.step()``, the AMP scaler update). Lightning has no
-          after-step hook; the return is seen through the profiler action that wraps the step.
+        - ``forward``: from after the ``on_train_batch_start`` hooks to the LightningModule's
+          ``on_before_backward`` (``training_step``, and ``zero_grad`` which Lightning runs after
+          it). Under manual optimization, all of your ``training_step`` code outside
+          ``manual_backward`` and ``opt.step()``.
+        - ``backward``: the LightningModule's ``on_before_backward`` to its
+          ``on_before_optimizer_step`` (or to the batch's end on an accumulation micro-step);
+          includes the DDP gradient all-reduce.
+        - ``optimizer``: the LightningModule's ``on_before_optimizer_step`` to the return of the
+          optimizer step (gradient clipping, ``optimizer.step()``, the AMP scaler update).
         - ``store_io``: seconds the training thread waited in ``EmbeddingStore`` calls, from the
           stores' ``stats().io_wait_seconds`` (``pl_module.embedding_stores``), taken out of the
           phase they happened in.
@@ -82,7 +87,10 @@ class StepProfiler(Callback):
           rank joins; figures are means over ranks, with the per-rank maximum, the slowest rank and
           the spread beside them.
         - The Trainer's profiler is wrapped (not replaced) from ``setup`` to ``teardown``; your own
-          profiler still sees every action.
+          profiler still sees every action. The phase boundaries are the profiler actions Lightning
+          opens around the batch, the LightningModule's hooks and the optimizer step: during a fit
+          the profiler's per-step callback hooks are hidden from the Trainer, which saves the loop
+          their calls.
 
     Args:
         log_every_n_steps: Log ``profile/*`` metrics every this many training batches (default:
@@ -158,6 +166,7 @@ class StepProfiler(Callback):
         self._predictor = EpochPredictor(self.predict_at, sample_every_n_steps, epoch_batches)
         self._val_t0 = 0.0
         self._val_resume = OTHER
+        self._loop_batch: Any = None  # has .batch: the batch being trained (boundaries.loop_batch)
 
     # ------------------------------------------------------------------ public API
 
@@ -184,8 +193,8 @@ class StepProfiler(Callback):
     @override
     def state_key(self) -> str:
         # two StepProfilers with different settings keep separate checkpoint entries. Lightning
-        # reads this for the action name of every hook it calls (6 per step): built once, again
-        # only when a setting in it changes (a repr of the settings cost ~2 us a read)
+        # reads this for the action name of every hook it calls: built once, again only when a
+        # setting in it changes (a repr of the settings cost ~2 us a read)
         key = self._state_key
         if key is None:
             key = self._state_key = self._generate_state_key(
@@ -260,6 +269,8 @@ class StepProfiler(Callback):
             return
         on_start, on_stop = boundaries.loop_actions(
             trainer, fetch=(self._fetch_start, self._fetch_stop), transfer=(self._transfer_start, self._transfer_stop),
+            batch=(self._batch_start, self._batch_stop), backward=self._backward_start,
+            after_backward=self._after_backward, before_optimizer_step=self._optimizer_start,
             auto_step_stop=self._auto_step_stop, manual_step=(self._manual_step_start, self._manual_step_stop))
         self._tap = ProfilerTap(trainer.profiler, on_start, on_stop)
         trainer.profiler = self._tap
@@ -287,13 +298,18 @@ class StepProfiler(Callback):
         self._timeline = StepTimeline(self._ledger.add_step, self._device, store_io,
                                       sample_every=self.sample_every_n_steps)
         self._timeline.on_device_step = self._predictor.add_device_step
-        self._skip_hooks(("on_before_zero_grad",) if self._manual else ("on_before_zero_grad", "on_after_backward"))
+        # the batch (for its size) where the tap's batch start can read it; else the hook gets it
+        self._loop_batch = boundaries.loop_batch(trainer)
+        if self._loop_batch is not None:
+            self._skip_hooks(_PER_STEP_HOOKS)
+        else:
+            self._skip_hooks(tuple(h for h in _PER_STEP_HOOKS if h != "on_train_batch_start"))
 
     def _skip_hooks(self, names: tuple[str, ...]) -> None:
         """Per-step hooks this fit does not need are hidden from the Trainer: Lightning calls a
         callback's hook only where ``getattr(callback, name)`` is callable, and each call costs
         the loop about a microsecond (an action name with ``state_key``, a profiler context)."""
-        for name in _SKIPPABLE_HOOKS:
+        for name in _PER_STEP_HOOKS:
             self.__dict__.pop(name, None)
         for name in names:
             self.__dict__[name] = None
@@ -385,45 +401,21 @@ class StepProfiler(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        tl = self._timeline
-        if not tl.active:
-            self._start_epoch(trainer, pl_module)
-        if self._batch_ended:
+        # called only where the loop's batch is out of the tap's reach (boundaries.loop_batch)
+        if self._batch_ended:  # a step closed here, not at a fetch, keeps its own batch's size
             self._close_step(trainer)
-        tl.switch(FORWARD)
         if self._samples_known:
-            try:
-                fn = self.batch_size_fn
-                self._samples = boundaries.batch_size(batch) if fn is None else int(fn(batch))
-            except Exception as err:  # an opaque batch: report no samples/s rather than fail training
-                self._samples_known = False
-                self._samples = 0
-                warning_cache.warn(f"StepProfiler could not infer the batch size ({err}); samples_per_sec "
-                                   "will be None. Pass StepProfiler(batch_size_fn=...).")
+            self._count_samples(batch)
 
-    @override
-    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        self._timeline.switch(BACKWARD)
-
-    @override
-    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._manual:  # back in the user's training_step code
-            self._timeline.switch(FORWARD)
-
-    @override
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        self._timeline.switch(OPTIMIZER)
-
-    @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        # A step runs from its fetch to the next fetch: what Lightning and other callbacks do after
-        # this batch (logging, checkpoints, progress bar) is this step's "other". After an
-        # optimizer step the phase is "other" already (its return switched to it): no switch
-        tl = self._timeline
-        if tl.phase != OTHER:
-            tl.switch(OTHER)
-        self._batch_ended = True
+    def _count_samples(self, batch: Any) -> None:
+        try:
+            fn = self.batch_size_fn
+            self._samples = boundaries.batch_size(batch) if fn is None else int(fn(batch))
+        except Exception as err:  # an opaque batch: report no samples/s rather than fail training
+            self._samples_known = False
+            self._samples = 0
+            warning_cache.warn(f"StepProfiler could not infer the batch size ({err}); samples_per_sec "
+                               "will be None. Pass StepProfiler(batch_size_fn=...).")
 
     def _close_step(self, trainer: Optional[Trainer], log: bool = True, next_phase: int = OTHER) -> None:
         self._batch_ended = False
@@ -471,6 +463,47 @@ class StepProfiler(Callback):
             # back to loop code: on CUDA the device segment stays data until the batch starts
             # (one event per step fewer; the host clock still charges that loop code to other)
             tl.switch(self._data_resume, device=self._data_resume != OTHER)
+
+    def _batch_start(self) -> None:
+        # run_training_batch: the callbacks' and the module's on_train_batch_start hooks are done
+        tl = self._timeline
+        if tl is None:
+            return
+        if not tl.active:
+            if self._trainer is None:
+                return
+            self._start_epoch(self._trainer, self._trainer.lightning_module)
+        if self._batch_ended:  # training_step(dataloader_iter): no fetch closed the step
+            self._close_step(self._trainer)
+        tl.switch(FORWARD)
+        loop_batch = self._loop_batch
+        if loop_batch is not None and self._samples_known:
+            self._count_samples(loop_batch.batch)
+
+    def _batch_stop(self) -> None:
+        # A step runs from its fetch to the next fetch: what Lightning and other callbacks do after
+        # this batch (LR schedulers, logging, checkpoints, progress bar) is this step's "other".
+        # After an optimizer step the phase is "other" already (its return switched to it)
+        tl = self._timeline
+        if tl is not None and tl.active:
+            if tl.phase != OTHER:
+                tl.switch(OTHER)
+            self._batch_ended = True
+
+    def _backward_start(self) -> None:
+        tl = self._timeline
+        if tl is not None and tl.active:
+            tl.switch(BACKWARD)
+
+    def _after_backward(self) -> None:
+        tl = self._timeline
+        if self._manual and tl is not None and tl.active:  # back in the user's training_step code
+            tl.switch(FORWARD)
+
+    def _optimizer_start(self) -> None:
+        tl = self._timeline
+        if tl is not None and tl.active and tl.phase != OPTIMIZER:  # manual: opt.step() switched already
+            tl.switch(OPTIMIZER)
 
     def _auto_step_stop(self) -> None:
         tl = self._timeline

@@ -1,10 +1,12 @@
 """A pass-through wrapper around the Trainer's profiler that reports chosen actions to a callback.
 
 Lightning brackets the loader's ``next()`` with ``profiler.start/stop("[_TrainingEpochLoop].
-train_dataloader_next")``, the host-to-device transfer with ``[Strategy]<name>.batch_to_device``
-and the optimizer step with ``[LightningModule]<name>.optimizer_step`` (automatic optimization) or
-``optimizer_step`` (manual optimization). Wrapping the profiler is the public way to see those
-boundaries; every call still reaches the user's own profiler unchanged.
+train_dataloader_next")``, the host-to-device transfer with ``[Strategy]<name>.batch_to_device``,
+the batch with ``run_training_batch``, each LightningModule hook with ``[LightningModule]<name>.
+<hook>`` and the optimizer step with ``[LightningModule]<name>.optimizer_step`` (automatic
+optimization) or ``optimizer_step`` (manual optimization). Wrapping the profiler is the public way
+to see those boundaries (see ``boundaries.loop_actions``); every call still reaches the user's own
+profiler unchanged.
 """
 
 from __future__ import annotations

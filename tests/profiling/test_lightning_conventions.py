@@ -121,9 +121,10 @@ def test_state_key_is_built_once_per_settings():
 
 
 @pytest.mark.parametrize("manual", [False, True])
-def test_per_step_hooks_a_fit_does_not_need_are_not_called(manual):
-    """Lightning calls a callback hook only where it is callable: the profiler hides
-    on_before_zero_grad (never needed) and, under automatic optimization, on_after_backward."""
+def test_no_per_step_callback_hook_is_called(manual):
+    """Lightning calls a callback hook only where it is callable, and each call costs the loop an
+    action named after the state_key: the profiler takes every boundary from actions Lightning
+    opens anyway, and hides all six per-step hooks during the fit; the phases stay exact."""
     calls = []
 
     class Counting(SimpleProfiler):
@@ -135,11 +136,40 @@ def test_per_step_hooks_a_fit_does_not_need_are_not_called(manual):
     clock = FakeClock()
     with mock.patch("time.perf_counter", clock):
         t = trainer(max_epochs=1, callbacks=[sp], profiler=Counting())
-        t.fit(CostModel(Cost(clock), MS, MS, MS, manual=manual), loader(BatchDataset(5, Cost(clock), MS)))
+        t.fit(CostModel(Cost(clock), 2 * MS, 3 * MS, 4 * MS, manual=manual), loader(BatchDataset(5, Cost(clock), MS)))
     mine = [c.rsplit(".", 1)[1] for c in calls if c.startswith(f"[Callback]{sp.state_key}.")]
-    assert "on_before_zero_grad" not in mine
-    assert mine.count("on_after_backward") == (5 if manual else 0)
-    assert mine.count("on_train_batch_start") == 5 and mine.count("on_before_backward") == 5
-    assert sp.summary()[0]["batches"] == 5
+    per_step = {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_zero_grad",
+                "on_before_optimizer_step", "on_train_batch_end"}
+    assert not per_step & set(mine), mine
+    assert "on_train_epoch_start" in mine  # epoch-level hooks are still called
+    e = sp.summary()[0]
+    assert e["batches"] == 5 and e["samples"] == 20
+    ph = e["phases_ms"]
+    assert math.isclose(ph["forward"], 2.0) and math.isclose(ph["backward"], 3.0), ph
+    assert math.isclose(ph["optimizer"], 4.0) and math.isclose(ph["data_wait"], 1.0), ph
     # after the fit the hooks are the class's again (a later fit may need them)
-    assert callable(sp.on_after_backward) and callable(sp.on_before_zero_grad)
+    assert all(callable(getattr(sp, h)) for h in per_step)
+    assert not per_step & set(vars(sp))
+
+
+def test_without_the_loops_batch_the_batch_start_hook_counts_samples():
+    """Where the loop's batch is out of reach (another Lightning), on_train_batch_start stays
+    visible for the batch size alone; the phases come from the actions all the same."""
+    calls = []
+
+    class Counting(SimpleProfiler):
+        def start(self, action_name):
+            calls.append(action_name)
+            super().start(action_name)
+
+    sp = StepProfiler(report=False)
+    clock = FakeClock()
+    with mock.patch("time.perf_counter", clock), \
+            mock.patch("lightning_embcache.profiling.boundaries.loop_batch", return_value=None):
+        t = trainer(max_epochs=1, callbacks=[sp], profiler=Counting())
+        t.fit(CostModel(Cost(clock), 2 * MS, 3 * MS, 4 * MS), loader(BatchDataset(5, Cost(clock), MS, batch=3)))
+    mine = [c.rsplit(".", 1)[1] for c in calls if c.startswith(f"[Callback]{sp.state_key}.")]
+    assert mine.count("on_train_batch_start") == 5 and "on_train_batch_end" not in mine, mine
+    e = sp.summary()[0]
+    assert e["samples"] == 15
+    assert math.isclose(e["phases_ms"]["forward"], 2.0) and math.isclose(e["phases_ms"]["optimizer"], 4.0)

@@ -195,7 +195,10 @@ def test_users_profiler_still_sees_every_action_and_is_restored():
     names = set(simple.recorded_durations)
     assert "[_TrainingEpochLoop].train_dataloader_next" in names
     assert len(simple.recorded_durations["[_TrainingEpochLoop].train_dataloader_next"]) == 4
+    assert len(simple.recorded_durations["run_training_batch"]) == 4
     assert p.summary()[0]["batches"] == 4
+    ph = p.summary()[0]["phases_ms"]  # the boundaries reach the profiler through SimpleProfiler too
+    assert _approx(ph["forward"], 5.0) and _approx(ph["backward"], 7.0) and _approx(ph["optimizer"], 4.0), ph
 
 
 def test_report_table_is_printed(capsys, caplog):
@@ -344,11 +347,13 @@ def test_a_profiler_with_its_own_profile_method_keeps_it():
     p = StepProfiler(report=False)
     t, _, _ = _fit_fake(p, batches=3, profiler=rec)
     assert t.profiler is rec
-    # Lightning names a callback's hook actions after its state_key
-    assert ("enter", f"[Callback]{p.state_key}.on_train_batch_start") in rec.seen
+    # every action reached the user's profile(), the boundaries' included
+    assert rec.seen.count(("enter", "run_training_batch")) == 3
+    assert rec.seen.count(("enter", "[LightningModule]CostModel.on_before_backward")) == 3
     assert rec.seen.count(("start", "[_TrainingEpochLoop].train_dataloader_next")) == 3
     ph = p.summary()[0]["phases_ms"]
     assert _approx(ph["data_wait"], 2.0) and _approx(ph["optimizer"], 4.0), ph
+    assert _approx(ph["forward"], 5.0) and _approx(ph["backward"], 7.0) and _approx(ph["other"], 1.0), ph
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", pytest.param("16-mixed", marks=pytest.mark.gpu)])
