@@ -243,7 +243,7 @@ def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
     sp._skip_hooks(_PER_STEP_HOOKS if sp._loop_batch is not None else _PER_STEP_HOOKS[1:])
     on_start, on_stop = boundaries.loop_actions(
         trainer, fetch=(sp._fetch_start, sp._fetch_stop), transfer=(sp._transfer_start, sp._transfer_stop),
-        batch=(sp._batch_start, sp._batch_stop), backward=sp._backward_start, after_backward=sp._after_backward,
+        batch=(sp._batch_start, sp._batch_stop), backward=sp._backward_start, after_backward=None,
         before_optimizer_step=sp._optimizer_start, auto_step_stop=sp._auto_step_stop,
         manual_step=(sp._manual_step_start, sp._manual_step_stop))
     tap = ProfilerTap(PassThroughProfiler(), on_start, on_stop)

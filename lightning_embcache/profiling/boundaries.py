@@ -4,7 +4,7 @@ optimizer step, and the batch size of a batch."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -13,11 +13,12 @@ Hook = Callable[[], None]
 
 
 def loop_actions(trainer: Any, *, fetch: tuple[Hook, Hook], transfer: tuple[Hook, Hook], batch: tuple[Hook, Hook],
-                 backward: Hook, after_backward: Hook, before_optimizer_step: Hook, auto_step_stop: Hook,
+                 backward: Hook, after_backward: Optional[Hook], before_optimizer_step: Hook, auto_step_stop: Hook,
                  manual_step: tuple[Hook, Hook]) -> tuple[dict[str, Hook], dict[str, Hook]]:
     """``(on_start, on_stop)``: action name -> hook, for a
     :class:`~lightning_embcache.profiling.tap.ProfilerTap` on ``trainer``'s profiler. Pairs are
-    (called at the action's start, called at its stop).
+    (called at the action's start, called at its stop); ``after_backward`` (manual optimization:
+    back to the user's code) may be None.
 
     Every phase boundary of a step is an action Lightning opens anyway, so the profiler needs no
     per-step callback hook (each costs the loop about a microsecond): the batch's
@@ -32,11 +33,18 @@ def loop_actions(trainer: Any, *, fetch: tuple[Hook, Hook], transfer: tuple[Hook
     fetch_action = f"[{loop_name}].train_dataloader_next"
     transfer_action = f"[Strategy]{strategy}.batch_to_device"
     on_start = {fetch_action: fetch[0], transfer_action: transfer[0], "run_training_batch": batch[0],
-                module + "on_before_backward": backward, module + "on_after_backward": after_backward,
-                module + "on_before_optimizer_step": before_optimizer_step, "optimizer_step": manual_step[0]}
+                module + "on_before_backward": backward, module + "on_before_optimizer_step": before_optimizer_step,
+                "optimizer_step": manual_step[0]}
+    if after_backward is not None:
+        on_start[after_backward_action(trainer)] = after_backward
     on_stop = {fetch_action: fetch[1], transfer_action: transfer[1], "run_training_batch": batch[1],
                module + "optimizer_step": auto_step_stop, "optimizer_step": manual_step[1]}
     return on_start, on_stop
+
+
+def after_backward_action(trainer: Any) -> str:
+    """The action of the LightningModule's ``on_after_backward`` hook."""
+    return f"[LightningModule]{type(trainer.lightning_module).__name__}.on_after_backward"
 
 
 def loop_batch(trainer: Any) -> Any:

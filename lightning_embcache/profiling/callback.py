@@ -270,7 +270,8 @@ class StepProfiler(Callback):
         on_start, on_stop = boundaries.loop_actions(
             trainer, fetch=(self._fetch_start, self._fetch_stop), transfer=(self._transfer_start, self._transfer_stop),
             batch=(self._batch_start, self._batch_stop), backward=self._backward_start,
-            after_backward=self._after_backward, before_optimizer_step=self._optimizer_start,
+            after_backward=None if trainer.lightning_module.automatic_optimization else self._after_backward,
+            before_optimizer_step=self._optimizer_start,
             auto_step_stop=self._auto_step_stop, manual_step=(self._manual_step_start, self._manual_step_stop))
         self._tap = ProfilerTap(trainer.profiler, on_start, on_stop)
         trainer.profiler = self._tap
@@ -292,6 +293,8 @@ class StepProfiler(Callback):
         self._device = trainer.strategy.root_device
         self._trainer = trainer
         self._manual = not pl_module.automatic_optimization
+        if self._manual and self._tap is not None:  # the tap leaves this action out under automatic
+            self._tap.track(boundaries.after_backward_action(trainer), on_start=self._after_backward)
         stores = getattr(pl_module, "embedding_stores", None)
         self._stores = StoreReadings(stores) if stores is not None else None
         store_io = self._stores.io_wait_seconds if self._stores is not None else None
@@ -496,8 +499,8 @@ class StepProfiler(Callback):
             tl.switch(BACKWARD)
 
     def _after_backward(self) -> None:
-        tl = self._timeline
-        if self._manual and tl is not None and tl.active:  # back in the user's training_step code
+        tl = self._timeline  # manual optimization only: back in the user's training_step code
+        if tl is not None and tl.active:
             tl.switch(FORWARD)
 
     def _optimizer_start(self) -> None:

@@ -19,15 +19,17 @@ from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
 
 class _NoAction:
-    """What ``profile()`` returns for an action nobody records: no generator, no frames."""
+    """What ``profile()`` returns for an action nobody records: no generator, no Python frame.
+
+    ``str.format`` ignores arguments its string does not use, so ``"".format`` is a C function
+    that takes ``__exit__``'s three arguments and returns ``""``: falsy, so an exception raised in
+    the ``with`` block propagates. Lightning opens ~17 such actions a step; two Python methods
+    here cost 45-50 ns more per action (``with x as y`` gives ``""``; Lightning never asks).
+    """
 
     __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
+    __enter__ = "".format
+    __exit__ = "".format
 
 
 _NO_ACTION = _NoAction()
@@ -116,6 +118,16 @@ class ProfilerTap(Profiler):
         else:
             for name in ("profile", "start", "stop"):
                 self.__dict__.pop(name, None)
+
+    def track(self, action_name: str, on_start: Optional[Callable[[], None]] = None,
+              on_stop: Optional[Callable[[], None]] = None) -> None:
+        """Call ``on_start`` / ``on_stop`` at ``action_name`` from now on (in place: every bound
+        fast path sees it)."""
+        for hooks, hook in ((self._on_start, on_start), (self._on_stop, on_stop)):
+            if hook is not None:
+                hooks[action_name] = hook
+        self._actions[action_name] = _Action(action_name, self._on_start.get(action_name),
+                                             self._on_stop.get(action_name))
 
     @staticmethod
     def remove(top: Profiler, tap: "ProfilerTap") -> Profiler:

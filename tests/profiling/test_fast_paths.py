@@ -62,3 +62,28 @@ def test_tap_rebound_onto_a_recording_profiler_forwards_every_action():
     tap.stop("c")
     assert seen == ["a+", "a-"]
     assert {"a", "c"} <= set(simple.recorded_durations)
+
+
+@pytest.mark.parametrize("inner", [PassThroughProfiler, SimpleProfiler])
+def test_an_exception_inside_any_action_propagates(inner):
+    tap, seen = _tap(inner())
+    for name in ("a", "b", "untracked"):
+        with pytest.raises(KeyError, match="boom"):
+            with tap.profile(name):
+                raise KeyError("boom")
+    assert seen == ["a+", "a-", "b-"]  # a stop hook still runs on the way out
+
+
+@pytest.mark.parametrize("inner", [PassThroughProfiler, SimpleProfiler])
+def test_an_action_tracked_later_reaches_the_bound_fast_path(inner):
+    tap, seen = _tap(inner())
+    profile = tap.profile  # bound before: the fast path is the action table's own lookup
+    with profile("late"):
+        pass
+    tap.track("late", on_start=lambda: seen.append("late+"))
+    with tap.profile("late"):
+        pass
+    if inner is PassThroughProfiler:
+        with profile("late"):
+            pass
+    assert seen == ["late+"] * (2 if inner is PassThroughProfiler else 1)
