@@ -34,6 +34,9 @@ warning_cache = WarningCache()
 # instead (boundaries.loop_actions) and hides these from the Trainer during a fit
 _PER_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_zero_grad",
                    "on_before_optimizer_step", "on_train_batch_end")
+# act only during the sanity check, which Lightning runs before on_train_start: hidden from then
+# on, validation inside the epoch does not pay for them either
+_SANITY_HOOKS = ("on_validation_batch_start", "on_validation_batch_end")
 _PROFILER_METHODS = frozenset({"profile", "start", "stop", "describe", "teardown_profiler"})
 _NOT_A_PROFILER = ("StepProfiler is a callback, not a Lightning profiler: pass it as "
                    "Trainer(callbacks=[StepProfiler()]), not Trainer(profiler=StepProfiler()). It wraps whatever "
@@ -304,15 +307,15 @@ class StepProfiler(Callback):
         # the batch (for its size) where the tap's batch start can read it; else the hook gets it
         self._loop_batch = boundaries.loop_batch(trainer)
         if self._loop_batch is not None:
-            self._skip_hooks(_PER_STEP_HOOKS)
+            self._skip_hooks(_PER_STEP_HOOKS + _SANITY_HOOKS)
         else:
-            self._skip_hooks(tuple(h for h in _PER_STEP_HOOKS if h != "on_train_batch_start"))
+            self._skip_hooks(tuple(h for h in _PER_STEP_HOOKS if h != "on_train_batch_start") + _SANITY_HOOKS)
 
     def _skip_hooks(self, names: tuple[str, ...]) -> None:
         """Per-step hooks this fit does not need are hidden from the Trainer: Lightning calls a
         callback's hook only where ``getattr(callback, name)`` is callable, and each call costs
         the loop about a microsecond (an action name with ``state_key``, a profiler context)."""
-        for name in _PER_STEP_HOOKS:
+        for name in _PER_STEP_HOOKS + _SANITY_HOOKS:
             self.__dict__.pop(name, None)
         for name in names:
             self.__dict__[name] = None

@@ -173,3 +173,28 @@ def test_without_the_loops_batch_the_batch_start_hook_counts_samples():
     e = sp.summary()[0]
     assert e["samples"] == 15
     assert math.isclose(e["phases_ms"]["forward"], 2.0) and math.isclose(e["phases_ms"]["optimizer"], 4.0)
+
+
+def test_validation_batch_hooks_are_called_in_the_sanity_check_only():
+    """They only serve the sanity check (the prediction's validation estimate), which Lightning
+    runs before on_train_start: validation inside the epoch does not call them."""
+    calls = []
+
+    class Counting(SimpleProfiler):
+        def start(self, action_name):
+            calls.append(action_name)
+            super().start(action_name)
+
+    sp = StepProfiler(report=False)
+    clock = FakeClock()
+    cost = Cost(clock)
+    with mock.patch("time.perf_counter", clock):
+        t = trainer(max_epochs=1, callbacks=[sp], profiler=Counting(), num_sanity_val_steps=2, val_check_interval=3)
+        t.fit(CostModel(cost, MS, MS, MS, val_s=2 * MS), loader(BatchDataset(6, cost, MS)),
+              loader(BatchDataset(4, cost, 0.0)))
+    mine = [c.rsplit(".", 1)[1] for c in calls if c.startswith(f"[Callback]{sp.state_key}.")]
+    assert mine.count("on_validation_batch_start") == 2 and mine.count("on_validation_batch_end") == 2, mine
+    assert mine.count("on_validation_start") == 3  # the sanity check and two runs inside the epoch
+    e = sp.summary()[0]
+    assert math.isclose(e["val_seconds"], 2 * 4 * 2 * MS), e
+    assert callable(sp.on_validation_batch_start) and "on_validation_batch_start" not in vars(sp)
