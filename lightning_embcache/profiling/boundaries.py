@@ -42,6 +42,20 @@ def loop_actions(trainer: Any, *, fetch: tuple[Hook, Hook], transfer: tuple[Hook
     return on_start, on_stop
 
 
+def first_callback_actions(trainer: Any, hooks: tuple[str, ...], skip: type) -> dict[str, str]:
+    """hook -> the action of the first callback (none of type ``skip``) Lightning calls that hook
+    on, in ``trainer.callbacks`` order: where the callbacks' part of a boundary begins. A phase
+    that starts there holds every callback's hook of that name, wherever the profiler sits in
+    the list (as when it sat first and used hooks of its own)."""
+    out = {}
+    for hook in hooks:
+        for cb in trainer.callbacks:
+            if not isinstance(cb, skip) and callable(getattr(cb, hook, None)):
+                out[hook] = f"[Callback]{cb.state_key}.{hook}"
+                break
+    return out
+
+
 def after_backward_action(trainer: Any) -> str:
     """The action of the LightningModule's ``on_after_backward`` hook."""
     return f"[LightningModule]{type(trainer.lightning_module).__name__}.on_after_backward"

@@ -60,15 +60,15 @@ class StepProfiler(Callback):
         - ``data_wait``: the loader's own ``next()`` (fetch, collate, worker hand-off) and the
           ``batch_to_device`` transfer; for the first batch of an epoch, from the epoch's start
           (iterator creation and worker start-up included).
-        - ``forward``: from after the ``on_train_batch_start`` hooks to the LightningModule's
-          ``on_before_backward`` (``training_step``, and ``zero_grad`` which Lightning runs after
-          it). Under manual optimization, all of your ``training_step`` code outside
-          ``manual_backward`` and ``opt.step()``.
-        - ``backward``: the LightningModule's ``on_before_backward`` to its
-          ``on_before_optimizer_step`` (or to the batch's end on an accumulation micro-step);
-          includes the DDP gradient all-reduce.
-        - ``optimizer``: the LightningModule's ``on_before_optimizer_step`` to the return of the
-          optimizer step (gradient clipping, ``optimizer.step()``, the AMP scaler update).
+        - ``forward``: ``on_train_batch_start`` to ``on_before_backward`` (``training_step``, and
+          ``zero_grad`` which Lightning runs after it). Under manual optimization, all of your
+          ``training_step`` code outside ``manual_backward`` and ``opt.step()``.
+        - ``backward``: ``on_before_backward`` to ``on_before_optimizer_step`` (or to the batch's
+          end on an accumulation micro-step); includes the DDP gradient all-reduce.
+        - ``optimizer``: ``on_before_optimizer_step`` to the return of the optimizer step
+          (gradient clipping, ``optimizer.step()``, the AMP scaler update). A phase starts at
+          the first callback's hook of that name (the LightningModule's where no other callback
+          has one), wherever this profiler sits in the callback list.
         - ``store_io``: seconds the training thread waited in ``EmbeddingStore`` calls, from the
           stores' ``stats().io_wait_seconds`` (``pl_module.embedding_stores``), taken out of the
           phase they happened in.
@@ -91,9 +91,9 @@ class StepProfiler(Callback):
           the spread beside them.
         - The Trainer's profiler is wrapped (not replaced) from ``setup`` to ``teardown``; your own
           profiler still sees every action. The phase boundaries are the profiler actions Lightning
-          opens around the batch, the LightningModule's hooks and the optimizer step: during a fit
-          the profiler's per-step callback hooks are hidden from the Trainer, which saves the loop
-          their calls.
+          opens around the batch, the hooks and the optimizer step: during a fit the profiler's
+          own per-step callback hooks are hidden from the Trainer, which saves the loop their
+          calls.
 
     Args:
         log_every_n_steps: Log ``profile/*`` metrics every this many training batches (default:
@@ -296,8 +296,15 @@ class StepProfiler(Callback):
         self._device = trainer.strategy.root_device
         self._trainer = trainer
         self._manual = not pl_module.automatic_optimization
-        if self._manual and self._tap is not None:  # the tap leaves this action out under automatic
-            self._tap.track(boundaries.after_backward_action(trainer), on_start=self._after_backward)
+        if self._tap is not None:
+            if self._manual:  # the tap leaves this action out under automatic optimization
+                self._tap.track(boundaries.after_backward_action(trainer), on_start=self._after_backward)
+            # a phase starts at the first callback's hook of its name (the module's own hook and
+            # run_training_batch, tracked since setup, find the phase begun and pass)
+            starts = {"on_train_batch_start": self._batch_start, "on_before_backward": self._backward_start,
+                      "on_before_optimizer_step": self._optimizer_start}
+            for hook, action in boundaries.first_callback_actions(trainer, tuple(starts), StepProfiler).items():
+                self._tap.track(action, on_start=starts[hook])
         stores = getattr(pl_module, "embedding_stores", None)
         self._stores = StoreReadings(stores) if stores is not None else None
         store_io = self._stores.io_wait_seconds if self._stores is not None else None
@@ -481,6 +488,8 @@ class StepProfiler(Callback):
             self._start_epoch(self._trainer, self._trainer.lightning_module)
         if self._batch_ended:  # training_step(dataloader_iter): no fetch closed the step
             self._close_step(self._trainer)
+        elif tl.phase == FORWARD:  # begun at a callback's on_train_batch_start
+            return
         tl.switch(FORWARD)
         loop_batch = self._loop_batch
         if loop_batch is not None and self._samples_known:
@@ -498,7 +507,7 @@ class StepProfiler(Callback):
 
     def _backward_start(self) -> None:
         tl = self._timeline
-        if tl is not None and tl.active:
+        if tl is not None and tl.active and tl.phase != BACKWARD:  # begun at a callback's hook
             tl.switch(BACKWARD)
 
     def _after_backward(self) -> None:
@@ -508,7 +517,8 @@ class StepProfiler(Callback):
 
     def _optimizer_start(self) -> None:
         tl = self._timeline
-        if tl is not None and tl.active and tl.phase != OPTIMIZER:  # manual: opt.step() switched already
+        # begun at a callback's hook, or (manual) at opt.step()
+        if tl is not None and tl.active and tl.phase != OPTIMIZER:
             tl.switch(OPTIMIZER)
 
     def _auto_step_stop(self) -> None:

@@ -8,6 +8,7 @@ import math
 import statistics
 from unittest import mock
 
+import lightning as L
 import pytest
 from lightning.pytorch.profilers import SimpleProfiler
 
@@ -134,3 +135,36 @@ def test_manual_code_between_backward_and_the_step_is_forward():
     ph = sp.summary()[0]["phases_ms"]
     assert math.isclose(ph["forward"], FWD_S / MS + 4) and math.isclose(ph["backward"], BWD_S / MS), ph
     assert math.isclose(ph["optimizer"], OPT_S / MS) and math.isclose(ph["other"], OTHER_S / MS), ph
+
+
+class HookWork(L.Callback):
+    """A callback whose per-step hooks cost known times (e.g. gradient-norm logging)."""
+
+    def __init__(self, cost: Cost) -> None:
+        self.cost = cost
+
+    def on_train_batch_start(self, *args) -> None:
+        self.cost(0.5 * MS)
+
+    def on_before_backward(self, *args) -> None:
+        self.cost(0.25 * MS)
+
+    def on_before_optimizer_step(self, *args) -> None:
+        self.cost(2 * MS)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_other_callbacks_hooks_go_to_the_phase_they_open_wherever_the_profiler_sits(first):
+    """Work in another callback's on_train_batch_start is forward, in its on_before_backward
+    backward, in its on_before_optimizer_step optimizer, before or after StepProfiler in the list
+    (as it was with the profiler first, when it used hooks of its own)."""
+    clock = FakeClock()
+    cost = Cost(clock)
+    sp = StepProfiler(report=False)
+    work = HookWork(cost)
+    with mock.patch("time.perf_counter", clock):
+        t = trainer(max_epochs=1, callbacks=[sp, work] if first else [work, sp])
+        t.fit(CostModel(cost, FWD_S, BWD_S, OPT_S), loader(BatchDataset(4, cost, DATA_S)))
+    ph = sp.summary()[0]["phases_ms"]
+    assert math.isclose(ph["forward"], FWD_S / MS + 0.5) and math.isclose(ph["backward"], BWD_S / MS + 0.25), ph
+    assert math.isclose(ph["optimizer"], OPT_S / MS + 2) and math.isclose(ph["other"], 0.0, abs_tol=1e-9), ph
