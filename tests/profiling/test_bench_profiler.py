@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from lightning_embcache.cli import main as cli_main
 
 
@@ -155,3 +157,11 @@ def test_prediction_replay_oracles_split_the_estimators_error_from_the_hosts(tmp
     assert abs(d["estimate"]["predicted_s"] - (4.0 + 200 * 90_000 / EVICTION_BYTES_PER_S)) < 1e-9
     out = capsys.readouterr().out
     assert "oracles: rest's rate" in out and "CPU models, 1 epochs" in out
+
+
+@pytest.mark.parametrize("plain_callback", [False, True])
+def test_own_step_cost_drives_every_boundary(plain_callback):
+    from lightning_embcache.bench.profiler_own_step import measure
+
+    r = measure(steps=50, plain_callback=plain_callback)  # asserts the profiler saw each phase
+    assert r["with_sp_us"] > r["empty_tap_us"] > 0 and r["passthrough_us"] > 0
