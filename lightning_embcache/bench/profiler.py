@@ -297,14 +297,7 @@ def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
     step = lightning_step(tap, [sp])
     bare = lightning_step(ProfilerTap(PassThroughProfiler(), {}, {}), [])  # the same actions, no profiler
 
-    def per_call_us(fn: Any, n: int) -> float:  # best of 5: the least disturbed by other processes
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / n)
-        return 1e6 * best
+    from lightning_embcache.bench.profiler_own_step import best_of_5_us as per_call_us
 
     pt = PassThroughProfiler()
 

@@ -120,17 +120,24 @@ def test_state_key_is_built_once_per_settings():
     assert key == StepProfiler(report=False, warmup_steps=3).state_key
 
 
-@pytest.mark.parametrize("manual", [False, True])
-def test_no_per_step_callback_hook_is_called(manual):
-    """Lightning calls a callback hook only where it is callable, and each call costs the loop an
-    action named after the state_key: the profiler takes every boundary from actions Lightning
-    opens anyway, and hides all six per-step hooks during the fit; the phases stay exact."""
-    calls = []
+def _counting_profiler(calls: list) -> type:
+    """A SimpleProfiler class that appends every action it starts to ``calls``."""
 
     class Counting(SimpleProfiler):
         def start(self, action_name):
             calls.append(action_name)
             super().start(action_name)
+
+    return Counting
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_no_per_step_callback_hook_is_called(manual):
+    """Lightning calls a callback hook only where it is callable, and each call costs the loop an
+    action named after the state_key: the profiler takes every boundary from actions Lightning
+    opens anyway, and hides all six per-step hooks during the fit; the phases stay exact."""
+    calls: list = []
+    Counting = _counting_profiler(calls)
 
     sp = StepProfiler(report=False)
     clock = FakeClock()
@@ -155,12 +162,8 @@ def test_no_per_step_callback_hook_is_called(manual):
 def test_without_the_loops_batch_the_batch_start_hook_counts_samples():
     """Where the loop's batch is out of reach (another Lightning), on_train_batch_start stays
     visible for the batch size alone; the phases come from the actions all the same."""
-    calls = []
-
-    class Counting(SimpleProfiler):
-        def start(self, action_name):
-            calls.append(action_name)
-            super().start(action_name)
+    calls: list = []
+    Counting = _counting_profiler(calls)
 
     sp = StepProfiler(report=False)
     clock = FakeClock()
@@ -178,12 +181,8 @@ def test_without_the_loops_batch_the_batch_start_hook_counts_samples():
 def test_validation_batch_hooks_are_called_in_the_sanity_check_only():
     """They only serve the sanity check (the prediction's validation estimate), which Lightning
     runs before on_train_start: validation inside the epoch does not call them."""
-    calls = []
-
-    class Counting(SimpleProfiler):
-        def start(self, action_name):
-            calls.append(action_name)
-            super().start(action_name)
+    calls: list = []
+    Counting = _counting_profiler(calls)
 
     sp = StepProfiler(report=False)
     clock = FakeClock()
