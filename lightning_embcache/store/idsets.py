@@ -34,9 +34,3 @@ def isin(a: np.ndarray, b: np.ndarray, *, b_sorted_unique: bool = False) -> np.n
     pos = np.searchsorted(sb, a)
     np.minimum(pos, sb.size - 1, out=pos)
     return sb[pos] == a
-
-
-def setdiff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Sorted distinct values of ``a`` not in ``b`` (``np.setdiff1d``)."""
-    ua = unique(a)
-    return ua[~isin(ua, b)]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import idsets, uring
-from .chunkrows import ChunkRows
+from .chunkrows import DENSE_ROWS, ChunkRows
 from .errors import InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
 from .hot import SLOT_OVERHEAD
 from .initrows import normal_rows
@@ -252,20 +252,8 @@ class TieredRows:
             self._hot.expect(idx)
             if self._hinted is None:
                 self._hinted = []
-            if self._hint_task:
-                self._hinted.append(idx)  # the store's own copy (as_ids copies)
-                return  # the running task takes this hint on its next round (or a miss does)
-            if self._reads_cached():
-                # Rows come up from the page cache: the next miss reads the announced rows with
-                # its own in one batch (`_take_hints`). A second thread would only take turns
-                # with this one for the GIL (each hand-over a wake-up, on a loaded host a time
-                # slice), so it reads only while rows come from the disk, where its reads overlap
-                # the training step.
-                self._hinted.append(idx)
-                if sum(len(h) for h in self._hinted) > self._hot.limit // 4:
-                    del self._hinted[0]  # a hint only: its rows are read when their get comes
-                return
-            if self._warm.budget and self._advise(idx):
+            cached = not self._hint_task and self._reads_cached()
+            if not (self._hint_task or cached) and self._warm.budget and self._advise(idx):
                 # Rows wait for the disk and each lies in a raw base chunk: the kernel reads them
                 # ahead (whole chunks where the coming batches want a good part of one, as in
                 # `ChunkShuffleSampler` order), and the get that first wants a chunk reads it from
@@ -274,7 +262,18 @@ class TieredRows:
                 # this one for the GIL, and no miss reads them early (it would wait for reads
                 # still in flight).
                 return
-            self._hinted.append(idx)
+            self._hinted.append(idx)  # the store's own copy (as_ids copies)
+            if self._hint_task:
+                return  # the running task takes this hint on its next round (or a miss does)
+            if cached:
+                # Rows come up from the page cache: the next miss reads the announced rows with
+                # its own in one batch (`_take_hints`). A second thread would only take turns
+                # with this one for the GIL (each hand-over a wake-up, on a loaded host a time
+                # slice), so it reads only while rows come from the disk, where its reads overlap
+                # the training step.
+                if sum(len(h) for h in self._hinted) > self._hot.limit // 4:
+                    del self._hinted[0]  # a hint only: its rows are read when their get comes
+                return
             self._hint_task = True
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
@@ -366,12 +365,17 @@ class TieredRows:
         order = np.argsort(ids, kind="stable")
         seq = self._next_seq
         self._next_seq += 1
-        seg = self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]), durable=False)
-        self._below_token += 1
+        self._add_pending(self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]),
+                                                   durable=False))
+
+    def _add_pending(self, seg: Any) -> None:
+        """A segment this handle just wrote without publishing it (write-back, a write around the
+        hot tier) becomes part of the rows below the hot tier: indexed, and its rows' warm chunks
+        dropped. Caller holds the lock."""
         self._pending.append(seg)
         self._pending.sort(key=lambda g: g.seq)
         self._index_add(seg)
-        self._warm.discard_many(ids // self._chunk_rows)
+        self._warm.discard_many(seg.ids // self._chunk_rows)
 
     def _clean(self) -> None:
         """Background write-back: turn dirty hot rows that are not recently used into clean ones.
@@ -399,10 +403,7 @@ class TieredRows:
                 raise
             with self._lock:
                 self._end_write_back(take, seq, ok=True)
-                self._pending.append(seg)
-                self._pending.sort(key=lambda g: g.seq)
-                self._index_add(seg)
-                self._warm.discard_many(ids // self._chunk_rows)
+                self._add_pending(seg)
                 self._stats.cleaned_rows += len(ids)
 
     def _begin_write_back(self, slots: np.ndarray):
@@ -462,12 +463,8 @@ class TieredRows:
 
         seq = self._next_seq
         self._next_seq += 1
-        seg = self._disk.write_segment(seq, uniq, records, durable=False)  # raises: nothing applied
-        self._below_token += 1
-        self._pending.append(seg)
-        self._pending.sort(key=lambda g: g.seq)
-        self._index_add(seg)
-        self._warm.discard_many(uniq // cr)
+        # a write that fails raises here, with nothing applied
+        self._add_pending(self._disk.write_segment(seq, uniq, records, durable=False))
         # Resident copies take the write too (the hot tier is read first); they stay dirty.
         slots = hot.lookup(idx)
         res = slots >= 0
@@ -573,7 +570,7 @@ class TieredRows:
             if len(warm):
                 pick |= idsets.isin(uc, warm.chunks())
             if warm.budget:
-                pick |= np.diff(bounds) * 64 >= cr  # dense: read whole and keep it warm
+                pick |= np.diff(bounds) * DENSE_ROWS >= cr  # dense: read whole and keep it warm
             for i in np.flatnonzero(pick).tolist():
                 c = int(uc[i])
                 cached = warm.get(c)
