@@ -216,6 +216,8 @@ def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
     CUDA events, read at log intervals as in a fit)."""
     from lightning.pytorch.profilers import PassThroughProfiler
 
+    from lightning_embcache.bench.profiler_own_step import best_of_5_us as per_call_us
+    from lightning_embcache.bench.profiler_own_step import lightning_step
     from lightning_embcache.profiling import boundaries
     from lightning_embcache.profiling.callback import _PER_STEP_HOOKS
     from lightning_embcache.profiling.tap import ProfilerTap
@@ -247,57 +249,11 @@ def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
         before_optimizer_step=sp._optimizer_start, auto_step_stop=sp._auto_step_stop,
         manual_step=(sp._manual_step_start, sp._manual_step_stop))
     tap = ProfilerTap(PassThroughProfiler(), on_start, on_stop)
-    batch = (torch.zeros(4, 2), torch.zeros(4, 1))
     sp._start_epoch(trainer, None)
-    results = trainer.fit_loop.epoch_loop._results
-    loop, module, strategy = "_TrainingEpochLoop", "[LightningModule]SimpleNamespace.", "[Strategy]SimpleNamespace."
 
-    def lightning_step(profiler: Any, callbacks: list) -> Any:
-        fetch = f"[{loop}].train_dataloader_next"
-
-        def hooks(name: str, *args: Any) -> None:  # Lightning's _call_callback_hooks
-            for cb in callbacks:
-                fn = getattr(cb, name)
-                if callable(fn):
-                    with profiler.profile(f"[Callback]{cb.state_key}.{name}"):
-                        fn(trainer, None, *args)
-
-        def step() -> None:
-            act = profiler.profile
-            profiler.start(fetch)
-            profiler.stop(fetch)
-            with act(strategy + "batch_to_device"):
-                pass
-            results.batch = batch
-            hooks("on_train_batch_start", batch, 0)
-            with act(module + "on_train_batch_start"), act(strategy + "on_train_batch_start"):
-                pass
-            with act("run_training_batch"), act(module + "optimizer_step"):
-                with act(strategy + "training_step"):
-                    pass
-                hooks("on_before_zero_grad", None)
-                with act(module + "on_before_zero_grad"), act(module + "optimizer_zero_grad"):
-                    pass
-                with act(strategy + "backward"):
-                    hooks("on_before_backward", None)
-                    with act(module + "on_before_backward"):
-                        pass
-                    hooks("on_after_backward")
-                    with act(module + "on_after_backward"):
-                        pass
-                hooks("on_before_optimizer_step", None)
-                with act(module + "on_before_optimizer_step"), act(module + "configure_gradient_clipping"):
-                    pass
-            hooks("on_train_batch_end", None, batch, 0)
-            with act(module + "on_train_batch_end"):
-                pass
-            results.batch = None
-        return step
-
-    step = lightning_step(tap, [sp])
-    bare = lightning_step(ProfilerTap(PassThroughProfiler(), {}, {}), [])  # the same actions, no profiler
-
-    from lightning_embcache.bench.profiler_own_step import best_of_5_us as per_call_us
+    step = lightning_step(trainer, trainer.lightning_module, [sp], tap)
+    # the same actions, no profiler
+    bare = lightning_step(trainer, trainer.lightning_module, [], ProfilerTap(PassThroughProfiler(), {}, {}))
 
     pt = PassThroughProfiler()
 

@@ -58,7 +58,12 @@ def _trainer(with_profiler: bool, plain_callback: bool) -> tuple[L.Trainer, L.Li
     return trainer, module, callbacks
 
 
-def _step(trainer: L.Trainer, module: L.LightningModule, callbacks: list) -> Callable[[], None]:
+def lightning_step(trainer: Any, module: Any, callbacks: list, profiler: Any = None) -> Callable[[], None]:
+    """One automatic-optimization step's profiler actions in Lightning 2.6's order, with
+    ``callbacks``' hooks dispatched as Lightning's ``_call_callback_hooks`` does, through
+    ``profiler`` (default: ``trainer.profiler``). ``trainer`` needs ``strategy``, ``fit_loop``
+    (with ``epoch_loop._results``) and ``lightning_module``."""
+    prof = trainer.profiler if profiler is None else profiler
     strategy, name = type(trainer.strategy).__name__, type(module).__name__
     fetch = f"[{type(trainer.fit_loop.epoch_loop).__name__}].train_dataloader_next"
     results = trainer.fit_loop.epoch_loop._results
@@ -68,17 +73,17 @@ def _step(trainer: L.Trainer, module: L.LightningModule, callbacks: list) -> Cal
         for cb in callbacks:
             fn = getattr(cb, hook)
             if callable(fn):
-                with trainer.profiler.profile(f"[Callback]{cb.state_key}.{hook}"):
+                with prof.profile(f"[Callback]{cb.state_key}.{hook}"):
                     fn(trainer, trainer.lightning_module, *args)
 
     def lm(hook: str) -> Any:
-        return trainer.profiler.profile(f"[LightningModule]{name}.{hook}")
+        return prof.profile(f"[LightningModule]{name}.{hook}")
 
     def st(hook: str) -> Any:
-        return trainer.profiler.profile(f"[Strategy]{strategy}.{hook}")
+        return prof.profile(f"[Strategy]{strategy}.{hook}")
 
     def step() -> None:
-        p = trainer.profiler
+        p = prof
         p.start(fetch)
         p.stop(fetch)
         with st("batch_to_device"):
@@ -125,12 +130,12 @@ def best_of_5_us(fn: Callable[[], None], n: int) -> float:
 def measure(steps: int = 4000, plain_callback: bool = False) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        passthrough = _step(*_trainer(False, plain_callback))
+        passthrough = lightning_step(*_trainer(False, plain_callback))
         trainer, module, callbacks = _trainer(False, plain_callback)
         trainer.profiler = ProfilerTap(PassThroughProfiler(), {}, {})
-        empty_tap = _step(trainer, module, callbacks)
+        empty_tap = lightning_step(trainer, module, callbacks)
         trainer, module, callbacks = _trainer(True, plain_callback)
-        with_sp = _step(trainer, module, callbacks)
+        with_sp = lightning_step(trainer, module, callbacks)
     out = {"passthrough_us": best_of_5_us(passthrough, steps), "empty_tap_us": best_of_5_us(empty_tap, steps),
            "with_sp_us": best_of_5_us(with_sp, steps)}
     sp = callbacks[0]
