@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
-from lightning_embcache.profiling.forecast import Forecast, eviction_estimate_s, save_estimate_s
+from lightning_embcache.profiling.forecast import Forecast, StoreFill, save_estimate_s, store_fill_save_s
 
 try:
     _getcpu = ctypes.CDLL(None).sched_getcpu
@@ -70,6 +70,7 @@ class _Probe(L.Callback):
         self.sp, self.n = sp, epoch_batches
         self.at = {max(1, round(f * epoch_batches)): f for f in self.FRACTIONS}
         self.seen: dict[int, dict[float, Optional[float]]] = {}
+        self.own_s: dict[int, float] = {}  # per epoch: seconds of the probe's own predict() calls
         self.traces: list[dict] = []  # per epoch: each step's wall and store seconds (replayable)
         # per batch: the training thread's CPU time and the CPU it ran on at the batch's start, to
         # tell a host that runs slower (both clocks) from one that preempts (the wall alone)
@@ -84,8 +85,11 @@ class _Probe(L.Callback):
         self._core.append(_getcpu() if _getcpu is not None else -1)
         f = self.at.get(batch_idx)  # batch_idx batches have finished (the last one closes at this fetch)
         if f is not None:
+            t0 = time.perf_counter()
             p = self.sp.predict()
             self.seen.setdefault(trainer.current_epoch, {})[f] = None if p is None else p["epoch_s"]
+            # the benchmark's own work inside the epoch, not the workload's: left out of the actual
+            self.own_s[trainer.current_epoch] = self.own_s.get(trainer.current_epoch, 0.0) + time.perf_counter() - t0
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:  # after the profiler's own epoch end
         fc = self.sp._predictor.forecast
@@ -97,7 +101,8 @@ class _Probe(L.Callback):
                                 "thread_cpu": [round(b - a, 7) for a, b in zip(self._cpu, self._cpu[1:])],
                                 "core": self._core,
                                 # (batch, bytes per batch) of the hot tiers' fill, as last projected
-                                "store_fill": self.sp._predictor._fill})
+                                "store_fill": self.sp._predictor._fill,
+                                "probe_s": self.own_s.get(trainer.current_epoch, 0.0)})
 
 
 class _ValMLP(MLP):
@@ -110,18 +115,23 @@ def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = N
             probe: Optional[_Probe] = None) -> dict:
     s = sp.summary()
     epochs = []
+    own = probe.own_s if probe is not None else {}
     for e, ref in zip(s, wall.epochs):
         later = (probe.seen.get(e["epoch"], {}) if probe is not None else {})
-        epochs.append({"epoch": e["epoch"], "batches": e["batches"], "actual_s": e["epoch_wall_seconds"],
-                       "reference_s": ref, "predicted_s": e["predicted_epoch_seconds"],
+        # the actual time less the probe's own predict() calls inside the epoch (a few ms)
+        probe_s = own.get(e["epoch"], 0.0)
+        actual = e["epoch_wall_seconds"] - probe_s
+        pred = e["predicted_epoch_seconds"]
+        epochs.append({"epoch": e["epoch"], "batches": e["batches"], "actual_s": actual,
+                       "reference_s": ref - probe_s, "probe_s": probe_s, "predicted_s": pred,
                        "std_s": e["predicted_epoch_std_seconds"], "at_batch": e["predicted_at_batch"],
-                       "error_pct": e["prediction_error_pct"],
+                       "error_pct": 100 * (pred / actual - 1) if pred else None,
                        "unmeasured_saves": e.get("predicted_unmeasured_saves"),
                        "store_fill_batch": e.get("predicted_store_fill_batch"),
                        "store_fill_s": e.get("predicted_store_fill_seconds"),
-                       "error_pct_by_fraction": {f: (100 * (v / e["epoch_wall_seconds"] - 1) if v else None)
+                       "error_pct_by_fraction": {f: (100 * (v / actual - 1) if v else None)
                                                  for f, v in later.items()}})
-    fit_actual = sum(e["epoch_wall_seconds"] for e in s)
+    fit_actual = sum(e["actual_s"] for e in epochs)
     fit_pred = s[0]["predicted_fit_seconds"] if s else None
     out = {"run": label, "epochs": epochs, "fit_actual_s": fit_actual, "fit_predicted_s": fit_pred,
            "fit_error_pct": 100 * (fit_pred / fit_actual - 1) if fit_pred else None,
@@ -258,7 +268,9 @@ def model_bytes(model_name: str) -> int:
 
 class _KnownRate(Forecast):
     """A :class:`Forecast` told the rate (seconds per step) the rest of the epoch will run at: what
-    the estimator would predict if it knew that, all else (validation, saves) as it is."""
+    the estimator would predict if it knew that, all else (validation, saves, the stores' extra
+    cost of a save after their hot tiers fill) as it is. The rate holds what the batches after a
+    fill cost, so they are not charged again."""
 
     rate_s = 0.0
 
@@ -266,18 +278,27 @@ class _KnownRate(Forecast):
         r = super().rate()
         return None if r is None else dict(r, mean=self.rate_s, slope=0.0)
 
+    def predict(self, *args: Any, store_fill: Optional[StoreFill] = None, save_batches: Any = (),
+                **kwargs: Any) -> Optional[dict]:
+        p = super().predict(*args, **kwargs)
+        if p is not None and store_fill is not None:
+            extra = math.fsum(store_fill_save_s(store_fill, b) for b in save_batches if b >= self.batches)
+            p["seconds"] += extra
+            p["store_fill_s"] = extra
+        return p
+
 
 def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: int = 0, epoch: int = 0,
                  save_guess_s: Optional[float] = None, earlier_save_s: Optional[float] = None,
                  device: bool = False, rate_s: Optional[float] = None,
-                 store_fill: Optional[tuple[int, float]] = None) -> Optional[dict]:
+                 store_fill: Optional[StoreFill] = None) -> Optional[dict]:
     """The prediction the current :class:`Forecast` makes after ``fraction`` of a saved epoch's
     batches (``trace`` as kept by the benchmark), against ``actual_s``. Validation still to come is
     charged at the mean of the epoch's own runs (the benchmark's sanity check is not in the trace);
     checkpoint saves (every ``every_n`` steps) at the measured cost once one was seen, else at
     ``earlier_save_s`` (a save measured in an earlier epoch), else at ``save_guess_s``. ``rate_s``:
-    the rate is this instead of the estimator's (an oracle); ``store_fill``: (batch, bytes per
-    batch) of a hot tier's fill, as the profiler projected it."""
+    the rate is this instead of the estimator's (an oracle); ``store_fill``: a hot tier's fill, as
+    the profiler projected it."""
     wall, store = trace["wall"], trace["store"]
     n = len(wall)
     k = max(9, math.ceil(fraction * n))
@@ -301,8 +322,9 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         # validation twice an epoch in the val+ckpt runs (at half and at the end): none before 5%
         g0 = epoch * n
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
-        fill = None if store_fill is None else (store_fill[0], *eviction_estimate_s(store_fill[1]))
-        p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, 0.0, save_guess_s, fill)
+        at = [b for b in range(k, n) if every_n and (g0 + b) % every_n == 0] if store_fill is not None else []
+        p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, 0.0, save_guess_s,
+                       store_fill=store_fill, save_batches=at)
         if p is None:
             k += 1
     if p is None:
@@ -311,8 +333,8 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
             "error_pct": 100 * (p["seconds"] / actual_s - 1), "unmeasured_saves": p["unmeasured_saves"]}
 
 
-# the demo's hot tier (a quarter of its 1M x 64 float32 table): the bytes per batch of runs saved
-# before the benchmark kept the profiler's fill projection
+# the demo's hot tier (a quarter of its 1M x 64 float32 table): the budget (and the bytes per
+# batch) of runs saved before the benchmark kept the profiler's whole fill projection
 DEMO_HOT_BYTES = 1_000_000 * 64 * 4 // 4
 
 
@@ -361,6 +383,8 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
                 every = 250  # the demo's ModelCheckpoint(every_n_train_steps=250)
                 if fill is None and e.get("store_fill_batch"):
                     fill = (e["store_fill_batch"], DEMO_HOT_BYTES / e["store_fill_batch"])
+            if fill is not None:  # runs saved before the projection kept the budget: the demo's
+                fill = StoreFill(int(fill[0]), float(fill[1]), float(fill[2]) if len(fill) > 2 else DEMO_HOT_BYTES)
             row = {"run": r["run"], "epoch": e["epoch"], "recorded_error_pct": e["error_pct"]}
             args = (e["actual_s"], fraction, every, e["epoch"])
             row["free"] = replay_epoch(trace, *args, None, earlier, device)
@@ -368,8 +392,8 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
             rest = _steps_mean(trace["wall"], saves, k, n)
             first = _steps_mean(trace["wall"], saves, 1, k)
             # the oracles know the rate; saves and validation are charged as the estimator does
-            row["rest_rate"] = replay_epoch(trace, *args, guess, earlier, device, rate_s=rest)
-            row["first_rate"] = replay_epoch(trace, *args, guess, earlier, device, rate_s=first)
+            row["rest_rate"] = replay_epoch(trace, *args, guess, earlier, device, rate_s=rest, store_fill=fill)
+            row["first_rate"] = replay_epoch(trace, *args, guess, earlier, device, rate_s=first, store_fill=fill)
             out.append(row)
 
             def pct(name: str) -> float:

@@ -30,12 +30,18 @@ What makes early steps unrepresentative, and how each is handled:
   extra time of a save. Before any save has been measured they are charged at an estimate from
   the bytes a save writes (:func:`save_estimate_s`), with half of it as their uncertainty, and
   counted in ``unmeasured_saves``.
-- **A store's hot tier filling up**: the callback projects from two readings of the stores'
-  ``stats()`` the batch at which their hot tiers will be full, and the bytes each batch brings in.
-  After that batch every row brought in evicts one; before it no batch has paid for that, so the
-  batches after it are charged an estimate (:func:`eviction_estimate_s`), less the share the
-  rate's window already holds, with a wide uncertainty (the cost has differed several-fold
-  between runs, store versions and hosts).
+- **A store's hot tier filling up** (a cold store's first epoch: every row a batch brings in is
+  new): the callback projects from two readings of the stores' ``stats()`` the batch at which
+  their hot tiers will be full, the bytes each batch brings in and the tiers' budget
+  (:class:`StoreFill`). Nothing before the 5% point has paid what comes later, and the store's
+  statistics hold no measurement of it yet (nothing has been written), so it is charged from a
+  cost model measured on the current store (:func:`store_fill_step_s`,
+  :func:`store_fill_save_s`): the store's time per batch grows as the hot tier fills; after the
+  fill every batch evicts as many rows as it brings in, at a cost that grows with the rows the
+  store holds (background compaction folds them into a table on disk that keeps growing); and a
+  checkpoint save after the fill waits for that folding, longer the larger the table. The share
+  of it the rate's window already holds is left out, and the uncertainty is a large fraction of
+  the charge (the costs differ by a factor of 2-3 between runs on one host).
 
 The uncertainty (one standard deviation) comes from the spread of the step times: the standard
 error of the rate by the method of batch means (blocks of consecutive steps, so that steps that
@@ -49,7 +55,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -70,26 +76,67 @@ SAVE_FIXED_S = 0.010
 SAVE_BYTES_PER_S = 400e6
 
 
-# A batch after an embedding store's hot tier is full: every row it brings in evicts one, and the
-# evicted rows go to the warm tier, its spill files and their compaction; nothing has measured that
-# before the tier is full. Extra step time per byte a batch brings in: the estimate is the current
-# store's in `embcache demo` on the 2-vCPU development host (batches of 272 kB after the fill
-# -0.9 .. +5.0 ms slower than before it, mean +0.96 ms over 14 runs); its uncertainty is half the
-# cost of earlier store versions on the H100 benchmark host (+3.6 .. +10.5 ms: 27-76 MB/s)
-EVICTION_BYTES_PER_S = 280e6
-EVICTION_SLOW_BYTES_PER_S = 45e6
+# An embedding store whose hot tier fills during the epoch, every row it takes in new (a cold
+# store's first epoch). A batch at hot-tier fill level s (rows held over the budget) costs
+#   bytes_per_batch * (min(s, 1) / STORE_FILLING_BYTES_PER_S + (s / EVICTION_BYTES_PER_S after the fill))
+# more than one into an empty tier, and a checkpoint save after the fill
+#   hot_bytes * s**2 / FOLD_BYTES_PER_S
+# more than before it. Measured with `embcache demo` (1M x 64-dim rows, hot tier a quarter of
+# the table, 273 kB a batch, saves every 250 batches) on the 2-vCPU development host, 22 runs
+# (13 full epochs): batches between 5% and the fill +0.5 ms (median; mean +0.7) over the rate at
+# 5%, batches after the fill +1.8 ms (mean +2.4; +1.0 ms over the 400-step runs' batches 235-400),
+# saves at batches 500 and 750 +0.28 s and +0.81 s (medians; ranges 0.08-0.72 s, 0.28-1.29 s).
+# Each of these differed by a factor of 2-3 between runs: the charge's uncertainty
+STORE_FILLING_BYTES_PER_S = 300e6
+EVICTION_BYTES_PER_S = 600e6
+FOLD_BYTES_PER_S = 0.9e9
+STORE_CHARGE_CV = 0.6
+
+
+class StoreFill(NamedTuple):
+    """The stores' hot tiers filling during an epoch: the batch of the epoch at which they are
+    full, the bytes each batch brings in, and their budget in bytes."""
+
+    batch: int
+    bytes_per_batch: float
+    hot_bytes: float
+
+    def level(self, b: float) -> float:
+        """Rows the stores hold at batch ``b`` of the epoch over what their hot tiers hold when
+        full (linear in the batch: every batch brings in new rows)."""
+        return max(0.0, 1.0 + self.bytes_per_batch * (b - self.batch) / max(1.0, self.hot_bytes))
+
+
+def store_fill_step_s(fill: StoreFill, a: int, b: int) -> float:
+    """Extra seconds of batches ``a .. b-1`` of the epoch (over batches into an empty hot tier)."""
+    if b <= a:
+        return 0.0
+    k = fill.bytes_per_batch / max(1.0, fill.hot_bytes)  # level per batch
+    bpb, f = fill.bytes_per_batch, fill.batch
+
+    def level_sum(x0: float, x1: float) -> float:  # sum of level(x) over x0 .. x1-1, level > 0 there
+        if x1 <= x0:
+            return 0.0
+        return (x1 - x0) * (1.0 + k * ((x0 + x1 - 1) / 2.0 - f))
+
+    empty = f - 1.0 / k if k > 0 else -math.inf  # the batch at which the projected tier was empty
+    lo = max(a, math.ceil(empty))
+    before = level_sum(lo, min(b, f))  # filling: level < 1
+    after_n = max(0, b - max(a, f))
+    after = level_sum(max(a, f), b) if after_n else 0.0
+    return bpb * ((before + after_n) / STORE_FILLING_BYTES_PER_S + after / EVICTION_BYTES_PER_S)
+
+
+def store_fill_save_s(fill: StoreFill, b: int) -> float:
+    """Extra seconds of a checkpoint save at batch ``b`` of the epoch (none before the fill)."""
+    if b < fill.batch:
+        return 0.0
+    return fill.hot_bytes * fill.level(b) ** 2 / FOLD_BYTES_PER_S
 
 
 def save_estimate_s(nbytes: float) -> float:
     """Estimated seconds of one checkpoint save that writes ``nbytes`` of tensors."""
     return SAVE_FIXED_S + nbytes / SAVE_BYTES_PER_S
-
-
-def eviction_estimate_s(bytes_per_batch: float) -> tuple[float, float]:
-    """Estimated extra seconds of a batch that brings ``bytes_per_batch`` into a full hot tier,
-    and the uncertainty of that estimate (one standard deviation)."""
-    b = max(0.0, bytes_per_batch)
-    return b / EVICTION_BYTES_PER_S, 0.5 * b / EVICTION_SLOW_BYTES_PER_S
 
 
 def level_variation_so_far(wall: "array | list[float]") -> float:
@@ -318,7 +365,7 @@ class Forecast:
     def predict(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
                 saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
                 save_guess_s: Optional[float] = None,
-                store_fill: Optional[tuple[int, float, float]] = None) -> Optional[dict]:
+                store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = ()) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
         measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:
@@ -326,10 +373,11 @@ class Forecast:
         ``level_cv``: how much the step time of earlier epochs varied between blocks of a
         twentieth of an epoch (:func:`level_variation`), which widens the uncertainty of the
         batches to go; at least what this epoch's steps so far show
-        (:func:`level_variation_so_far`). ``store_fill``: (batch of this epoch at which the stores' hot tiers fill,
-        extra seconds of each batch after it, its uncertainty): the batches after the fill are
-        charged that extra, less the share of it the rate's window already holds (its batches
-        after the fill)."""
+        (:func:`level_variation_so_far`). ``store_fill``: the stores' hot tiers filling in this
+        epoch: the batches to go are charged :func:`store_fill_step_s`, less what the rate's
+        window already holds of it, and the saves to come (``save_batches``, batches of the epoch)
+        :func:`store_fill_save_s`, unless a save after the fill has been measured in this epoch
+        (its cost holds it); the store-time trend is not carried on then (the model replaces it)."""
         r = self.rate()
         if r is None:
             return None
@@ -346,16 +394,16 @@ class Forecast:
         saves_s = saves_left * save_s if save_s is not None else 0.0
         guess_std = 0.0 if measured else 0.5 * saves_s
         val_s = (val_runs_left * val_run_s) if val_run_s is not None else 0.0
-        fill_s = fill_step = fill_std = 0.0
-        fills_in_epoch = False
+        fill_s = fill_step = 0.0
         if store_fill is not None:
-            at, extra, extra_std = store_fill
-            lo, n = r["window_start"], len(self.wall)
-            before = min(max(at - self.start_batches - lo, 0), n - lo) / max(1, n - lo)
-            fill_step = extra * before
-            after = max(0, total_batches - max(done, at))
-            fill_s, fill_std = after * fill_step, after * extra_std * before
-            fills_in_epoch = at < total_batches
+            trend = 0.0
+            lo = self.start_batches + r["window_start"]
+            window_step = store_fill_step_s(store_fill, lo, done) / max(1, done - lo)
+            fill_s = store_fill_step_s(store_fill, done, total_batches) - left * window_step
+            if not any(self.start_batches + i >= store_fill.batch for i in self.saves):
+                fill_s += math.fsum(store_fill_save_s(store_fill, b) for b in save_batches if b >= done)
+            fill_step = store_fill_step_s(store_fill, total_batches - 1, total_batches) - window_step
+        fill_std = STORE_CHARGE_CV * abs(fill_s)
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s + fill_s)
         # the host's speed may change within the epoch as it did in earlier ones, and at least
@@ -368,9 +416,8 @@ class Forecast:
         std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_s ** 2
                         + guess_std ** 2 + fill_std ** 2)
         # the rate at the end of this epoch (later epochs run at it), the trend levelled off
-        end_rate = r["mean"] + (self.trend_seconds(r, total_batches, 1) if r["slope"] else 0.0)
-        if fills_in_epoch:
-            end_rate += fill_step
+        end_rate = r["mean"] + (self.trend_seconds(r, total_batches, 1) if r["slope"] and store_fill is None else 0.0)
+        end_rate += fill_step
         return {"seconds": total, "std": std, "at_batch": done, "rate_s": r["mean"], "rate": r,
                 "end_rate_s": end_rate, "trend_s": trend, "unmeasured_saves": 0 if measured else saves_left,
                 "store_fill_s": fill_s,

@@ -13,12 +13,26 @@ import time
 from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
-from lightning_embcache.profiling.forecast import Forecast, eviction_estimate_s, level_variation, save_estimate_s
+from lightning_embcache.profiling.forecast import Forecast, StoreFill, level_variation, save_estimate_s
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 
 SYNC_EVERY = 256  # steps at most between handing the pending steps to the forecast
 FULL = 0.99  # a hot tier this close to its budget is full (eviction keeps it a few rows under)
+
+
+def save_batches(trainer: Any, first_step: int, last_step: int, done: int, acc: int) -> list[int]:
+    """Batches of the epoch (``done`` of them run at optimizer step ``first_step``) during which
+    ``ModelCheckpoint(every_n_train_steps=n)`` saves (the step after the one that reaches its
+    optimizer step, as the forecast marks saves), up to optimizer step ``last_step``."""
+    out: list[int] = []
+    for cb in getattr(trainer, "checkpoint_callbacks", []) or []:
+        every = int(getattr(cb, "_every_n_train_steps", 0) or 0)
+        if every > 0 and last_step > first_step:
+            first = (first_step // every + 1) * every
+            last = min(last_step, first + every * 100_000)  # an epoch's worth at most
+            out += [done + (g - first_step) * acc for g in range(first, last + 1, every)]
+    return sorted(out)
 
 
 class EpochPredictor:
@@ -49,9 +63,10 @@ class EpochPredictor:
         self.store_reader: Optional[Callable[[], Optional[tuple[float, float]]]] = None
         self._store_mark = -1
         self._store_first: Optional[tuple[int, tuple[float, float]]] = None
-        # the latest projection of the fill: (batch of this epoch at which the hot tiers will be
-        # full, bytes they take in per batch); kept for the predictions that do not read stats()
-        self._fill: Optional[tuple[int, float]] = None
+        # the latest projection of the fill (batch of this epoch at which the hot tiers will be
+        # full, bytes they take in per batch, their budget); kept for the predictions that do not
+        # read stats()
+        self._fill: Optional[StoreFill] = None
         # () -> bytes a checkpoint save writes (the module's and optimizers' tensors): a save's
         # cost until one has been measured. Read only when a prediction has saves to charge
         self.save_bytes_reader: Optional[Callable[[], int]] = None
@@ -234,9 +249,9 @@ class EpochPredictor:
         fill = self._project_fill(done, target)
         return fill[0] if fill is not None and fill[0] > done else None
 
-    def _project_fill(self, done: int, target: int) -> Optional[tuple[int, float]]:
-        """Reads the stores and updates the projection of the fill: (batch, bytes per batch) if
-        the hot tiers fill before ``target`` (or have filled as projected), else None."""
+    def _project_fill(self, done: int, target: int) -> Optional[StoreFill]:
+        """Reads the stores and updates the projection of the fill if the hot tiers fill before
+        ``target`` (or have filled as projected), else None."""
         first = self._store_first
         if first is None or done <= first[0] or (self._fill is not None and done >= self._fill[0]):
             return self._fill  # (past the projected fill, the rate since the first reading is no fill rate)
@@ -249,13 +264,13 @@ class EpochPredictor:
         if budget > 0.0 and hot >= FULL * budget:
             # full already: at the projected rate, and no later than now
             if self._fill is not None and self._fill[0] > done:
-                self._fill = (done, self._fill[1])
+                self._fill = self._fill._replace(batch=done)
             return self._fill
         if rate <= 0.0 or budget <= 0.0:
             self._fill = None
             return None
         fill = done + math.ceil((budget - hot) / rate)
-        self._fill = (fill, rate) if fill < target else None
+        self._fill = StoreFill(fill, rate, budget) if fill < target else None
         return self._fill
 
     def predict(self, trainer: Any, with_store: bool = False) -> Optional[dict]:
@@ -281,9 +296,9 @@ class EpochPredictor:
         saves = schedule.saves(trainer, g_now, g_end)
         guess = self._save_guess(trainer) if saves and self._save_s is None and not fc.saves else None
         fill_batch = self.store_fill_batch(done, target) if with_store else None
-        # batches after the hot tiers fill: charged at an estimate from the bytes they bring in
-        fill = None if self._fill is None else (self._fill[0], *eviction_estimate_s(self._fill[1]))
-        p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, fill)
+        # hot tiers filling in this epoch: the saves to come cost more after the fill
+        at = save_batches(trainer, g_now, g_end, done, acc) if self._fill is not None else ()
+        p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, self._fill, at)
         if p is None:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,

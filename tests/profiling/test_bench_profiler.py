@@ -151,10 +151,14 @@ def test_prediction_replay_oracles_split_the_estimators_error_from_the_hosts(tmp
     # knowing the rest's rate leaves only what the first 20 batches' own time differs by
     rest = (80 * 0.01 + 300 * 0.015) / 380
     assert abs(small["rest_rate"]["predicted_s"] - (0.2 + 380 * rest)) < 1e-9
-    # the demo's fill at 200 (90 kB a batch: 2 ms more each at the estimate's rate) is charged
-    from lightning_embcache.profiling.forecast import EVICTION_BYTES_PER_S
+    # the demo's fill at 200 (90 kB a batch into the demo's hot tier) is charged as the model says
+    from lightning_embcache.bench.prediction import DEMO_HOT_BYTES
+    from lightning_embcache.profiling.forecast import StoreFill, store_fill_save_s, store_fill_step_s
 
-    assert abs(d["estimate"]["predicted_s"] - (4.0 + 200 * 90_000 / EVICTION_BYTES_PER_S)) < 1e-9
+    fill = StoreFill(200, 90_000, DEMO_HOT_BYTES)
+    charge = store_fill_step_s(fill, 20, 400) - 380 * store_fill_step_s(fill, 10, 20) / 10
+    charge += store_fill_save_s(fill, 250)  # the demo saves every 250 batches
+    assert abs(d["estimate"]["predicted_s"] - (4.0 + charge)) < 1e-9
     out = capsys.readouterr().out
     assert "oracles: rest's rate" in out and "CPU models, 1 epochs" in out
 
