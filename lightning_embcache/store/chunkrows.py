@@ -245,11 +245,33 @@ class ChunkRows:
     def read(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> np.ndarray:
         """Records of rows ``local`` of chunks ``chunks`` (sorted by chunk, then row) at
         generations ``gens``, every 4 KiB block checksum-verified once per handle."""
+        epoch = self.disk.pool.begin_read()  # no file this read may reach is reused meanwhile
         self._enter()
         try:
             return self._read(chunks, local, gens)
         finally:
             self._leave()
+            self.disk.pool.end_read(epoch)
+
+    def forget(self, files: list[tuple[int, int]]) -> None:
+        """Files (chunk, gen) that are about to be overwritten for reuse (recycle.py): close their
+        descriptors and forget their checksums, so a read planned before they were replaced (a
+        prefetch) finds them gone, as if deleted, instead of reading another chunk's bytes."""
+        with self._lock:
+            for c, g in files:
+                if self._gen[c] != g:
+                    continue
+                if self._fd[c] >= 0:
+                    self._retired.append(int(self._fd[c]))
+                if self._fd[c] != -1 and c in self._order:
+                    self._order.remove(c)
+                self._fd[c], self._gen[c] = -1, 0
+                self._crcs.pop(c, None)
+                self._advised.pop((c, g), None)
+            if self._active or not self._retired:
+                return
+            retired, self._retired = self._retired, []
+        _close_all(retired)
 
     def _ensure_open(self, chunks: np.ndarray, gens: np.ndarray) -> None:
         # Never replace a newer generation by an older one: a prefetch planned before a compaction

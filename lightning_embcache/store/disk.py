@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -32,6 +33,7 @@ import numpy as np
 from . import fileio
 from .errors import CorruptStoreError, StoreError, VersionNotFoundError, io_error
 from .fileio import ANY_STORE, HEADER_SIZE, crc32, open_dir, pack, parse_header, read_file, write_file, write_parts
+from .recycle import FilePool
 from .warm import MIN_RATIO
 
 _SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows
@@ -236,6 +238,9 @@ class Disk:
         per_entry = 4 * -(-chunk_rows * row_bytes // BLOCK) + 112
         self._directories_max = max(64, min(2 * self.num_chunks + 64, DIRECTORY_CACHE_BYTES // per_entry))
         self._chunks_dir = str(root / "chunks")
+        # replaced chunk files a compaction round overwrites instead of creating new ones; every
+        # read of a chunk file registers with it (see recycle.py)
+        self.pool = FilePool(self._chunks_fd)
         # Records of never-written rows: the store's `_init_rows` (see `set_init_rows`)
         self._init_rows: Callable[[], Callable[[np.ndarray], np.ndarray] | None] = lambda: None
 
@@ -253,6 +258,8 @@ class Disk:
         return fn(ids)
 
     def close(self) -> None:
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()  # before the folder's descriptor goes
         for name in ("_root_fd", "_segments_fd", "_chunks_fd"):
             fd = getattr(self, name, None)
             if fd is not None:
@@ -537,6 +544,13 @@ class Disk:
         compaction reads thousands of chunks from a background thread, and each system call there
         is a hand-over of the GIL with the training thread (four opens per chunk cost more than
         its bytes). ``verify=False``: a file this handle wrote (the caller knows)."""
+        epoch = self.pool.begin_read()
+        try:
+            return self._read_chunk_present(chunk, gen, verify)
+        finally:
+            self.pool.end_read(epoch)
+
+    def _read_chunk_present(self, chunk: int, gen: int, verify: bool) -> tuple[np.ndarray | None, np.ndarray]:
         path = self.chunk_path(chunk, gen)
         try:
             fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
@@ -588,6 +602,13 @@ class Disk:
         chunk's checksummed directory, which is read and verified once and then kept (files are
         never modified; a few bytes per block).
         """
+        epoch = self.pool.begin_read()
+        try:
+            return self._read_chunk_rows(chunk, gen, local)
+        finally:
+            self.pool.end_read(epoch)
+
+    def _read_chunk_rows(self, chunk: int, gen: int, local: np.ndarray) -> np.ndarray | None:
         path = f"{self._chunks_dir}/c{chunk:08d}-g{gen:08d}"
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -652,13 +673,14 @@ class Disk:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
                 head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 1)
-                self.bytes_written += self._write(self.chunk_path(chunk, gen), b"chunk", head + packed, durable=durable)
+                self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunk", head + packed, self.uid),
+                                                  dir_fd=self._chunks_fd, durable=durable, reuse=self.pool.take())
                 return
         # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
         crcs = _block_crcs(raw)
         directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
         self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunkraw", directory, self.uid) + [raw],
-                                          dir_fd=self._chunks_fd, durable=durable)
+                                          dir_fd=self._chunks_fd, durable=durable, reuse=self.pool.take())
 
     def _write_sparse_chunk(self, chunk: int, gen: int, present: np.ndarray, records: np.ndarray,
                             durable: bool) -> None:
@@ -673,7 +695,7 @@ class Disk:
         directory = (_SPARSE_HEAD.pack(chunk, rows, len(present), len(raw)) + np.packbits(held, bitorder="little").tobytes()
                      + crcs.tobytes())
         self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(SPARSE_KIND, directory, self.uid) + [raw],
-                                          dir_fd=self._chunks_fd, durable=durable)
+                                          dir_fd=self._chunks_fd, durable=durable, reuse=self.pool.take())
 
     def sync_chunks(self, chunks: list[int], gen: int) -> None:
         """Make chunk files written with ``durable=False`` durable (before a manifest names them)."""
@@ -893,26 +915,24 @@ class Disk:
 
     def collect_garbage(self, keep_versions: list[int], keep_segments: set[int], keep_gens: set[int],
                         new_seq: int, new_gen: int, *, remove_temp: bool,
-                        keep_files: set[tuple[int, int]] = frozenset()) -> int:
-        """Delete files no kept version uses (crash leftovers, compacted deltas); return bytes freed.
+                        keep_files: set[tuple[int, int]] = frozenset(), pool: bool = False) -> list[tuple[int, int]]:
+        """Delete files no kept version uses (crash leftovers, compacted deltas); return the
+        (chunk, gen) base files moved into `pool` for reuse instead (``pool``: while it has room).
 
         ``keep_segments``/``keep_gens``/``keep_files`` ((chunk, gen) pairs) protect what the live
         store uses or is writing right now; temporary files are only removed when no write of this
-        process can be in progress.
+        process can be in progress. The caller makes pooled files unreachable by its cached
+        descriptors, then calls ``pool.seal()``.
         """
         segs, gens, files = self.referenced(keep_versions)
         segs |= keep_segments
         gens |= keep_gens
         files = files | set(keep_files)
-        freed = 0
+        pooled: list[tuple[int, int]] = []
 
         def drop(p: Path) -> None:
-            nonlocal freed
-            dfd = self._dir_fd(p)
-            try:
-                size = os.stat(p.name, dir_fd=dfd, follow_symlinks=False).st_size
-                fileio.unlink(p.name, dfd, p)  # a symlink is removed itself, never its target
-                freed += size
+            try:  # a symlink is removed itself, never its target
+                fileio.unlink(p.name, self._dir_fd(p), p)
             except OSError:  # deleted concurrently, or refused: garbage stays for the next collection
                 pass
 
@@ -935,13 +955,24 @@ class Disk:
                     if m is None:
                         continue  # not a store file: never ours to delete
                     gen = int(m.group(2))
-                    if gen < new_gen and gen not in gens and (int(m.group(1)), gen) not in files:
-                        drop(d / name)
+                    key = (int(m.group(1)), gen)
+                    if gen < new_gen and gen not in gens and key not in files:
+                        if pool and self.pool.room() and self._regular(name) and self.pool.put(name):
+                            pooled.append(key)
+                        else:
+                            drop(d / name)
                 elif (m := CHUNKMAP_RE.match(name)) is not None:
                     gen = int(m.group(1))
                     if gen < new_gen and gen not in gens:
                         drop(d / name)
-        return freed
+        return pooled
+
+    def _regular(self, name: str) -> bool:
+        """``name`` in ``chunks/`` is a plain file (a symlink planted there is deleted, never reused)."""
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=self._chunks_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def disk_bytes(self) -> int:
         total = 0

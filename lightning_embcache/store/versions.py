@@ -90,6 +90,8 @@ class Versioning:
                 # (backpressure). Before its own writes: a round that fails publishes nothing.
                 pass
             version = self._flush_locked()
+            if len(self._disk.pool) and not self._needs_compaction():
+                self._disk.pool.drain()  # no pass of rounds follows to reuse them
         finally:
             self._flush_lock.release()
         self._trim_heap()
@@ -303,6 +305,7 @@ class Versioning:
         with self._flush_lock:
             while self._committed and self._compact_round(everything=True):
                 pass
+            self._disk.pool.drain()
 
     def _compact(self) -> None:
         """Background compaction: bounded rounds until the segments are well under the threshold.
@@ -319,9 +322,10 @@ class Versioning:
                 # rounds it would leave evictions to write dirty rows on the training thread.
                 self._clean()
             with self._flush_lock:
-                if not self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2):
-                    return
-                if not self._compact_round():
+                if not self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2) or not self._compact_round():
+                    # The pass is over: the files kept for the next round's reuse go, and disk
+                    # use drops to what the versions hold.
+                    self._disk.pool.drain()
                     return
 
     def _round_chunks(self, segs: list[Segment], everything: bool) -> np.ndarray:
@@ -495,7 +499,8 @@ class Versioning:
         # them: collected now, round by round, so disk use stays near the table plus one round.
         # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
         self._apply_retention(collect=False)
-        self._collect_garbage_locked(disk, at_open=False)
+        disk.pool.limit = len(chunks)  # the next round of the pass rewrites about as many files
+        self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
         return True
 
@@ -506,7 +511,9 @@ class Versioning:
         with self._flush_lock:  # nothing is being published or compacted while it looks
             self._collect_garbage_locked(disk, at_open)
 
-    def _collect_garbage_locked(self, disk: Disk, at_open: bool) -> None:
+    def _collect_garbage_locked(self, disk: Disk, at_open: bool, pool: bool = False) -> None:
+        """``pool``: replaced chunk files go into ``disk.pool`` (the next round overwrites them)
+        instead of being deleted, where it has room."""
         with self._lock:
             if self._closed and not at_open:
                 return
@@ -518,8 +525,13 @@ class Versioning:
             live_files = set(zip(used.tolist(), self._cmap[used].tolist()))
             # Anything numbered from here on is written after this snapshot: never garbage.
             new_seq, new_gen = self._next_seq, self._next_gen
-        disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open,
-                             keep_files=live_files)
+        pooled = disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open,
+                                      keep_files=live_files, pool=pool)
+        if pooled:
+            reader = self._chunkrows
+            if reader is not None:
+                reader.forget(pooled)  # a stale plan's read finds them gone, as if deleted
+            disk.pool.seal()
 
     def _trim_heap(self) -> None:
         """Return freed heap pages to the OS after big background work, in disk mode only.

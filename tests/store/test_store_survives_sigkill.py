@@ -77,6 +77,9 @@ def _check_after_kill(path: Path, seed: int, output: str) -> tuple[int, int]:
         # the reopened store is usable: it takes a new flush
         store.update([0], torch.ones(1, writer.DIM))
         assert store.flush() > opened
+    # files a compaction pass kept for reuse (or was overwriting) when killed are gone
+    leftovers = [n for n in os.listdir(path / "chunks") if n.startswith(".")]
+    assert not leftovers, f"reopening left temporary or pooled files: {leftovers}"
     # Compaction may publish its layout under a new version number (same rows), so the number
     # only has to be at least the acknowledged one; the rows must be exactly those of the
     # acknowledged step, or of the next one if its flush completed before it could be logged.

@@ -1,0 +1,113 @@
+"""Replaced chunk files kept for reuse by the next compaction round, and who may still read them.
+
+A pass of compaction rounds rewrites chunk files one round after another; each round's garbage
+is the previous generation of the chunks it rewrote. Creating a file and deleting one cost more
+than writing a chunk's bytes (this VM's ext4: 0.35 ms to create, 0.19 ms to delete a 512 KiB file,
+0.09 ms to write it; a pass over a 244 MiB table spent half its CPU there), so a round renames
+its garbage into a small pool and the next round overwrites those files in place (`fileio.
+write_parts(reuse=...)`), as RocksDB recycles its log files.
+
+Deleting a file is safe while someone reads it; overwriting is not. Files are pooled only when no
+kept version uses them (the same rule as deleting: other processes read only versions they hold),
+and a pooled file is overwritten only once every read of this process that could have reached it
+has ended: each read of a chunk file registers the epoch it began in (`begin_read`), the store
+drops its cached descriptors of the files it pools, then `seal` starts a new epoch; an entry is
+reused once no read that began before its seal is still running (epoch-based reclamation).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+
+from . import fileio
+
+POOL_PREFIX = ".pool-"  # with the ".tmp" suffix a writable open deletes leftovers of a crash
+
+
+class FilePool:
+    """Garbage chunk files awaiting reuse in one folder, and the epochs of the reads in flight."""
+
+    def __init__(self, dir_fd: int) -> None:
+        self._dir_fd = dir_fd
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._reads: dict[int, int] = {}  # epoch -> reads begun in it and still running
+        self._free: deque[tuple[str, int]] = deque()  # (name, epoch from which it may be reused)
+        self._names = 0
+        self.limit = 0  # files pooled at most (0: garbage is deleted at once)
+        self.reused = 0  # files overwritten instead of created
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    # ---- reads -------------------------------------------------------------------------------
+    def begin_read(self) -> int:
+        with self._lock:
+            e = self._epoch
+            self._reads[e] = self._reads.get(e, 0) + 1
+            return e
+
+    def end_read(self, epoch: int) -> None:
+        with self._lock:
+            n = self._reads[epoch] - 1
+            if n:
+                self._reads[epoch] = n
+            else:
+                del self._reads[epoch]
+
+    # ---- the pool (callers serialise: compaction and garbage collection hold the writer lock) --
+    def room(self) -> int:
+        return max(0, self.limit - len(self._free))
+
+    def close(self) -> None:
+        """Delete the pooled files; nothing is pooled after this (the folder's descriptor closes)."""
+        self.drain()
+        self.limit = 0
+        self._dir_fd = -1
+
+    def put(self, name: str) -> bool:
+        """Move garbage file ``name`` into the pool (False: not moved, delete it instead). It is
+        reusable after the next `seal`."""
+        if not self.room() or self._dir_fd < 0:
+            return False
+        self._names += 1
+        pooled = f"{POOL_PREFIX}{os.getpid()}-{self._names}.tmp"
+        try:
+            fileio.rename(name, pooled, self._dir_fd)
+        except OSError:
+            return False
+        with self._lock:
+            self._free.append((pooled, self._epoch + 1))
+        return True
+
+    def seal(self) -> None:
+        """The files pooled so far can no longer be reached by a read that begins from now on."""
+        with self._lock:
+            self._epoch += 1
+
+    def take(self) -> str | None:
+        """A pooled file no read can reach any more, or None."""
+        with self._lock:
+            if not self._free:
+                return None
+            name, ready = self._free[0]
+            if ready > self._epoch or (self._reads and min(self._reads) < ready):
+                return None
+            self._free.popleft()
+            self.reused += 1
+            return name
+
+    def drain(self) -> None:
+        """Delete every pooled file (a pass of rounds ended, or the store closes): disk use drops
+        to what the versions hold."""
+        while self._dir_fd >= 0:
+            with self._lock:
+                if not self._free:
+                    return
+                name, _ = self._free.popleft()
+            try:
+                fileio.unlink(name, self._dir_fd)
+            except OSError:
+                pass  # a writable open deletes leftovers
