@@ -373,7 +373,9 @@ def _shuffle(cfg: dict) -> dict:
         for i, batch in enumerate(batches):
             if i == nb:
                 break
-            ids = torch.as_tensor(batch)
+            # a batch's ids as a tensor the way a collate would build it cheaply (numpy: 6 us for
+            # 512 ids; torch.as_tensor of a list of ints: 48 us, a fifth of a tuned get)
+            ids = torch.from_numpy(np.asarray(batch, dtype=np.int64))
             x = store.get(ids)
             if write:
                 store.update(ids, x + 1)

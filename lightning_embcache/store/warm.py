@@ -32,6 +32,7 @@ class WarmTier:
         self._raw: OrderedDict[int, np.ndarray] = OrderedDict()  # decompressed copies, oldest first
         self._item_bytes = 0  # bytes of ``_items`` (compressed where LZ4 paid)
         self._raw_copy_bytes = 0
+        self._sorted: np.ndarray | None = None  # `chunks()`, until the chunks held change
         self._incompressible = 0  # incompressible puts in a row
         self._skip = 0  # puts left to keep raw without trying LZ4
         self.raw_bytes = 0
@@ -52,8 +53,10 @@ class WarmTier:
         return len(self._items)
 
     def chunks(self) -> np.ndarray:
-        """The chunks held now (for a vectorised membership test of a batch's chunks)."""
-        return np.fromiter(self._items, np.int64, len(self._items))
+        """The chunks held now, sorted (for a vectorised membership test of a batch's chunks)."""
+        if self._sorted is None:  # asked about once per call, changed once per chunk read
+            self._sorted = np.sort(np.fromiter(self._items, np.int64, len(self._items)))
+        return self._sorted
 
     def get(self, chunk: int) -> np.ndarray | None:
         """The chunk's records as a flat, read-only uint8 array, or None. Served without a copy
@@ -102,6 +105,7 @@ class WarmTier:
             return
         self.discard(chunk)
         self._items[chunk] = (data, compressed, raw.nbytes)
+        self._sorted = None
         self._item_bytes += size
         self.bytes_written += size
         self.raw_bytes += raw.nbytes
@@ -126,6 +130,7 @@ class WarmTier:
     def discard(self, chunk: int) -> None:
         item = self._items.pop(chunk, None)
         if item is not None:
+            self._sorted = None
             self._item_bytes -= _size(item[0])
             self.raw_bytes -= item[2]
         arr = self._raw.pop(chunk, None)
@@ -165,7 +170,11 @@ def _frozen(records: np.ndarray) -> np.ndarray:
     while isinstance(base.base, np.ndarray):
         base = base.base
     owner = base.base
-    sized = owner is None or (isinstance(owner, (bytes, bytearray)) and len(owner) == arr.nbytes)
+    if isinstance(owner, memoryview):  # np.frombuffer(bytearray(...)) keeps a memoryview of it
+        owner = owner.obj if owner.nbytes == arr.nbytes else None
+        sized = isinstance(owner, (bytes, bytearray)) and len(owner) == arr.nbytes
+    else:
+        sized = owner is None or (isinstance(owner, (bytes, bytearray)) and len(owner) == arr.nbytes)
     if not sized or base.nbytes != arr.nbytes:
         arr = arr.copy()  # a view of a larger buffer, or of memory the tier cannot size
     else:

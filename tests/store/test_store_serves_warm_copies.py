@@ -1,0 +1,222 @@
+"""A get whose rows lie in chunks the warm tier holds whole is served from those copies without
+taking hot slots; updates still land in the hot tier and win, and nothing below the hot tier
+changes without its warm copy going. With lookahead in `ChunkShuffleSampler` order no chunk file
+is opened for a few rows of a chunk that is read whole anyway."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import BatchSampler
+
+from lightning_embcache import ChunkShuffleSampler, EmbeddingStore, LookaheadSampler
+from lightning_embcache.store import chunkrows
+
+from _store_helpers import InlineExecutor, assert_bitwise_equal, compacted_store
+
+N, DIM, CHUNK = 4096, 16, 256
+ROW = DIM * 4
+
+
+def _hot_rows(s: EmbeddingStore) -> int:
+    return s.stats().hot_bytes // (ROW + 11)
+
+
+def test_a_get_from_a_chunk_held_warm_takes_no_hot_slot(shm_path):
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (ROW + 11), warm_bytes=4 * CHUNK * ROW) as s:
+        ids = torch.arange(0, 200, 5)  # 40 rows of chunk 0: it is read whole and kept warm
+        assert_bitwise_equal(s.get(ids), table[ids])
+        assert _hot_rows(s) == 0
+        assert s.stats().cold_reads == 1
+        more = torch.tensor([255, 1, 1, 7, 0])  # other rows of that chunk, repeats and any order
+        assert_bitwise_equal(s.get(more), table[more])
+        assert _hot_rows(s) == 0
+        assert s.stats().cold_reads == 1  # served by the warm copy
+        assert s.stats().warm_hits >= 1
+
+
+def test_a_get_mixing_hot_rows_and_rows_held_warm_reads_each_from_its_tier(shm_path):
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (ROW + 11), warm_bytes=4 * CHUNK * ROW) as s:
+        s.update(torch.tensor([3, 5]), torch.full((2, DIM), 7.0))  # hot and dirty
+        ids = torch.tensor([5, 0, 3, 10, 3, 2000])  # 2000: alone in its chunk, read as a row
+        want = table[ids].clone()
+        want[ids == 3] = 7.0
+        want[ids == 5] = 7.0
+        assert_bitwise_equal(s.get(torch.arange(0, 256, 4)), torch.where(
+            torch.isin(torch.arange(0, 256, 4), torch.tensor([3, 5]))[:, None], 7.0, table[torch.arange(0, 256, 4)]))
+        assert_bitwise_equal(s.get(ids), want)
+        assert _hot_rows(s) == 3  # the two updated rows and 2000; chunk 0's rows came from its copy
+
+
+def test_an_update_of_a_row_got_from_a_warm_copy_lands_hot_and_wins(shm_path):
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (ROW + 11), warm_bytes=4 * CHUNK * ROW) as s:
+        ids = torch.arange(256, 512, 2)
+        x = s.get(ids)
+        assert _hot_rows(s) == 0
+        s.update(ids[:10], x[:10] + 1)
+        assert _hot_rows(s) == 10 and s.stats().dirty_rows == 10
+        want = table[ids].clone()
+        want[:10] += 1
+        assert_bitwise_equal(s.get(ids), want)  # the hot rows win over the warm copy
+        s.flush()
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (ROW + 11), warm_bytes=4 * CHUNK * ROW) as s:
+        assert_bitwise_equal(s.get(ids), want)
+
+
+def test_a_write_back_of_rows_of_a_warm_chunk_drops_its_copy(shm_path):
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (ROW + 11), warm_bytes=4 * CHUNK * ROW) as s:
+        chunk = torch.arange(512, 768)
+        assert_bitwise_equal(s.get(chunk), table[chunk])  # chunk 2 held warm
+        s.update(torch.tensor([600]), torch.full((1, DIM), -3.0))
+        for a in range(3072, 3072 + 4 * 32, 32):  # updates of other rows evict row 600 (written back)
+            s.update(torch.arange(a, a + 32), torch.zeros(32, DIM))
+        assert s.stats().evicted_bytes > 0
+        want = table[chunk].clone()
+        want[600 - 512] = -3.0
+        assert_bitwise_equal(s.get(chunk), want)  # not the copy read before the write-back
+
+
+def test_a_get_larger_than_the_hot_tier_from_warm_copies_is_right(shm_path):
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=16 * (ROW + 11), warm_bytes=16 * CHUNK * ROW) as s:
+        s.update(torch.tensor([9]), torch.full((1, DIM), 2.0))
+        ids = torch.randperm(N, generator=torch.Generator().manual_seed(1))[:3000]
+        want = table[ids].clone()
+        want[ids == 9] = 2.0
+        assert_bitwise_equal(s.get(ids), want)
+
+
+# ---- a sequence of operations against a tensor --------------------------------------------------
+SN, SCHUNK = 1024, 128  # 8 chunks; a call asking 2 or more rows of a chunk reads it whole
+FIELDS = {"m": (torch.float32, 2)}
+
+
+@pytest.fixture
+def _inline_background(monkeypatch):
+    """Background write-back and prefetch run inline, so every example replays exactly."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lightning_embcache.store") and hasattr(module, "ThreadPoolExecutor"):
+            monkeypatch.setattr(module, "ThreadPoolExecutor", InlineExecutor)
+
+
+_ids = st.one_of(
+    st.lists(st.integers(0, SN - 1), min_size=1, max_size=40),  # scattered
+    st.tuples(st.integers(0, SN // SCHUNK - 1), st.integers(1, 60)).map(  # many rows of one chunk
+        lambda cn: [cn[0] * SCHUNK + (7 * k) % SCHUNK for k in range(cn[1])]),
+)
+_op = st.one_of(
+    st.tuples(st.just("get"), _ids),
+    st.tuples(st.just("get"), _ids),
+    st.tuples(st.just("get"), _ids),
+    st.tuples(st.just("update"), _ids),
+    st.tuples(st.just("update_m"), _ids),
+    st.tuples(st.just("upcoming"), _ids),
+    st.tuples(st.just("flush"), st.just(None)),
+    st.tuples(st.just("evict"), st.integers(1, 40)),
+    st.tuples(st.just("warm"), st.integers(0, 4)),
+)
+
+
+@pytest.mark.usefixtures("_inline_background")
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, max_size=30), disk_reads=st.booleans(), seed=st.integers(0, 2**16))
+def test_gets_updates_flushes_and_hints_with_a_warm_tier_match_a_tensor(tmp_path_factory, ops, disk_reads, seed):
+    """Whatever mix of get, update (whole rows and one field), hints, flushes, evictions and
+    warm budgets: every get returns what a plain tensor holds, and after reopening the store
+    holds what the last flush made durable."""
+    path = tmp_path_factory.mktemp("warm") / "s"
+    rng = np.random.default_rng(seed)
+    with EmbeddingStore.create(path, SN, DIM, chunk_rows=SCHUNK, fields=FIELDS) as s:
+        w0 = torch.from_numpy(rng.integers(-8, 8, (SN, DIM)) / 4.0).float()
+        s.update(torch.arange(SN), w0)
+        s.flush()
+        s.compact()
+        s.flush()
+    model = {"weight": w0.clone(), "m": torch.zeros(SN, 2)}
+    durable = {k: v.clone() for k, v in model.items()}
+    row = s.row_bytes
+    s = EmbeddingStore.open(path, hot_bytes=96 * (row + 11), warm_bytes=3 * SCHUNK * row)
+    try:
+        if disk_reads:  # as if reads waited for the disk: hints ask the kernel (`_advise`)
+            s._uncached_share = 1.0
+            s._cache_seen = (1 << 62, 0)
+        for step, (op, arg) in enumerate(ops):
+            if op in ("get", "update", "update_m", "upcoming"):
+                ids = torch.tensor(arg, dtype=torch.int64)
+            if op == "get":
+                got = s.get_fields(ids, ("weight", "m"))
+                assert_bitwise_equal(got["weight"], model["weight"][ids], f"step {step} weight")
+                assert_bitwise_equal(got["m"], model["m"][ids], f"step {step} m")
+            elif op == "update":
+                v = torch.full((len(ids), DIM), float(step)) + torch.arange(len(ids))[:, None]
+                s.update(ids, v)
+                model["weight"][ids] = v  # of repeated ids the last wins, as in the store
+            elif op == "update_m":
+                v = torch.full((len(ids), 2), -float(step)) - torch.arange(len(ids))[:, None]
+                s.update_fields(ids, {"m": v})
+                model["m"][ids] = v
+            elif op == "upcoming":
+                s.upcoming(ids)
+            elif op == "flush":
+                s.flush()
+                durable = {k: v.clone() for k, v in model.items()}
+            elif op == "evict":
+                s.evict(arg * (row + 11))
+            else:
+                s.set_budget(warm_bytes=arg * SCHUNK * row)
+            st_ = s.stats()
+            assert st_.hot_bytes <= st_.hot_budget_bytes and st_.warm_bytes <= st_.warm_budget_bytes
+        every = torch.arange(SN)
+        got = s.get_fields(every, ("weight", "m"))
+        assert_bitwise_equal(got["weight"], model["weight"], "all rows")
+        assert_bitwise_equal(got["m"], model["m"], "all m")
+    finally:
+        s.close()  # unflushed updates are dropped
+    with EmbeddingStore.open(path, hot_bytes=96 * (row + 11), warm_bytes=3 * SCHUNK * row) as s:
+        got = s.get_fields(torch.arange(SN), ("weight", "m"))
+        assert_bitwise_equal(got["weight"], durable["weight"], "reopened weight")
+        assert_bitwise_equal(got["m"], durable["m"], "reopened m")
+
+
+# ---- ChunkShuffleSampler order with lookahead -----------------------------------------------------
+def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_path, monkeypatch):
+    """Batches of 100 straddle the sampler's windows, so a window's first batch meets each of its
+    chunks with a few rows: neither the hint nor the get opens the chunk's file for them (the
+    next batches read it whole); every chunk is asked from the kernel once, whole, and read
+    from below once; every row matches the table."""
+    n, chunk, window = 16_384, 1024, 4
+    table = compacted_store(shm_path / "s", n, DIM, chunk)
+    opened = []
+    real_open = chunkrows.ChunkRows._open
+    monkeypatch.setattr(chunkrows.ChunkRows, "_open", lambda self, c, g: (opened.append(c), real_open(self, c, g))[1])
+    asked = []
+    real = chunkrows.os.posix_fadvise
+    monkeypatch.setattr(chunkrows.os, "posix_fadvise",
+                        lambda fd, off, k, adv: (asked.append((off, k, adv)), real(fd, off, k, adv))[1])
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=n * (ROW + 11) // 4,
+                             warm_bytes=2 * window * chunk * ROW) as s:
+        s._uncached_share = 1.0  # reads wait for the disk (a fresh page cache on a real disk)
+        s._cache_seen = (1 << 62, 0)
+        sampler = ChunkShuffleSampler(n, chunk_rows=chunk, window=window, seed=5)
+        batches = LookaheadSampler(BatchSampler(sampler, 100, drop_last=False), s, lookahead=4)
+        seen = []
+        for batch in batches:
+            ids = torch.as_tensor(batch)
+            assert_bitwise_equal(s.get(ids), table[ids])
+            seen.append(ids)
+        st_ = s.stats()
+    assert torch.equal(torch.sort(torch.cat(seen)).values, torch.arange(n))
+    assert opened == []
+    whole = [a for a in asked if a[2] == chunkrows._FADV_WILLNEED and a[:2] == (0, 0)]
+    assert len(whole) == n // chunk
+    assert len(asked) == len(whole)  # no block-by-block request
+    assert st_.cold_reads == n // chunk
