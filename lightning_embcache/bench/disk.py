@@ -489,15 +489,23 @@ def main(argv=None) -> int:
                           f"(after {cfg['lookahead']}: {res.get('stall_ms_per_step_steady', 0):.2f})  close {res['close_s']:.2f} s  "
                           f"RSS +{res['rss_peak_over_start_mib']:.0f} MiB", flush=True)
         for rep in range(reps if "shuffle" in phases else 0):
-            res = _spawn(dict(cfg, phase="shuffle", seed=rep + 1))
-            res["rep"] = rep
-            runs.append(res)
-            print(f"  rep {rep} shuffle: sequential read {res['sequential_mib_s']:.0f} MiB/s; store in "
+            # with --store-rev, that revision's store runs the same parts in the same repetition,
+            # the two alternating which goes first
+            order = ["store"] + list(trees)
+            for k in range(len(order)):
+                system = order[(k + rep) % len(order)]
+                tree = trees.get(system)
+                res = _spawn(dict(cfg, phase="shuffle", seed=rep + 1,
+                                  workdir=str(tree / "data") if tree else cfg["workdir"]), tree)
+                res["rep"] = rep
+                res["system"] = "store+chunkshuffle" + (system[len("store"):] if tree else "")
+                runs.append(res)
+                print(f"  rep {rep} shuffle {res['system']}: sequential read {res['sequential_mib_s']:.0f} MiB/s; store in "
                   f"ChunkShuffleSampler order: get {res['get_store_mib_s']:.0f} MiB/s ({res['get_rows_per_s']:.0f} "
                   f"rows/s) = {res['get_vs_sequential']:.2f}x; get with a warm tier and lookahead "
                   f"{res['tuned_get_store_mib_s']:.0f} MiB/s ({res['tuned_get_rows_per_s']:.0f} rows/s) = "
-                  f"{res['tuned_get_vs_sequential']:.2f}x; get + update {res['store_mib_s']:.0f} MiB/s "
-                  f"({res['rows_per_s']:.0f} rows/s) = {res['vs_sequential']:.2f}x", flush=True)
+                      f"{res['tuned_get_vs_sequential']:.2f}x; get + update {res['store_mib_s']:.0f} MiB/s "
+                      f"({res['rows_per_s']:.0f} rows/s) = {res['vs_sequential']:.2f}x", flush=True)
         if "space" in phases:
             res = _spawn(dict(cfg, phase="space"))
             runs.append(res)
@@ -537,6 +545,18 @@ def main(argv=None) -> int:
                     ratios = [a / b for a, b in pairs]
                     summary[key][name] = statistics.median(ratios)
                     summary[key][name + "_all"] = ratios
+    shuffled = [r for r in runs if r.get("phase") == "shuffle"]
+    for system in sorted({r["system"] for r in shuffled}):
+        rs = [r for r in shuffled if r["system"] == system]
+        keys = ("sequential_mib_s", "get_vs_sequential", "tuned_get_vs_sequential", "vs_sequential",
+                "get_store_mib_s", "tuned_get_store_mib_s", "store_mib_s")
+        summary[f"shuffle/{system}"] = {k: statistics.median([r[k] for r in rs]) for k in keys}
+        summary[f"shuffle/{system}"].update({f"{k}_all": [r[k] for r in rs] for k in keys})
+        if system != "store+chunkshuffle":  # the current store against this revision, per repetition
+            for k in ("get_rows_per_s", "tuned_get_rows_per_s", "rows_per_s"):
+                ratios = [q[k] / r[k] for r in rs for q in shuffled
+                          if q["system"] == "store+chunkshuffle" and q["rep"] == r["rep"]]
+                summary[f"shuffle/{system}"][f"current_vs_this_{k}_all"] = ratios
     print(json.dumps(summary, indent=1))
     result = {"command": "embcache bench disk " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": cfg, "host": {"cpus": os.cpu_count(), "python": platform.python_version(),

@@ -686,14 +686,17 @@ class TieredRows:
         ids, chunks, seg, pos, gens, segs, whole = plan
         cr, rb = self._chunk_rows, self._row_bytes
         out = np.empty((len(ids), rb), np.uint8)
-        sparse = np.ones(len(ids), np.bool_)
         read_whole = []
-        for c, a, b, cached, layout in whole:
-            sparse[a:b] = False
-            if cached is None:
-                cached = self._read_chunk_below(c, *layout)
-                read_whole.append((c, cached))
-            out[a:b] = cached.reshape(-1, rb)[ids[a:b] - c * cr]
+        if whole:
+            sparse = np.ones(len(ids), np.bool_)
+            local = ids - chunks * cr
+            for c, a, b, cached, layout in whole:
+                sparse[a:b] = False
+                if cached is None:
+                    cached = self._read_chunk_below(c, *layout)
+                    read_whole.append((c, cached))
+                # into its place in ``out``, without a temporary
+                cached.reshape(-1, rb).take(local[a:b], axis=0, out=out[a:b])
         below = seg < 0
         if whole:
             below &= sparse
