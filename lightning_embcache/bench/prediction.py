@@ -18,6 +18,7 @@ fit's actual training wall time.
 from __future__ import annotations
 
 import ctypes
+import gc
 import math
 import json
 import os
@@ -79,6 +80,17 @@ class _Probe(L.Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._cpu, self._core = [], []
+        # Python's garbage collections during the epoch: (batch, generation, seconds) of each
+        self._gc: list[tuple[int, int, float]] = []
+        self._gc_t0 = 0.0
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self._gc.append((len(self._cpu), info["generation"], round(time.perf_counter() - self._gc_t0, 7)))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._cpu.append(time.thread_time())
@@ -92,6 +104,8 @@ class _Probe(L.Callback):
             self.own_s[trainer.current_epoch] = self.own_s.get(trainer.current_epoch, 0.0) + time.perf_counter() - t0
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:  # after the profiler's own epoch end
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         fc = self.sp._predictor.forecast
         if fc is not None:
             self.traces.append({"wall": [round(x, 7) for x in fc.wall], "store": [round(x, 7) for x in fc.store],
@@ -102,7 +116,8 @@ class _Probe(L.Callback):
                                 "core": self._core,
                                 # (batch, bytes per batch) of the hot tiers' fill, as last projected
                                 "store_fill": self.sp._predictor._fill,
-                                "probe_s": self.own_s.get(trainer.current_epoch, 0.0)})
+                                "probe_s": self.own_s.get(trainer.current_epoch, 0.0),
+                                "gc": self._gc})
 
 
 class _ValMLP(MLP):
@@ -385,7 +400,7 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
                     fill = (e["store_fill_batch"], DEMO_HOT_BYTES / e["store_fill_batch"])
             if fill is not None:  # runs saved before the projection kept the budget: the demo's
                 fill = StoreFill(int(fill[0]), float(fill[1]), float(fill[2]) if len(fill) > 2 else DEMO_HOT_BYTES)
-            row = {"run": r["run"], "epoch": e["epoch"], "recorded_error_pct": e["error_pct"]}
+            row = {"run": r["run"], "epoch": e["epoch"], "recorded_error_pct": e["error_pct"], "tail": tail(trace, k)}
             args = (e["actual_s"], fraction, every, e["epoch"])
             row["free"] = replay_epoch(trace, *args, None, earlier, device)
             row["estimate"] = replay_epoch(trace, *args, guess, earlier, device, store_fill=fill)
@@ -416,7 +431,40 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
         est = [x["estimate"] for x in mine if x["estimate"]]
         inside = sum(abs(p["predicted_s"] - p["actual_s"]) <= 2 * p["std_s"] for p in est)
         print(f"  the actual time within 2 standard deviations of the estimate: {inside} of {len(est)}")
+        tails = [x["tail"] for x in mine if x.get("tail")]
+        if tails:
+            def med(key: str) -> float:
+                xs = [t[key] for t in tails if t[key] is not None]
+                return statistics.median(xs) if xs else float("nan")
+
+            print(f"  slow steps (> 3x the window's median): their extra time, as a share of the time, "
+                  f"{med('window_pct'):.2f}% in the window, {med('rest_pct'):.2f}% in the rest (medians); "
+                  f"the training thread ran on the CPU for {med('slow_cpu_share'):.0%} of it; garbage "
+                  f"collection {med('gc_pct'):.3f}% of the epoch (nan: not recorded)", flush=True)
     return out
+
+
+def tail(trace: dict, k: int) -> dict:
+    """Where the rest of an epoch's extra time came from: steps slower than 3x the median of the
+    rate's window (the later half of the first ``k`` steps), as a share of the window's and the
+    rest's time; the share of those steps' extra time the training thread spent on the CPU (the rest
+    is time it waited: another process on its core, a loader); garbage collection's share."""
+    wall, saves, cpu = trace["wall"], set(trace["saves"]), trace.get("thread_cpu") or []
+    window = [wall[i] for i in range(max(1, k // 2), k) if i not in saves]
+    rest = [i for i in range(k, len(wall)) if i not in saves]
+    med = statistics.median(window)
+    cmed = statistics.median(cpu[max(1, k // 2):k]) if len(cpu) >= k else None
+
+    def slow_pct(xs: list[float]) -> float:
+        return 100 * sum(x - med for x in xs if x > 3 * med) / (med * len(xs)) if xs else 0.0
+
+    slow = [i for i in rest if wall[i] > 3 * med and i < len(cpu)]
+    extra = sum(wall[i] - med for i in slow)
+    share = sum(cpu[i] - cmed for i in slow) / extra if slow and extra > 0 and cmed is not None else None
+    gcs = trace.get("gc")
+    return {"window_pct": slow_pct(window), "rest_pct": slow_pct([wall[i] for i in rest]),
+            "slow_cpu_share": share,
+            "gc_pct": 100 * sum(g[2] for g in gcs) / sum(wall) if gcs is not None else None}
 
 
 if __name__ == "__main__":
