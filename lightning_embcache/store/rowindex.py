@@ -44,6 +44,9 @@ class RowIndex:
         self._recent = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
         # bit i % 8 of byte i // 8: id i has an entry (ids are only added until a rebuild)
         self._bits = np.zeros((num_rows + 7) // 8, np.uint8) if num_rows is not None else None
+        # per segment number: ids whose newest record it holds (0: every record it holds has a
+        # newer one, and a manifest that lists the newer ones needs it no more)
+        self._live = np.zeros(0, np.int64)
         if segments:
             parts = []
             for seg in segments:
@@ -58,6 +61,7 @@ class RowIndex:
             self._main = (ids[keep], np.concatenate([p[1] for p in parts])[sel],
                           np.concatenate([p[2] for p in parts])[sel])
             self._mark(self._main[0])
+            self._live = np.bincount(self._main[1], minlength=len(self.segs)).astype(np.int64)
 
     def __len__(self) -> int:
         return len(self._main[0]) + len(self._recent[0])
@@ -69,16 +73,40 @@ class RowIndex:
     def add(self, seg) -> None:
         """Index ``seg`` (newer than every segment added so far)."""
         k = len(self.segs)
-        self.segs.append(seg)
         n = len(seg.ids)
+        older = self.find(seg.ids)[0] if n and len(self) else _EMPTY_I32
+        self.segs.append(seg)
+        self._live = np.append(self._live, n)
         if not n:
             return
+        older = older[older >= 0]
+        if len(older):
+            self._live[: k] -= np.bincount(older, minlength=k)
         self._mark(seg.ids)
         run = (seg.ids, np.full(n, k, np.int32), np.arange(n, dtype=np.int32))
         self._recent = _merge(self._recent, run)
         if len(self._recent[0]) > max(4096, len(self._main[0]) // 8):
             self._main = _merge(self._main, self._recent)
             self._recent = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
+
+    def superseded(self, segments: list, newer_ids: np.ndarray) -> set[int]:
+        """Numbers (``seq``) of those of ``segments`` (indexed here) every record of which has a
+        newer one in a later indexed segment or among ``newer_ids`` (a segment about to be
+        written): a manifest listing those newer ones reads the same rows without them. Cost:
+        one search of ``newer_ids``, never a scan of the index."""
+        live = self._live
+        if len(newer_ids) and len(self):
+            at = self.find(newer_ids)[0]
+            at = at[at >= 0]
+            if len(at):
+                live = live - np.bincount(at, minlength=len(live))
+        where = {id(g): k for k, g in enumerate(self.segs)}
+        out = set()
+        for g in segments:
+            k = where.get(id(g))
+            if k is not None and live[k] == 0:
+                out.add(g.seq)
+        return out
 
     @staticmethod
     def _find_in(run: tuple, ids: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> None:

@@ -29,6 +29,7 @@ class StoreStats:
     flushes: int = 0
     flushed_rows: int = 0
     compactions: int = 0
+    superseded_segments: int = 0  # segments left out of a flush's manifest: all their rows flushed again since
     compression_ratio: float = 1.0
     io_wait_seconds: float = 0.0
     version: int = 0
@@ -46,7 +47,7 @@ class StoreStats:
     warm_bytes_written: int = 0
     table_bytes: int = 0
 
-    _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions",
+    _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions", "superseded_segments",
                  "prefetched_rows", "evicted_bytes", "cleaned_rows", "gets", "updates",
                  "prefetch_hits", "prefetch_misses", "stall_seconds")
 

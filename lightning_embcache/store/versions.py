@@ -110,11 +110,19 @@ class Versioning:
                 return self._version
             ids, slots, records, seq = self._begin_write_back(slots)
             pending = list(self._pending)
+            # Segments every record of which has a newer one in this manifest (the same rows
+            # updated and flushed again) leave the layout now, before compaction ever has to
+            # fold them: a hot set of rows flushed over and over keeps one segment, not a pile
+            # that a pass of rounds rewrites the whole table to drop.
+            rows = self._rows
+            gone = rows.superseded(self._committed + pending, ids) if rows is not None else set()
+            kept = [g for g in self._committed + pending if g.seq not in gone]
             version = self._max_version + 1
-            segs = [s.seq for s in self._committed] + [p.seq for p in pending]
+            segs = [g.seq for g in kept]
         try:
             for p in pending:
-                self._disk.sync_segment(p)
+                if p.seq not in gone:  # one no manifest will list need not be durable
+                    self._disk.sync_segment(p)
             new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
             m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
             self._parent = self._version
@@ -129,10 +137,15 @@ class Versioning:
             pass  # the version is published; the record only lags (open's check stays sound)
         with self._lock:
             self._end_write_back(slots, seq, ok=True)
-            self._committed += pending + new
+            self._committed = kept + new
             self._pending = [p for p in self._pending if p not in pending]
             for seg in new:
                 self._index_add(seg)
+            if gone:
+                # renumbered without them: the old index (and the descriptors of the segments
+                # that left) goes when the last plan that holds it lets go
+                self._index_rebuild()
+                self._stats.superseded_segments += len(gone)
             self._version = self._max_version = version
             self._warm.discard_many(ids // self._chunk_rows)
             self._stats.flushes += 1
