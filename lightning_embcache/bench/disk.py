@@ -370,6 +370,7 @@ def _shuffle(cfg: dict) -> dict:
         if tuned:
             batches = LookaheadSampler(batches, store, lookahead=cfg["lookahead"])
         t0 = time.perf_counter()
+        cpu0 = time.process_time()  # this process's CPU, all threads: what a busy host leaves wall time
         for i, batch in enumerate(batches):
             if i == nb:
                 break
@@ -383,12 +384,14 @@ def _shuffle(cfg: dict) -> dict:
                     store.flush()
         store.flush()
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         store.close()
         shutil.rmtree(wd)
         rows = nb * bsz
         key = f"{part}_" if part else ""
         out.update({f"{key}rows_per_s": rows / wall, f"{key}wall_s": wall, f"{key}store_mib_s": rows * dim * 4 / wall / MiB,
-                    f"{key}vs_sequential": (rows * dim * 4 / wall) / seq_bps})
+                    f"{key}vs_sequential": (rows * dim * 4 / wall) / seq_bps,
+                    f"{key}cpu_us_per_row": 1e6 * cpu / rows})
     return out
 
 
@@ -505,7 +508,9 @@ def main(argv=None) -> int:
                   f"rows/s) = {res['get_vs_sequential']:.2f}x; get with a warm tier and lookahead "
                   f"{res['tuned_get_store_mib_s']:.0f} MiB/s ({res['tuned_get_rows_per_s']:.0f} rows/s) = "
                       f"{res['tuned_get_vs_sequential']:.2f}x; get + update {res['store_mib_s']:.0f} MiB/s "
-                      f"({res['rows_per_s']:.0f} rows/s) = {res['vs_sequential']:.2f}x", flush=True)
+                      f"({res['rows_per_s']:.0f} rows/s) = {res['vs_sequential']:.2f}x; CPU us/row "
+                      f"{res['get_cpu_us_per_row']:.2f} / {res['tuned_get_cpu_us_per_row']:.2f} / "
+                      f"{res['cpu_us_per_row']:.2f}; load {os.getloadavg()[0]:.1f}", flush=True)
         if "space" in phases:
             res = _spawn(dict(cfg, phase="space"))
             runs.append(res)
@@ -549,7 +554,8 @@ def main(argv=None) -> int:
     for system in sorted({r["system"] for r in shuffled}):
         rs = [r for r in shuffled if r["system"] == system]
         keys = ("sequential_mib_s", "get_vs_sequential", "tuned_get_vs_sequential", "vs_sequential",
-                "get_store_mib_s", "tuned_get_store_mib_s", "store_mib_s")
+                "get_store_mib_s", "tuned_get_store_mib_s", "store_mib_s", "get_cpu_us_per_row",
+                "tuned_get_cpu_us_per_row", "cpu_us_per_row")
         summary[f"shuffle/{system}"] = {k: statistics.median([r[k] for r in rs]) for k in keys}
         summary[f"shuffle/{system}"].update({f"{k}_all": [r[k] for r in rs] for k in keys})
         if system != "store+chunkshuffle":  # the current store against this revision, per repetition
