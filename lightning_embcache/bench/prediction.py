@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
-from lightning_embcache.profiling.forecast import Forecast, StoreFill, save_estimate_s, store_fill_save_s
+from lightning_embcache.profiling.forecast import Forecast, StoreFill, save_estimate_s, slow_share, store_fill_save_s
 
 try:
     _getcpu = ctypes.CDLL(None).sched_getcpu
@@ -306,14 +306,14 @@ class _KnownRate(Forecast):
 def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: int = 0, epoch: int = 0,
                  save_guess_s: Optional[float] = None, earlier_save_s: Optional[float] = None,
                  device: bool = False, rate_s: Optional[float] = None,
-                 store_fill: Optional[StoreFill] = None) -> Optional[dict]:
+                 store_fill: Optional[StoreFill] = None, slow: Optional[float] = None) -> Optional[dict]:
     """The prediction the current :class:`Forecast` makes after ``fraction`` of a saved epoch's
     batches (``trace`` as kept by the benchmark), against ``actual_s``. Validation still to come is
     charged at the mean of the epoch's own runs (the benchmark's sanity check is not in the trace);
     checkpoint saves (every ``every_n`` steps) at the measured cost once one was seen, else at
     ``earlier_save_s`` (a save measured in an earlier epoch), else at ``save_guess_s``. ``rate_s``:
     the rate is this instead of the estimator's (an oracle); ``store_fill``: a hot tier's fill, as
-    the profiler projected it."""
+    the profiler projected it; ``slow``: the previous epoch's share of slow steps."""
     wall, store = trace["wall"], trace["store"]
     n = len(wall)
     k = max(9, math.ceil(fraction * n))
@@ -339,7 +339,7 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
         at = [b for b in range(k, n) if every_n and (g0 + b) % every_n == 0] if store_fill is not None else []
         p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, 0.0, save_guess_s,
-                       store_fill=store_fill, save_batches=at)
+                       store_fill=store_fill, save_batches=at, **({"slow_share": slow} if slow is not None else {}))
         if p is None:
             k += 1
     if p is None:
@@ -402,8 +402,11 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
                 fill = StoreFill(int(fill[0]), float(fill[1]), float(fill[2]) if len(fill) > 2 else DEMO_HOT_BYTES)
             row = {"run": r["run"], "epoch": e["epoch"], "recorded_error_pct": e["error_pct"], "tail": tail(trace, k)}
             args = (e["actual_s"], fraction, every, e["epoch"])
-            row["free"] = replay_epoch(trace, *args, None, earlier, device)
-            row["estimate"] = replay_epoch(trace, *args, guess, earlier, device, store_fill=fill)
+            # the previous epoch's share of slow steps, as the profiler carries it over
+            prev = r["traces"][e["epoch"] - 1] if 0 < e["epoch"] <= len(r["traces"]) - 1 else None
+            slow = slow_share(prev["wall"], prev["saves"]) if prev is not None else None
+            row["free"] = replay_epoch(trace, *args, None, earlier, device, slow=slow)
+            row["estimate"] = replay_epoch(trace, *args, guess, earlier, device, store_fill=fill, slow=slow)
             rest = _steps_mean(trace["wall"], saves, k, n)
             first = _steps_mean(trace["wall"], saves, 1, k)
             # the oracles know the rate; saves and validation are charged as the estimator does

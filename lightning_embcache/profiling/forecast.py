@@ -43,6 +43,12 @@ What makes early steps unrepresentative, and how each is handled:
   of it the rate's window already holds is left out, and the uncertainty is a large fraction of
   the charge (the costs differ by a factor of 2-3 between runs on one host).
 
+- **Rare slow steps** (the training thread waiting while another process runs on its core, a
+  few times a second on a shared host): the window of the first 5% is short and usually holds
+  fewer of them than the epoch will. From the second epoch of a fit on, the window's share of
+  time in slow steps (over 3x the median) is replaced by the share the previous whole epoch had
+  (:func:`slow_share`).
+
 The uncertainty (one standard deviation) comes from the spread of the step times: the standard
 error of the rate by the method of batch means (blocks of consecutive steps, so that steps that
 are slow together count as one observation), times the batches to go, combined with the
@@ -139,6 +145,31 @@ def store_fill_save_s(fill: StoreFill, b: int) -> float:
 def save_estimate_s(nbytes: float) -> float:
     """Estimated seconds of one checkpoint save that writes ``nbytes`` of tensors."""
     return SAVE_FIXED_S + nbytes / SAVE_BYTES_PER_S
+
+
+SLOW_STEP = 3.0  # a step over this many times the median step is a slow step
+
+
+def slow_share(wall: "array | list[float] | np.ndarray", skip: Sequence[int] = ()) -> float:
+    """The extra time of slow steps (over ``SLOW_STEP`` times the median) per step, as a fraction of
+    the median step: how much of the steps' time rare stalls took. The first step (the loader's
+    start-up) and the steps in ``skip`` (checkpoint saves) are left out; 0 for fewer than 8."""
+    w = np.asarray(wall, dtype=np.float64)[1:]
+    if skip:
+        keep = np.ones(w.size, dtype=bool)
+        keep[[i - 1 for i in skip if 0 < i <= w.size]] = False
+        w = w[keep]
+    return _slow_share(w)
+
+
+def _slow_share(w: np.ndarray) -> float:
+    if w.size < 8:
+        return 0.0
+    med = float(np.median(w))
+    if med <= 0.0:
+        return 0.0
+    slow = w[w > SLOW_STEP * med]
+    return float((slow - med).sum()) / (w.size * med)
 
 
 def level_variation_so_far(wall: "array | list[float]") -> float:
@@ -335,6 +366,7 @@ class Forecast:
         extra = [self.wall[i] - mean for i in self.saves if i > 0]
         return {"mean": mean, "std": std, "se": se, "steps": m, "slope": slope, "store_level": level,
                 "device": device, "window_start": lo, "shifted": shift is not None,
+                "median": float(np.median(w)), "slow_share": _slow_share(w),
                 "window_center": (lo + n - 1) / 2.0, "n": n,
                 "save_s": max(0.0, math.fsum(extra) / len(extra)) if extra else None}
 
@@ -367,7 +399,8 @@ class Forecast:
     def predict(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
                 saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
                 save_guess_s: Optional[float] = None,
-                store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = ()) -> Optional[dict]:
+                store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = (),
+                slow_share: Optional[float] = None) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
         measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:
@@ -379,12 +412,17 @@ class Forecast:
         epoch: the batches to go are charged :func:`store_fill_step_s`, less what the rate's
         window already holds of it, and the saves to come (``save_batches``, batches of the epoch)
         :func:`store_fill_save_s`, unless a save after the fill has been measured in this epoch
-        (its cost holds it); the store-time trend is not carried on then (the model replaces it)."""
+        (its cost holds it); the store-time trend is not carried on then (the model replaces it).
+        ``slow_share``: the previous epoch's :func:`slow_share`, which replaces the window's in
+        the rate (host-timed rates only)."""
         r = self.rate()
         if r is None:
             return None
         done = self.batches
         left = max(0, total_batches - done)
+        if slow_share is not None and not r["device"]:
+            # the rare slow steps at the rate the previous epoch had them, not the window's
+            r["mean"] = max(0.0, r["mean"] + r["median"] * (slow_share - r["slow_share"]))
         # steps the host has closed but the device may not have run yet cost their time again
         steps_s = (left + (self.backlog if r["device"] else 0)) * r["mean"]
         trend = self.trend_seconds(r, len(self.wall), left)

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
-from lightning_embcache.profiling.forecast import Forecast, StoreFill, level_variation, save_estimate_s
+from lightning_embcache.profiling.forecast import Forecast, StoreFill, level_variation, save_estimate_s, slow_share
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 
@@ -57,6 +57,7 @@ class EpochPredictor:
         self._first_extra_s: Optional[float] = None
         self._save_s: Optional[float] = None
         self._level_cv = 0.0  # the largest level variation of a finished epoch of this fit
+        self._slow_share: Optional[float] = None  # the latest whole epoch's share of slow steps
         # the embedding stores' hot tiers: () -> (hot bytes, hot budget bytes) summed over the
         # stores with a budget, or None. Read twice an epoch (half-way to the kept prediction,
         # and at it) and by predict(): a stats() call can take milliseconds
@@ -183,6 +184,7 @@ class EpochPredictor:
         self._sync()
         if self.forecast is not None and not self.forecast.start_batches:  # a whole epoch seen
             self._level_cv = max(self._level_cv, level_variation(self.forecast.wall))
+            self._slow_share = slow_share(self.forecast.wall, self.forecast.saves)
         if self.forecast is not None and self.forecast.saves:
             extra = self.forecast.save_extra()
             if extra is not None:
@@ -298,7 +300,8 @@ class EpochPredictor:
         fill_batch = self.store_fill_batch(done, target) if with_store else None
         # hot tiers filling in this epoch: the saves to come cost more after the fill
         at = save_batches(trainer, g_now, g_end, done, acc) if self._fill is not None else ()
-        p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, self._fill, at)
+        p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, self._fill, at,
+                       self._slow_share)
         if p is None:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,
