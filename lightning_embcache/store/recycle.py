@@ -38,6 +38,7 @@ class FilePool:
         self._names = 0
         self.limit = 0  # files pooled at most (0: garbage is deleted at once)
         self.reused = 0  # files overwritten instead of created
+        self._pid = os.getpid()  # a forked child's copy never touches the writer's files
 
     def __len__(self) -> int:
         return len(self._free)
@@ -70,7 +71,7 @@ class FilePool:
     def put(self, name: str) -> bool:
         """Move garbage file ``name`` into the pool (False: not moved, delete it instead). It is
         reusable after the next `seal`."""
-        if not self.room() or self._dir_fd < 0:
+        if not self.room() or self._dir_fd < 0 or self._pid != os.getpid():
             return False
         self._names += 1
         pooled = f"{POOL_PREFIX}{os.getpid()}-{self._names}.tmp"
@@ -90,7 +91,7 @@ class FilePool:
     def take(self) -> str | None:
         """A pooled file no read can reach any more, or None."""
         with self._lock:
-            if not self._free:
+            if not self._free or self._pid != os.getpid():
                 return None
             name, ready = self._free[0]
             if ready > self._epoch or (self._reads and min(self._reads) < ready):
@@ -102,6 +103,9 @@ class FilePool:
     def drain(self) -> None:
         """Delete every pooled file (a pass of rounds ended, or the store closes): disk use drops
         to what the versions hold."""
+        if self._pid != os.getpid():
+            self._free.clear()
+            return
         while self._dir_fd >= 0:
             with self._lock:
                 if not self._free:

@@ -125,3 +125,32 @@ def test_background_passes_reuse_files_and_match_a_reference(tmp_path):
     assert not _pooled(path)
     with EmbeddingStore.open(path) as s:
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after reopening")
+
+
+def test_a_forked_child_never_deletes_the_writers_pooled_files(tmp_path):
+    """A DataLoader worker forked mid-pass inherits the pool; closing its copy (as a child's
+    store close does) must leave the writer's files alone."""
+    from lightning_embcache.store.recycle import FilePool
+
+    (tmp_path / "c00000000-g00000001").write_bytes(b"x" * 4096)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        pool = FilePool(fd)
+        pool.limit = 1
+        assert pool.put("c00000000-g00000001")
+        pid = os.fork()
+        if pid == 0:
+            try:
+                pool.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert len(_pooled_in(tmp_path)) == 1, "the child deleted the writer's pooled file"
+        pool.close()
+        assert not _pooled_in(tmp_path)
+    finally:
+        os.close(fd)
+
+
+def _pooled_in(folder) -> list[str]:
+    return [n for n in os.listdir(folder) if n.startswith(POOL_PREFIX)]
