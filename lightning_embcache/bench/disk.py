@@ -318,7 +318,8 @@ def _shuffle(cfg: dict) -> dict:
     """Cold reads in `ChunkShuffleSampler` order against the disk's sequential read bandwidth.
 
     In one process, each part on its own copy of the store as set up with the page cache dropped
-    first: the chunk files read whole in chunk order (1 MiB reads); ``--batches`` batches of
+    first, between two sequential reads (the chunk files read whole in chunk order, 1 MiB reads;
+    each part is compared with the mean of the two around it); ``--batches`` batches of
     ``get`` alone in the sampler's order (window 16): the read path the order is for; the same
     with the configuration docs/store.md advises for the sampler (a warm tier of two windows of
     chunks, `LookaheadSampler` ``--lookahead`` batches ahead); the same batches of get + update
@@ -344,17 +345,23 @@ def _shuffle(cfg: dict) -> dict:
         out["drop"] = drop_cache([wd])
         return wd
 
-    wd = fresh("seq")
-    t0 = time.perf_counter()
-    nbytes = 0
-    for path in sorted((wd / "chunks").iterdir()):
-        with open(path, "rb", buffering=0) as f:
-            while block := f.read(MiB):
-                nbytes += len(block)
-    seq_s = time.perf_counter() - t0
-    shutil.rmtree(wd)
-    seq_bps = nbytes / seq_s
-    out.update(sequential_mib_s=seq_bps / MiB, sequential_bytes=nbytes)
+    def sequential() -> tuple[float, int]:
+        """The chunk files read whole in chunk order, 1 MiB reads: (bytes/s, bytes)."""
+        wd = fresh("seq")
+        t0 = time.perf_counter()
+        nbytes = 0
+        for path in sorted((wd / "chunks").iterdir()):
+            with open(path, "rb", buffering=0) as f:
+                while block := f.read(MiB):
+                    nbytes += len(block)
+        seq_s = time.perf_counter() - t0
+        shutil.rmtree(wd)
+        return nbytes / seq_s, nbytes
+
+    # The disk is shared (other processes' reads move its bandwidth by 2x within a minute): each
+    # part is compared with the sequential reads just before and just after it.
+    seq = [sequential()]
+    out.update(sequential_bytes=seq[0][1])
     table = n * dim * 4
     nb = min(cfg["batches"], n // bsz)
     window = 16
@@ -387,11 +394,16 @@ def _shuffle(cfg: dict) -> dict:
         cpu = time.process_time() - cpu0
         store.close()
         shutil.rmtree(wd)
+        seq.append(sequential())
+        seq_bps = (seq[-2][0] + seq[-1][0]) / 2
         rows = nb * bsz
         key = f"{part}_" if part else ""
         out.update({f"{key}rows_per_s": rows / wall, f"{key}wall_s": wall, f"{key}store_mib_s": rows * dim * 4 / wall / MiB,
                     f"{key}vs_sequential": (rows * dim * 4 / wall) / seq_bps,
+                    f"{key}sequential_mib_s": seq_bps / MiB,
                     f"{key}cpu_us_per_row": 1e6 * cpu / rows})
+    out["sequential_mib_s_each"] = [b / MiB for b, _ in seq]
+    out["sequential_mib_s"] = statistics.median(out["sequential_mib_s_each"])
     return out
 
 
@@ -503,7 +515,8 @@ def main(argv=None) -> int:
                 res["rep"] = rep
                 res["system"] = "store+chunkshuffle" + (system[len("store"):] if tree else "")
                 runs.append(res)
-                print(f"  rep {rep} shuffle {res['system']}: sequential read {res['sequential_mib_s']:.0f} MiB/s; store in "
+                print(f"  rep {rep} shuffle {res['system']}: sequential read {res['sequential_mib_s']:.0f} MiB/s "
+                      f"(around the tuned get {res['tuned_get_sequential_mib_s']:.0f}); store in "
                   f"ChunkShuffleSampler order: get {res['get_store_mib_s']:.0f} MiB/s ({res['get_rows_per_s']:.0f} "
                   f"rows/s) = {res['get_vs_sequential']:.2f}x; get with a warm tier and lookahead "
                   f"{res['tuned_get_store_mib_s']:.0f} MiB/s ({res['tuned_get_rows_per_s']:.0f} rows/s) = "
@@ -555,7 +568,7 @@ def main(argv=None) -> int:
         rs = [r for r in shuffled if r["system"] == system]
         keys = ("sequential_mib_s", "get_vs_sequential", "tuned_get_vs_sequential", "vs_sequential",
                 "get_store_mib_s", "tuned_get_store_mib_s", "store_mib_s", "get_cpu_us_per_row",
-                "tuned_get_cpu_us_per_row", "cpu_us_per_row")
+                "tuned_get_cpu_us_per_row", "cpu_us_per_row", "tuned_get_sequential_mib_s")
         summary[f"shuffle/{system}"] = {k: statistics.median([r[k] for r in rs]) for k in keys}
         summary[f"shuffle/{system}"].update({f"{k}_all": [r[k] for r in rs] for k in keys})
         if system != "store+chunkshuffle":  # the current store against this revision, per repetition
