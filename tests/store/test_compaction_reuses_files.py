@@ -37,14 +37,23 @@ def _update_all(store, table: torch.Tensor, step: int) -> None:
     table[ids] = values
 
 
+def _pass(store, table: torch.Tensor, step: int) -> None:
+    """Update every row, flush, and fold it all in one pass of rounds."""
+    _update_all(store, table, step)
+    store.flush()
+    store.compact()
+
+
+def _create(path) -> EmbeddingStore:
+    return EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4 // 4, init="zeros")
+
+
 def test_passes_reuse_replaced_files_and_keep_rows(tmp_path, small_rounds):
     path = tmp_path / "s"
     table = torch.zeros(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4 // 4, init="zeros") as s:
+    with _create(path) as s:
         for step in range(1, 5):
-            _update_all(s, table, step)
-            s.flush()
-            s.compact()
+            _pass(s, table, step)
             assert not _pooled(path), "a finished pass leaves no pooled file behind"
             assert_bitwise_equal(s.get(torch.arange(N)), table, f"rows after pass {step}")
         reused = s._disk.pool.reused
@@ -62,18 +71,14 @@ def test_a_stale_descriptor_never_reads_a_reused_file(tmp_path, small_rounds):
     without the forgetting the cached descriptor would serve them unchecked)."""
     path = tmp_path / "s"
     table = torch.zeros(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4 // 4, init="zeros") as s:
-        _update_all(s, table, 1)
-        s.flush()
-        s.compact()
+    with _create(path) as s:
+        _pass(s, table, 1)
         reader = s._chunkrows_reader()
         old_gen = int(s._cmap[0])
         at = (np.array([0]), np.array([5]), np.array([old_gen]))
         before = reader.read(*at).copy()
         assert np.array_equal(before.view(np.float32)[0], table[5].numpy())
-        _update_all(s, table, 2)
-        s.flush()
-        s.compact()  # chunk 0's file of old_gen is pooled and overwritten by a later round
+        _pass(s, table, 2)  # chunk 0's file of old_gen is pooled and overwritten by a later round
         assert s._disk.pool.reused > 0 and int(s._cmap[0]) != old_gen
         with pytest.raises(CorruptStoreError, match="missing"):
             reader.read(*at)
@@ -84,21 +89,15 @@ def test_reuse_waits_for_reads_that_began_before(tmp_path, small_rounds):
     is overwritten (new files are written instead); once it ends, the next pass reuses again."""
     path = tmp_path / "s"
     table = torch.zeros(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4 // 4, init="zeros") as s:
-        _update_all(s, table, 1)
-        s.flush()
-        s.compact()
+    with _create(path) as s:
+        _pass(s, table, 1)
         pool = s._disk.pool
         reused = pool.reused
         epoch = pool.begin_read()  # a read of the layout before the pass, still running
-        _update_all(s, table, 2)
-        s.flush()
-        s.compact()
+        _pass(s, table, 2)
         assert pool.reused == reused, "a file a running read may reach was overwritten"
         pool.end_read(epoch)
-        _update_all(s, table, 3)
-        s.flush()
-        s.compact()
+        _pass(s, table, 3)
         assert pool.reused > reused
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows")
 
@@ -109,7 +108,7 @@ def test_background_passes_reuse_files_and_match_a_reference(tmp_path):
     path = tmp_path / "s"
     table = torch.zeros(N, DIM)
     rng = np.random.default_rng(0)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4 // 4, init="zeros") as s:
+    with _create(path) as s:
         for step in range(40):
             ids = torch.from_numpy(rng.integers(0, N, 300))
             values = torch.from_numpy(rng.standard_normal((300, DIM)).astype(np.float32))
