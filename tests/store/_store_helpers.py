@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future
 
 import torch
@@ -72,3 +73,14 @@ def compacted_store(path, n: int, dim: int, chunk_rows: int, seed: int = 0) -> t
         s.compact()
         s.flush()
     return table
+
+
+def in_forked_child(fn) -> None:
+    """Run ``fn()`` in a forked child (as a DataLoader worker would) and wait for it to exit."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)

@@ -14,7 +14,7 @@ from lightning_embcache.store import versions
 from lightning_embcache.store.errors import CorruptStoreError
 from lightning_embcache.store.recycle import POOL_PREFIX
 
-from _store_helpers import assert_bitwise_equal
+from _store_helpers import assert_bitwise_equal, in_forked_child
 
 N, DIM, CHUNK = 2048, 8, 64  # 32 chunks of 2 KiB
 
@@ -137,13 +137,7 @@ def test_a_forked_child_never_deletes_the_writers_pooled_files(tmp_path):
         pool = FilePool(fd)
         pool.limit = 1
         assert pool.put("c00000000-g00000001")
-        pid = os.fork()
-        if pid == 0:
-            try:
-                pool.close()
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+        in_forked_child(pool.close)
         assert len(_pooled_in(tmp_path)) == 1, "the child deleted the writer's pooled file"
         pool.close()
         assert not _pooled_in(tmp_path)

@@ -27,6 +27,8 @@ from lightning_embcache import (
 from lightning_embcache.store import fileio
 from lightning_embcache.store.validate import as_ids
 
+from _store_helpers import in_forked_child
+
 N, DIM = 64, 4
 
 
@@ -209,13 +211,7 @@ def test_an_ephemeral_store_closed_in_a_forked_child_keeps_the_parents_files():
     s = EmbeddingStore.create(None, N, DIM, hot_bytes=16 * (DIM * 4 + 11))
     s.update(torch.arange(N), torch.ones(N, DIM))
     root = s._root
-    pid = os.fork()
-    if pid == 0:
-        try:
-            s.close()
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+    in_forked_child(s.close)
     assert root.exists(), "the child deleted the parent's ephemeral store folder"
     assert torch.equal(s.get(torch.arange(N)), torch.ones(N, DIM))
     s.close()
