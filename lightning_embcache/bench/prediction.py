@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader
 
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
-from lightning_embcache.profiling.forecast import Forecast, StoreFill, save_estimate_s, slow_share, store_fill_save_s
+from lightning_embcache.profiling.forecast import Forecast, save_estimate_s, slow_share
+from lightning_embcache.profiling.store_fill import StoreFill, store_fill_save_s
 
 try:
     _getcpu = ctypes.CDLL(None).sched_getcpu

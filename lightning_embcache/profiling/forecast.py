@@ -35,8 +35,7 @@ What makes early steps unrepresentative, and how each is handled:
   their hot tiers will be full, the bytes each batch brings in and the tiers' budget
   (:class:`StoreFill`). Nothing before the 5% point has paid what comes later, and the store's
   statistics hold no measurement of it yet (nothing has been written), so it is charged from a
-  cost model measured on the current store (:func:`store_fill_step_s`,
-  :func:`store_fill_save_s`): the store's time per batch grows as the hot tier fills; after the
+  cost model measured on the store (:mod:`~lightning_embcache.profiling.store_fill`): the store's time per batch grows as the hot tier fills; after the
   fill every batch evicts as many rows as it brings in, at a cost that grows with the rows the
   store holds (background compaction folds them into a table on disk that keeps growing); and a
   checkpoint save after the fill waits for that folding, longer the larger the table. The share
@@ -61,9 +60,11 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
+
+from lightning_embcache.profiling.store_fill import STORE_CHARGE_CV, StoreFill, store_fill_save_s, store_fill_step_s
 
 MIN_STEPS = 8  # steps (after the first) before a prediction is made
 SHIFT_BLOCKS = 16  # blocks of steps the level-shift search compares
@@ -80,66 +81,6 @@ SO_FAR_BLOCKS = 16  # blocks (of at least 4 steps) of the running epoch's steps 
 # benchmark hosts (268 MB: 0.65 s on the 2-vCPU host, 0.7-1.1 s from an H100's memory on its host)
 SAVE_FIXED_S = 0.010
 SAVE_BYTES_PER_S = 400e6
-
-
-# An embedding store whose hot tier fills during the epoch, every row it takes in new (a cold
-# store's first epoch). A batch at hot-tier fill level s (rows held over the budget) costs
-#   bytes_per_batch * (min(s, 1) / STORE_FILLING_BYTES_PER_S + (s / EVICTION_BYTES_PER_S after the fill))
-# more than one into an empty tier, and a checkpoint save after the fill
-#   hot_bytes * s**2 / FOLD_BYTES_PER_S
-# more than before it. Measured in `embcache demo` (1M x 64-dim rows, hot tier a quarter of the
-# table, 273 kB a batch, saves every 250 batches) on the 2-vCPU development host, 40 runs over three
-# versions of the store (its compaction and flushes changed between them), against the rate at 5%:
-# batches between 5% and the fill +0.3..+1.0 ms (medians per version), batches after the fill
-# +1.0..+3.4 ms, saves after the fill 0.05-1.29 s; the costs after the fill doubled with one store
-# change and halved with the next. The constants are set so that each version's mean error is
-# within 10% (+1%, -10%, +7%); each part differed by a factor of 2-3 between runs of one version:
-# the charge's uncertainty
-STORE_FILLING_BYTES_PER_S = 400e6
-EVICTION_BYTES_PER_S = 500e6
-FOLD_BYTES_PER_S = 0.8e9
-STORE_CHARGE_CV = 0.6
-
-
-class StoreFill(NamedTuple):
-    """The stores' hot tiers filling during an epoch: the batch of the epoch at which they are
-    full, the bytes each batch brings in, and their budget in bytes."""
-
-    batch: int
-    bytes_per_batch: float
-    hot_bytes: float
-
-    def level(self, b: float) -> float:
-        """Rows the stores hold at batch ``b`` of the epoch over what their hot tiers hold when
-        full (linear in the batch: every batch brings in new rows)."""
-        return max(0.0, 1.0 + self.bytes_per_batch * (b - self.batch) / max(1.0, self.hot_bytes))
-
-
-def store_fill_step_s(fill: StoreFill, a: int, b: int) -> float:
-    """Extra seconds of batches ``a .. b-1`` of the epoch (over batches into an empty hot tier)."""
-    if b <= a:
-        return 0.0
-    k = fill.bytes_per_batch / max(1.0, fill.hot_bytes)  # level per batch
-    bpb, f = fill.bytes_per_batch, fill.batch
-
-    def level_sum(x0: float, x1: float) -> float:  # sum of level(x) over x0 .. x1-1, level > 0 there
-        if x1 <= x0:
-            return 0.0
-        return (x1 - x0) * (1.0 + k * ((x0 + x1 - 1) / 2.0 - f))
-
-    empty = f - 1.0 / k if k > 0 else -math.inf  # the batch at which the projected tier was empty
-    lo = max(a, math.ceil(empty))
-    before = level_sum(lo, min(b, f))  # filling: level < 1
-    after_n = max(0, b - max(a, f))
-    after = level_sum(max(a, f), b) if after_n else 0.0
-    return bpb * ((before + after_n) / STORE_FILLING_BYTES_PER_S + after / EVICTION_BYTES_PER_S)
-
-
-def store_fill_save_s(fill: StoreFill, b: int) -> float:
-    """Extra seconds of a checkpoint save at batch ``b`` of the epoch (none before the fill)."""
-    if b < fill.batch:
-        return 0.0
-    return fill.hot_bytes * fill.level(b) ** 2 / FOLD_BYTES_PER_S
 
 
 def save_estimate_s(nbytes: float) -> float:

@@ -13,7 +13,8 @@ import time
 from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
-from lightning_embcache.profiling.forecast import Forecast, StoreFill, level_variation, save_estimate_s, slow_share
+from lightning_embcache.profiling.forecast import Forecast, level_variation, save_estimate_s, slow_share
+from lightning_embcache.profiling.store_fill import StoreFill
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 

@@ -153,7 +153,7 @@ def test_prediction_replay_oracles_split_the_estimators_error_from_the_hosts(tmp
     assert abs(small["rest_rate"]["predicted_s"] - (0.2 + 380 * rest)) < 1e-9
     # the demo's fill at 200 (90 kB a batch into the demo's hot tier) is charged as the model says
     from lightning_embcache.bench.prediction import DEMO_HOT_BYTES
-    from lightning_embcache.profiling.forecast import StoreFill, store_fill_save_s, store_fill_step_s
+    from lightning_embcache.profiling.store_fill import StoreFill, store_fill_save_s, store_fill_step_s
 
     fill = StoreFill(200, 90_000, DEMO_HOT_BYTES)
     charge = store_fill_step_s(fill, 20, 400) - 380 * store_fill_step_s(fill, 10, 20) / 10

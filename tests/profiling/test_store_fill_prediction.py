@@ -12,8 +12,9 @@ from lightning.pytorch.callbacks import Callback
 
 from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, FakeStore, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
-from lightning_embcache.profiling import forecast
-from lightning_embcache.profiling.forecast import Forecast, StoreFill, store_fill_save_s, store_fill_step_s
+from lightning_embcache.profiling import store_fill as fill_model
+from lightning_embcache.profiling.forecast import Forecast
+from lightning_embcache.profiling.store_fill import StoreFill, store_fill_save_s, store_fill_step_s
 from lightning_embcache.profiling.predictor import EpochPredictor, save_batches
 
 FWD, BWD, OPT, OTHER = 5 * MS, 7 * MS, 4 * MS, 1 * MS
@@ -24,9 +25,9 @@ def extra_reference(b: int, fill: int, per_batch: float, budget: float) -> float
     holds over its hot tier's budget (linear in the batch), the filling term capped at a full
     tier, the eviction term from the fill on."""
     held = max(0.0, (budget - per_batch * (fill - b)) / budget)
-    cost = per_batch * min(held, 1.0) / forecast.STORE_FILLING_BYTES_PER_S
+    cost = per_batch * min(held, 1.0) / fill_model.STORE_FILLING_BYTES_PER_S
     if b >= fill:
-        cost += per_batch * held / forecast.EVICTION_BYTES_PER_S
+        cost += per_batch * held / fill_model.EVICTION_BYTES_PER_S
     return cost
 
 
@@ -47,9 +48,9 @@ def test_the_step_charge_sums_each_batchs_extra_as_the_tier_fills_and_after():
 def test_a_save_after_the_fill_costs_more_the_more_rows_the_store_holds():
     fill = StoreFill(250, 256e3, 64e6)
     assert store_fill_save_s(fill, 249) == 0.0  # before the fill: the save's usual cost only
-    assert math.isclose(store_fill_save_s(fill, 250), 64e6 / forecast.FOLD_BYTES_PER_S)
+    assert math.isclose(store_fill_save_s(fill, 250), 64e6 / fill_model.FOLD_BYTES_PER_S)
     held = 1 + 256e3 * 500 / 64e6  # rows held at batch 750 over the tier's
-    assert math.isclose(store_fill_save_s(fill, 750), 64e6 * held ** 2 / forecast.FOLD_BYTES_PER_S)
+    assert math.isclose(store_fill_save_s(fill, 750), 64e6 * held ** 2 / fill_model.FOLD_BYTES_PER_S)
 
 
 def _walls(n, base, fill, saves=(), save_s=0.0):
@@ -72,7 +73,7 @@ def test_the_forecast_charges_what_the_window_has_not_seen_and_no_store_trend():
         window = math.fsum(walls[lo:k]) / (k - lo) - 0.020
         assert math.isclose(p["store_fill_s"], math.fsum(walls[k:]) - (400 - k) * (0.020 + window), rel_tol=1e-9)
         assert p["trend_s"] == 0.0
-        assert p["std"] >= forecast.STORE_CHARGE_CV * p["store_fill_s"] > 0  # every step alike but the store's
+        assert p["std"] >= fill_model.STORE_CHARGE_CV * p["store_fill_s"] > 0  # every step alike but the store's
         # later epochs run at the rate this one ends with
         assert math.isclose(p["end_rate_s"], walls[-1], rel_tol=1e-9)
     # without the charge the same steps predict far too little
@@ -177,4 +178,4 @@ def test_a_fit_whose_store_fills_mid_epoch_is_predicted_at_10_percent(tmp_path):
     assert abs(e["prediction_error_pct"]) < 0.05, e
     assert math.isclose(e["epoch_wall_seconds"], wall.seconds, rel_tol=1e-9)
     # the +/- holds the model's uncertainty, a large share of the charge
-    assert e["predicted_epoch_std_seconds"] >= forecast.STORE_CHARGE_CV * want
+    assert e["predicted_epoch_std_seconds"] >= fill_model.STORE_CHARGE_CV * want
