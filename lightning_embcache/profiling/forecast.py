@@ -35,13 +35,13 @@ What makes early steps unrepresentative, and how each is handled:
   their hot tiers will be full, the bytes each batch brings in and the tiers' budget
   (:class:`StoreFill`). Nothing before the 5% point has paid what comes later, and the store's
   statistics hold no measurement of it yet (nothing has been written), so it is charged from a
-  cost model measured on the store (:mod:`~lightning_embcache.profiling.store_fill`): the store's time per batch grows as the hot tier fills; after the
-  fill every batch evicts as many rows as it brings in, at a cost that grows with the rows the
-  store holds (background compaction folds them into a table on disk that keeps growing); and a
-  checkpoint save after the fill waits for that folding, longer the larger the table. The share
-  of it the rate's window already holds is left out, and the uncertainty is a large fraction of
-  the charge (the costs differ by a factor of 2-3 between runs on one host).
-
+  cost model measured on the store (:mod:`~lightning_embcache.profiling.store_fill`): the store's
+  time per batch grows as the hot tier fills; after the fill every batch evicts as many rows as it
+  brings in, at a cost that grows with the rows the store holds (background compaction folds them
+  into a table on disk that keeps growing); and a checkpoint save after the fill waits for that
+  folding, longer the larger the table. The share of it the rate's window already holds is left
+  out, and the uncertainty is a large fraction of the charge (the costs differ by a factor of 2-3
+  between runs on one host, and by 2 between versions of the store).
 - **Rare slow steps** (the training thread waiting while another process runs on its core, a
   few times a second on a shared host): the window of the first 5% is short and usually holds
   fewer of them than the epoch will. From the second epoch of a fit on, the window's share of
