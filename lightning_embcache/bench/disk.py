@@ -11,7 +11,9 @@ systems interleaved within each repetition; figures are medians over repetitions
 * ``cold``: the same loop after dropping the page cache (``/proc/sys/vm/drop_caches`` when
   permitted, else ``posix_fadvise(DONTNEED)`` on every file); stall = time ``get`` waited on reads.
 * ``space``: a fresh store, ``--flushes`` flushes that each rewrite ``--flush-frac`` of the rows
-  (random, nothing pinned): disk use / table after each, ``close()`` time.
+  (nothing pinned), other rows each time (``random``) and the same rows each time (``hotset``):
+  disk use / table after each, bytes written (flushes and compaction) per byte flushed, the time
+  with background compaction, ``close()`` time.
 * ``epoch``: the warm loop over a whole epoch (every row once; compaction's steady state):
   rows/s against memmap, and the store's peak RSS over the post-import baseline against the
   memory target, 1.1 x (hot + warm budgets) + 64 MiB.
@@ -297,21 +299,32 @@ def _space(cfg: dict) -> dict:
     s.update(torch.arange(n), torch.zeros(n, dim))
     s.flush()
     k = int(n * cfg["flush_frac"])
+    # "random": each flush rewrites other rows; "hotset": the same rows every time (a hot set)
+    fixed = torch.from_numpy(np.sort(rng.choice(n, k, replace=False))) if cfg.get("pattern") == "hotset" else None
+    written0 = s.stats().bytes_written
+    t_all = time.perf_counter()
     for i in range(cfg["flushes"]):
-        ids = torch.from_numpy(np.sort(rng.choice(n, k, replace=False)))
+        ids = fixed if fixed is not None else torch.from_numpy(np.sort(rng.choice(n, k, replace=False)))
         s.update(ids, torch.full((k, dim), float(i)))
         t0 = time.perf_counter()
         s.flush()
         flush_s.append(time.perf_counter() - t0)
         ratios.append(s.stats().disk_use_ratio)
+    s._wait_bg()  # background compaction's bytes and time belong to these flushes
+    st = s.stats()
+    all_s = time.perf_counter() - t_all
     t0 = time.perf_counter()
     s.close()
     close_s = time.perf_counter() - t0
     table = n * dim * 4
     disk = sum(p.stat().st_size for p in wd.rglob("*") if p.is_file())
-    return {"phase": "space", "system": "store", "ratio_after_each_flush": ratios, "max_ratio": max(ratios),
+    flushed = cfg["flushes"] * k * dim * 4
+    return {"phase": "space", "system": "store", "pattern": cfg.get("pattern", "random"),
+            "ratio_after_each_flush": ratios, "max_ratio": max(ratios),
             "final_ratio_after_close": disk / table, "close_s": close_s, "flush_s_median": statistics.median(flush_s),
-            "flush_s_max": max(flush_s)}
+            "flush_s_max": max(flush_s), "written_per_flushed": (st.bytes_written - written0) / flushed,
+            "seconds_with_background_work": all_s, "compactions": st.compactions,
+            "superseded_segments": getattr(st, "superseded_segments", 0)}
 
 
 def _shuffle(cfg: dict) -> dict:
@@ -524,12 +537,21 @@ def main(argv=None) -> int:
                       f"({res['rows_per_s']:.0f} rows/s) = {res['vs_sequential']:.2f}x; CPU us/row "
                       f"{res['get_cpu_us_per_row']:.2f} / {res['tuned_get_cpu_us_per_row']:.2f} / "
                       f"{res['cpu_us_per_row']:.2f}; load {os.getloadavg()[0]:.1f}", flush=True)
-        if "space" in phases:
-            res = _spawn(dict(cfg, phase="space"))
-            runs.append(res)
-            print(f"  space: max disk/table {res['max_ratio']:.2f}x over {cfg['flushes']} flushes of "
-                  f"{cfg['flush_frac']:.0%}; after close {res['final_ratio_after_close']:.2f}x; close {res['close_s']:.2f} s",
-                  flush=True)
+        for rep in range(reps if "space" in phases else 0):
+            # a fresh store per run (with --store-rev, that revision's too), flushes of other rows
+            # each time and of the same rows each time
+            for pattern in ("random", "hotset"):
+                for system in ["store"] + list(trees):
+                    tree = trees.get(system)
+                    res = _spawn(dict(cfg, phase="space", pattern=pattern,
+                                      workdir=str(tree / "data") if tree else cfg["workdir"]), tree)
+                    res.update(system=system, rep=rep)
+                    runs.append(res)
+                    print(f"  rep {rep} space {pattern:6s} {system:14s}: max disk/table {res['max_ratio']:.2f}x over "
+                          f"{cfg['flushes']} flushes of {cfg['flush_frac']:.0%}; after close "
+                          f"{res['final_ratio_after_close']:.2f}x; close {res['close_s']:.2f} s; written "
+                          f"{res.get('written_per_flushed', float('nan')):.2f}x the flushed bytes in "
+                          f"{res.get('seconds_with_background_work', float('nan')):.2f} s", flush=True)
     finally:
         if own:
             shutil.rmtree(wd, ignore_errors=True)
@@ -576,6 +598,15 @@ def main(argv=None) -> int:
                 ratios = [q[k] / r[k] for r in rs for q in shuffled
                           if q["system"] == "store+chunkshuffle" and q["rep"] == r["rep"]]
                 summary[f"shuffle/{system}"][f"current_vs_this_{k}_all"] = ratios
+    for r in runs:
+        if r.get("phase") == "space":
+            key = f"space-{r['pattern']}/{r['system']}"
+            keys = ("max_ratio", "final_ratio_after_close", "close_s", "written_per_flushed",
+                    "seconds_with_background_work", "flush_s_median", "flush_s_max")
+            rs = [q for q in runs if q.get("phase") == "space" and f"space-{q['pattern']}/{q['system']}" == key]
+            summary[key] = {k: statistics.median([q[k] for q in rs]) for k in keys}
+            summary[key].update({f"{k}_all": [q[k] for q in rs] for k in ("max_ratio", "written_per_flushed",
+                                                                          "seconds_with_background_work")})
     print(json.dumps(summary, indent=1))
     result = {"command": "embcache bench disk " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": cfg, "host": {"cpus": os.cpu_count(), "python": platform.python_version(),

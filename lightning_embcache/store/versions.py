@@ -89,9 +89,11 @@ class Versioning:
                 # folds rounds itself first, so disk use stays bounded whatever the flush rate
                 # (backpressure). Before its own writes: a round that fails publishes nothing.
                 pass
+            # Files kept for a pass's next round go before this flush adds its segment: disk use
+            # peaks at a flush (segments at their most), and the pass they were kept for may not
+            # go on (a round after this flush writes new files instead).
+            self._disk.pool.drain()
             version = self._flush_locked()
-            if len(self._disk.pool) and not self._needs_compaction():
-                self._disk.pool.drain()  # no pass of rounds follows to reuse them
         finally:
             self._flush_lock.release()
         self._trim_heap()
