@@ -219,7 +219,10 @@ def run(device: str = "cpu", reps: int = 3, models: Optional[list[str]] = None, 
             with open(partial, "a") as f:
                 f.write(json.dumps(r) + "\n")
 
-    models = models or (["tiny", "small", "large"] if device == "cpu" else ["gpu_small", "gpu_large"])
+    if models == ["demo"]:  # the demo alone
+        models = []
+    elif not models:
+        models = ["tiny", "small", "large"] if device == "cpu" else ["gpu_small", "gpu_large"]
     configs = [(w, extras) for w in workers for extras in ((False, True) if w == 0 else (False,))]
     for rep in range(reps):
         for model in models:

@@ -387,7 +387,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.prediction:
         from lightning_embcache.bench import prediction
 
-        # --models and --workers as given; by default every CPU model (or both GPU models)
+        # --models and --workers as given; by default every CPU model (or both GPU models);
+        # --models demo: the demo alone
         chosen = args.models.split(",") if args.models != ap.get_default("models") else None
         result["prediction"] = prediction.run(
             args.device, args.reps, chosen, demo=not args.no_demo, workers=tuple(workers),
