@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import math
+import gzip
 import json
+import math
 import os
 import shutil
 import statistics
@@ -372,8 +373,10 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
     steps can foresee: the host's and the workload's change after them)."""
     runs: list[dict] = []
     for path in paths:
-        with open(path) as f:
+        # large raw results are kept gzipped (``.json.gz``, ``.jsonl.gz``)
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             text = f.read()
+        path = path.removesuffix(".gz")
         if path.endswith(".jsonl"):
             runs += [json.loads(line) for line in text.splitlines() if line.strip()]
         else:
