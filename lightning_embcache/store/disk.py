@@ -229,6 +229,7 @@ class Disk:
         self.row_bytes = row_bytes
         self.num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
         self.bytes_written = 0
+        self.write_back_seconds = 0.0  # segments written with durable=False (evicted, cleaned rows)
         self.bytes_read = 0  # of chunk files and segment directories; see total_bytes_read
         self.segment_reads = [0]  # bytes of segment records, counted by the segments themselves
         # (chunk, gen) -> verified per-block checksums of a raw base chunk (None: an LZ4 chunk)
@@ -815,8 +816,11 @@ class Disk:
             return b"".join(bytes(p) for p in pack(b"segment", directory, self.uid))
 
         path = self.segment_path(seq)
+        t0 = time.perf_counter()
         size = write_parts(path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size,
                            dir_fd=self._segments_fd)
+        if not durable:
+            self.write_back_seconds += time.perf_counter() - t0
         self.bytes_written += size
         return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
                        HEADER_SIZE + directory_size, rb, size, read_counter=self.segment_reads)

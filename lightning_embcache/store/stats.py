@@ -30,6 +30,9 @@ class StoreStats:
     flushed_rows: int = 0
     compactions: int = 0
     superseded_segments: int = 0  # segments left out of a flush's manifest: all their rows flushed again since
+    flush_seconds: float = 0.0  # writing flushes: segment, fsyncs, manifest (what a flush costs per byte here)
+    write_back_seconds: float = 0.0  # writing evicted or cleaned dirty rows below the hot tier
+    compaction_seconds: float = 0.0  # compaction rounds, in the background or in a flush
     compression_ratio: float = 1.0
     io_wait_seconds: float = 0.0
     version: int = 0
@@ -47,7 +50,7 @@ class StoreStats:
     warm_bytes_written: int = 0
     table_bytes: int = 0
 
-    _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions", "superseded_segments",
+    _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions", "superseded_segments", "flush_seconds", "compaction_seconds",
                  "prefetched_rows", "evicted_bytes", "cleaned_rows", "gets", "updates",
                  "prefetch_hits", "prefetch_misses", "stall_seconds")
 

@@ -612,6 +612,7 @@ class EmbeddingStore(TieredRows, Versioning):
             s.compression_ratio = self._warm.compression_ratio
             s.bytes_read = self._disk.total_bytes_read if self._disk else 0
             s.bytes_written = self._disk.bytes_written if self._disk else 0
+            s.write_back_seconds = self._disk.write_back_seconds if self._disk else 0.0
             s.io_wait_seconds = self._io_wait
             s.version = self._version
             s.pending_segments = len(self._pending)

@@ -103,6 +103,13 @@ class Versioning:
 
     def _flush_locked(self) -> int:
         """The body of `flush` (caller holds the writer lock)."""
+        t0 = time.perf_counter()
+        try:
+            return self._flush_writing()
+        finally:
+            self._stats.flush_seconds += time.perf_counter() - t0
+
+    def _flush_writing(self) -> int:
         with self._lock:
             self._check_open()
             hot = self._hot
@@ -421,6 +428,14 @@ class Versioning:
         return packed, local
 
     def _compact_round(self, everything: bool = False) -> bool:
+        """One round of compaction (`_fold_round`), its time counted in ``stats().compaction_seconds``."""
+        t0 = time.perf_counter()
+        try:
+            return self._fold_round(everything)
+        finally:
+            self._stats.compaction_seconds += time.perf_counter() - t0
+
+    def _fold_round(self, everything: bool = False) -> bool:
         """Rewrite a bounded set of chunks with the committed segments' rows folded in, drop the
         prefix of segments now folded everywhere, and publish the new layout of the same rows.
         Caller holds the writer lock. False if there was nothing to do or the store closed.
