@@ -26,7 +26,9 @@ class LookaheadSampler(Sampler):
     the last time in the window are written back and dropped instead of filling the cache). While
     rows come from the disk a background thread reads them during the training step; while they
     come from the page cache, the next ``get`` that misses reads the announced rows with its own in
-    one batch (a second thread would only take turns with training for the GIL).
+    one batch (a second thread would only take turns with training for the GIL). With a warm
+    tier (``ChunkShuffleSampler`` order), the kernel is asked for the announced chunks and each
+    is read once, whole, into the warm tier, which serves its rows.
 
     Example::
 

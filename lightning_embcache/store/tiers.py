@@ -196,6 +196,12 @@ class TieredRows:
         if len(mids) > hot.limit and not for_write:
             raise TooLarge(slots, mids, self._fetch(mids))
         ahead = self._take_hints(mids) if load and not for_write and self._hinted else None
+        if ahead is not None and len(self._warm):
+            # announced rows of chunks held warm are served from there when their get comes:
+            # reading them ahead would only gather rows to drop (see `served` below)
+            ahead = ahead[~idsets.isin(ahead // self._chunk_rows, self._warm.chunks(), b_sorted_unique=True)]
+            if not len(ahead):
+                ahead = None
         warm = None  # which rows were served by whole chunks (warm copies, or read whole now)
         if ahead is not None:  # this miss reads the announced rows of coming batches with its own
             both = idsets.union(mids, ahead)
@@ -290,10 +296,11 @@ class TieredRows:
         """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
         entering its window). They are loaded ahead of that get, and until it reads them,
         eviction prefers rows no coming batch reads. Returns at once. While rows come from the
-        disk a prefetch thread loads them in the background (with a warm tier, the kernel is
-        asked for their chunks instead and the get reads them from the page cache); while they
-        come from the page cache the next get that misses loads them with its own rows in one
-        batch. In memory mode, or for a store without a path, this is `prefetch`."""
+        disk a prefetch thread loads them in the background; while they come from the page
+        cache the next get that misses loads them with its own rows in one batch. With a warm
+        tier, the kernel is asked for their chunks instead and the get reads them from the page
+        cache (rows of chunks held warm are served from there, not the hot tier). In memory
+        mode, or for a store without a path, this is `prefetch`."""
         self._check_usable()
         idx = self._valid_ids(ids)
         if self._disk is None:
@@ -307,7 +314,11 @@ class TieredRows:
             if self._hinted is None:
                 self._hinted = []
             cached = not self._hint_task and self._reads_cached()
-            if not (self._hint_task or cached) and self._warm.budget and self._advise(idx):
+            # With a warm tier the kernel is asked even while reads come from the page cache:
+            # a chunk held warm serves its rows without a hot slot, so reading announced rows
+            # ahead into the hot tier (below) would only copy rows twice; and reads that look
+            # cached (the share counts rows read one by one) may be whole chunks the disk serves.
+            if not self._hint_task and self._warm.budget and self._advise(idx):
                 # Rows wait for the disk and each lies in a raw base chunk: the kernel reads them
                 # ahead (whole chunks where the coming batches want a good part of one, as in
                 # `ChunkShuffleSampler` order), and the get that first wants a chunk reads it from

@@ -23,6 +23,14 @@ N, DIM, CHUNK = 4096, 16, 256
 ROW = DIM * 4
 
 
+@pytest.fixture
+def _inline_background(monkeypatch):
+    """Background write-back and prefetch run inline, so every example replays exactly."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lightning_embcache.store") and hasattr(module, "ThreadPoolExecutor"):
+            monkeypatch.setattr(module, "ThreadPoolExecutor", InlineExecutor)
+
+
 def _hot_rows(s: EmbeddingStore) -> int:
     return s.stats().hot_bytes // (ROW + 11)
 
@@ -71,6 +79,7 @@ def test_an_update_of_a_row_got_from_a_warm_copy_lands_hot_and_wins(shm_path):
         assert_bitwise_equal(s.get(ids), want)
 
 
+@pytest.mark.usefixtures("_inline_background")
 def test_a_write_back_of_rows_of_a_warm_chunk_drops_its_copy(shm_path):
     table = compacted_store(shm_path / "s", N, DIM, CHUNK)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (ROW + 11), warm_bytes=4 * CHUNK * ROW) as s:
@@ -79,7 +88,7 @@ def test_a_write_back_of_rows_of_a_warm_chunk_drops_its_copy(shm_path):
         s.update(torch.tensor([600]), torch.full((1, DIM), -3.0))
         for a in range(3072, 3072 + 4 * 32, 32):  # updates of other rows evict row 600 (written back)
             s.update(torch.arange(a, a + 32), torch.zeros(32, DIM))
-        assert s.stats().evicted_bytes > 0
+        assert s.stats().evicted_bytes > 0 and s._hot.slot_of[600] == 0  # row 600 left the hot tier
         want = table[chunk].clone()
         want[600 - 512] = -3.0
         assert_bitwise_equal(s.get(chunk), want)  # not the copy read before the write-back
@@ -98,14 +107,6 @@ def test_a_get_larger_than_the_hot_tier_from_warm_copies_is_right(shm_path):
 # ---- a sequence of operations against a tensor --------------------------------------------------
 SN, SCHUNK = 1024, 128  # 8 chunks; a call asking 2 or more rows of a chunk reads it whole
 FIELDS = {"m": (torch.float32, 2)}
-
-
-@pytest.fixture
-def _inline_background(monkeypatch):
-    """Background write-back and prefetch run inline, so every example replays exactly."""
-    for name, module in list(sys.modules.items()):
-        if name.startswith("lightning_embcache.store") and hasattr(module, "ThreadPoolExecutor"):
-            monkeypatch.setattr(module, "ThreadPoolExecutor", InlineExecutor)
 
 
 _ids = st.one_of(
@@ -188,11 +189,13 @@ def test_gets_updates_flushes_and_hints_with_a_warm_tier_match_a_tensor(tmp_path
 
 
 # ---- ChunkShuffleSampler order with lookahead -----------------------------------------------------
-def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_path, monkeypatch):
+@pytest.mark.parametrize("uncached_share", [1.0, 0.0])
+def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_path, monkeypatch, uncached_share):
     """Batches of 100 straddle the sampler's windows, so a window's first batch meets each of its
     chunks with a few rows: neither the hint nor the get opens the chunk's file for them (the
     next batches read it whole); every chunk is asked from the kernel once, whole, and read
-    from below once; every row matches the table."""
+    from below once; no row is read ahead into the hot tier, whether recent reads waited for
+    the disk or not; every row matches the table."""
     n, chunk, window = 16_384, 1024, 4
     table = compacted_store(shm_path / "s", n, DIM, chunk)
     opened = []
@@ -204,7 +207,7 @@ def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_
                         lambda fd, off, k, adv: (asked.append((off, k, adv)), real(fd, off, k, adv))[1])
     with EmbeddingStore.open(shm_path / "s", hot_bytes=n * (ROW + 11) // 4,
                              warm_bytes=2 * window * chunk * ROW) as s:
-        s._uncached_share = 1.0  # reads wait for the disk (a fresh page cache on a real disk)
+        s._uncached_share = uncached_share  # 1.0: reads wait for the disk; 0.0: the page cache serves them
         s._cache_seen = (1 << 62, 0)
         sampler = ChunkShuffleSampler(n, chunk_rows=chunk, window=window, seed=5)
         batches = LookaheadSampler(BatchSampler(sampler, 100, drop_last=False), s, lookahead=4)
@@ -220,3 +223,4 @@ def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_
     assert len(whole) == n // chunk
     assert len(asked) == len(whole)  # no block-by-block request
     assert st_.cold_reads == n // chunk
+    assert st_.prefetched_rows == 0 and st_.hot_bytes == 0
