@@ -318,7 +318,7 @@ class TieredRows:
             # a chunk held warm serves its rows without a hot slot, so reading announced rows
             # ahead into the hot tier (below) would only copy rows twice; and reads that look
             # cached (the share counts rows read one by one) may be whole chunks the disk serves.
-            if not self._hint_task and self._warm.budget and self._advise(idx):
+            if not self._hint_task and self._warm.budget and self._advise(idx, cached):
                 # Rows wait for the disk and each lies in a raw base chunk: the kernel reads them
                 # ahead (whole chunks where the coming batches want a good part of one, as in
                 # `ChunkShuffleSampler` order), and the get that first wants a chunk reads it from
@@ -344,11 +344,13 @@ class TieredRows:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
             self._prefetcher.submit(self._prefetch_hinted)
 
-    def _advise(self, idx: np.ndarray) -> bool:
+    def _advise(self, idx: np.ndarray, cached: bool = False) -> bool:
         """Start the kernel reading the base-chunk blocks of announced rows that are not hot
         (``posix_fadvise(WILLNEED)``: asynchronous, no thread, no GIL held while the disk works).
         True if that covers every such row (none lies in a delta segment; see
-        `ChunkRows.will_need`). Caller holds the lock."""
+        `ChunkRows.will_need`). ``cached``: recent reads came from the page cache; rows the
+        kernel would be asked for block by block are then left to a miss that reads them ahead
+        with its own (False; whole chunks are still asked for). Caller holds the lock."""
         reader = self._chunkrows_reader()
         if reader is None:
             return False
@@ -378,12 +380,18 @@ class TieredRows:
             if few.any():
                 self._held_advice = ids[few]
                 ids, chunks = ids[~few], chunks[~few]
+        covered = True
+        if cached and len(chunks):
+            counts = np.diff(runs(chunks))
+            sparse = np.repeat(counts * DENSE_ROWS < cr, counts)
+            if sparse.any():  # (a random order's rows, a row or two per chunk)
+                ids, chunks, covered = ids[~sparse], chunks[~sparse], False
         gens = self._cmap[chunks]
         base = gens > 0
         if not base.any():
-            return True
+            return covered
         c = chunks[base]
-        return reader.will_need(c, ids[base] - c * cr, gens[base])
+        return reader.will_need(c, ids[base] - c * cr, gens[base]) and covered
 
     def _reads_cached(self) -> bool:
         """Whether this store's recent reads below the hot tier came from the page cache (under
@@ -573,7 +581,7 @@ class TieredRows:
         """Records of sorted unique ``ids`` from the warm tier or disk. Caller holds the lock.
 
         ``whole_rows``: return (records, which rows came from chunks held whole: a warm copy, or
-        a chunk read whole just now and kept warm)."""
+        a chunk read whole just now and kept warm, so that a later read finds it there too)."""
         t0 = time.perf_counter()
         plan = self._plan_below(ids)
         records, whole = self._read_below(plan)
@@ -585,8 +593,9 @@ class TieredRows:
         if not whole_rows:
             return records
         mask = np.zeros(len(ids), np.bool_)
-        for entry in plan[6]:
-            mask[entry[1] : entry[2]] = True
+        for c, a, b, cached, _ in plan[6]:
+            if cached is not None or c in self._warm:  # (not a chunk too large for the tier)
+                mask[a:b] = True
         return records, mask
 
     def _moved_since(self, plan: tuple) -> np.ndarray:

@@ -224,3 +224,20 @@ def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_
     assert len(asked) == len(whole)  # no block-by-block request
     assert st_.cold_reads == n // chunk
     assert st_.prefetched_rows == 0 and st_.hot_bytes == 0
+
+
+def test_a_random_order_read_from_the_page_cache_is_still_read_ahead_with_a_warm_tier(shm_path):
+    """Where reads come from the page cache and the announced rows lie a row or two per chunk
+    (a uniform shuffle), a miss reads the coming batches' rows with its own into the hot tier,
+    warm tier or not (asking the kernel block by block would only cost system calls)."""
+    n = 16_384
+    table = compacted_store(shm_path / "s", n, DIM, CHUNK)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=n * (ROW + 11) // 2, warm_bytes=8 * CHUNK * ROW) as s:
+        s._uncached_share = 0.0  # the page cache serves the reads
+        s._cache_seen = (1 << 62, 0)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(2)).tolist()
+        batches = LookaheadSampler(BatchSampler(order, 64, drop_last=False), s, lookahead=4)
+        for batch in batches:
+            ids = torch.as_tensor(batch)
+            assert_bitwise_equal(s.get(ids), table[ids])
+        assert s.stats().prefetched_rows > n // 2
