@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, help="timed batches per process (default 300; quick 60)")
     p.add_argument("--flush-every", type=int, default=50)
     p.add_argument("--table-factor", type=float, default=4.0, help="table bytes / hot_bytes (default 4)")
-    p.add_argument("--lookahead", type=int, default=8, help="batches announced ahead (default 8)")
+    p.add_argument("--lookahead", type=int, default=8,
+                   help="batches announced ahead (default 8; 0: LookaheadSampler's own, sized from measured read latency)")
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="training compute per batch between the store calls, in ms of one-thread matrix "
                         "products (they release the GIL, as a model's forward and backward do; default 0)")
@@ -236,7 +237,7 @@ def _loop(cfg: dict) -> dict:
         if system == "store+lookahead":
             from lightning_embcache import LookaheadSampler
 
-            order = LookaheadSampler(batches, store, lookahead=cfg["lookahead"])
+            order = LookaheadSampler(batches, store, lookahead=cfg.get("lookahead_k", cfg["lookahead"]))
         else:
             order = batches
     compute = _compute(cfg.get("step_ms", 0.0))
@@ -388,7 +389,7 @@ def _shuffle(cfg: dict) -> dict:
         sampler = ChunkShuffleSampler(n, chunk_rows=store.chunk_rows, window=window, seed=cfg["seed"])
         batches = BatchSampler(sampler, bsz, drop_last=True)
         if tuned:
-            batches = LookaheadSampler(batches, store, lookahead=cfg["lookahead"])
+            batches = LookaheadSampler(batches, store, lookahead=cfg.get("lookahead_k", cfg["lookahead"]))
         t0 = time.perf_counter()
         cpu0 = time.process_time()  # this process's CPU, all threads: what a busy host leaves wall time
         for i, batch in enumerate(batches):
@@ -455,7 +456,8 @@ def main(argv=None) -> int:
     cfg = {
         "rows": args.rows or (60_000 if q else 500_000), "dim": args.dim, "batch": args.batch,
         "batches": args.batches or (60 if q else 300), "flush_every": args.flush_every,
-        "table_factor": args.table_factor, "lookahead": args.lookahead, "flushes": args.flushes,
+        "table_factor": args.table_factor, "lookahead": args.lookahead or 8, "lookahead_k": args.lookahead or None,
+        "flushes": args.flushes,
         "step_ms": args.step_ms, "read_iops": args.read_iops, "mem_limit_mib": args.mem_limit_mib,
         "flush_frac": args.flush_frac, "space_rows": args.space_rows or (30_000 if q else 200_000), "seed": 0,
     }

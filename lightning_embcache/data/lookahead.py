@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import math
+import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -54,8 +56,12 @@ class LookaheadSampler(Sampler):
     Args:
         sampler: a ``Sampler`` (or any iterable) of dataset indices or of lists of indices.
         store: an ``EmbeddingStore`` (or anything with ``upcoming(ids)`` or ``prefetch(ids)``).
-        lookahead: batches announced ahead; ``None`` picks it from the hot budget (as many batches
-            as fit in a quarter of the hot tier, at most 32; 2 in memory mode).
+        lookahead: batches announced ahead; ``None`` sizes the window from measured read latency:
+            the time a batch's rows take to come up from below the hot tier (the store's
+            ``read_seconds_per_row()`` times the batch's rows) over the time between two batches,
+            plus one, re-read every step; at most as many batches as fit in a quarter of the hot
+            tier (at most 32; 2 in memory mode), which is also the window before anything was
+            read. ``window`` holds the current size.
         id_fn: maps the indices of one batch (a 1-D int64 tensor) to the store ids its step reads
             (a tensor or array); ``None``: the indices are the ids.
 
@@ -111,6 +117,8 @@ class LookaheadSampler(Sampler):
 
     # ------------------------------------------------------------------------------------------
     def _window(self, first: Any) -> int:
+        """The most batches announced ahead: ``lookahead``, else what a quarter of the hot tier
+        holds (at most 32; 2 in memory mode)."""
         if self.lookahead is not None:
             return self.lookahead
         rows = len(first) if _is_batch(first) else INDEX_GROUP
@@ -143,7 +151,12 @@ class LookaheadSampler(Sampler):
         if first is _END:
             return
         batched = _is_batch(first)
-        ahead = self._window(first) * (1 if batched else INDEX_GROUP)
+        unit = 1 if batched else INDEX_GROUP
+        most = self._window(first)
+        latency = getattr(self.store, "read_seconds_per_row", None) if self.lookahead is None else None
+        pace = _Pace(most, len(first) if batched else INDEX_GROUP, unit, latency) if latency is not None else None
+        self.window = most
+        ahead = most * unit
         window: collections.deque = collections.deque()
         group: list = []
 
@@ -171,7 +184,12 @@ class LookaheadSampler(Sampler):
             item = window.popleft()
             self._yielded += 1
             yield item
-            if not done:
+            if pace is not None:
+                # the window follows the measured time a batch's rows take to arrive (a batch
+                # further ahead only holds hot slots longer): one more item, or none, per step
+                self.window = pace.step()
+                ahead = self.window * unit
+            while not done and len(window) <= ahead:
                 nxt = next(it, _END)
                 done = nxt is _END
                 if not done:
@@ -182,6 +200,33 @@ class LookaheadSampler(Sampler):
 
 
 _END = object()
+
+
+class _Pace:
+    """Batches to announce ahead from what was measured: the time a batch's rows take to come up
+    from below the hot tier (the store's recent seconds per row read, times the batch's rows)
+    over the time between two batches, plus one; at most ``most``. Before the store has read
+    anything below its hot tier, ``most``. ``unit``: items yielded per batch of the window (a
+    sampler of single indices yields 256 per batch)."""
+
+    def __init__(self, most: int, rows: int, unit: int, latency: Callable[[], float]) -> None:
+        self.most, self.rows, self.unit, self.latency = most, rows, unit, latency
+        self.last = _clock()
+        self.step_s = float("nan")
+        self.k = most
+
+    def step(self) -> int:
+        now = _clock()
+        dt, self.last = now - self.last, now
+        self.step_s = dt if self.step_s != self.step_s else 0.9 * self.step_s + 0.1 * dt
+        per_row = self.latency()
+        if per_row == per_row and self.step_s > 0:
+            self.k = max(1, min(self.most, math.ceil(self.rows * per_row / (self.step_s * self.unit)) + 1))
+        return self.k
+
+
+def _clock() -> float:
+    return time.perf_counter()
 
 
 def _is_batch(item: Any) -> bool:

@@ -76,6 +76,7 @@ class TieredRows:
     _hint_task: bool = False  # a `_prefetch_hinted` task is queued or running
     _held_advice: np.ndarray | None = None  # announced rows `_advise` asks the kernel for next time
     _uncached_share: float = float("nan")  # of recent reads below the hot tier, the share not cached
+    _read_s_per_row: float = float("nan")  # recent wall seconds per row read below the hot tier
     _cache_seen: tuple[int, int] = (0, 0)  # the reader's ``cache_counts`` when last looked at
     _fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
     _fetch_cond: threading.Condition | None = None
@@ -291,6 +292,19 @@ class TieredRows:
             late = int(np.count_nonzero(hinted & missing))
             self._stats.prefetch_misses += late
             self._stats.prefetch_hits += int(np.count_nonzero(hinted)) - late
+
+    def _note_read(self, seconds: float, rows: int) -> None:
+        if rows:
+            per_row = seconds / rows
+            last = self._read_s_per_row
+            self._read_s_per_row = per_row if last != last else 0.8 * last + 0.2 * per_row
+
+    def read_seconds_per_row(self) -> float:
+        """Recent wall time per row that `get` or the prefetch thread read below the hot tier
+        (from the warm tier, the page cache or the disk); NaN before any such read.
+        `LookaheadSampler` sizes its window from it: batches announced ahead cover the time a
+        batch's rows take to arrive."""
+        return self._read_s_per_row
 
     def upcoming(self, ids: Any) -> None:
         """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
@@ -586,7 +600,9 @@ class TieredRows:
         plan = self._plan_below(ids)
         records, whole = self._read_below(plan)
         self._stats.cold_reads += self._chunks_read(plan)
-        self._stats.stall_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self._stats.stall_seconds += took
+        self._note_read(took, len(ids))
         if self._warm.budget:
             for c, recs in whole:
                 self._warm.put(c, recs)
@@ -932,7 +948,9 @@ class TieredRows:
         else:
             if not uring.available():  # io_uring has every read of the batch in flight at once
                 self._will_need(plan)
+            t0 = time.perf_counter()
             records, whole = self._read_below(plan)
+            self._note_read(time.perf_counter() - t0, len(miss))
         # -- install, if still wanted and still current ------------------------------------
         with self._lock:
             if self._closed:
