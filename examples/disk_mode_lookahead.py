@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     data = Targets(args.rows, args.dim)
     order = (ChunkShuffleSampler(len(data), chunk_rows=store.chunk_rows, window=16, seed=0) if args.chunk_order
              else RandomSampler(data, generator=torch.Generator().manual_seed(0)))
-    sampler = LookaheadSampler(BatchSampler(order, args.batch, drop_last=False), store)  # lookahead from the budget
+    sampler = LookaheadSampler(BatchSampler(order, args.batch, drop_last=False), store)  # window sized from measured read latency
     loader = DataLoader(data, batch_sampler=sampler, num_workers=args.workers,
                         persistent_workers=args.workers > 0)
     lr = 0.5
