@@ -293,11 +293,12 @@ def _two_rank_straggler(tmp_path, accelerator="cpu", strategy="ddp"):
         assert e["world_size"] == 2 and e["batches"] == 8
         assert e["slowest_rank"] == 1, e
         # rank 1 spends 25 ms more in forward; the mean over ranks is half of that above rank 0.
-        # On CUDA the first epoch holds NCCL's and DDP's first-iteration syncs, in which the fast
-        # rank waits for the straggler inside its own forward (2 x H100: forward 45 ms mean, 52
-        # max, spread 1.7%, the same before and after the phase boundaries moved to profiler
-        # actions): there the straggler's extra time is asserted for the last epoch only.
-        if accelerator == "cpu" or e["epoch"] == s[-1]["epoch"]:
+        # The first epoch holds DDP's first-iteration syncs (and on CUDA NCCL's), in which the
+        # fast rank waits for the straggler inside its own forward (2 x H100: forward 45 ms mean,
+        # 52 max, spread 1.7%, the same before and after the phase boundaries moved to profiler
+        # actions; Gloo on a loaded 2-core host: 47 mean, 53 max): the straggler's extra time is
+        # asserted for the last epoch.
+        if e["epoch"] == s[-1]["epoch"]:
             assert e["phases_max_ms"]["forward"] >= 25.0, e
             assert e["phases_max_ms"]["forward"] - e["phases_ms"]["forward"] >= 10.0, e
             assert e["rank_spread_pct"] > 50.0, e
