@@ -378,7 +378,7 @@ class ChunkRows:
         (one sequential read; for chunks a call wants many blocks of). Returns the rows still to
         read block-wise."""
         c = chunks[rows]
-        bounds = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True])
+        bounds = idsets.runs(c)
         left = np.ones(len(rows), np.bool_)
         rb = self.rb
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
@@ -419,7 +419,7 @@ class ChunkRows:
         32 rows of 2 KiB are 1/16 of a 1,024-row chunk's blocks, and reading them block-wise
         cold ran the sampler's order at 0.45x the disk's sequential bandwidth."""
         c = chunks[rows]
-        bounds = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True])
+        bounds = idsets.runs(c)
         if len(bounds) > 1:
             first_block = local[rows] * self.rb // BLOCK
             new_block = np.r_[True, (c[1:] != c[:-1]) | (first_block[1:] != first_block[:-1])]
@@ -504,7 +504,7 @@ class ChunkRows:
             return False
         if not len(chunks):
             return True
-        bounds = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1], True])
+        bounds = idsets.runs(chunks)
         starts = bounds[:-1]
         counts = np.diff(bounds).tolist()
         advised = self._advised
@@ -543,7 +543,7 @@ class ChunkRows:
             everything = bool(raw.all())
             c, fds, base = chunks[raw], fds[raw], base[raw]
             block = local[raw] * self.rb // BLOCK * BLOCK
-            bounds = np.flatnonzero(np.r_[True, c[1:] != c[:-1], True])
+            bounds = idsets.runs(c)
             for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
                 fd = int(fds[a])
                 blocks = idsets.unique(block[a:b])

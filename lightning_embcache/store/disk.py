@@ -674,14 +674,12 @@ class Disk:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
                 head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 1)
-                self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunk", head + packed, self.uid),
-                                                  dir_fd=self._chunks_fd, durable=durable, reuse=self.pool.take())
+                self._write_chunk_file(chunk, gen, pack(b"chunk", head + packed, self.uid), durable)
                 return
         # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
         crcs = _block_crcs(raw)
         directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
-        self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(b"chunkraw", directory, self.uid) + [raw],
-                                          dir_fd=self._chunks_fd, durable=durable, reuse=self.pool.take())
+        self._write_chunk_file(chunk, gen, pack(b"chunkraw", directory, self.uid) + [raw], durable)
 
     def _write_sparse_chunk(self, chunk: int, gen: int, present: np.ndarray, records: np.ndarray,
                             durable: bool) -> None:
@@ -695,8 +693,13 @@ class Disk:
         crcs = _block_crcs(raw)
         directory = (_SPARSE_HEAD.pack(chunk, rows, len(present), len(raw)) + np.packbits(held, bitorder="little").tobytes()
                      + crcs.tobytes())
-        self.bytes_written += write_parts(self.chunk_path(chunk, gen), pack(SPARSE_KIND, directory, self.uid) + [raw],
-                                          dir_fd=self._chunks_fd, durable=durable, reuse=self.pool.take())
+        self._write_chunk_file(chunk, gen, pack(SPARSE_KIND, directory, self.uid) + [raw], durable)
+
+    def _write_chunk_file(self, chunk: int, gen: int, parts: list, durable: bool) -> None:
+        """Create chunk file ``(chunk, gen)`` from ``parts``, overwriting a pooled replaced file
+        where one may be reused (recycle.py)."""
+        self.bytes_written += write_parts(self.chunk_path(chunk, gen), parts, dir_fd=self._chunks_fd,
+                                          durable=durable, reuse=self.pool.take())
 
     def sync_chunks(self, chunks: list[int], gen: int) -> None:
         """Make chunk files written with ``durable=False`` durable (before a manifest names them)."""

@@ -216,7 +216,7 @@ def gather_deltas(out: np.ndarray, rows: np.ndarray, seg: np.ndarray, pos: np.nd
     else:
         order = np.argsort(seg, kind="stable")
         s = seg[order]
-        bounds = np.flatnonzero(np.r_[True, s[1:] != s[:-1], True]).tolist()
+        bounds = idsets.runs(s).tolist()
     rb = out.shape[1]
     fds, offs, lens, dsts = [], [], [], []
     for a, b in zip(bounds[:-1], bounds[1:]):

@@ -44,17 +44,6 @@ class ServedBelow(TooLarge):
     from those copies without taking hot slots (see `TieredRows._resolve`)."""
 
 
-def runs(sorted_keys: np.ndarray) -> np.ndarray:
-    """Bounds of the runs of equal values in a sorted array: run i is [b[i], b[i + 1]).
-    (``np.r_`` builds its mask through Python-level indexing: 17 against 3 us per call.)"""
-    n = len(sorted_keys)
-    change = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1])
-    out = np.empty(len(change) + 2, np.int64)
-    out[0], out[-1] = 0, n
-    out[1:-1] = change + 1
-    return out if n else out[:1]
-
-
 def np_dtype(dtype: torch.dtype) -> np.dtype:
     # bfloat16 has no numpy dtype: move its bits as int16
     return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
@@ -380,15 +369,19 @@ class TieredRows:
         if len(self._warm):  # chunks held whole in memory need no disk read
             ids = ids[~idsets.isin(ids // cr, self._warm.chunks(), b_sorted_unique=True)]
         chunks = ids // cr
+
+        def thin(chunks: np.ndarray) -> np.ndarray:
+            """Per row: its chunk has too few rows here to be asked for whole."""
+            counts = np.diff(idsets.runs(chunks))
+            return np.repeat(counts * DENSE_ROWS < cr, counts)
+
         if len(chunks):
             # Rows of a chunk this hint wants too few of to ask for it whole wait for the next
             # hint, once: in `ChunkShuffleSampler` order that brings the rest of the chunk's
             # share (the first batch of a window meets each chunk with a few rows), and asking
             # for those few first cost a synchronous header read and block requests for a chunk
             # the next hint asks for whole anyway.
-            bounds = runs(chunks)
-            counts = np.diff(bounds)
-            few = np.repeat(counts * DENSE_ROWS < cr, counts)
+            few = thin(chunks)
             if held is not None and few.any():
                 few &= ~idsets.isin(ids, held, b_sorted_unique=True)
             if few.any():
@@ -396,8 +389,7 @@ class TieredRows:
                 ids, chunks = ids[~few], chunks[~few]
         covered = True
         if cached and len(chunks):
-            counts = np.diff(runs(chunks))
-            sparse = np.repeat(counts * DENSE_ROWS < cr, counts)
+            sparse = thin(chunks)
             if sparse.any():  # (a random order's rows, a row or two per chunk)
                 ids, chunks, covered = ids[~sparse], chunks[~sparse], False
         gens = self._cmap[chunks]
@@ -682,7 +674,7 @@ class TieredRows:
         whole = []
         warm = self._warm
         if len(ids) and (warm.budget or len(warm)):
-            bounds = runs(chunks)
+            bounds = idsets.runs(chunks)
             uc = chunks[bounds[:-1]]
             pick = np.zeros(len(uc), np.bool_)
             if len(warm):
@@ -821,7 +813,7 @@ class TieredRows:
             else:  # a store created before per-row init: its rows come from a per-chunk generator
                 cr = self._chunk_rows
                 chunks = ids // cr
-                bounds = runs(chunks)
+                bounds = idsets.runs(chunks)
                 for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
                     c = int(chunks[a])
                     rows = min(cr, self._num_rows - c * cr)

@@ -24,3 +24,13 @@ def test_shapes_and_dtypes_are_kept():
     assert u.dtype == np.int32 and u.tolist() == [1, 2, 3]
     assert idsets.isin(a, np.array([3])).tolist() == [[True, False], [True, False]]
     assert idsets.isin(np.zeros(0, np.int64), np.array([1])).shape == (0,)
+
+
+@given(st.lists(st.integers(0, 20), max_size=60))
+def test_runs_are_the_bounds_of_equal_values(values):
+    a = np.sort(np.array(values, dtype=np.int64))
+    got = idsets.runs(a)
+    if len(a):
+        assert np.array_equal(got, np.flatnonzero(np.r_[True, a[1:] != a[:-1], True]))
+    else:
+        assert got.tolist() == [0]
