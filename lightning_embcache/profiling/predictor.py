@@ -14,26 +14,13 @@ from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
 from lightning_embcache.profiling.forecast import Forecast, level_variation, save_estimate_s, slow_share
+from lightning_embcache.profiling.schedule import save_batches
 from lightning_embcache.profiling.store_fill import StoreFill
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 
 SYNC_EVERY = 256  # steps at most between handing the pending steps to the forecast
 FULL = 0.99  # a hot tier this close to its budget is full (eviction keeps it a few rows under)
-
-
-def save_batches(trainer: Any, first_step: int, last_step: int, done: int, acc: int) -> list[int]:
-    """Batches of the epoch (``done`` of them run at optimizer step ``first_step``) during which
-    ``ModelCheckpoint(every_n_train_steps=n)`` saves (the step after the one that reaches its
-    optimizer step, as the forecast marks saves), up to optimizer step ``last_step``."""
-    out: list[int] = []
-    for cb in getattr(trainer, "checkpoint_callbacks", []) or []:
-        every = int(getattr(cb, "_every_n_train_steps", 0) or 0)
-        if every > 0 and last_step > first_step:
-            first = (first_step // every + 1) * every
-            last = min(last_step, first + every * 100_000)  # an epoch's worth at most
-            out += [done + (g - first_step) * acc for g in range(first, last + 1, every)]
-    return sorted(out)
 
 
 class EpochPredictor:

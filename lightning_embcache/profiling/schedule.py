@@ -65,15 +65,35 @@ def val_runs(trainer: Any, epoch: int, first_batch: int, last_batch: int, total_
     return b // vcb - a // vcb
 
 
+def _save_intervals(trainer: Any) -> list[int]:
+    """The ``every_n_train_steps`` of each ``ModelCheckpoint`` that saves by optimizer steps."""
+    out = []
+    for cb in getattr(trainer, "checkpoint_callbacks", []) or []:
+        every = int(getattr(cb, "_every_n_train_steps", 0) or 0)
+        if every > 0:
+            out.append(every)
+    return out
+
+
 def saves(trainer: Any, first_step: int, last_step: int) -> int:
     """Checkpoint saves ``ModelCheckpoint(every_n_train_steps=n)`` makes at optimizer steps
     ``first_step + 1 .. last_step``."""
-    n_saves = 0
-    for cb in getattr(trainer, "checkpoint_callbacks", []) or []:
-        every = int(getattr(cb, "_every_n_train_steps", 0) or 0)
-        if every > 0 and last_step > first_step:
-            n_saves += last_step // every - first_step // every
-    return n_saves
+    if last_step <= first_step:
+        return 0
+    return sum(last_step // every - first_step // every for every in _save_intervals(trainer))
+
+
+def save_batches(trainer: Any, first_step: int, last_step: int, done: int, acc: int) -> list[int]:
+    """Batches of the epoch (``done`` of them run at optimizer step ``first_step``) during which
+    those saves happen (the step after the one that reaches its optimizer step, as the forecast
+    marks saves), up to optimizer step ``last_step``."""
+    out: list[int] = []
+    if last_step > first_step:
+        for every in _save_intervals(trainer):
+            first = (first_step // every + 1) * every
+            last = min(last_step, first + every * 100_000)  # an epoch's worth at most
+            out += [done + (g - first_step) * acc for g in range(first, last + 1, every)]
+    return sorted(out)
 
 
 def checkpoint_bytes(trainer: Any) -> int:
