@@ -64,7 +64,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from lightning_embcache.profiling.store_fill import STORE_CHARGE_CV, StoreFill, store_fill_save_s, store_fill_step_s
+from lightning_embcache.profiling.store_fill import StoreFill, charge_cv, store_fill_save_s, store_fill_step_s
 
 MIN_STEPS = 8  # steps (after the first) before a prediction is made
 SHIFT_BLOCKS = 16  # blocks of steps the level-shift search compares
@@ -384,7 +384,7 @@ class Forecast:
             if not any(self.start_batches + i >= store_fill.batch for i in self.saves):
                 fill_s += math.fsum(store_fill_save_s(store_fill, b) for b in save_batches if b >= done)
             fill_step = store_fill_step_s(store_fill, total_batches - 1, total_batches) - window_step
-        fill_std = STORE_CHARGE_CV * abs(fill_s)
+        fill_std = charge_cv(store_fill) * abs(fill_s) if store_fill is not None else 0.0
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s + fill_s)
         # the host's speed may change within the epoch as it did in earlier ones, and at least

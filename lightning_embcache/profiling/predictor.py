@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 from lightning_embcache.profiling import schedule
 from lightning_embcache.profiling.forecast import Forecast, level_variation, save_estimate_s, slow_share
 from lightning_embcache.profiling.schedule import save_batches
-from lightning_embcache.profiling.store_fill import StoreFill
+from lightning_embcache.profiling.store_fill import StoreFill, measured_rates
+from lightning_embcache.profiling.stores import HotTiers
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
 
 
@@ -46,15 +47,16 @@ class EpochPredictor:
         self._save_s: Optional[float] = None
         self._level_cv = 0.0  # the largest level variation of a finished epoch of this fit
         self._slow_share: Optional[float] = None  # the latest whole epoch's share of slow steps
-        # the embedding stores' hot tiers: () -> (hot bytes, hot budget bytes) summed over the
-        # stores with a budget, or None. Read twice an epoch (half-way to the kept prediction,
-        # and at it) and by predict(): a stats() call can take milliseconds
-        self.store_reader: Optional[Callable[[], Optional[tuple[float, float]]]] = None
+        # the embedding stores' hot tiers: () -> HotTiers (hot bytes, hot budget bytes and the
+        # write work measured, summed over the stores with a budget; a plain (hot, budget) pair
+        # is taken too) or None. Read twice an epoch (half-way to the kept prediction, and at it)
+        # and by predict(): a stats() call can take milliseconds
+        self.store_reader: Optional[Callable[[], Optional[tuple[float, ...]]]] = None
         self._store_mark = -1
-        self._store_first: Optional[tuple[int, tuple[float, float]]] = None
+        self._store_first: Optional[tuple[int, HotTiers]] = None
         # the latest projection of the fill (batch of this epoch at which the hot tiers will be
-        # full, bytes they take in per batch, their budget); kept for the predictions that do not
-        # read stats()
+        # full, bytes they take in per batch, their budget, the rates measured so far); kept for
+        # the predictions that do not read stats()
         self._fill: Optional[StoreFill] = None
         # () -> bytes a checkpoint save writes (the module's and optimizers' tensors): a save's
         # cost until one has been measured. Read only when a prediction has saves to charge
@@ -226,11 +228,12 @@ class EpochPredictor:
             return None
         return None if nbytes is None else save_estimate_s(nbytes)
 
-    def _read_store(self) -> Optional[tuple[float, float]]:
+    def _read_store(self) -> Optional[HotTiers]:
         try:
-            return self.store_reader() if self.store_reader is not None else None
+            reading = self.store_reader() if self.store_reader is not None else None
         except Exception:  # a store closed or failing: no fill projection, never a failed step
             return None
+        return None if reading is None else HotTiers(*reading)
 
     def store_fill_batch(self, done: int, target: int) -> Optional[int]:
         """The batch of this epoch at which the stores' hot tiers will be full, at the rate they
@@ -241,26 +244,36 @@ class EpochPredictor:
 
     def _project_fill(self, done: int, target: int) -> Optional[StoreFill]:
         """Reads the stores and updates the projection of the fill if the hot tiers fill before
-        ``target`` (or have filled as projected), else None."""
+        ``target`` (or have filled as projected), else None; past the projected fill the reading
+        only updates the rates measured so far."""
         first = self._store_first
-        if first is None or done <= first[0] or (self._fill is not None and done >= self._fill[0]):
-            return self._fill  # (past the projected fill, the rate since the first reading is no fill rate)
+        if first is None or done <= first[0]:
+            return self._fill
         now = self._read_store()
         if now is None:
             return self._fill
-        (b0, (hot0, budget)), (hot, budget_now) = first, now
-        rate = (hot - hot0) / (done - b0)
-        budget = min(budget, budget_now)
-        if budget > 0.0 and hot >= FULL * budget:
+        if self._fill is not None and done >= self._fill.batch:
+            # past the projected fill the rate since the first reading is no fill rate
+            self._fill = self._fill._replace(rates=measured_rates(now, self._fill, done))
+            return self._fill
+        b0, then = first[0], HotTiers(*first[1])
+        rate = (now.hot_bytes - then.hot_bytes) / (done - b0)
+        budget = min(then.budget_bytes, now.budget_bytes)
+        if budget > 0.0 and now.hot_bytes >= FULL * budget:
             # full already: at the projected rate, and no later than now
-            if self._fill is not None and self._fill[0] > done:
+            if self._fill is not None and self._fill.batch > done:
                 self._fill = self._fill._replace(batch=done)
+                self._fill = self._fill._replace(rates=measured_rates(now, self._fill, done))
             return self._fill
         if rate <= 0.0 or budget <= 0.0:
             self._fill = None
             return None
-        fill = done + math.ceil((budget - hot) / rate)
-        self._fill = StoreFill(fill, rate, budget) if fill < target else None
+        fill = done + math.ceil((budget - now.hot_bytes) / rate)
+        if fill >= target:
+            self._fill = None
+            return None
+        projected = StoreFill(fill, rate, budget)
+        self._fill = projected._replace(rates=measured_rates(now, projected, done))
         return self._fill
 
     def predict(self, trainer: Any, with_store: bool = False) -> Optional[dict]:

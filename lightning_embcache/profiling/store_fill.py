@@ -2,14 +2,18 @@
 model the epoch-time prediction charges for a cold store's first epoch (every row a batch brings
 in is new), from the fill's projection (batch, bytes per batch, the hot tiers' budget).
 
-Nothing before the prediction point has paid it and the store's statistics hold no measurement of
-it yet (nothing has been written), so the model's constants are measured ones (below), with a
-wide uncertainty."""
+Early in the epoch nothing has paid it and the stores' statistics hold no measurement of it yet
+(nothing has been written), so the model's rates are constants measured on a development host
+(below), with a wide uncertainty. Once the stores have measured the same work in this run (their
+flushes' bytes and seconds; their evicted bytes and the seconds of write-back and compaction
+after the fill), the measured rates replace the constants (:func:`measured_rates`)."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
+
+from lightning_embcache.profiling.stores import HotTiers
 
 # An embedding store whose hot tier fills during the epoch, every row it takes in new (a cold
 # store's first epoch). A batch at hot-tier fill level s (rows held over the budget) costs
@@ -29,15 +33,42 @@ STORE_FILLING_BYTES_PER_S = 400e6
 EVICTION_BYTES_PER_S = 500e6
 FOLD_BYTES_PER_S = 0.8e9
 STORE_CHARGE_CV = 0.6
+STORE_CHARGE_CV_MEASURED = 0.6  # with both rates measured in the run (see docs/benchmarks.md)
+
+# Rates measured in the run replace the constants once measured over MEASURED_MIN_BYTES. The
+# stores measure the seconds of their own work (flushes; write-back and compaction), most of it in
+# background threads that the training thread waits for only in part: it is charged a share of
+# them. On the development host, at the median rates the stores measured in full `embcache demo`
+# epochs (flushes 330 MB/s; evictions, weighted by fill level, 130 MB/s; 2026-11-27 store), these
+# shares give the constants above; on a host whose disk and cores do the same work faster or slower
+# the charge follows.
+MEASURED_MIN_BYTES = 16 << 20
+FILLING_SHARE = 0.8
+EVICTION_SHARE = 0.25
+
+
+class StoreRates(NamedTuple):
+    """Rates of the cost model measured in this run (None: not measured enough; the constant).
+
+    ``filling_bytes_per_s`` replaces ``STORE_FILLING_BYTES_PER_S``: the bytes the stores' flushes
+    wrote per second of flushing, over ``FILLING_SHARE``. ``eviction_bytes_per_s`` replaces
+    ``EVICTION_BYTES_PER_S``: the bytes evicted after the fill, each weighted by the fill level it
+    was evicted at, per second of write-back and compaction, over ``EVICTION_SHARE`` (the model's
+    eviction term over the batches so far then sums to that share of the seconds measured)."""
+
+    filling_bytes_per_s: Optional[float] = None
+    eviction_bytes_per_s: Optional[float] = None
 
 
 class StoreFill(NamedTuple):
     """The stores' hot tiers filling during an epoch: the batch of the epoch at which they are
-    full, the bytes each batch brings in, and their budget in bytes."""
+    full, the bytes each batch brings in, their budget in bytes, and the rates measured in the
+    run (:class:`StoreRates`; None: the constants)."""
 
     batch: int
     bytes_per_batch: float
     hot_bytes: float
+    rates: Optional[StoreRates] = None
 
     def level(self, b: float) -> float:
         """Rows the stores hold at batch ``b`` of the epoch over what their hot tiers hold when
@@ -62,7 +93,8 @@ def store_fill_step_s(fill: StoreFill, a: int, b: int) -> float:
     before = level_sum(lo, min(b, f))  # filling: level < 1
     after_n = max(0, b - max(a, f))
     after = level_sum(max(a, f), b) if after_n else 0.0
-    return bpb * ((before + after_n) / STORE_FILLING_BYTES_PER_S + after / EVICTION_BYTES_PER_S)
+    filling, eviction = _rates(fill)
+    return bpb * ((before + after_n) / filling + after / eviction)
 
 
 def store_fill_save_s(fill: StoreFill, b: int) -> float:
@@ -70,3 +102,36 @@ def store_fill_save_s(fill: StoreFill, b: int) -> float:
     if b < fill.batch:
         return 0.0
     return fill.hot_bytes * fill.level(b) ** 2 / FOLD_BYTES_PER_S
+
+
+def _rates(fill: StoreFill) -> tuple[float, float]:
+    r = fill.rates
+    if r is None:
+        return STORE_FILLING_BYTES_PER_S, EVICTION_BYTES_PER_S
+    return r.filling_bytes_per_s or STORE_FILLING_BYTES_PER_S, r.eviction_bytes_per_s or EVICTION_BYTES_PER_S
+
+
+def charge_cv(fill: StoreFill) -> float:
+    """The charge's uncertainty (a fraction of it): narrower once its rates are measured."""
+    r = fill.rates
+    measured = r is not None and r.filling_bytes_per_s is not None and r.eviction_bytes_per_s is not None
+    return STORE_CHARGE_CV_MEASURED if measured else STORE_CHARGE_CV
+
+
+def measured_rates(reading: HotTiers, fill: Optional[StoreFill], batch: int) -> Optional[StoreRates]:
+    """The rates ``reading`` (cumulative since the stores were opened) measured, at ``batch`` of
+    an epoch whose hot tiers fill as ``fill`` projects; a rate measured over fewer than
+    ``MEASURED_MIN_BYTES`` is None (None for both: None). The eviction rate needs compaction to have run: before it
+    has, write-back alone (a few percent of the cost after the fill) would say evictions are
+    nearly free."""
+    filling = None
+    if reading.flushed_bytes >= MEASURED_MIN_BYTES and reading.flush_seconds > 0.0:
+        filling = reading.flushed_bytes / reading.flush_seconds / FILLING_SHARE
+    eviction = None
+    seconds = reading.write_back_seconds + reading.compaction_seconds
+    if (fill is not None and reading.evicted_bytes >= MEASURED_MIN_BYTES and reading.compaction_seconds > 0.0
+            and batch > fill.batch):
+        # batches fill .. batch-1 evicted, at fill levels from 1 to level(batch - 1), linearly
+        level = (1.0 + fill.level(batch - 1)) / 2.0
+        eviction = reading.evicted_bytes * level / seconds / EVICTION_SHARE
+    return None if filling is None and eviction is None else StoreRates(filling, eviction)

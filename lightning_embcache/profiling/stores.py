@@ -1,10 +1,25 @@
 """What the profiler reads from a module's embedding stores (``pl_module.embedding_stores``):
 the seconds the training thread waited in them (at every phase boundary: kept cheap) and how
-full their hot tiers are (twice an epoch, for the prediction: ``stats()`` can take milliseconds)."""
+full their hot tiers are, with the write work they measured so far (a few times an epoch, for the
+prediction: ``stats()`` can take milliseconds)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
+
+
+class HotTiers(NamedTuple):
+    """One reading of the stores whose hot tier has a budget, summed over them: how full the hot
+    tiers are, and the write work the stores measured since they were opened (cumulative)."""
+
+    hot_bytes: float
+    budget_bytes: float
+    flushed_bytes: float = 0.0       # rows written by flushes, in bytes
+    flush_seconds: float = 0.0       # what those flushes took (their thread's time)
+    evicted_bytes: float = 0.0       # rows evicted from the hot tiers, in bytes
+    write_back_seconds: float = 0.0  # writing evicted or cleaned dirty rows below the hot tier
+    compaction_seconds: float = 0.0  # folding written rows into the table on disk
+    row_bytes: float = 0.0           # bytes of a row (the largest over the stores; 0: unknown)
 
 
 class StoreReadings:
@@ -19,16 +34,35 @@ class StoreReadings:
         # O(1) on a handle; stats() scans dirty marks and the store folder
         return sum(_thread_wait(h) for h in self.stores.values())
 
-    def hot_tiers(self) -> Optional[tuple[float, float]]:
-        """(hot bytes, hot budget bytes) summed over the stores whose hot tier has a budget."""
-        hot = budget = 0.0
+    def hot_tiers(self) -> Optional[HotTiers]:
+        """:class:`HotTiers` summed over the stores whose hot tier has a budget (one ``stats()``
+        per store), or None if none has."""
+        total = [0.0] * 7
+        row_bytes = 0.0
         for h in self.stores.values():
             s = h.stats()
             b = getattr(s, "hot_budget_bytes", 0) or 0
-            if b > 0:
-                hot += s.hot_bytes
-                budget += b
-        return (hot, budget) if budget > 0 else None
+            if b <= 0:
+                continue
+            rb = _row_bytes(h, s)
+            row_bytes = max(row_bytes, rb)
+            for i, v in enumerate((s.hot_bytes, b, getattr(s, "flushed_rows", 0) * rb,
+                                   getattr(s, "flush_seconds", 0.0), getattr(s, "evicted_bytes", 0),
+                                   getattr(s, "write_back_seconds", 0.0), getattr(s, "compaction_seconds", 0.0))):
+                total[i] += float(v or 0)
+        return HotTiers(*total, row_bytes) if total[1] > 0 else None
+
+
+def _row_bytes(h: Any, s: Any) -> float:
+    """Bytes of one row of store ``h``: its own figure, else the table's bytes over its rows
+    (a Lightning handle), else 0 (flushed bytes then count as unknown)."""
+    rb = getattr(h, "row_bytes", None)
+    if isinstance(rb, (int, float)) and rb > 0:
+        return float(rb)
+    rows, table = getattr(h, "num_rows", None), getattr(s, "table_bytes", 0)
+    if isinstance(rows, int) and rows > 0 and isinstance(table, (int, float)) and table > 0:
+        return table / rows
+    return 0.0
 
 
 def _thread_wait(h: Any) -> float:
