@@ -380,7 +380,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                  "lightning": L.__version__, "threads": args.threads,
                  "loadavg_start": os.getloadavg()},
-        "models": {m: dict(zip(("width", "depth", "batch", "batches", "load_ms"), MODELS[m])) for m in models},
+        "models": {m: dict(zip(("width", "depth", "batch", "batches", "load_ms"), MODELS[m])) for m in models if m in MODELS},
         "runs": [],
     }
     t_start = time.perf_counter()
