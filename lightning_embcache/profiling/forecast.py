@@ -64,7 +64,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from lightning_embcache.profiling.store_fill import StoreFill, charge_cv, store_fill_save_s, store_fill_step_s
+from lightning_embcache.profiling.store_fill import (STORE_CHARGE_CV, StoreFill, StoreRates, fold_bytes, store_fill_save_s,
+                                                     store_fill_step_s)
 
 MIN_STEPS = 8  # steps (after the first) before a prediction is made
 SHIFT_BLOCKS = 16  # blocks of steps the level-shift search compares
@@ -332,6 +333,23 @@ class Forecast:
         # store time per step cannot go below zero
         return max(extra, -r["store_level"] * count) if slope < 0 else extra
 
+    def _saves_around_fill(self, rate: float, fill: StoreFill) -> tuple[Optional[float], Optional[float]]:
+        """The checkpoint saves of this epoch measured before the hot tiers' fill (their mean
+        extra seconds: a save's usual cost; None if none) and the fold rate the saves after it ran
+        at (the model's bytes over their extra seconds beyond the usual cost; None if none; inf
+        if they cost no more than the usual)."""
+        before, after = [], []
+        for i in self.saves:
+            if i > 0:
+                b = self.start_batches + i
+                (after if b >= fill.batch else before).append((b, self.wall[i] - rate))
+        usual = max(0.0, math.fsum(x for _, x in before) / len(before)) if before else None
+        if not after:
+            return usual, None
+        waited = math.fsum(max(0.0, x - (usual or 0.0)) for _, x in after)
+        units = math.fsum(fold_bytes(fill, b) for b, _ in after)
+        return usual, (units / waited if waited > 0.0 else math.inf)
+
     def save_extra(self) -> Optional[float]:
         """Mean extra seconds of the checkpoint saves seen in this epoch (None: none seen)."""
         r = self.rate()
@@ -352,8 +370,10 @@ class Forecast:
         (:func:`level_variation_so_far`). ``store_fill``: the stores' hot tiers filling in this
         epoch: the batches to go are charged :func:`store_fill_step_s`, less what the rate's
         window already holds of it, and the saves to come (``save_batches``, batches of the epoch)
-        :func:`store_fill_save_s`, unless a save after the fill has been measured in this epoch
-        (its cost holds it); the store-time trend is not carried on then (the model replaces it).
+        :func:`store_fill_save_s` on top of a save's usual cost; once saves after the fill have
+        been measured in this epoch, at the fold rate they ran at (their extra time over the usual
+        cost of the saves before the fill); the store-time trend is not carried on then (the
+        model replaces it).
         ``slow_share``: the previous epoch's :func:`slow_share`, which replaces the window's in
         the rate (host-timed rates only)."""
         r = self.rate()
@@ -367,6 +387,7 @@ class Forecast:
         # steps the host has closed but the device may not have run yet cost their time again
         steps_s = (left + (self.backlog if r["device"] else 0)) * r["mean"]
         trend = self.trend_seconds(r, len(self.wall), left)
+        earlier_save_s = save_s
         save_s = r["save_s"] if r["save_s"] is not None else save_s
         measured = save_s is not None
         if not measured:
@@ -381,10 +402,18 @@ class Forecast:
             lo = self.start_batches + r["window_start"]
             window_step = store_fill_step_s(store_fill, lo, done) / max(1, done - lo)
             fill_s = store_fill_step_s(store_fill, done, total_batches) - left * window_step
-            if not any(self.start_batches + i >= store_fill.batch for i in self.saves):
-                fill_s += math.fsum(store_fill_save_s(store_fill, b) for b in save_batches if b >= done)
+            usual, fold = self._saves_around_fill(r["mean"], store_fill)
+            if fold is not None:
+                # saves after the fill measured: the saves to come cost their usual time plus the
+                # model's wait at the fold rate those saves ran at
+                if usual is None:  # no save before the fill in this epoch: an earlier one's, or the estimate
+                    usual = next((x for x in (earlier_save_s, save_guess_s) if x is not None), 0.0)
+                saves_s = saves_left * usual
+                rates = store_fill.rates or StoreRates()
+                store_fill = store_fill._replace(rates=rates._replace(fold_bytes_per_s=fold))
+            fill_s += math.fsum(store_fill_save_s(store_fill, b) for b in save_batches if b >= done)
             fill_step = store_fill_step_s(store_fill, total_batches - 1, total_batches) - window_step
-        fill_std = charge_cv(store_fill) * abs(fill_s) if store_fill is not None else 0.0
+        fill_std = STORE_CHARGE_CV * abs(fill_s)
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s + fill_s)
         # the host's speed may change within the epoch as it did in earlier ones, and at least

@@ -6,7 +6,9 @@ Early in the epoch nothing has paid it and the stores' statistics hold no measur
 (nothing has been written), so the model's rates are constants measured on a development host
 (below), with a wide uncertainty. Once the stores have measured the same work in this run (their
 flushes' bytes and seconds; their evicted bytes and the seconds of write-back and compaction
-after the fill), the measured rates replace the constants (:func:`measured_rates`)."""
+after the fill), the measured rates replace the constants (:func:`measured_rates`); once a
+checkpoint save after the fill has been timed, the fold rate it ran at replaces
+``FOLD_BYTES_PER_S`` (the Forecast measures it)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ STORE_FILLING_BYTES_PER_S = 400e6
 EVICTION_BYTES_PER_S = 500e6
 FOLD_BYTES_PER_S = 0.8e9
 STORE_CHARGE_CV = 0.6
-STORE_CHARGE_CV_MEASURED = 0.6  # with both rates measured in the run (see docs/benchmarks.md)
 
 # Rates measured in the run replace the constants once measured over MEASURED_MIN_BYTES. The
 # stores measure the seconds of their own work (flushes; write-back and compaction), most of it in
@@ -41,7 +42,9 @@ STORE_CHARGE_CV_MEASURED = 0.6  # with both rates measured in the run (see docs/
 # them. On the development host, at the median rates the stores measured in full `embcache demo`
 # epochs (flushes 330 MB/s; evictions, weighted by fill level, 130 MB/s; 2026-11-27 store), these
 # shares give the constants above; on a host whose disk and cores do the same work faster or slower
-# the charge follows.
+# the charge follows. The uncertainty stays STORE_CHARGE_CV: on that host the rates a run measured
+# did not tell its costs better than the constants (docs/benchmarks.md), what the training thread
+# pays of the work varies with the host's load.
 MEASURED_MIN_BYTES = 16 << 20
 FILLING_SHARE = 0.8
 EVICTION_SHARE = 0.25
@@ -58,6 +61,7 @@ class StoreRates(NamedTuple):
 
     filling_bytes_per_s: Optional[float] = None
     eviction_bytes_per_s: Optional[float] = None
+    fold_bytes_per_s: Optional[float] = None  # from checkpoint saves after the fill (Forecast)
 
 
 class StoreFill(NamedTuple):
@@ -99,9 +103,16 @@ def store_fill_step_s(fill: StoreFill, a: int, b: int) -> float:
 
 def store_fill_save_s(fill: StoreFill, b: int) -> float:
     """Extra seconds of a checkpoint save at batch ``b`` of the epoch (none before the fill)."""
+    r = fill.rates
+    return fold_bytes(fill, b) / (r.fold_bytes_per_s if r is not None and r.fold_bytes_per_s else FOLD_BYTES_PER_S)
+
+
+def fold_bytes(fill: StoreFill, b: int) -> float:
+    """What a checkpoint save at batch ``b`` waits for, in the model's bytes (0 before the fill):
+    ``store_fill_save_s`` is this over the fold rate."""
     if b < fill.batch:
         return 0.0
-    return fill.hot_bytes * fill.level(b) ** 2 / FOLD_BYTES_PER_S
+    return fill.hot_bytes * fill.level(b) ** 2
 
 
 def _rates(fill: StoreFill) -> tuple[float, float]:
@@ -109,13 +120,6 @@ def _rates(fill: StoreFill) -> tuple[float, float]:
     if r is None:
         return STORE_FILLING_BYTES_PER_S, EVICTION_BYTES_PER_S
     return r.filling_bytes_per_s or STORE_FILLING_BYTES_PER_S, r.eviction_bytes_per_s or EVICTION_BYTES_PER_S
-
-
-def charge_cv(fill: StoreFill) -> float:
-    """The charge's uncertainty (a fraction of it): narrower once its rates are measured."""
-    r = fill.rates
-    measured = r is not None and r.filling_bytes_per_s is not None and r.eviction_bytes_per_s is not None
-    return STORE_CHARGE_CV_MEASURED if measured else STORE_CHARGE_CV
 
 
 def measured_rates(reading: HotTiers, fill: Optional[StoreFill], batch: int) -> Optional[StoreRates]:
