@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
 from lightning_embcache.profiling.forecast import Forecast, save_estimate_s, slow_share
-from lightning_embcache.profiling.store_fill import StoreFill, store_fill_save_s
+from lightning_embcache.profiling.store_fill import StoreFill, StoreRates, store_fill_save_s
 
 try:
     _getcpu = ctypes.CDLL(None).sched_getcpu
@@ -73,6 +73,7 @@ class _Probe(L.Callback):
         self.sp, self.n = sp, epoch_batches
         self.at = {max(1, round(f * epoch_batches)): f for f in self.FRACTIONS}
         self.seen: dict[int, dict[float, Optional[float]]] = {}
+        self._fills: dict[float, Any] = {}  # per fraction: the fill projection (and measured rates) it used
         self.own_s: dict[int, float] = {}  # per epoch: seconds of the probe's own predict() calls
         self.traces: list[dict] = []  # per epoch: each step's wall and store seconds (replayable)
         # per batch: the training thread's CPU time and the CPU it ran on at the batch's start, to
@@ -82,6 +83,7 @@ class _Probe(L.Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._cpu, self._core = [], []
+        self._fills = {}
         # Python's garbage collections during the epoch: (batch, generation, seconds) of each
         self._gc: list[tuple[int, int, float]] = []
         self._gc_t0 = 0.0
@@ -102,6 +104,7 @@ class _Probe(L.Callback):
             t0 = time.perf_counter()
             p = self.sp.predict()
             self.seen.setdefault(trainer.current_epoch, {})[f] = None if p is None else p["epoch_s"]
+            self._fills[f] = self.sp._predictor._fill
             # the benchmark's own work inside the epoch, not the workload's: left out of the actual
             self.own_s[trainer.current_epoch] = self.own_s.get(trainer.current_epoch, 0.0) + time.perf_counter() - t0
 
@@ -118,6 +121,7 @@ class _Probe(L.Callback):
                                 "core": self._core,
                                 # (batch, bytes per batch) of the hot tiers' fill, as last projected
                                 "store_fill": self.sp._predictor._fill,
+                                "store_fill_by_fraction": dict(self._fills),
                                 "probe_s": self.own_s.get(trainer.current_epoch, 0.0),
                                 "gc": self._gc})
 
@@ -429,6 +433,8 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
                   f"first {100 * fraction:g}%'s rate {pct('first_rate'):+7.1f}%", flush=True)
     for group, pick in (("CPU models", lambda x: not x["run"].startswith(("gpu", "demo"))),
                         ("demo", lambda x: x["run"].startswith("demo")),
+                        ("demo, full epochs", lambda x: x["run"] == "demo/max_steps=-1"),
+                        ("demo, 400 steps", lambda x: x["run"] == "demo/max_steps=400"),
                         ("GPU models", lambda x: x["run"].startswith("gpu"))):
         mine = [x for x in out if pick(x)]
         if not mine:
@@ -451,6 +457,50 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
                   f"{med('window_pct'):.2f}% in the window, {med('rest_pct'):.2f}% in the rest (medians); "
                   f"the training thread ran on the CPU for {med('slow_cpu_share'):.0%} of it; garbage "
                   f"collection {med('gc_pct'):.3f}% of the epoch (nan: not recorded)", flush=True)
+    store_rates(runs)
+    return out
+
+
+def store_rates(runs: list[dict]) -> list[dict]:
+    """The store charge with the rates the stores measured in the run against the constants, on
+    the same batches: for each probe of a demo epoch whose fill projection had measured rates
+    (``store_fill_by_fraction``), the prediction the current :class:`Forecast` makes from the
+    batches before the probe with that projection, and with it less the measured rates."""
+    out = []
+    for r in runs:
+        if r.get("model") != "demo" or "traces" not in r:
+            continue
+        for e, trace in zip(r["epochs"], r["traces"]):
+            n, saves, actual = len(trace["wall"]), set(trace["saves"]), e["actual_s"]
+            for f, fill in sorted((trace.get("store_fill_by_fraction") or {}).items(), key=lambda x: float(x[0])):
+                if not fill or len(fill) < 4 or not fill[3]:
+                    continue
+                k = max(1, round(float(f) * n))
+                base = StoreFill(int(fill[0]), float(fill[1]), float(fill[2]))
+                row = {"run": r["run"], "fraction": float(f), "rates": fill[3]}
+                for name, sf in (("constants", base), ("measured", base._replace(rates=StoreRates(*fill[3])))):
+                    fc = Forecast()
+                    for i in range(k):
+                        if i in saves:
+                            fc.mark_save()
+                        fc.add_step(trace["wall"][i], trace["store"][i])
+                    at = [b for b in range(k, n) if b % 250 == 0]  # the demo's checkpoint every 250 steps
+                    p = fc.predict(n, 0, None, len(at), None, 0.0, None, store_fill=sf, save_batches=at)
+                    row[name] = None if p is None else 100 * (p["seconds"] / actual - 1)
+                out.append(row)
+    if out:
+        print("demo: the store charge with the rates measured in the run vs the constants, same batches "
+              "(error after the fraction; rates MB/s filling, eviction):")
+        for row in out:
+            rates = "/".join("-" if x is None else f"{x / 1e6:.0f}" for x in row["rates"])
+            print(f"  {row['run']:<22} {100 * row['fraction']:3.0f}%: constants {row['constants']:+6.1f}%  "
+                  f"measured {row['measured']:+6.1f}%  ({rates})")
+        for label in sorted({row["run"] for row in out}):
+            for f in sorted({row["fraction"] for row in out if row["run"] == label}):
+                mine = [row for row in out if row["fraction"] == f and row["run"] == label]
+                print(f"  {label}, after {100 * f:.0f}%, {len(mine)} epochs: median |error| constants "
+                      f"{statistics.median(abs(x['constants']) for x in mine):.1f}%, measured "
+                      f"{statistics.median(abs(x['measured']) for x in mine):.1f}%", flush=True)
     return out
 
 

@@ -27,13 +27,16 @@ from lightning_embcache.profiling.stores import HotTiers
 # versions of the store (its compaction and flushes changed between them), against the rate at 5%:
 # batches between 5% and the fill +0.5..+1.0 ms (medians per version), batches after the fill
 # +1.8..+4.0 ms in full epochs, saves after the fill 0.05-1.30 s; the costs after the fill doubled
-# with one store change, halved with the next and rose with the one after. The constants are set
-# so that the first three versions weigh the same (mean errors +1%, -10%, +7%; the fourth, measured
-# after, -7%); each part differed by a factor of 2-3 between runs of one version: the charge's
-# uncertainty
+# with one store change, halved with the next and rose with the one after. The batches' constants
+# are set so that the first three versions weigh the same (mean errors +1%, -10%, +7%; the fourth,
+# measured after, -7%); each part differed by a factor of 2-3 between runs of one version: the
+# charge's uncertainty. The saves' constant is set on the versions since the first (79 more runs
+# of the latest, whose saves after the fill took 0.14-2.1 s): 0.8 GB/s left their full epochs
+# -5% to -20% short (median signed error per version), 0.6 GB/s -1% to -16% (docs/benchmarks.md);
+# the first version's saves were cheaper (its full epochs +5% at 0.8 GB/s, +11% at 0.6 GB/s)
 STORE_FILLING_BYTES_PER_S = 400e6
 EVICTION_BYTES_PER_S = 500e6
-FOLD_BYTES_PER_S = 0.8e9
+FOLD_BYTES_PER_S = 0.6e9
 STORE_CHARGE_CV = 0.6
 
 # Rates measured in the run replace the constants once measured over MEASURED_MIN_BYTES. The
