@@ -86,7 +86,15 @@ class _Ring:
             self.cq_mask = int(u32(cq, cq_off[2])[0])
             self.cqes = np.frombuffer(cq, _CQE, cq_entries, int(cq_off[5]))
             self.sqes = np.frombuffer(sqes, _SQE, sq_entries)
+            # The same memory as 64-bit words: a batch is written a column at a time into
+            # contiguous ring slots (a structured gather, eight field writes and a scatter back
+            # cost 0.39 us a read, half of what the kernel takes to serve one from the page cache)
+            self.sqe_words = np.frombuffer(sqes, np.uint64, sq_entries * 8).reshape(sq_entries, 8)
+            self.cqe_words = np.frombuffer(cq, np.uint64, cq_entries * 2, int(cq_off[5])).reshape(cq_entries, 2)
+            self.cq_entries = cq_entries
             self.entries = sq_entries
+            # entry i of the submission array always names ring slot i
+            self.sq_array[:] = np.arange(sq_entries, dtype=np.uint32)
             self._check_read_supported()
         except BaseException:
             self.close()
@@ -123,7 +131,7 @@ class _Ring:
         return m
 
     def close(self) -> None:
-        for name in ("sq_head", "sq_tail", "sq_array", "cq_head", "cq_tail", "cqes", "sqes"):
+        for name in ("sq_head", "sq_tail", "sq_array", "cq_head", "cq_tail", "cqes", "sqes", "sqe_words", "cqe_words"):
             self.__dict__.pop(name, None)  # numpy views first: a map with exported views cannot close
         for m in self._maps:
             try:
@@ -140,21 +148,25 @@ class _Ring:
         """Bytes read by each request (or -errno); every request completed when it returns."""
         n = len(fds)
         res = np.empty(n, np.int64)
+        words = self.sqe_words
+        flags_hi = np.uint64(rw_flags) << np.uint64(32)
         for a in range(0, n, self.entries):
             b = min(n, a + self.entries)
             k = b - a
             tail = int(self.sq_tail[0])
-            slots = (np.arange(tail, tail + k) & self.sq_mask).astype(np.uint32)
-            sqe = self.sqes[slots]
-            sqe["opcode"] = _OP_READ
-            sqe["fd"] = fds[a:b]
-            sqe["off"] = offs[a:b]
-            sqe["addr"] = addrs[a:b]
-            sqe["len"] = lens[a:b]
-            sqe["rw_flags"] = rw_flags
-            sqe["user_data"] = np.arange(a, b, dtype=np.uint64)
-            self.sqes[slots] = sqe
-            self.sq_array[slots] = slots
+            first = tail & self.sq_mask
+            # [a, b) go to slots first.. (wrapping to 0): at most two contiguous runs of slots
+            for x, y, slot in ((a, min(b, a + self.entries - first), first), (a + self.entries - first, b, 0)):
+                if y <= x:
+                    continue
+                w = words[slot : slot + y - x]
+                # word 0: opcode | flags 0 | ioprio 0 | fd; 1: offset; 2: address; 3: length |
+                # rw_flags; 4: user_data (the request's index); 5-7 stay zero
+                w[:, 0] = (fds[x:y].astype(np.uint64) << np.uint64(32)) | np.uint64(_OP_READ)
+                w[:, 1] = offs[x:y]
+                w[:, 2] = addrs[x:y]
+                w[:, 3] = lens[x:y].astype(np.uint64) | flags_hi
+                w[:, 4] = np.arange(x, y, dtype=np.uint64)
             self.sq_tail[0] = np.uint32((tail + k) & 0xFFFFFFFF)
             todo = k
             try:
@@ -180,8 +192,11 @@ class _Ring:
         head, ctail = int(self.cq_head[0]), int(self.cq_tail[0])
         done = (ctail - head) & 0xFFFFFFFF
         if done:
-            c = self.cqes[(np.arange(head, head + done) & self.cq_mask)]
-            res[c["user_data"].astype(np.int64)] = c["res"]
+            h = head & self.cq_mask
+            first = min(done, self.cq_entries - h)
+            for part in (self.cqe_words[h : h + first], self.cqe_words[: done - first]):
+                if len(part):  # word 0: user_data; word 1: res (low 32 bits, signed) | flags
+                    res[part[:, 0].astype(np.int64)] = part[:, 1].astype(np.uint32).view(np.int32)
             self.cq_head[0] = np.uint32(ctail)
         return done
 
