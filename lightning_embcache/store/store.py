@@ -222,6 +222,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._stats = StoreStats()
         self._io_wait = 0.0
         self._io_wait_by_thread: dict[int, float] = {}  # threading.get_ident() -> seconds
+        self._row_thread = 0  # the thread of the latest get/update (compaction hands it the GIL)
         self._seg_index: dict[int, list[Segment]] = {}  # chunk -> segments holding its rows
         self._committed: list[Segment] = []
         self._pending: list[Segment] = []
@@ -327,13 +328,16 @@ class EmbeddingStore(TieredRows, Versioning):
         flush in a background thread (`DeferredSync`) overlaps the step instead."""
         return self._io_wait_by_thread.get(threading.get_ident() if thread is None else thread, 0.0)
 
-    def _waited(self, t0: float) -> None:
-        """Count a call that began at ``t0`` as the calling thread's wait."""
+    def _waited(self, t0: float, rows: bool = True) -> None:
+        """Count a call that began at ``t0`` as the calling thread's wait; ``rows``: a call that
+        reads or writes rows (not a flush), whose thread is then the one training."""
         dt = time.perf_counter() - t0
         self._io_wait += dt
         by = self._io_wait_by_thread
         me = threading.get_ident()
         by[me] = by.get(me, 0.0) + dt
+        if rows:
+            self._row_thread = me
 
     def field_spec(self, name: str) -> tuple[torch.dtype, int]:
         """(dtype, columns) of field ``name``."""
