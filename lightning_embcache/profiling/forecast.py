@@ -41,7 +41,10 @@ What makes early steps unrepresentative, and how each is handled:
   into a table on disk that keeps growing); and a checkpoint save after the fill waits for that
   folding, longer the larger the table. The share of it the rate's window already holds is left
   out, and the uncertainty is a large fraction of the charge (the costs differ by a factor of 2-3
-  between runs on one host, and by 2 between versions of the store).
+  between runs on one host, and by 2 between versions of the store). Rates the stores measured
+  in the run replace the model's constants once there is enough of them (the callback reads
+  them with the fill); once saves after the fill have been timed in the epoch, the saves to come
+  are charged their usual cost plus the model's wait at the rate the timed ones ran at.
 - **Rare slow steps** (the training thread waiting while another process runs on its core, a
   few times a second on a shared host): the window of the first 5% is short and usually holds
   fewer of them than the epoch will. From the second epoch of a fit on, the window's share of
