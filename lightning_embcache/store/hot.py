@@ -108,6 +108,7 @@ class HotTier:
         for honour_want in ((True, False) if self.want is not None else (False,)):
             scanned = 0
             cap = self.limit
+            taken = None  # slots picked on this lap: a scan that wraps past them must not pick them again
             while need > 0 and scanned < 3 * cap:
                 w = min(max(4 * need, 1024), cap)
                 idx = (np.arange(self.hand, self.hand + w) % cap)
@@ -118,6 +119,8 @@ class HotTier:
                     cand &= self.want[np.maximum(ids, 0)] == 0
                 if protect is not None and len(protect):
                     cand &= ~idsets.isin(idx, protect)
+                if taken is not None:
+                    cand &= ~idsets.isin(idx, taken)
                 picked = idx[cand][:need]
                 # Second chance: clear reference bits of what the hand passed over.
                 stop = w if len(picked) < need else int(np.flatnonzero(cand)[need - 1]) + 1
@@ -126,6 +129,8 @@ class HotTier:
                 scanned += stop
                 out.append(picked)
                 need -= len(picked)
+                if need > 0 and len(picked):
+                    taken = picked if taken is None else np.concatenate([taken, picked])
             if need <= 0:
                 break
             if out:  # a second lap must not count slots picked on the first
