@@ -29,6 +29,9 @@ from .validate import budget
 WARM_UNCACHED_SHARE = 0.1
 # A get waits at most this long for a prefetch that is reading its rows, then reads them itself.
 PREFETCH_WAIT_S = 1.0
+# One write-back or flush patches at most this many bytes of warm chunk copies (the rest of the
+# warm chunks it touches are dropped): in random order a write-back touches every chunk held.
+PATCH_BYTES = 32 << 20
 
 
 class TooLarge(Exception):
@@ -212,8 +215,8 @@ class TieredRows:
             # now and kept warm) are served from it and not installed: in `ChunkShuffleSampler`
             # order each row is read once an epoch, so a slot (allocation, eviction, the copy in
             # and out) would be pure cost. The copy is current: every change below the hot tier
-            # drops the warm copies of its chunks (`_add_pending`), and rows hot here (dirty or
-            # not) are served from the hot tier. An update of such a row takes a slot as usual.
+            # patches (or drops) the warm copies of its chunks (`_patch_warm`), and rows hot here
+            # (dirty or not) are served from the hot tier. An update of such a row takes a slot as usual.
             if warm.all():
                 raise ServedBelow(slots, mids, records)
             # (the exception is made only when raised: one kept in a local of this frame, which
@@ -470,11 +473,43 @@ class TieredRows:
     def _add_pending(self, seg: Any) -> None:
         """A segment this handle just wrote without publishing it (write-back, a write around the
         hot tier) becomes part of the rows below the hot tier: indexed, and its rows' warm chunks
-        dropped. Caller holds the lock."""
+        patched (`_patch_warm`). Caller holds the lock."""
         self._pending.append(seg)
         self._pending.sort(key=lambda g: g.seq)
         self._index_add(seg)
-        self._warm.discard_many(seg.ids // self._chunk_rows)
+        self._patch_warm(seg.ids)
+
+    def _patch_warm(self, ids: np.ndarray) -> None:
+        """Rows ``ids`` (sorted) just got a new record below the hot tier, and they are hot with
+        that value (a write-back, a flush) or newer (updated since: dirty again, so they reach
+        the tier below again before they can leave the hot tier): the warm copies of their
+        chunks take the hot values and stay exact. Dropping them instead made training in
+        `ChunkShuffleSampler` order read each chunk of the window again after every write-back
+        and flush. A chunk with a row not hot (a write around the hot tier), held only
+        compressed, or past PATCH_BYTES of copies in one call is dropped. Caller holds the lock."""
+        warm = self._warm
+        if not len(warm) or not len(ids):
+            return
+        cr = self._chunk_rows
+        chunks = ids // cr
+        held = idsets.isin(chunks, warm.chunks(), b_sorted_unique=True)
+        if not held.any():
+            return
+        ids, chunks = ids[held], chunks[held]
+        hot = self._hot
+        if hot.resident:
+            warm.discard_many(chunks)
+            return
+        slots = hot.slot_of[ids].astype(np.int64) - 1
+        bounds = idsets.runs(chunks)
+        room = PATCH_BYTES
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            c, s = int(chunks[a]), slots[a:b]
+            if room <= 0 or (s < 0).any() or not warm.patch(c, ids[a:b] - c * cr, hot.pool_np[s]):
+                warm.discard(c)
+            else:
+                room -= cr * self._row_bytes
+        warm.shrink(warm.budget)  # a patched compressed chunk is kept raw: larger
 
     def _clean(self) -> None:
         """Background write-back: turn dirty hot rows that are not recently used into clean ones.

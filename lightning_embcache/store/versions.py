@@ -157,7 +157,7 @@ class Versioning:
                 self._index_rebuild()
                 self._stats.superseded_segments += len(gone)
             self._version = self._max_version = version
-            self._warm.discard_many(ids // self._chunk_rows)
+            self._patch_warm(ids)  # the flushed rows are hot: their chunks' warm copies take them
             self._stats.flushes += 1
             self._stats.flushed_rows += len(ids)
         self._apply_retention()

@@ -137,6 +137,31 @@ class WarmTier:
         if arr is not None:
             self._raw_copy_bytes -= arr.nbytes
 
+    def patch(self, chunk: int, local: np.ndarray, records: np.ndarray) -> bool:
+        """Write ``records`` over rows ``local`` of ``chunk``'s copy, so that it stays exact when
+        those rows get a new record below the hot tier. The patched copy is a new array (a reader
+        may hold the old one) and is kept raw: a compressed chunk is patched only through its
+        decompressed copy, and its compressed form goes. True when done or the chunk is not held;
+        False when it is held only compressed (the caller drops it instead)."""
+        item = self._items.get(chunk)
+        if item is None:
+            return True
+        data, compressed, raw_len = item
+        if compressed:
+            raw = self._raw.get(chunk)
+            if raw is None:
+                return False
+        else:
+            raw = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        new = raw.copy()
+        new.reshape(-1, records.shape[1])[local] = records
+        new.flags.writeable = False
+        self._items[chunk] = (new, False, raw_len)  # same place in the LRU order
+        self._item_bytes += new.nbytes - _size(data)
+        if compressed:
+            self._raw_copy_bytes -= self._raw.pop(chunk).nbytes
+        return True
+
     def discard_many(self, chunks: np.ndarray) -> None:
         if self._items:
             for c in idsets.unique(chunks).tolist():

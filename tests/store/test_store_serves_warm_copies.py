@@ -1,6 +1,6 @@
 """A get whose rows lie in chunks the warm tier holds whole is served from those copies without
 taking hot slots; updates still land in the hot tier and win, and nothing below the hot tier
-changes without its warm copy going. With lookahead in `ChunkShuffleSampler` order no chunk file
+changes without its warm copy following (patched, or dropped). With lookahead in `ChunkShuffleSampler` order no chunk file
 is opened for a few rows of a chunk that is read whole anyway."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_an_update_of_a_row_got_from_a_warm_copy_lands_hot_and_wins(shm_path):
 
 
 @pytest.mark.usefixtures("_inline_background")
-def test_a_write_back_of_rows_of_a_warm_chunk_drops_its_copy(shm_path):
+def test_a_write_back_of_rows_of_a_warm_chunk_keeps_its_copy_exact(shm_path):
     table = compacted_store(shm_path / "s", N, DIM, CHUNK)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (ROW + 11), warm_bytes=4 * CHUNK * ROW) as s:
         chunk = torch.arange(512, 768)
@@ -91,7 +91,9 @@ def test_a_write_back_of_rows_of_a_warm_chunk_drops_its_copy(shm_path):
         assert s.stats().evicted_bytes > 0 and s._hot.slot_of[600] == 0  # row 600 left the hot tier
         want = table[chunk].clone()
         want[600 - 512] = -3.0
+        reads = s.stats().cold_reads
         assert_bitwise_equal(s.get(chunk), want)  # not the copy read before the write-back
+        assert s.stats().cold_reads == reads  # the copy took the written-back row: no read
 
 
 def test_a_get_larger_than_the_hot_tier_from_warm_copies_is_right(shm_path):
