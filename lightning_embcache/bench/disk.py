@@ -338,8 +338,9 @@ def _shuffle(cfg: dict) -> dict:
     with the configuration docs/store.md advises for the sampler (a warm tier of two windows of
     chunks, `LookaheadSampler` ``--lookahead`` batches ahead); the same batches of get + update
     with flushes as in the other phases: a training loop, whose writes (flushes, write-back,
-    compaction) the order does not change. Figures: bytes of rows got per second over the
-    sequential read's bytes per second.
+    compaction) the order does not change; and that training loop with the advised
+    configuration (``tuned_train``). Figures: bytes of rows got per second over the sequential
+    read's bytes per second.
     """
     import numpy as np
     import torch
@@ -379,7 +380,7 @@ def _shuffle(cfg: dict) -> dict:
     table = n * dim * 4
     nb = min(cfg["batches"], n // bsz)
     window = 16
-    for part, write, tuned in (("get", False, False), ("tuned_get", False, True), ("", True, False)):
+    for part, write, tuned in (("get", False, False), ("tuned_get", False, True), ("", True, False), ("tuned_train", True, True)):
         wd = fresh(part or "train")
         # tuned: what docs/store.md advises with this sampler, a warm tier of two windows of
         # chunks and `LookaheadSampler`, through the public API
@@ -536,9 +537,12 @@ def main(argv=None) -> int:
                   f"rows/s) = {res['get_vs_sequential']:.2f}x; get with a warm tier and lookahead "
                   f"{res['tuned_get_store_mib_s']:.0f} MiB/s ({res['tuned_get_rows_per_s']:.0f} rows/s) = "
                       f"{res['tuned_get_vs_sequential']:.2f}x; get + update {res['store_mib_s']:.0f} MiB/s "
-                      f"({res['rows_per_s']:.0f} rows/s) = {res['vs_sequential']:.2f}x; CPU us/row "
+                      f"({res['rows_per_s']:.0f} rows/s) = {res['vs_sequential']:.2f}x; get + update with a "
+                      f"warm tier and lookahead {res.get('tuned_train_store_mib_s', float('nan')):.0f} MiB/s = "
+                      f"{res.get('tuned_train_vs_sequential', float('nan')):.2f}x; CPU us/row "
                       f"{res['get_cpu_us_per_row']:.2f} / {res['tuned_get_cpu_us_per_row']:.2f} / "
-                      f"{res['cpu_us_per_row']:.2f}; load {os.getloadavg()[0]:.1f}", flush=True)
+                      f"{res['cpu_us_per_row']:.2f} / {res.get('tuned_train_cpu_us_per_row', float('nan')):.2f}; "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
         for rep in range(reps if "space" in phases else 0):
             # a fresh store per run (with --store-rev, that revision's too), flushes of other rows
             # each time and of the same rows each time
@@ -592,13 +596,15 @@ def main(argv=None) -> int:
         rs = [r for r in shuffled if r["system"] == system]
         keys = ("sequential_mib_s", "get_vs_sequential", "tuned_get_vs_sequential", "vs_sequential",
                 "get_store_mib_s", "tuned_get_store_mib_s", "store_mib_s", "get_cpu_us_per_row",
-                "tuned_get_cpu_us_per_row", "cpu_us_per_row", "tuned_get_sequential_mib_s")
+                "tuned_get_cpu_us_per_row", "cpu_us_per_row", "tuned_get_sequential_mib_s",
+                "tuned_train_vs_sequential", "tuned_train_store_mib_s", "tuned_train_cpu_us_per_row")
+        keys = tuple(k for k in keys if all(k in r for r in rs))  # a --store-rev run may predate some
         summary[f"shuffle/{system}"] = {k: statistics.median([r[k] for r in rs]) for k in keys}
         summary[f"shuffle/{system}"].update({f"{k}_all": [r[k] for r in rs] for k in keys})
         if system != "store+chunkshuffle":  # the current store against this revision, per repetition
-            for k in ("get_rows_per_s", "tuned_get_rows_per_s", "rows_per_s"):
+            for k in ("get_rows_per_s", "tuned_get_rows_per_s", "rows_per_s", "tuned_train_rows_per_s"):
                 ratios = [q[k] / r[k] for r in rs for q in shuffled
-                          if q["system"] == "store+chunkshuffle" and q["rep"] == r["rep"]]
+                          if q["system"] == "store+chunkshuffle" and q["rep"] == r["rep"] and k in q and k in r]
                 summary[f"shuffle/{system}"][f"current_vs_this_{k}_all"] = ratios
     for r in runs:
         if r.get("phase") == "space":
