@@ -13,7 +13,6 @@ import torch
 from . import idsets
 from .memory import PageBuffer, private_zeros
 from .memory import zeros as plain_zeros
-from .prefault import Prefault
 
 # Per-slot bookkeeping of the cached layout: id (8) + reference bit (1) + dirty (1) + in-flight (1).
 SLOT_OVERHEAD = 11
@@ -42,8 +41,6 @@ class HotTier:
         # all residency checks. Never true for a cache of slots.
         self.all_loaded = False
         self.want: np.ndarray | None = None  # per id: reads still expected in the lookahead window
-        self._prefault: Prefault | None = None
-        self._frontier = 0
         if self.resident:
             num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
             self.loaded = zeros(num_chunks, np.bool_)
@@ -58,17 +55,6 @@ class HotTier:
             self._free[:] = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)
             self._nfree = self.capacity
             self.hand = 0
-            # Slots are handed out lowest first until the tier is full: the pages just beyond
-            # the highest one yet are faulted in ahead, off the training thread (prefault.py).
-            self._prefault = Prefault(self.pool_np.ctypes.data, self.capacity * row_bytes)
-            self._prefault.limit(self.limit * row_bytes)
-            # The id -> slot map is written at random ids: a first pass over the table faults
-            # in every page of it, one at a time. Where it is small beside the pool (4 bytes a
-            # row against the budget's records) it is populated whole, in the background.
-            self._prefault_map: Prefault | None = None
-            if self.slot_of.nbytes * 4 <= self.capacity * row_bytes:
-                self._prefault_map = Prefault(self.slot_of.ctypes.data, self.slot_of.nbytes, ahead=0)
-                self._prefault_map.want(self.slot_of.nbytes)
         self.used = 0
 
     # ---- lookup ------------------------------------------------------------------------------
@@ -166,12 +152,7 @@ class HotTier:
         """Up to ``n`` free slots (fewer if fewer are free)."""
         k = min(n, self._nfree)
         self._nfree -= k
-        got = self._free[self._nfree : self._nfree + k][::-1].astype(np.int64)
-        if k and self._frontier < self.limit:
-            self._frontier = max(self._frontier, int(got.max()) + 1)
-            if self._prefault is not None:
-                self._prefault.want(self._frontier * self.row_bytes)
-        return got
+        return self._free[self._nfree : self._nfree + k][::-1].astype(np.int64)
 
     def give_back(self, slots: np.ndarray) -> None:
         """Return ``slots`` (taken by `take_free` or just emptied) to the free stack."""
@@ -203,9 +184,6 @@ class HotTier:
     def set_limit(self, slots: int) -> None:
         """Usable slot count (<= capacity); the caller has already emptied slots >= slots."""
         self.limit = max(1, min(int(slots), self.capacity))
-        if self._prefault is not None:  # before the pages past the limit go: none comes back
-            self._prefault.limit(self.limit * self.row_bytes)
-        self._frontier = min(self._frontier, self.limit)
         free = self._free[: self._nfree]
         free = free[free < self.limit]
         self._nfree = len(free)
@@ -217,8 +195,6 @@ class HotTier:
     def grow_limit(self, slots: int) -> None:
         old = self.limit
         self.limit = max(1, min(int(slots), self.capacity))
-        if self._prefault is not None:
-            self._prefault.limit(self.limit * self.row_bytes)
         self.give_back(np.arange(self.limit - 1, old - 1, -1, dtype=np.int64)[::-1])
 
     # ---- resident layout ---------------------------------------------------------------------
@@ -234,10 +210,6 @@ class HotTier:
         self.buffer.release(lo * self.row_bytes, (hi - lo) * self.row_bytes)
 
     def close(self) -> None:
-        for p in (self._prefault, getattr(self, "_prefault_map", None)):
-            if p is not None:
-                p.close()  # before the buffers are unmapped
-        self._prefault = self._prefault_map = None
         self.pool = None  # type: ignore[assignment]
         self.pool_np = None  # type: ignore[assignment]
         self.buffer.close()
