@@ -189,6 +189,16 @@ class EpochWall(L.Callback):
         self.epochs.append(time.perf_counter() - self.t0 - self.val)
 
 
+class ActualWall(L.Callback):
+    """Independent reference: the wall time of the latest training epoch (``seconds``)."""
+
+    def on_train_epoch_start(self, *args) -> None:
+        self.t0 = time.perf_counter()
+
+    def on_train_epoch_end(self, *args) -> None:
+        self.seconds = time.perf_counter() - self.t0
+
+
 def loader(ds: Dataset, workers: int = 0) -> DataLoader:
     return DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=False)
 

@@ -8,9 +8,8 @@ import math
 from types import SimpleNamespace
 from unittest import mock
 
-from lightning.pytorch.callbacks import Callback
 
-from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
+from _profiling_helpers import MS, ActualWall, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling import store_fill as model
 from lightning_embcache.profiling.forecast import Forecast
@@ -153,18 +152,6 @@ class MeasuringStore:
         return SimpleNamespace(io_wait_seconds=self.io, hot_bytes=self.hot, hot_budget_bytes=self.budget,
                                table_bytes=256 * self.num_rows, flushed_rows=self.flushed_rows,
                                flush_seconds=self.flush_seconds)
-
-
-class ActualWall(Callback):
-    def on_train_epoch_start(self, *args):
-        import time
-
-        self.t0 = time.perf_counter()
-
-    def on_train_epoch_end(self, *args):
-        import time
-
-        self.seconds = time.perf_counter() - self.t0
 
 
 def test_a_fit_on_a_host_that_flushes_4x_faster_is_predicted_from_the_measured_rate(tmp_path):

@@ -8,9 +8,8 @@ import math
 from types import SimpleNamespace
 from unittest import mock
 
-from lightning.pytorch.callbacks import Callback
 
-from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, FakeStore, LoopOverhead, loader, trainer
+from _profiling_helpers import MS, ActualWall, BatchDataset, Cost, CostModel, FakeClock, FakeStore, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling import store_fill as fill_model
 from lightning_embcache.profiling.forecast import Forecast
@@ -130,18 +129,6 @@ class ModelStore(FakeStore):
 
     def stats(self):
         return SimpleNamespace(io_wait_seconds=self.io, hot_bytes=self.hot, hot_budget_bytes=self.budget)
-
-
-class ActualWall(Callback):
-    def on_train_epoch_start(self, *args):
-        import time
-
-        self.t0 = time.perf_counter()
-
-    def on_train_epoch_end(self, *args):
-        import time
-
-        self.seconds = time.perf_counter() - self.t0
 
 
 def test_a_fit_whose_store_fills_mid_epoch_is_predicted_at_10_percent(tmp_path):
