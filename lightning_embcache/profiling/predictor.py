@@ -262,8 +262,8 @@ class EpochPredictor:
         if budget > 0.0 and now.hot_bytes >= FULL * budget:
             # full already: at the projected rate, and no later than now
             if self._fill is not None and self._fill.batch > done:
-                self._fill = self._fill._replace(batch=done)
-                self._fill = self._fill._replace(rates=measured_rates(now, self._fill, done))
+                full = self._fill._replace(batch=done)
+                self._fill = full._replace(rates=measured_rates(now, full, done))
             return self._fill
         if rate <= 0.0 or budget <= 0.0:
             self._fill = None

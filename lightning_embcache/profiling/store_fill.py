@@ -100,14 +100,13 @@ def store_fill_step_s(fill: StoreFill, a: int, b: int) -> float:
     before = level_sum(lo, min(b, f))  # filling: level < 1
     after_n = max(0, b - max(a, f))
     after = level_sum(max(a, f), b) if after_n else 0.0
-    filling, eviction = _rates(fill)
+    filling, eviction, _ = _rates(fill)
     return bpb * ((before + after_n) / filling + after / eviction)
 
 
 def store_fill_save_s(fill: StoreFill, b: int) -> float:
     """Extra seconds of a checkpoint save at batch ``b`` of the epoch (none before the fill)."""
-    r = fill.rates
-    return fold_bytes(fill, b) / (r.fold_bytes_per_s if r is not None and r.fold_bytes_per_s else FOLD_BYTES_PER_S)
+    return fold_bytes(fill, b) / _rates(fill)[2]
 
 
 def fold_bytes(fill: StoreFill, b: int) -> float:
@@ -118,11 +117,11 @@ def fold_bytes(fill: StoreFill, b: int) -> float:
     return fill.hot_bytes * fill.level(b) ** 2
 
 
-def _rates(fill: StoreFill) -> tuple[float, float]:
-    r = fill.rates
-    if r is None:
-        return STORE_FILLING_BYTES_PER_S, EVICTION_BYTES_PER_S
-    return r.filling_bytes_per_s or STORE_FILLING_BYTES_PER_S, r.eviction_bytes_per_s or EVICTION_BYTES_PER_S
+def _rates(fill: StoreFill) -> tuple[float, float, float]:
+    """(filling, eviction, fold) bytes per second: those measured in the run, else the constants."""
+    r = fill.rates or StoreRates()
+    return (r.filling_bytes_per_s or STORE_FILLING_BYTES_PER_S, r.eviction_bytes_per_s or EVICTION_BYTES_PER_S,
+            r.fold_bytes_per_s or FOLD_BYTES_PER_S)
 
 
 def measured_rates(reading: HotTiers, fill: Optional[StoreFill], batch: int) -> Optional[StoreRates]:

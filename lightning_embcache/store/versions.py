@@ -59,6 +59,7 @@ class Versioning:
     """Flush, versions, pins, compaction, garbage collection (private base of EmbeddingStore)."""
 
     _disk: Any
+    _row_thread: int  # the thread of the latest get/update (EmbeddingStore._waited)
 
     # ------------------------------------------------------------------ flush and versions
     def flush(self) -> int:
@@ -466,7 +467,7 @@ class Versioning:
             gen = self._next_gen
             self._next_gen += 1
             self._writing_gens.add(gen)
-        handover = threading.get_ident() != getattr(self, "_row_thread", 0)  # a training thread may want the GIL
+        handover = threading.get_ident() != self._row_thread  # a training thread may want the GIL
         try:
             newest = segs[-1].seq
             new_cmap = cmap.copy()
