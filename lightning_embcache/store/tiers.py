@@ -30,8 +30,7 @@ WARM_UNCACHED_SHARE = 0.1
 # A get waits at most this long for a prefetch that is reading its rows, then reads them itself.
 PREFETCH_WAIT_S = 1.0
 # One write-back or flush patches the warm copies of at most this many bytes of chunks (the rest
-# of the warm chunks it touches are dropped): in random order a write-back touches every chunk
-# held, and each compressed one is compressed again (~50 us per 512 KiB).
+# of the warm chunks it touches are dropped): in random order a write-back touches every chunk held.
 PATCH_BYTES = 32 << 20
 
 
@@ -486,8 +485,9 @@ class TieredRows:
         the tier below again before they can leave the hot tier): the warm copies of their
         chunks take the hot values and stay exact. Dropping them instead made training in
         `ChunkShuffleSampler` order read each chunk of the window again after every write-back
-        and flush. A chunk with a row not hot (a write around the hot tier), held only
-        compressed, or past PATCH_BYTES of copies in one call is dropped. Caller holds the lock."""
+        and flush. A chunk with a row not hot (a write around the hot tier), held compressed
+        (`WarmTier.patch`), or past PATCH_BYTES of copies in one call is dropped. Caller holds the
+        lock."""
         warm = self._warm
         if not len(warm) or not len(ids):
             return
@@ -510,7 +510,6 @@ class TieredRows:
                 warm.discard(c)
             else:
                 room -= cr * self._row_bytes
-        warm.shrink(warm.budget)  # a patched chunk may compress less well than before
 
     def _clean(self) -> None:
         """Background write-back: turn dirty hot rows that are not recently used into clean ones.

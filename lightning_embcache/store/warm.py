@@ -139,49 +139,32 @@ class WarmTier:
 
     def patch(self, chunk: int, local: np.ndarray, records: np.ndarray) -> bool:
         """Write ``records`` over rows ``local`` of ``chunk``'s copy, so that it stays exact when
-        those rows get a new record below the hot tier. In place where the copy's memory is
-        writable (a copy of the whole chunk per write cost more than reading it again); a copy
-        over immutable bytes is replaced by a writable one once. A reader of the store's own
-        may be reading the copy meanwhile: rows read from whole chunks are always read again
-        under the lock before use (`TieredRows._moved_since`). A compressed chunk is patched
-        through its decompressed copy and compressed again (~50 us for 512 KiB; keeping it raw
-        instead grew it past the budget's slack, which then dropped the decompressed copies of
-        other chunks: each of their next reads decompressed them again, 14,000 times an epoch).
-        True when done or the chunk is not held; False when it is held only compressed (the
-        caller drops it instead)."""
+        those rows get a new record below the hot tier. Only a chunk held raw (rows that do not
+        compress, as trained float rows mostly do not) is patched, in place where its memory is
+        writable, else replaced by a writable copy once. A compressed chunk is not: compressing it
+        again on every write kept allocating (a bounded-memory probe's RSS grew 5 MiB past its
+        allowance) and keeping it raw instead grew it past the budget's slack, dropping the
+        decompressed copies of other chunks. A reader of the store's own may be reading the copy
+        meanwhile: rows read from whole chunks are always read again under the lock before use
+        (`TieredRows._moved_since`). True when done or the chunk is not held; False when it is
+        held compressed (the caller drops it instead)."""
         item = self._items.get(chunk)
         if item is None:
             return True
         data, compressed, raw_len = item
         if compressed:
-            raw = self._raw.get(chunk)
-            if raw is None:
-                return False
-        else:
-            raw = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+            return False
+        raw = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         try:
             raw.flags.writeable = True
             target = raw
-        except ValueError:  # over bytes (a decompressed copy, a chunk read into bytes)
+        except ValueError:  # over bytes (a chunk read into bytes)
             target = raw.copy()
         target.reshape(-1, records.shape[1])[local] = records
         target.flags.writeable = False
-        if compressed:
-            packed = lz4.block.compress(target, store_size=False)
-            if target.nbytes >= MIN_RATIO * len(packed):
-                new_item: tuple = (packed, True, raw_len)
-            else:
-                new_item = (target, False, raw_len)
-            self._raw_copy_bytes -= self._raw.pop(chunk).nbytes
-            if new_item[1]:
-                self._raw[chunk] = target  # (the decompressed copy, as it was)
-                self._raw_copy_bytes += target.nbytes
-        elif target is not data:
-            new_item = (target, False, raw_len)
-        else:
-            return True
-        self._items[chunk] = new_item  # same place in the LRU order
-        self._item_bytes += _size(new_item[0]) - _size(data)
+        if target is not data:
+            self._items[chunk] = (target, False, raw_len)  # same place in the LRU order
+            self._item_bytes += target.nbytes - _size(data)
         return True
 
     def discard_many(self, chunks: np.ndarray) -> None:
