@@ -1,6 +1,6 @@
 """WarmTier.patch keeps every copy it returns equal to a plain model of the chunks' records,
-whether the chunk is held raw, compressed with its decompressed copy, or compressed alone (then
-the caller is told to drop it), and within the budget."""
+whether the chunk is held raw (patched) or compressed (the caller is told to drop it), and
+within the budget."""
 
 from __future__ import annotations
 
