@@ -90,6 +90,20 @@ def _rss_peak() -> int:
     return 0
 
 
+def _children_rss_peak() -> int:
+    """Sum of the peak RSS (VmHWM) of this process's children."""
+    import psutil
+
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            with open(f"/proc/{child.pid}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration, ValueError):
+            pass
+    return total
+
+
 def _rss_now() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -272,6 +286,9 @@ def _loop(cfg: dict) -> dict:
             # the first batch's reads cannot have been made ahead of it)
             out["stall_ms_per_step_steady"] = (1e3 * (getattr(st, "stall_seconds", float("nan")) - stall_at_window)
                                                / (done - cfg["lookahead"]))
+    if system != "memmap":
+        # the compaction process's peak RSS: memory the store holds outside this process
+        out["fold_process_rss_peak_mib"] = _children_rss_peak() / MiB
     t1 = time.perf_counter()
     close()
     out["close_s"] = time.perf_counter() - t1
@@ -281,7 +298,9 @@ def _loop(cfg: dict) -> dict:
     if system != "memmap":
         out["budget_mib"] = n * dim * 4 / cfg["table_factor"] / MiB  # hot; warm is 0 here
         out["rss_allowance_mib"] = 1.1 * out["budget_mib"] + 64  # the target: 1.1 x budgets + 64 MiB
-        out["rss_within_target"] = out["rss_peak_over_start_mib"] <= out["rss_allowance_mib"]
+        # with the compaction process's whole peak RSS (its interpreter included) on top
+        out["rss_peak_with_process_mib"] = out["rss_peak_over_start_mib"] + out.get("fold_process_rss_peak_mib", 0.0)
+        out["rss_within_target"] = out["rss_peak_with_process_mib"] <= out["rss_allowance_mib"]
     return out
 
 
@@ -571,8 +590,9 @@ def main(argv=None) -> int:
                                                 for k in ("rows_per_s", "cpu_us_per_row", "stall_ms_per_step",
                                                           "stall_ms_per_step_steady",
                                                           "prefetch_hit_rate", "close_s", "rss_peak_over_start_mib",
+                                                          "fold_process_rss_peak_mib", "rss_peak_with_process_mib",
                                                           "rss_allowance_mib") if any(k in r for r in rs)}
-                rss = [r["rss_peak_over_start_mib"] for r in rs if "rss_allowance_mib" in r]
+                rss = [r.get("rss_peak_with_process_mib", r["rss_peak_over_start_mib"]) for r in rs if "rss_allowance_mib" in r]
                 if rss:  # the memory target holds for the worst repetition, not the median
                     summary[f"{phase}/{system}"]["rss_peak_max_mib"] = max(rss)
         mm = summary.get(f"{phase}/memmap", {}).get("rows_per_s")

@@ -969,16 +969,30 @@ class Disk:
                         continue  # not a store file: never ours to delete
                     gen = int(m.group(2))
                     key = (int(m.group(1)), gen)
-                    if gen < new_gen and gen not in gens and key not in files:
-                        if pool and self.pool.room() and self._regular(name) and self.pool.put(name):
-                            pooled.append(key)
-                        else:
-                            drop(d / name)
+                    if gen < new_gen and gen not in gens and key not in files and self.retire_chunk(*key, pool=pool):
+                        pooled.append(key)
                 elif (m := CHUNKMAP_RE.match(name)) is not None:
                     gen = int(m.group(1))
                     if gen < new_gen and gen not in gens:
                         drop(d / name)
         return pooled
+
+    def retire_chunk(self, chunk: int, gen: int, *, pool: bool) -> bool:
+        """Garbage chunk file ``(chunk, gen)`` goes: into `pool` for reuse (``pool``: while it has
+        room; True) or deleted (False). A symlink planted there is deleted, never reused."""
+        name = self.chunk_path(chunk, gen).name
+        if pool and self.pool.room() and self._regular(name) and self.pool.put(name):
+            return True
+        self.delete_file(self.chunk_path(chunk, gen))
+        return False
+
+    def delete_file(self, path: Path) -> None:
+        """Delete one store file (a symlink is removed itself, never its target); one already
+        gone, or refused, stays for the next full collection."""
+        try:
+            fileio.unlink(path.name, self._dir_fd(path), path)
+        except OSError:
+            pass
 
     def _regular(self, name: str) -> bool:
         """``name`` in ``chunks/`` is a plain file (a symlink planted there is deleted, never reused)."""

@@ -100,6 +100,24 @@ class FilePool:
             self.reused += 1
             return name
 
+    def adopt(self, names: list[str]) -> None:
+        """Files another process's pool took for this one to overwrite (the compaction process):
+        reusable at once, their reads were over when they were taken."""
+        with self._lock:
+            self._free.extend((n, 0) for n in names)
+
+    def release(self) -> list[str]:
+        """The pooled files not used, handed back (the compaction process ends a round)."""
+        with self._lock:
+            names = [n for n, _ in self._free]
+            self._free.clear()
+            return names
+
+    def restore(self, names: list[str]) -> None:
+        """Files given out by `take` and not used: reusable again at once."""
+        with self._lock:
+            self._free.extendleft((n, self._epoch) for n in reversed(names))
+
     def drain(self) -> None:
         """Delete every pooled file (a pass of rounds ended, or the store closes): disk use drops
         to what the versions hold."""

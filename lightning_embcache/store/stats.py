@@ -33,6 +33,8 @@ class StoreStats:
     flush_seconds: float = 0.0  # writing flushes: segment, fsyncs, manifest (what a flush costs per byte here)
     write_back_seconds: float = 0.0  # writing evicted or cleaned dirty rows below the hot tier
     compaction_seconds: float = 0.0  # compaction rounds, in the background or in a flush
+    compaction_process_chunks: int = 0  # chunks folded by the compaction process (off this process's GIL)
+    compaction_process_failures: int = 0  # rounds it failed or died in (then folded in this process)
     compression_ratio: float = 1.0
     io_wait_seconds: float = 0.0
     version: int = 0
@@ -51,6 +53,7 @@ class StoreStats:
     table_bytes: int = 0
 
     _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions", "superseded_segments", "flush_seconds", "compaction_seconds",
+                 "compaction_process_chunks", "compaction_process_failures",
                  "prefetched_rows", "evicted_bytes", "cleaned_rows", "gets", "updates",
                  "prefetch_hits", "prefetch_misses", "stall_seconds")
 

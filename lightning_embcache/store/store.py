@@ -42,6 +42,8 @@ from .stats import StoreStats
 from .tiers import TieredRows, TooLarge, to_np
 from .validate import (MAX_CHUNK_ROWS, MAX_ROWS, as_ids, as_values, budget, check_meta, finite_float,
                        positive_int, version_arg)
+from . import foldproc
+from .foldproc import FoldProcess
 from .versions import Versioning
 from .warm import WarmTier
 
@@ -104,6 +106,7 @@ class EmbeddingStore(TieredRows, Versioning):
         init_std = finite_float(init_std, "init_std")
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
         warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
+        foldproc.wanted(0)  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
         if not isinstance(dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype; got {dtype!r}")
         if fields is not None and not isinstance(fields, Mapping):
@@ -181,6 +184,7 @@ class EmbeddingStore(TieredRows, Versioning):
         root = Path(path)
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
         warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
+        foldproc.wanted(0)  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
         if version is not None:
             version = version_arg(version, "version")
         if not root.is_dir():
@@ -235,6 +239,11 @@ class EmbeddingStore(TieredRows, Versioning):
         self._next_seq = 1
         self._next_gen = 1
         self._bg: ThreadPoolExecutor | None = None
+        self._fold_proc: FoldProcess | None = None  # the compaction process (foldproc.py), started by the first round
+        self._fold_proc_failed = False
+        self._fold_proc_restarts = 0
+        self._round_thread: int | None = None  # a background round folding without the writer lock
+        self._round_done = threading.Event()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._bg_futures: dict[str, Future] = {}
         self._bg_error: BaseException | None = None
@@ -647,6 +656,8 @@ class EmbeddingStore(TieredRows, Versioning):
                 own = any(t is me for t in getattr(ex, "_threads", ()))
                 ex.shutdown(wait=not own, cancel_futures=True)
         with self._flush_lock:  # a flush or compaction of another thread finishes first
+            if self._fold_proc is not None and same_process:
+                self._fold_proc.close()
             with self._lock:
                 for s in self._committed + self._pending:
                     s.close()
@@ -750,6 +761,8 @@ class EmbeddingStore(TieredRows, Versioning):
         # Threads do not survive fork and a lock may have been held: start clean in the child.
         self._lock = threading.RLock()
         self._flush_lock = threading.RLock()
+        self._round_thread, self._round_done = None, threading.Event()
+        self._fold_proc = None  # the parent's; its handle refuses to serve another process anyway
         self._bg = None
         self._prefetcher = None
         self._bg_futures = {}

@@ -10,7 +10,9 @@ Concurrency design (docs/store.md, "Threads"): two locks, always taken in this o
   publishing, collecting its garbage), garbage collection, retention and `pin`/`unpin`. So these
   never interleave: a round cannot fold a layout a flush or another round moved meanwhile, and
   garbage collection never runs while any of them is writing. Background compaction lets go of
-  it between rounds (a waiting flush goes first), so no caller waits for more than one round.
+  it between rounds (a waiting flush goes first), so no caller waits for more than one round,
+  and while the compaction process folds a round's chunks (see `_fold_round`): a flush then runs
+  beside the fold, and a round of another thread waits for it (`_await_round`).
 * ``self._lock`` (in-memory state): taken briefly inside, and by get/update/evict.
 
 Eviction write-back inside get/update holds only ``self._lock``: it only appends a *pending*
@@ -29,7 +31,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import foldproc
 from .disk import Disk, Manifest, Segment
+from .fold import fold_chunk
+from .foldproc import FoldProcess
 from .errors import CorruptStoreError, StoreError
 from .memory import trim_heap
 from .validate import version_arg
@@ -41,6 +46,13 @@ from .validate import version_arg
 # (`embcache bench disk --phases space`: peak 1.42x the table, against 1.5x allowed).
 COMPACT_RATIO = 0.35
 COMPACT_SEGMENTS = 32
+# Where the compaction process folds (foldproc.py), a pass starts at this share instead. A pass
+# drops the segments it began with only at its end, while flushes add segments all along: at the
+# end it holds what it began with plus what came meanwhile. Started at COMPACT_RATIO it met the
+# flush's backpressure (HARD_RATIO) in every pass of a disk-mode epoch (500K x 128, flushes of
+# 5% of the table every ~0.1 s, passes of ~0.45 s); started this early a pass ends below it. More
+# passes rewrite the table more often, on another core, and hold less disk meanwhile.
+PROCESS_COMPACT_RATIO = 0.12
 # Past this share a flush runs compaction rounds itself before writing (backpressure: flushes
 # faster than background compaction would otherwise pile segments up without bound).
 HARD_RATIO = 0.4
@@ -49,9 +61,6 @@ HARD_FLOOR = 256 << 10  # below this many bytes of segments no flush waits for c
 # longest a flush or close() waits for the writer lock, and the disk it needs beside the table.
 ROUND_BYTES = 32 << 20
 ROUND_SHARE = 1 / 16
-# A chunk whose base is never-written or sparse stays sparse (a file of just the rows ever written;
-# the others keep their initial values) while those rows are under this share of the chunk.
-SPARSE_SHARE = 0.5
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
@@ -86,6 +95,8 @@ class Versioning:
             with self._lock:
                 self._flush_waiting -= 1
         try:
+            if self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR):
+                self._await_round()
             while self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR) and self._compact_round():
                 # Flushes come faster than background compaction folds their rows: this flush
                 # folds rounds itself first, so disk use stays bounded whatever the flush rate
@@ -284,14 +295,25 @@ class Versioning:
     def _segment_bytes(self) -> int:
         return sum(s.nbytes for s in self._committed)
 
-    def _needs_compaction(self, ratio: float = COMPACT_RATIO, segments: int = COMPACT_SEGMENTS,
+    def _compact_ratio(self) -> float:
+        """The share of segments at which background compaction starts: earlier where the
+        compaction process folds (see PROCESS_COMPACT_RATIO)."""
+        proc = self._fold_proc
+        return PROCESS_COMPACT_RATIO if proc is not None and proc.usable() else COMPACT_RATIO
+
+    def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
                           floor: int = 0) -> bool:
+        if ratio is None:
+            ratio = self._compact_ratio()
         table = self._num_rows * self._row_bytes
         return len(self._committed) > segments or self._segment_bytes() > max(ratio * table, floor)
 
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
-        writable open: many short open/flush/close runs would otherwise never get there)."""
+        writable open: many short open/flush/close runs would otherwise never get there). The
+        compaction process starts here, ahead of its first round (it takes ~0.2 s to start)."""
+        if self._fold_proc is None and not self._closed:
+            self._fold_process()
         if self._needs_compaction():
             self._submit_bg(self._compact)
 
@@ -327,6 +349,7 @@ class Versioning:
         self._require_disk("compact")
         self._wait_bg()
         with self._flush_lock:
+            self._await_round()
             while self._committed and self._compact_round(everything=True):
                 pass
             self._disk.pool.drain()
@@ -346,7 +369,7 @@ class Versioning:
                 # rounds it would leave evictions to write dirty rows on the training thread.
                 self._clean()
             with self._flush_lock:
-                if not self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2) or not self._compact_round():
+                if not self._needs_compaction(self._compact_ratio() / 2, COMPACT_SEGMENTS // 2) or not self._compact_round(unlocked=True):
                     # The pass is over: the files kept for the next round's reuse go, and disk
                     # use drops to what the versions hold.
                     self._disk.pool.drain()
@@ -387,57 +410,108 @@ class Versioning:
             return np.zeros(0, np.int64)
         return np.sort(np.concatenate(picked)).astype(np.int64)
 
-    def _folded_chunk(self, c: int, base_gen: int, segs: list[Segment]) -> tuple[np.ndarray, np.ndarray | None]:
-        """Chunk ``c``'s records with every segment's records of it applied, oldest first, and
-        which rows they are: None for every row of the chunk, else the sorted chunk-relative
-        rows ever written, when its base is never-written or sparse and those rows are under
-        SPARSE_SHARE of the chunk (a sparse file then holds just them: compaction never writes
-        the initial value of a row nobody wrote).
-
-        A base file this handle's own compactions wrote is not verified again (the page cache
-        holds what was checksummed, as for the miss path); a chunk that becomes dense computes the
-        initial values only of the rows nobody wrote."""
+    def _fold_elsewhere(self, chunks: np.ndarray, cmap: np.ndarray, segs: list[Segment], gen: int) -> dict | None:
+        """Have the compaction process fold ``chunks`` into files of ``gen``; its result, or None
+        where there is no process. Runs without the writer lock for a background round: it
+        touches nothing of the store but the file pool (which has its own lock)."""
         disk = self._disk
-        rows = disk.chunk_rows_of(c)
-        lo = c * self._chunk_rows
-        deltas = [got for s in segs if (got := s.rows_of_chunk(c)) is not None]
-        if base_gen:
-            present, recs = disk.read_chunk_present(c, base_gen, verify=base_gen < self._own_gens_from)
-            if present is None:  # a dense base stays dense
-                for ids, records in deltas:
-                    recs[ids - lo] = records
-                return recs, None
-        else:
-            present, recs = np.zeros(0, np.int64), np.zeros((0, self._row_bytes), np.uint8)
-        written = np.zeros(rows, np.bool_)
-        written[present] = True
-        for ids, _ in deltas:
-            written[ids - lo] = True
-        local = np.flatnonzero(written)
-        if len(local) >= SPARSE_SHARE * rows:
-            dense = np.empty((rows, self._row_bytes), np.uint8)
-            rest = np.flatnonzero(~written)
-            if len(rest):  # `_init_rows` also serves stores initialised per chunk
-                dense[rest] = self._init_rows(rest + lo)
-            dense[present] = recs
-            for ids, records in deltas:
-                dense[ids - lo] = records
-            return dense, None
-        packed = np.empty((len(local), self._row_bytes), np.uint8)
-        packed[local.searchsorted(present)] = recs
-        for ids, records in deltas:
-            packed[local.searchsorted(ids - lo)] = records
-        return packed, local
+        proc = self._fold_process()
+        if proc is None or not len(chunks):
+            return None
+        reuse = []
+        while len(reuse) < len(chunks) and (name := disk.pool.take()) is not None:
+            reuse.append(name)
+        ok, res = proc.fold(chunks.tolist(), cmap[chunks].tolist(), [s.seq for s in segs], gen,
+                            self._compress, self._own_gens_from, reuse)
+        if res["left"] is not None:
+            disk.pool.restore(res["left"])
+        res["ok"] = ok
+        return res
 
-    def _compact_round(self, everything: bool = False) -> bool:
+    def _fold_chunks(self, chunks: np.ndarray, cmap: np.ndarray, segs: list[Segment], gen: int,
+                     res: dict | None) -> np.ndarray:
+        """Write ``chunks`` (sorted) with ``segs`` folded in as durable files of ``gen``, given what
+        the compaction process did (``res``, `_fold_elsewhere`); return those written (all of
+        them, or a prefix when the store closes meanwhile). Folded in this thread: the chunks the
+        process left (those that need initial values, which only the
+        store can compute), every chunk of a round it failed, or all where there is none.
+        Caller holds the writer lock."""
+        disk = self._disk
+        own: list[int] = []
+        done = np.zeros(0, np.int64)
+        if res is not None:
+            if res["ok"]:
+                disk.bytes_read += res["bytes_read"]
+                disk.bytes_written += res["bytes_written"]
+                disk.segment_reads[0] += res["segment_reads"]
+                with self._lock:
+                    self._stats.compaction_process_chunks += len(res["done"])
+                if not res["skipped"]:
+                    return chunks
+                own = res["skipped"]
+                done = np.asarray(res["done"], np.int64)
+            else:
+                with self._lock:
+                    self._stats.compaction_process_failures += 1
+        if not own:
+            own = chunks.tolist()
+        handover = threading.get_ident() != self._row_thread  # a training thread may want the GIL
+        written = []
+        for c in own:
+            if self._closed:  # close() waits for the writer lock: publish what is done, stop
+                break
+            recs, present = fold_chunk(disk, c, int(cmap[c]), segs, verify=int(cmap[c]) < self._own_gens_from,
+                                       init_rows=self._init_rows)
+            disk.write_chunk(c, gen, recs, self._compress, durable=False, present=present)
+            if handover:
+                time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see `_fold_round`)
+            written.append(c)
+        disk.sync_chunks(written, gen)  # durable before the manifest names them
+        return np.sort(np.concatenate([done, np.asarray(written, np.int64)]))
+
+    def _fold_process(self) -> FoldProcess | None:
+        """The store's compaction process: started at the first round of a writable disk store
+        of at least foldproc.MIN_TABLE_BYTES; None while it starts, after it failed, or where
+        the table is smaller."""
+        proc = self._fold_proc
+        if proc is None:
+            if self._disk is None or self._fold_proc_failed or self._readonly or not foldproc.wanted(self._num_rows * self._row_bytes):
+                return None
+            try:
+                proc = self._fold_proc = FoldProcess(self._root, self._num_rows, self._chunk_rows, self._row_bytes,
+                                                     self._disk.uid)
+            except OSError:
+                self._fold_proc_failed = True
+                return None
+        if proc.usable():
+            return proc
+        if proc._broken:  # it died or failed to start: one more start, then this thread for good
+            proc.close()
+            self._fold_proc = None
+            self._fold_proc_failed = self._fold_proc_restarts >= 1
+            self._fold_proc_restarts += 1
+        return None
+
+    def _await_round(self) -> None:
+        """Wait until no background round is folding without the writer lock (caller holds the
+        writer lock exactly once, and lets go of it meanwhile: the round publishes under it)."""
+        me = threading.get_ident()
+        while self._round_thread not in (None, me):
+            self._flush_lock.release()
+            try:
+                self._round_done.wait(0.05)
+            finally:
+                self._flush_lock.acquire()
+
+    def _compact_round(self, everything: bool = False, unlocked: bool = False) -> bool:
         """One round of compaction (`_fold_round`), its time counted in ``stats().compaction_seconds``."""
         t0 = time.perf_counter()
         try:
-            return self._fold_round(everything)
+            return self._fold_round(everything, unlocked)
         finally:
             self._stats.compaction_seconds += time.perf_counter() - t0
 
-    def _fold_round(self, everything: bool = False) -> bool:
+    def _fold_round(self, everything: bool = False, unlocked: bool = False) -> bool:
         """Rewrite a bounded set of chunks with the committed segments' rows folded in, drop the
         prefix of segments now folded everywhere, and publish the new layout of the same rows.
         Caller holds the writer lock. False if there was nothing to do or the store closed.
@@ -449,6 +523,14 @@ class Versioning:
         A round that runs on the thread of the latest get/update (a flush's backpressure on the
         training thread) has nobody to hand it to and skips the sleep, which costs ~70 us here
         (the kernel's timer slack): 35 ms of a 0.5 s pass over 490 chunks.
+
+        ``unlocked`` (background rounds, whose caller holds the writer lock exactly once): where the
+        compaction process folds, the writer lock is let go of while it does, so a flush does not
+        wait for a round's fold (tens of milliseconds). Nothing a flush changes meanwhile moves
+        the round's result: it appends segments newer than every one folded (they stay in the
+        layout) and may leave out segments all of whose rows it flushed again (no longer in the
+        layout, and their rows newer elsewhere); the chunk map moves only by rounds, which never
+        overlap (`_await_round`). So the round publishes over the layout as it finds it then.
 
         Each chunk map records, per chunk, the newest segment folded into its base file; a segment
         goes once every chunk it touches has folded it. Only a prefix of segments is ever dropped,
@@ -463,28 +545,32 @@ class Versioning:
                 return False
             segs = list(self._committed)
             cmap = self._cmap.copy()
+            old_gen = self._cmap_gen
             chunks = self._round_chunks(segs, everything)
             gen = self._next_gen
             self._next_gen += 1
             self._writing_gens.add(gen)
-        handover = threading.get_ident() != self._row_thread  # a training thread may want the GIL
+        release = unlocked and self._fold_process() is not None
+        if release:
+            self._round_thread = threading.get_ident()
+            self._round_done.clear()
         try:
             newest = segs[-1].seq
-            new_cmap = cmap.copy()
-            done = 0
-            for c in chunks.tolist():
-                if self._closed:  # close() waits for the writer lock: publish what is done, stop
-                    break
-                recs, present = self._folded_chunk(c, int(cmap[c]), segs)
-                disk.write_chunk(c, gen, recs, self._compress, durable=False, present=present)
-                if handover:
-                    time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see the docstring)
-                new_cmap[c] = gen
-                done += 1
-            if self._closed and not done and len(chunks):
+            planned = len(chunks)
+            if release:
+                self._flush_lock.release()
+            try:
+                res = self._fold_elsewhere(chunks, cmap, segs, gen)
+            finally:
+                if release:
+                    self._flush_lock.acquire()
+            chunks = self._fold_chunks(chunks, cmap, segs, gen, res)
+            if self._closed and not len(chunks) and planned:
                 return False
-            chunks = chunks[:done]
-            disk.sync_chunks(chunks.tolist(), gen)  # durable before the manifest names them
+            with self._lock:  # a flush may have added (or left out) segments meanwhile
+                segs = list(self._committed)
+            new_cmap = cmap.copy()  # rounds never overlap: the chunk map is the snapshot's
+            new_cmap[chunks] = gen
             folded = self._folded.copy()
             folded[chunks] = newest
             drop = 0
@@ -511,6 +597,9 @@ class Versioning:
         finally:
             with self._lock:
                 self._writing_gens.discard(gen)
+            if release:
+                self._round_thread = None
+                self._round_done.set()
         if m.version >= self._max_version:
             try:
                 disk.write_latest(m.version)  # LATEST links to the newest manifest's file
@@ -535,10 +624,36 @@ class Versioning:
         # The replaced chunk files and dropped segments are garbage once no kept version uses
         # them: collected now, round by round, so disk use stays near the table plus one round.
         # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
-        self._apply_retention(collect=False)
         disk.pool.limit = len(chunks)  # the next round of the pass rewrites about as many files
-        self._collect_garbage_locked(disk, at_open=False, pool=True)
+        replaced = [(c, g) for c, g in zip(chunks.tolist(), cmap[chunks].tolist()) if g]
+        if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen)):
+            self._apply_retention(collect=False)
+            self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
+        return True
+
+    def _collect_replaced(self, disk: Disk, version: int, replaced: list[tuple[int, int]], dropped: list[Segment],
+                          old_gen: int) -> bool:
+        """Delete (or pool for reuse) just the files a round replaced: its chunks' previous files,
+        the segments it dropped and the previous chunk map, without listing the folders or reading
+        any manifest (~4 ms a round, a round every ~25 ms in a disk-mode epoch). Only where
+        ``version`` is the only one on disk and nothing is pinned: then no other version can use
+        them. False otherwise: the caller collects the usual way."""
+        with self._lock:
+            if self._pins or self._closed or old_gen in self._writing_gens or old_gen == self._cmap_gen:
+                return False
+        if disk.list_versions() != [version]:
+            return False
+        pooled = [(c, g) for c, g in replaced if disk.retire_chunk(c, g, pool=True)]
+        for seg in dropped:
+            disk.delete_file(seg.path)
+        if old_gen:
+            disk.delete_file(disk.chunkmap_path(old_gen))
+        if pooled:
+            reader = self._chunkrows
+            if reader is not None:
+                reader.forget(pooled)  # a stale plan's read finds them gone, as if deleted
+            disk.pool.seal()
         return True
 
     def _collect_garbage(self, at_open: bool = False) -> None:

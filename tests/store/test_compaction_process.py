@@ -1,0 +1,233 @@
+"""Compaction rounds folded by the compaction process (foldproc.py): the same rows as folding in
+the store's own thread, a flush never waits for a background round's fold, a dead or failing
+process only sends rounds back to the store's thread, a killed writer takes its process with it
+and loses nothing, and close() ends the process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_embcache import EmbeddingStore
+from lightning_embcache.store import foldproc, versions
+
+from _store_helpers import assert_bitwise_equal
+
+N, DIM, CHUNK = 4096, 8, 64  # 64 chunks of 2 KiB
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def process_mode(monkeypatch):
+    monkeypatch.setenv(foldproc.ENV, "always")
+    monkeypatch.setattr(versions, "ROUND_BYTES", 8 * CHUNK * DIM * 4)  # passes of 8 rounds
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (not yet reaped) is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _ready(store: EmbeddingStore) -> int:
+    """Wait until the store's compaction process serves; its pid."""
+    _wait_for(lambda: store._fold_process() is not None, 30, "the compaction process to start")
+    return store._fold_proc.pid
+
+
+def _update(store, table, ids, step) -> None:
+    ids = torch.as_tensor(ids)
+    values = torch.randn(len(ids), DIM, generator=torch.Generator().manual_seed(step))
+    store.update(ids, values)
+    table[ids] = values
+
+
+def _run(path: Path, init: str, ops: list[tuple[str, int]]) -> tuple[torch.Tensor, EmbeddingStore]:
+    store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4 // 8, init=init)
+    table = store.get(torch.arange(N)).clone()
+    rng = np.random.default_rng(0)
+    for step, (op, arg) in enumerate(ops):
+        if op == "update":
+            _update(store, table, rng.choice(N, arg, replace=False), step)
+        elif op == "flush":
+            store.flush()
+        else:
+            store.compact()
+    store.flush()
+    return table, store
+
+
+def test_process_folds_the_same_rows_as_the_store_thread(tmp_path, process_mode, monkeypatch):
+    """Dense and sparse chunks (init='normal': chunks written sparsely stay sparse until half
+    their rows are written, then need initial values the process leaves to the store)."""
+    ops = [("update", 3000), ("flush", 0), ("compact", 0), ("update", 40), ("flush", 0), ("compact", 0),
+           ("update", 2500), ("flush", 0), ("update", 900), ("flush", 0), ("compact", 0)]
+    want, s = _run(tmp_path / "proc", "normal", ops)
+    with s:
+        _ready(s)
+        assert_bitwise_equal(s.get(torch.arange(N)), want, "rows folded by the process")
+        assert s.stats().compaction_process_chunks > 0
+    monkeypatch.setenv(foldproc.ENV, "never")
+    want2, s2 = _run(tmp_path / "thread", "normal", ops)
+    with s2:
+        assert s2.stats().compaction_process_chunks == 0
+        assert_bitwise_equal(want2, want, "the same operations folded in the store's thread")
+    with EmbeddingStore.open(tmp_path / "proc") as s:
+        assert_bitwise_equal(s.get(torch.arange(N)), want, "rows after reopening")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["update", "flush", "compact"]), st.integers(1, N)),
+                    min_size=1, max_size=12))
+def test_operation_sequences_match_a_tensor_model(tmp_path_factory, process_mode, ops):
+    path = tmp_path_factory.mktemp("seq") / "s"
+    want, s = _run(path, "zeros", ops)
+    with s:
+        assert_bitwise_equal(s.get(torch.arange(N)), want)
+    with EmbeddingStore.open(path) as s:
+        assert_bitwise_equal(s.get(torch.arange(N)), want, "rows after reopening")
+
+
+def test_a_flush_does_not_wait_for_a_background_fold(tmp_path, process_mode, monkeypatch):
+    """A background round folds without the writer lock: a flush on the training thread completes
+    while the fold is still running, and the round then publishes over the flush's layout."""
+    s = EmbeddingStore.create(tmp_path / "s", N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4, init="zeros")
+    table = torch.zeros(N, DIM)
+    _ready(s)
+    folding, release = threading.Event(), threading.Event()
+    real_fold = foldproc.FoldProcess.fold
+
+    def slow_fold(self, *a, **k):
+        folding.set()
+        release.wait(10)
+        return real_fold(self, *a, **k)
+
+    monkeypatch.setattr(foldproc.FoldProcess, "fold", slow_fold)
+    with s:
+        for step in range(3):
+            _update(s, table, np.arange(N), step)
+            s.flush()  # 3 segments of the whole table: background compaction starts
+        _wait_for(folding.is_set, 10, "a background round")
+        _update(s, table, np.arange(0, N, 3), 10)
+        t = threading.Thread(target=s.flush)
+        t.start()
+        t.join(5)
+        flushed_while_folding = not t.is_alive()
+        release.set()
+        t.join()
+        assert flushed_while_folding, "the flush waited for the background round's fold"
+        s.compact()
+        assert_bitwise_equal(s.get(torch.arange(N)), table)
+        assert s.stats().compaction_process_chunks > 0
+    with EmbeddingStore.open(tmp_path / "s") as s:
+        assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after reopening")
+
+
+def test_a_killed_process_sends_rounds_back_to_the_store(tmp_path, process_mode):
+    s = EmbeddingStore.create(tmp_path / "s", N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4, init="zeros")
+    table = torch.zeros(N, DIM)
+    with s:
+        pid = _ready(s)
+        os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: not _alive(pid), 10, "the killed process to go")
+        _update(s, table, np.arange(N), 1)
+        s.flush()
+        s.compact()  # the process is gone: folded here
+        assert s.stats().compaction_process_failures >= 1
+        assert_bitwise_equal(s.get(torch.arange(N)), table)
+        pid2 = _ready(s)  # started once more
+        assert pid2 != pid
+        os.kill(pid2, signal.SIGKILL)
+        _wait_for(lambda: not _alive(pid2), 10, "the second killed process to go")
+        for step in range(2, 4):
+            _update(s, table, np.arange(0, N, step), step)
+            s.flush()
+            s.compact()
+        time.sleep(0.5)
+        assert s._fold_process() is None, "a process that died twice is not started again"
+        assert_bitwise_equal(s.get(torch.arange(N)), table)
+    with EmbeddingStore.open(tmp_path / "s") as s:
+        assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after reopening")
+
+
+def test_close_ends_the_process(tmp_path, process_mode):
+    s = EmbeddingStore.create(tmp_path / "s", N, DIM, chunk_rows=CHUNK, init="zeros")
+    pid = _ready(s)
+    assert _alive(pid)
+    s.close()
+    _wait_for(lambda: not _alive(pid), 5, "the process to end at close()")
+
+
+_WRITER = """
+import os, sys, numpy as np, torch
+from lightning_embcache import EmbeddingStore
+path, n, dim, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+s = EmbeddingStore.open(path)
+while s._fold_process() is None:
+    pass
+print(s._fold_proc.pid, flush=True)
+step = 0
+while True:
+    step += 1
+    ids = torch.arange(n)
+    s.update(ids, torch.full((n, dim), float(step)))
+    s.flush()
+    print("flushed", step, flush=True)
+"""
+
+
+def test_a_killed_writer_takes_its_process_and_loses_nothing(tmp_path, monkeypatch):
+    """kill -9 of a writer whose process folds in the background: its process dies with it, and
+    reopening gives the rows of the last acknowledged flush (or of the one after it)."""
+    path = tmp_path / "s"
+    EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros").close()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **{foldproc.ENV: "always"})
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(N), str(DIM), str(CHUNK)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    child = int(proc.stdout.readline())
+    acked = 0
+    while acked < 12:  # enough flushes that background passes run when the kill lands
+        line = proc.stdout.readline()
+        assert line.startswith("flushed"), line
+        acked = int(line.split()[1])
+    proc.kill()
+    proc.wait()
+    _wait_for(lambda: not _alive(child), 5, "the compaction process to die with its writer")
+    with EmbeddingStore.open(path) as s:
+        got = s.get(torch.arange(N))
+        value = float(got[0, 0])
+        assert value in (acked, acked + 1), (value, acked)
+        assert_bitwise_equal(got, torch.full((N, DIM), value), "every row of one flush")
+        leftovers = [n for n in os.listdir(path / "chunks") if n.startswith(".")]
+        assert not leftovers, leftovers
+
+
+def test_a_bad_setting_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv(foldproc.ENV, "sometimes")
+    with pytest.raises(ValueError, match="EMBCACHE_COMPACTION_PROCESS"):
+        EmbeddingStore.create(tmp_path / "s", N, DIM, chunk_rows=CHUNK).close()
