@@ -35,6 +35,7 @@ class StoreStats:
     compaction_seconds: float = 0.0  # compaction rounds, in the background or in a flush
     compaction_process_chunks: int = 0  # chunks folded by the compaction process (off this process's GIL)
     compaction_process_failures: int = 0  # rounds it failed or died in (then folded in this process)
+    compaction_process_rss_bytes: int = 0  # its peak resident bytes beyond its interpreter's (~30 MiB more)
     compression_ratio: float = 1.0
     io_wait_seconds: float = 0.0
     version: int = 0

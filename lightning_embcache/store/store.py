@@ -631,6 +631,9 @@ class EmbeddingStore(TieredRows, Versioning):
             s.pending_segments = len(self._pending)
             s.segments = len(self._committed)
             disk = self._disk if not self._closed else None
+            fold = self._fold_proc
+        if fold is not None and fold.base_rss:  # /proc reads: outside the lock
+            s.compaction_process_rss_bytes = max(0, fold.peak_rss() - fold.base_rss)
         # a scan of the store's folders: outside the lock, which get/update need every step
         try:
             s.disk_bytes = disk.disk_bytes() if disk is not None else 0

@@ -311,8 +311,9 @@ class Versioning:
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
         writable open: many short open/flush/close runs would otherwise never get there). The
-        compaction process starts here, ahead of its first round (it takes ~0.2 s to start)."""
-        if self._fold_proc is None and not self._closed:
+        compaction process starts here once there are segments to fold, ahead of its first round
+        (it takes ~0.2 s of CPU to start; a store only read never starts it)."""
+        if self._fold_proc is None and self._committed and not self._closed:
             self._fold_process()
         if self._needs_compaction():
             self._submit_bg(self._compact)
@@ -480,7 +481,7 @@ class Versioning:
             try:
                 proc = self._fold_proc = FoldProcess(self._root, self._num_rows, self._chunk_rows, self._row_bytes,
                                                      self._disk.uid)
-            except OSError:
+            except Exception:  # no interpreter to start (an embedded Python), no processes allowed
                 self._fold_proc_failed = True
                 return None
         if proc.usable():
