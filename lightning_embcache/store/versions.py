@@ -46,13 +46,6 @@ from .validate import version_arg
 # (`embcache bench disk --phases space`: peak 1.42x the table, against 1.5x allowed).
 COMPACT_RATIO = 0.35
 COMPACT_SEGMENTS = 32
-# Where the compaction process folds (foldproc.py), a pass starts at this share instead. A pass
-# drops the segments it began with only at its end, while flushes add segments all along: at the
-# end it holds what it began with plus what came meanwhile. Started at COMPACT_RATIO it met the
-# flush's backpressure (HARD_RATIO) in every pass of a disk-mode epoch (500K x 128, flushes of
-# 5% of the table every ~0.1 s, passes of ~0.45 s); started this early a pass ends below it. More
-# passes rewrite the table more often, on another core, and hold less disk meanwhile.
-PROCESS_COMPACT_RATIO = 0.12
 # Past this share a flush runs compaction rounds itself before writing (backpressure: flushes
 # faster than background compaction would otherwise pile segments up without bound).
 HARD_RATIO = 0.4
@@ -295,16 +288,8 @@ class Versioning:
     def _segment_bytes(self) -> int:
         return sum(s.nbytes for s in self._committed)
 
-    def _compact_ratio(self) -> float:
-        """The share of segments at which background compaction starts: earlier where the
-        compaction process folds (see PROCESS_COMPACT_RATIO)."""
-        proc = self._fold_proc
-        return PROCESS_COMPACT_RATIO if proc is not None and proc.usable() else COMPACT_RATIO
-
-    def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
+    def _needs_compaction(self, ratio: float = COMPACT_RATIO, segments: int = COMPACT_SEGMENTS,
                           floor: int = 0) -> bool:
-        if ratio is None:
-            ratio = self._compact_ratio()
         table = self._num_rows * self._row_bytes
         return len(self._committed) > segments or self._segment_bytes() > max(ratio * table, floor)
 
@@ -370,7 +355,7 @@ class Versioning:
                 # rounds it would leave evictions to write dirty rows on the training thread.
                 self._clean()
             with self._flush_lock:
-                if not self._needs_compaction(self._compact_ratio() / 2, COMPACT_SEGMENTS // 2) or not self._compact_round(unlocked=True):
+                if not self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2) or not self._compact_round(unlocked=True):
                     # The pass is over: the files kept for the next round's reuse go, and disk
                     # use drops to what the versions hold.
                     self._disk.pool.drain()
