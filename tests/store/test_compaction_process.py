@@ -69,6 +69,8 @@ def _update(store, table, ids, step) -> None:
 
 def _run(path: Path, init: str, ops: list[tuple[str, int]]) -> tuple[torch.Tensor, EmbeddingStore]:
     store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4 // 8, init=init)
+    if foldproc.wanted(0):
+        _ready(store)  # every round then goes to the process (a round before it is up folds here)
     table = store.get(torch.arange(N)).clone()
     rng = np.random.default_rng(0)
     for step, (op, arg) in enumerate(ops):
@@ -206,7 +208,8 @@ def test_a_killed_writer_takes_its_process_and_loses_nothing(tmp_path, monkeypat
     reopening gives the rows of the last acknowledged flush (or of the one after it)."""
     path = tmp_path / "s"
     EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros").close()
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **{foldproc.ENV: "always"})
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", **{foldproc.ENV: "always"})
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(N), str(DIM), str(CHUNK)],
                             stdout=subprocess.PIPE, text=True, env=env)
     child = int(proc.stdout.readline())
