@@ -46,7 +46,7 @@ def wanted(table_bytes: int) -> bool:
     if mode not in ("auto", "always", "never"):
         raise InvalidArgumentError(f"environment variable {ENV}={mode!r}: use 'auto', 'always' or 'never'")
     return mode == "always" or (mode == "auto" and table_bytes >= MIN_TABLE_BYTES)
-START_TIMEOUT_S = 30.0  # waited for the child's "ready" only by the round that finds it not ready
+START_WAIT_S = 5.0  # a background pass waits this long at most for a child still starting
 _BOOT = (
     "import sys, types, json\n"
     "cfg = json.loads(sys.argv[1])\n"
@@ -192,10 +192,15 @@ def serve(cfg: dict, fd: int) -> None:
     _die_with_parent(ppid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from .disk import Disk, Segment  # relative: imported as the parent's files, without the package
+    from .errors import StoreError
     from .fold import NeedsInit, fold_chunk
 
     conn = Connection(fd)
-    disk = Disk(Path(cfg["root"]), cfg["num_rows"], cfg["chunk_rows"], cfg["row_bytes"], bytes.fromhex(cfg["uid"]))
+    try:
+        disk = Disk(Path(cfg["root"]), cfg["num_rows"], cfg["chunk_rows"], cfg["row_bytes"], bytes.fromhex(cfg["uid"]))
+    except (OSError, StoreError):  # the store closed and its folder went before this process was up
+        conn.close()
+        return
     segs: dict[int, Segment] = {}
     try:
         conn.send(("ready", _status_bytes(os.getpid(), "VmRSS")))

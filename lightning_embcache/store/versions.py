@@ -296,9 +296,10 @@ class Versioning:
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
         writable open: many short open/flush/close runs would otherwise never get there). The
-        compaction process starts here once there are segments to fold, ahead of its first round
-        (it takes ~0.2 s of CPU to start; a store only read never starts it)."""
-        if self._fold_proc is None and self._committed and not self._closed:
+        compaction process starts here once segments hold half the share a pass starts at: ready
+        before its first round (it takes ~0.2 s of CPU to start), never started by a store only
+        read or by short runs that flush a little."""
+        if self._fold_proc is None and not self._closed and self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2):
             self._fold_process()
         if self._needs_compaction():
             self._submit_bg(self._compact)
@@ -347,6 +348,7 @@ class Versioning:
         checkpoint's, on the training thread) or `close()` waits for one round at most, and a
         background write-back asked for meanwhile runs between two rounds.
         """
+        self._await_fold_process()
         while not self._closed:
             while self._flush_waiting and not self._closed:
                 time.sleep(0.0005)  # a flush asked for the writer lock: it goes first
@@ -360,6 +362,16 @@ class Versioning:
                     # use drops to what the versions hold.
                     self._disk.pool.drain()
                     return
+
+    def _await_fold_process(self) -> None:
+        """Let a compaction process that is starting come up before a background pass (at most
+        foldproc.START_WAIT_S): the pass is in the background, and its rounds folded here would
+        hold the GIL beside the training thread."""
+        deadline = time.monotonic() + foldproc.START_WAIT_S
+        while self._fold_proc is not None and not self._closed and time.monotonic() < deadline:
+            if self._fold_process() is not None or self._fold_proc is None:
+                return
+            time.sleep(0.01)
 
     def _round_chunks(self, segs: list[Segment], everything: bool) -> np.ndarray:
         """The chunks one round rewrites: those the oldest segments still need folded (so that a
