@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future
 
 import torch
@@ -84,3 +85,29 @@ def in_forked_child(fn) -> None:
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
+
+
+def alive(pid: int, zombie_is_gone: bool = False) -> bool:
+    """Whether process ``pid`` runs. ``zombie_is_gone``: an exited process nobody reaped yet counts
+    as gone; only for single-threaded processes (a killed multi-threaded one shows its main thread
+    as a zombie while its other threads still hold its descriptors and locks)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    if not zombie_is_gone:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False  # gone between the two calls
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    """Poll ``pred`` until it holds, failing the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import foldproc, versions
 
-from _store_helpers import assert_bitwise_equal
+from _store_helpers import alive, assert_bitwise_equal, wait_for
 
 N, DIM, CHUNK = 4096, 8, 64  # 64 chunks of 2 KiB
 REPO = Path(__file__).resolve().parents[2]
@@ -34,29 +34,9 @@ def process_mode(monkeypatch):
     monkeypatch.setattr(versions, "ROUND_BYTES", 8 * CHUNK * DIM * 4)  # passes of 8 rounds
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (not yet reaped) is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def _ready(store: EmbeddingStore) -> int:
     """Wait until the store's compaction process serves; its pid."""
-    _wait_for(lambda: store._fold_process() is not None, 30, "the compaction process to start")
+    wait_for(lambda: store._fold_process() is not None, 30, "the compaction process to start")
     return store._fold_proc.pid
 
 
@@ -134,7 +114,7 @@ def test_a_flush_does_not_wait_for_a_background_fold(tmp_path, process_mode, mon
         for step in range(3):
             _update(s, table, np.arange(N), step)
             s.flush()  # 3 segments of the whole table: background compaction starts
-        _wait_for(folding.is_set, 10, "a background round")
+        wait_for(folding.is_set, 10, "a background round")
         _update(s, table, np.arange(0, N, 3), 10)
         t = threading.Thread(target=s.flush)
         t.start()
@@ -156,7 +136,7 @@ def test_a_killed_process_sends_rounds_back_to_the_store(tmp_path, process_mode)
     with s:
         pid = _ready(s)
         os.kill(pid, signal.SIGKILL)
-        _wait_for(lambda: not _alive(pid), 10, "the killed process to go")
+        wait_for(lambda: not alive(pid, zombie_is_gone=True), 10, "the killed process to go")
         _update(s, table, np.arange(N), 1)
         s.flush()
         s.compact()  # the process is gone: folded here
@@ -165,7 +145,7 @@ def test_a_killed_process_sends_rounds_back_to_the_store(tmp_path, process_mode)
         pid2 = _ready(s)  # started once more
         assert pid2 != pid
         os.kill(pid2, signal.SIGKILL)
-        _wait_for(lambda: not _alive(pid2), 10, "the second killed process to go")
+        wait_for(lambda: not alive(pid2, zombie_is_gone=True), 10, "the second killed process to go")
         for step in range(2, 4):
             _update(s, table, np.arange(0, N, step), step)
             s.flush()
@@ -180,9 +160,9 @@ def test_a_killed_process_sends_rounds_back_to_the_store(tmp_path, process_mode)
 def test_close_ends_the_process(tmp_path, process_mode):
     s = EmbeddingStore.create(tmp_path / "s", N, DIM, chunk_rows=CHUNK, init="zeros")
     pid = _ready(s)
-    assert _alive(pid)
+    assert alive(pid, zombie_is_gone=True)
     s.close()
-    _wait_for(lambda: not _alive(pid), 5, "the process to end at close()")
+    wait_for(lambda: not alive(pid, zombie_is_gone=True), 5, "the process to end at close()")
 
 
 _WRITER = """
@@ -220,7 +200,7 @@ def test_a_killed_writer_takes_its_process_and_loses_nothing(tmp_path, monkeypat
         acked = int(line.split()[1])
     proc.kill()
     proc.wait()
-    _wait_for(lambda: not _alive(child), 5, "the compaction process to die with its writer")
+    wait_for(lambda: not alive(child, zombie_is_gone=True), 5, "the compaction process to die with its writer")
     with EmbeddingStore.open(path) as s:
         got = s.get(torch.arange(N))
         value = float(got[0, 0])

@@ -24,6 +24,7 @@ import torch
 from lightning_embcache import EmbeddingStore
 
 import _crash_writer as writer
+from _store_helpers import alive, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,29 +41,13 @@ def zygote():
     proc.wait(timeout=30)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
 def _start(zygote, path: Path, seed: int, mode: str) -> tuple[int, Path]:
     EmbeddingStore.create(path, writer.N, writer.DIM, chunk_rows=writer.CHUNK).close()
     log = path.with_suffix(".log")
     zygote.stdin.write(f"{path} {seed} {mode} {log}\n")
     zygote.stdin.flush()
     pid = int(zygote.stdout.readline())
-    _wait_for(lambda: log.exists() and log.read_text().startswith(("ready", "error")), 60, "the writer to open the store")
+    wait_for(lambda: log.exists() and log.read_text().startswith(("ready", "error")), 60, "the writer to open the store")
     return pid, log
 
 
@@ -110,7 +95,7 @@ def _run_trials(zygote, base: Path, mode: str, trials: int, max_delay: float = 1
         pid, log = _start(zygote, path, seed, mode)
         time.sleep(rng.uniform(0.0, max_delay))
         os.kill(pid, signal.SIGKILL)
-        _wait_for(lambda: not _alive(pid), 30, f"writer {pid} to die")
+        wait_for(lambda: not alive(pid), 30, f"writer {pid} to die")
         results.append(_check_after_kill(path, seed, log.read_text()))
     return results
 
