@@ -103,6 +103,11 @@ class FoldProcess:
     def pid(self) -> int:
         return self._proc.pid
 
+    @property
+    def broken(self) -> bool:
+        """It died, failed a round or could not start: the store folds in its own thread."""
+        return self._broken
+
     def peak_rss(self) -> int:
         """The child's peak resident bytes so far (0 where unknown); ``base_rss``: its resident
         bytes once started (the interpreter, numpy, lz4), before any round."""

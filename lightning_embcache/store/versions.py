@@ -468,9 +468,9 @@ class Versioning:
         return np.sort(np.concatenate([done, np.asarray(written, np.int64)]))
 
     def _fold_process(self) -> FoldProcess | None:
-        """The store's compaction process: started at the first round of a writable disk store
-        of at least foldproc.MIN_TABLE_BYTES; None while it starts, after it failed, or where
-        the table is smaller."""
+        """The store's compaction process, started here on the first call (`_maybe_compact`
+        makes it) for a writable disk store the process is wanted for (`foldproc.wanted`); None
+        while it starts, after it failed twice, or where it is not wanted."""
         proc = self._fold_proc
         if proc is None:
             if self._disk is None or self._fold_proc_failed or self._readonly or not foldproc.wanted(self._num_rows * self._row_bytes):
@@ -483,7 +483,7 @@ class Versioning:
                 return None
         if proc.usable():
             return proc
-        if proc._broken:  # it died or failed to start: one more start, then this thread for good
+        if proc.broken:  # it died or failed: one more start, then this thread for good
             proc.close()
             self._fold_proc = None
             self._fold_proc_failed = self._fold_proc_restarts >= 1
