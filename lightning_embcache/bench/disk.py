@@ -82,34 +82,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _rss_peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+def _status_bytes(key: str, pid: int | str = "self") -> int:
+    """A byte count of /proc/<pid>/status (VmHWM: peak RSS, VmRSS: RSS now); 0 where unknown.
+    (Its own, not the store's: with --store-rev this module runs inside an older package.)"""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return 0
+
+
+def _rss_peak() -> int:
+    return _status_bytes("VmHWM")
 
 
 def _children_rss_peak() -> int:
     """Sum of the peak RSS (VmHWM) of this process's children."""
     import psutil
 
-    total = 0
-    for child in psutil.Process().children(recursive=True):
-        try:
-            with open(f"/proc/{child.pid}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-        except (OSError, StopIteration, ValueError):
-            pass
-    return total
+    return sum(_status_bytes("VmHWM", child.pid) for child in psutil.Process().children(recursive=True))
 
 
 def _rss_now() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS")
 
 
 def drop_cache(paths: list[Path]) -> str:

@@ -40,13 +40,22 @@ MIN_TABLE_BYTES = 64 << 20
 ENV = "EMBCACHE_COMPACTION_PROCESS"
 
 
-def wanted(table_bytes: int) -> bool:
-    """Whether a writable disk store of ``table_bytes`` folds in a compaction process."""
+START_WAIT_S = 5.0  # a background pass waits this long at most for a child still starting
+
+
+def setting() -> str:
+    """The EMBCACHE_COMPACTION_PROCESS setting; a value it cannot be is named."""
     mode = os.environ.get(ENV, "auto").strip().lower()
     if mode not in ("auto", "always", "never"):
         raise InvalidArgumentError(f"environment variable {ENV}={mode!r}: use 'auto', 'always' or 'never'")
+    return mode
+
+
+def wanted(table_bytes: int) -> bool:
+    """Whether a writable disk store of ``table_bytes`` folds in a compaction process."""
+    mode = setting()
     return mode == "always" or (mode == "auto" and table_bytes >= MIN_TABLE_BYTES)
-START_WAIT_S = 5.0  # a background pass waits this long at most for a child still starting
+
 _BOOT = (
     "import sys, types, json\n"
     "cfg = json.loads(sys.argv[1])\n"
@@ -222,7 +231,8 @@ def serve(cfg: dict, fd: int) -> None:
         chunks, bases, seqs, gen, compress, own_from, reuse = msg
         disk.pool.adopt(reuse)
         try:
-            for q in [q for q in segs if q not in set(seqs)]:
+            keep = set(seqs)
+            for q in [q for q in segs if q not in keep]:
                 segs.pop(q).close()
             use = []
             for q in seqs:

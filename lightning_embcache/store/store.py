@@ -106,7 +106,7 @@ class EmbeddingStore(TieredRows, Versioning):
         init_std = finite_float(init_std, "init_std")
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
         warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
-        foldproc.wanted(0)  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
+        foldproc.setting()  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
         if not isinstance(dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype; got {dtype!r}")
         if fields is not None and not isinstance(fields, Mapping):
@@ -184,7 +184,7 @@ class EmbeddingStore(TieredRows, Versioning):
         root = Path(path)
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
         warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
-        foldproc.wanted(0)  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
+        foldproc.setting()  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
         if version is not None:
             version = version_arg(version, "version")
         if not root.is_dir():
@@ -239,7 +239,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._next_seq = 1
         self._next_gen = 1
         self._bg: ThreadPoolExecutor | None = None
-        self._fold_proc: FoldProcess | None = None  # the compaction process (foldproc.py), started by the first round
+        self._fold_proc: FoldProcess | None = None  # the compaction process (foldproc.py), started by `_maybe_compact`
         self._fold_proc_failed = False
         self._fold_proc_restarts = 0
         self._round_thread: int | None = None  # a background round folding without the writer lock

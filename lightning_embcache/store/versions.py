@@ -408,12 +408,12 @@ class Versioning:
             return np.zeros(0, np.int64)
         return np.sort(np.concatenate(picked)).astype(np.int64)
 
-    def _fold_elsewhere(self, chunks: np.ndarray, cmap: np.ndarray, segs: list[Segment], gen: int) -> dict | None:
-        """Have the compaction process fold ``chunks`` into files of ``gen``; its result, or None
-        where there is no process. Runs without the writer lock for a background round: it
-        touches nothing of the store but the file pool (which has its own lock)."""
+    def _fold_elsewhere(self, proc: FoldProcess | None, chunks: np.ndarray, cmap: np.ndarray, segs: list[Segment],
+                        gen: int) -> dict | None:
+        """Have the compaction process ``proc`` fold ``chunks`` into files of ``gen``; its result,
+        or None where there is no process. Runs without the writer lock for a background round:
+        it touches nothing of the store but the file pool (which has its own lock)."""
         disk = self._disk
-        proc = self._fold_process()
         if proc is None or not len(chunks):
             return None
         reuse = []
@@ -548,7 +548,8 @@ class Versioning:
             gen = self._next_gen
             self._next_gen += 1
             self._writing_gens.add(gen)
-        release = unlocked and self._fold_process() is not None
+        proc = self._fold_process()
+        release = unlocked and proc is not None
         if release:
             self._round_thread = threading.get_ident()
             self._round_done.clear()
@@ -558,7 +559,7 @@ class Versioning:
             if release:
                 self._flush_lock.release()
             try:
-                res = self._fold_elsewhere(chunks, cmap, segs, gen)
+                res = self._fold_elsewhere(proc, chunks, cmap, segs, gen)
             finally:
                 if release:
                     self._flush_lock.acquire()
@@ -603,7 +604,7 @@ class Versioning:
                 disk.write_latest(m.version)  # LATEST links to the newest manifest's file
             except StoreError:
                 pass  # the record only lags (open's check stays sound)
-        with self._lock:  # the caller holds the writer lock: the committed segments are the snapshot's
+        with self._lock:  # the caller holds the writer lock: the committed segments are those read above
             assert [s.seq for s in self._committed] == [s.seq for s in segs], "layout moved during compaction"
             self._cmap, self._cmap_gen, self._committed, self._folded = new_cmap, gen, remaining, folded
             self._published = (gen, [s.seq for s in remaining])
