@@ -253,6 +253,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
         self._clean_due = False  # a background clean was asked for (a running compaction runs it between rounds)
+        self._collect_due = False  # a garbage collection was asked for (likewise)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
         self._writing_gens: set[int] = set()  # compaction generations being written
         num_chunks = (self._num_rows + self._chunk_rows - 1) // self._chunk_rows

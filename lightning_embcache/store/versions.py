@@ -42,8 +42,9 @@ from .validate import version_arg
 # Compaction folds delta segments into base chunks once they hold this share of the table's
 # bytes, or once there are this many. Updates spread over the table put rows of every chunk in
 # every segment, so a pass rewrites the whole table: this share sets how often (once per ~35% of
-# the table written; 25% rewrote it 1.4x as often) against the disk segments hold meanwhile
-# (`embcache bench disk --phases space`: peak 1.42x the table, against 1.5x allowed).
+# the table written; 25% rewrote it 1.4x as often; 20% gave epochs no faster, within the noise
+# of 6 interleaved runs, with 1.3x the bytes written) against the disk segments hold meanwhile
+# (`embcache bench disk --phases space`: peak 1.41x the table, against 1.5x allowed).
 COMPACT_RATIO = 0.35
 COMPACT_SEGMENTS = 32
 # Past this share a flush runs compaction rounds itself before writing (backpressure: flushes
@@ -229,6 +230,7 @@ class Versioning:
             if v not in keep and self._disk.drop_version_unless_read(v):
                 dropped = True
         if dropped and collect:
+            self._collect_due = True
             self._submit_bg(self._collect_garbage)
 
     def _load_version(self, version: int | None) -> None:
@@ -288,8 +290,9 @@ class Versioning:
     def _segment_bytes(self) -> int:
         return sum(s.nbytes for s in self._committed)
 
-    def _needs_compaction(self, ratio: float = COMPACT_RATIO, segments: int = COMPACT_SEGMENTS,
+    def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
                           floor: int = 0) -> bool:
+        ratio = COMPACT_RATIO if ratio is None else ratio  # read now: tests and benchmarks set it
         table = self._num_rows * self._row_bytes
         return len(self._committed) > segments or self._segment_bytes() > max(ratio * table, floor)
 
@@ -342,24 +345,43 @@ class Versioning:
             self._disk.pool.drain()
 
     def _compact(self) -> None:
-        """Background compaction: bounded rounds until the segments are well under the threshold.
+        """Background compaction: passes of bounded rounds. A pass goes on until every segment
+        committed when it began has been folded (or left out by a flush); another follows at once
+        while segments are still over the threshold, so under a steady stream of flushes the
+        rounds sweep round the table continuously and each segment goes one sweep after it was
+        written. A hot set of rows flushed over and over (its segments left out by the flushes
+        themselves) ends the pass instead of being folded again and again.
 
         The writer lock is held for one round at a time and let go in between, so a flush (a
         checkpoint's, on the training thread) or `close()` waits for one round at most, and a
-        background write-back asked for meanwhile runs between two rounds.
+        background write-back or garbage collection asked for meanwhile runs between two rounds
+        (queued behind the pass, it would wait for all of it: evictions would write dirty rows on
+        the training thread, and segments that flushes left out would stay on disk).
         """
         self._await_fold_process()
+        target = -1  # the newest segment when the sweep began: it is round once none is left
+        superseded = self._stats.superseded_segments
         while not self._closed:
             while self._flush_waiting and not self._closed:
                 time.sleep(0.0005)  # a flush asked for the writer lock: it goes first
             if self._clean_due:
-                # The write-back of cold dirty rows shares this thread; queued behind a pass of
-                # rounds it would leave evictions to write dirty rows on the training thread.
                 self._clean()
             with self._flush_lock:
-                if not self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2) or not self._compact_round(unlocked=True):
-                    # The pass is over: the files kept for the next round's reuse go, and disk
-                    # use drops to what the versions hold.
+                if self._collect_due:
+                    self._collect_due = False
+                    self._collect_garbage_locked(self._disk, at_open=False)
+                if not self._committed or self._committed[0].seq > target:
+                    # Round once: sweep again while segments are over the threshold, or over half
+                    # of it while flushes add rows that stay (none of their segments left out).
+                    hot_set = self._stats.superseded_segments != superseded
+                    if not (self._needs_compaction() or (not hot_set and self._needs_compaction(
+                            COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2))):
+                        # The pass is over: the files kept for the next round's reuse go, and
+                        # disk use drops to what the versions hold.
+                        self._disk.pool.drain()
+                        return
+                    target, superseded = self._committed[-1].seq, self._stats.superseded_segments
+                if not self._compact_round(unlocked=True):
                     self._disk.pool.drain()
                     return
 
@@ -660,6 +682,7 @@ class Versioning:
         if disk is None or self._readonly:
             return
         with self._flush_lock:  # nothing is being published or compacted while it looks
+            self._collect_due = False
             self._collect_garbage_locked(disk, at_open)
 
     def _collect_garbage_locked(self, disk: Disk, at_open: bool, pool: bool = False) -> None:
