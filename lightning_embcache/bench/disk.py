@@ -221,6 +221,9 @@ def _loop(cfg: dict) -> dict:
             shutil.copyfile(shared / "table.npy", wd / "table.npy")
         else:
             shutil.copytree(shared / "store", wd / "store")
+        # The copy's dirty pages go to disk now: left to the timed run, the first sync of the
+        # file system there (a compaction round's syncfs) wrote them all (0.16 s of a 2.2 s epoch).
+        os.sync()
         if phase == "cold":
             out["drop"] = drop_cache([wd / "store", wd / "table.npy"])
         else:
