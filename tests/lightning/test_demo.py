@@ -16,3 +16,22 @@ def test_demo_runs_tiny_and_reports(tmp_path, capsys):
     assert (tmp_path / "demo" / "latents").is_dir()
     assert sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("*.ckpt")) == [
         "epoch=0-step=10.ckpt", "epoch=0-step=5.ckpt", "last.ckpt"]
+
+
+def test_demo_prefetches_by_default_and_trains_the_same_rows_without(tmp_path, capsys):
+    """The demo tells the store each next batch's ids (its rows are read while the step trains);
+    `--no-prefetch` reads them in the step. Same data, same model: the same losses."""
+    args = ["demo", "--samples", "4096", "--dim", "16", "--max-steps", "12", "--batch-size", "256",
+            "--workers", "0", "--sync-every", "3", "--ckpt-every", "5", "--hot-mib", "0.0625"]
+    assert embcache(args + ["--root", str(tmp_path / "on")]) == 0
+    on = capsys.readouterr().out
+    assert embcache(args + ["--root", str(tmp_path / "off"), "--no-prefetch"]) == 0
+    off = capsys.readouterr().out
+    line = next(l for l in on.splitlines() if l.strip().startswith("prefetch:"))
+    ahead = int(line.split("prefetch:")[1].split("rows")[0].replace(",", ""))
+    # each batch's ids are told while the one before trains: batches 2-12, and 13, which the run
+    # stops before; rows already hot are not read again
+    assert 0 < ahead <= 12 * 256, line
+    assert "prefetch:" not in off
+    losses = [[l.split("loss ")[1].split()[0] for l in out.splitlines() if " loss " in l] for out in (on, off)]
+    assert losses[0] and losses[0] == losses[1], losses
