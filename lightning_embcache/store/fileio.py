@@ -145,33 +145,20 @@ def fsync(fd: int, name: object) -> None:
     _after("fsync", name)
 
 
-def _libc_syncfs() -> Callable[[int], int] | None:
+def _libc(name: str, argtypes: list) -> Callable[..., int] | None:
+    """The C library's ``name`` (Linux only), or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn
 
 
-_SYNCFS = _libc_syncfs()
-
-
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNCFS = _libc("syncfs", [ctypes.c_int])
+_SYNC_FILE_RANGE = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 _SYNC_FILE_RANGE_WRITE = 2
 
 
