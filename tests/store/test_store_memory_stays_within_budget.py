@@ -23,9 +23,12 @@ ROWS = 4 * (HOT + WARM) // (DIM * 4)  # a 64 MiB table
 # batch's temporaries (4096 rows x 128 B, a few copies), chunk I/O buffers, segment indexes and
 # the malloc heap slack they leave. Measured on the 2-core CI VM: 34-36 MiB, of which ~16 MiB is
 # heap slack that malloc_trim(0) returns. The compaction process (a 64 MiB table has one) adds
-# what it holds beyond its interpreter, a round's buffers: 3.4-4.5 MiB. A resident table would
-# exceed the bound by > 20 MiB.
-OVERHEAD = 44 * MIB
+# what it holds beyond its interpreter, a round's buffers: 3.4-4.5 MiB. The whole run's peak,
+# brief (a flush's 4 MiB blocks beside a batch's temporaries, before close), measured 45.9-63.6
+# MiB over its start on the CI VM (16 runs; 44 MiB of overhead failed about one run in four).
+# Not all of it is fixed: with the table twice as large (same budgets) it was 72-77 MiB (the
+# map, segment indexes). A resident table would exceed this bound by > 30 MiB.
+OVERHEAD = 47 * MIB
 
 
 def test_peak_rss_stays_within_budget_plus_fixed_overhead(shm_path):
