@@ -682,6 +682,8 @@ class Versioning:
         if disk is None or self._readonly:
             return
         with self._flush_lock:  # nothing is being published or compacted while it looks
+            if not (at_open or self._collect_due):
+                return  # a compaction pass collected it between its rounds (`_compact`)
             self._collect_due = False
             self._collect_garbage_locked(disk, at_open)
 
