@@ -18,6 +18,7 @@ import torch
 
 from lightning_embcache.store import CorruptStoreError, EmbeddingStore, StoreError
 from lightning_embcache.store.disk import sparse_rows_held
+from lightning_embcache.store.fileio import held_bytes
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -37,7 +38,7 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
     for entry in os.scandir(path):
         try:
             if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
+                total += held_bytes(entry.stat(follow_symlinks=False))
                 files += 1
         except FileNotFoundError:  # a temp file a writer's background compaction renamed meanwhile
             pass

@@ -341,7 +341,9 @@ def _space(cfg: dict) -> dict:
     s.close()
     close_s = time.perf_counter() - t0
     table = n * dim * 4
-    disk = sum(p.stat().st_size for p in wd.rglob("*") if p.is_file())
+    # bytes on disk: holes punched in segment files excluded (inline: --store-rev runs this module
+    # inside older packages)
+    disk = sum(min(st.st_size, st.st_blocks * 512) for p in wd.rglob("*") if p.is_file() and (st := p.stat()))
     flushed = cfg["flushes"] * k * dim * 4
     return {"phase": "space", "system": "store", "pattern": cfg.get("pattern", "random"),
             "ratio_after_each_flush": ratios, "max_ratio": max(ratios),

@@ -109,6 +109,15 @@ class Segment:
     _starts: list[int] | None = field(default=None, repr=False)
     _counts: list[int] | None = field(default=None, repr=False)
     _open_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Index entries whose records base chunks hold (holes.py): queued to be punched, punched, and
+    # the bytes of whole pages given back so far (disk use and thresholds count the rest).
+    doomed: np.ndarray | None = field(default=None, repr=False)
+    punched: np.ndarray | None = field(default=None, repr=False)
+    freed: int = 0
+
+    @property
+    def live_bytes(self) -> int:
+        return self.nbytes - self.freed
 
     def _entry(self, chunk: int) -> tuple[int, int, int] | None:
         """(index entry, first row, row count) of ``chunk`` in this segment; None if it has none."""
@@ -131,37 +140,6 @@ class Segment:
         if crc32(data) != int(self.idx_crc[i]):
             raise CorruptStoreError(self.path, f"records of chunk {chunk} fail their checksum")
         return self.ids[start : start + count], np.frombuffer(data, np.uint8).reshape(count, self.row_bytes)
-
-    def rows_for(self, chunk: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(mask of ``ids`` this segment holds, their records); None if it holds none of them.
-
-        The first read of a chunk's range verifies the whole range's checksum; later reads of that
-        range fetch single records (random access to a large table reads each range in full once
-        per open, then only the rows it asks for).
-        """
-        entry = self._entry(chunk)
-        if entry is None:
-            return None
-        i, start, count = entry
-        mine = self.ids[start : start + count]
-        pos = mine.searchsorted(ids)
-        pos[pos >= count] = count - 1
-        hit = mine[pos] == ids
-        if not hit.any():
-            return None
-        rb = self.row_bytes
-        if self._verified is None:
-            self._verified = np.zeros(len(self.idx_chunk), np.bool_)
-        if not self._verified[i]:
-            data = self._read(self.records_offset + start * rb, count * rb)
-            if crc32(data) != int(self.idx_crc[i]):
-                raise CorruptStoreError(self.path, f"records of chunk {chunk} fail their checksum")
-            self._verified[i] = True
-            return hit, np.frombuffer(data, np.uint8).reshape(count, rb)[pos[hit]]
-        out = np.empty((int(hit.sum()), rb), np.uint8)
-        for k, p in enumerate(pos[hit].tolist()):
-            out[k] = np.frombuffer(self._read(self.records_offset + (start + p) * rb, rb), np.uint8)
-        return hit, out
 
     def _read(self, offset: int, n: int) -> bytes:
         fd = self._fd
@@ -1008,7 +986,7 @@ class Disk:
                 for e in it:
                     try:
                         if e.is_file():
-                            total += e.stat().st_size
+                            total += fileio.held_bytes(e.stat())  # holes punched in segments excluded
                     except FileNotFoundError:  # a temp file renamed by a background write
                         pass
         return total

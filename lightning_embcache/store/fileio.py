@@ -173,6 +173,44 @@ def start_writeback(fd: int) -> None:
         _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
+_FALLOCATE = _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+PAGE = 4096
+
+
+def held_bytes(st: os.stat_result) -> int:
+    """The bytes of a file on disk: its size less the holes punched in it (`punch_holes`), not
+    rounded up to whole blocks (so small files count what they hold)."""
+    return min(st.st_size, getattr(st, "st_blocks", st.st_size // 512 + 1) * 512)
+
+
+def punch_supported() -> bool:
+    return _FALLOCATE is not None
+
+
+def punch_holes(fd: int, ranges: list[tuple[int, int]], name: object) -> int:
+    """Give the disk blocks of byte ranges ``(offset, length)`` of ``fd`` (open for writing) back
+    to the file system, the file keeping its size (Linux ``fallocate(PUNCH_HOLE)``; the ranges
+    read as zeros after). Each range shrinks to whole 4 KiB pages inside it: the bytes around it
+    stay. Returns the bytes freed; -1 where the platform or file system has no holes (then
+    nothing changed). Not a durability step: after a crash a range holds its old bytes or zeros,
+    and only ranges nobody reads any more are punched."""
+    if _FALLOCATE is None:
+        return -1
+    freed = 0
+    for off, n in ranges:
+        a = -(-off // PAGE) * PAGE
+        b = (off + n) // PAGE * PAGE
+        if b <= a:
+            continue
+        _before("punch", name)
+        if _FALLOCATE(fd, _PUNCH_HOLE, a, b - a) != 0:
+            return -1 if not freed else freed  # EOPNOTSUPP (no holes here) and the like: bytes kept
+        _after("punch", name)
+        freed += b - a
+    return freed
+
+
 def sync_written(dir_fd: int, names: list[str], path: object) -> None:
     """Make files written with ``durable=False`` in folder ``dir_fd`` durable, and their renames.
 

@@ -23,7 +23,7 @@ class NeedsInit(Exception):
 
 
 def fold_chunk(disk: Disk, c: int, base_gen: int, segs: list[Segment], *, verify: bool,
-               init_rows: Callable[[np.ndarray], np.ndarray] | None) -> tuple[np.ndarray, np.ndarray | None]:
+               init_rows: Callable[[np.ndarray], np.ndarray] | None, folded: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
     """Chunk ``c``'s records with every segment's records of it applied, oldest first, and
     which rows they are: None for every row of the chunk, else the sorted chunk-relative rows
     ever written, when its base is never-written (``base_gen`` 0) or sparse and those rows are
@@ -32,10 +32,13 @@ def fold_chunk(disk: Disk, c: int, base_gen: int, segs: list[Segment], *, verify
 
     ``verify``: check the base file's block checksums (False for a file this handle wrote: the page
     cache holds what was checksummed). A chunk that becomes dense computes the initial values of
-    the rows nobody wrote with ``init_rows(ids)``; without it, raises NeedsInit."""
+    the rows nobody wrote with ``init_rows(ids)``; without it, raises NeedsInit.
+
+    ``folded``: the newest segment the base file already holds (the chunk map's); older segments'
+    records of this chunk are dead and may be punched out of their files (holes.py): skipped."""
     rows = disk.chunk_rows_of(c)
     lo = c * disk.chunk_rows
-    deltas = [got for s in segs if (got := s.rows_of_chunk(c)) is not None]
+    deltas = [got for s in segs if s.seq > folded and (got := s.rows_of_chunk(c)) is not None]
     if base_gen:
         present, recs = disk.read_chunk_present(c, base_gen, verify=verify)
         if present is None:  # a dense base stays dense

@@ -141,14 +141,15 @@ class FoldProcess:
                 self.base_rss = msg[1]
         return self._ready
 
-    def fold(self, chunks: list[int], bases: list[int], segments: list[int], gen: int, compress: bool,
-             own_gens_from: int, reuse: list[str]) -> tuple[bool, dict]:
-        """Fold ``chunks`` (their base generations ``bases``) with ``segments`` into files of ``gen``,
+    def fold(self, chunks: list[int], bases: list[int], folded: list[int], segments: list[int], gen: int,
+             compress: bool, own_gens_from: int, reuse: list[str]) -> tuple[bool, dict]:
+        """Fold ``chunks`` (their base generations ``bases``, holding the segments up to ``folded``)
+        with ``segments`` into files of ``gen``,
         made durable. (True, result) where the child did it: ``done`` and ``skipped`` chunks (those
         that need initial values), byte counts, the ``reuse`` names it left; (False, {"left":
         names or None, "error": text}) where it failed: the caller folds the round itself."""
         try:
-            self._conn.send((chunks, bases, segments, gen, compress, own_gens_from, reuse))
+            self._conn.send((chunks, bases, folded, segments, gen, compress, own_gens_from, reuse))
             msg = self._conn.recv()
         except (OSError, EOFError) as exc:
             self._broken = True
@@ -228,7 +229,7 @@ def serve(cfg: dict, fd: int) -> None:
             break
         if msg is None:
             break
-        chunks, bases, seqs, gen, compress, own_from, reuse = msg
+        chunks, bases, folded, seqs, gen, compress, own_from, reuse = msg
         disk.pool.adopt(reuse)
         try:
             keep = set(seqs)
@@ -241,11 +242,11 @@ def serve(cfg: dict, fd: int) -> None:
                 use.append(segs[q])
             r0, w0, s0 = disk.bytes_read, disk.bytes_written, disk.segment_reads[0]
             done, skipped = [], []
-            for c, b in zip(chunks, bases):
+            for c, b, f in zip(chunks, bases, folded):
                 if os.getppid() != ppid:
                     os._exit(0)
                 try:
-                    recs, present = fold_chunk(disk, c, b, use, verify=b < own_from, init_rows=None)
+                    recs, present = fold_chunk(disk, c, b, use, verify=b < own_from, init_rows=None, folded=f)
                 except NeedsInit:
                     skipped.append(c)
                     continue

@@ -83,10 +83,17 @@ class FilePool:
             self._free.append((pooled, self._epoch + 1))
         return True
 
-    def seal(self) -> None:
-        """The files pooled so far can no longer be reached by a read that begins from now on."""
+    def seal(self) -> int:
+        """The files pooled so far can no longer be reached by a read that begins from now on.
+        Returns the new epoch (holes.py waits for the reads begun before it, as `take` does)."""
         with self._lock:
             self._epoch += 1
+            return self._epoch
+
+    def reads_before(self, epoch: int) -> bool:
+        """Is a read begun before ``epoch`` still running?"""
+        with self._lock:
+            return bool(self._reads) and min(self._reads) < epoch
 
     def take(self) -> str | None:
         """A pooled file no read can reach any more, or None."""

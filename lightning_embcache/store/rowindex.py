@@ -38,7 +38,8 @@ def _merge(a: tuple, b: tuple) -> tuple:
 class RowIndex:
     """Newest (segment, row position) of each id over the segments added, in order."""
 
-    def __init__(self, segments: list | tuple = (), num_rows: int | None = None) -> None:
+    def __init__(self, segments: list | tuple = (), num_rows: int | None = None,
+                 folded: np.ndarray | None = None, chunk_rows: int = 0) -> None:
         self.segs: list = []  # segment number -> Segment; a snapshot of this list stays valid
         self._main = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
         self._recent = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
@@ -47,12 +48,19 @@ class RowIndex:
         # per segment number: ids whose newest record it holds (0: every record it holds has a
         # newer one, and a manifest that lists the newer ones needs it no more)
         self._live = np.zeros(0, np.int64)
+        self.seqs = np.array([g.seq for g in segments], np.int64)  # per segment number: its ``seq``
         if segments:
             parts = []
             for seg in segments:
                 k = len(self.segs)
                 self.segs.append(seg)
-                parts.append((seg.ids, np.full(len(seg.ids), k, np.int32), np.arange(len(seg.ids), dtype=np.int32)))
+                ids, pos = seg.ids, np.arange(len(seg.ids), dtype=np.int32)
+                if folded is not None and len(folded) and len(ids):
+                    # records base chunks hold are never read (holes.py): not indexed
+                    live = np.repeat(folded[seg.idx_chunk] < seg.seq, seg.idx_count)
+                    if not live.all():
+                        ids, pos = ids[live], pos[live]
+                parts.append((ids, np.full(len(ids), k, np.int32), pos))
             ids = np.concatenate([p[0] for p in parts])
             order = np.argsort(ids, kind="stable")
             ids = ids[order]
@@ -62,6 +70,7 @@ class RowIndex:
                           np.concatenate([p[2] for p in parts])[sel])
             self._mark(self._main[0])
             self._live = np.bincount(self._main[1], minlength=len(self.segs)).astype(np.int64)
+        self._dead = 0  # entries (about) whose records base chunks hold since the last prune
 
     def __len__(self) -> int:
         return len(self._main[0]) + len(self._recent[0])
@@ -76,6 +85,7 @@ class RowIndex:
         n = len(seg.ids)
         older = self.find(seg.ids)[0] if n and len(self) else _EMPTY_I32
         self.segs.append(seg)
+        self.seqs = np.append(self.seqs, seg.seq)
         self._live = np.append(self._live, n)
         if not n:
             return
@@ -107,6 +117,44 @@ class RowIndex:
             if k is not None and live[k] == 0:
                 out.add(g.seq)
         return out
+
+    def note_folded(self, chunks: np.ndarray, chunk_rows: int, folded: np.ndarray) -> None:
+        """Compaction folded ``chunks`` (chunk map ``folded``): their entries are dead now (reads
+        go to the base files). Once they are a quarter of the index they are dropped (`prune`), so
+        the index follows the live records, and so does the work of every later merge (memory:
+        ~50 bytes per entry while runs merge)."""
+        lo = chunks * chunk_rows
+        for run in (self._main, self._recent):
+            if len(run[0]):
+                self._dead += int((run[0].searchsorted(lo + chunk_rows) - run[0].searchsorted(lo)).sum())
+        if self._dead * 4 > len(self):
+            self.prune(folded, chunk_rows)
+
+    def prune(self, folded: np.ndarray, chunk_rows: int) -> int:
+        """Drop every entry whose record base chunks hold (``folded[chunk] >= its segment's
+        seq``); return how many went. A segment all of whose entries went holds nothing a read
+        needs: `superseded` names it, and the next flush leaves it out."""
+        gone = 0
+        runs = []
+        for run in (self._main, self._recent):
+            ids, seg, pos = run
+            if len(ids):
+                dead = folded[ids // chunk_rows] >= self.seqs[seg]
+                n = int(np.count_nonzero(dead))
+                if n:
+                    counted = seg[dead]
+                    if run is self._main and len(self._recent[0]):
+                        # an id in both runs is the recent one's: its main entry was uncounted
+                        # from ``_live`` when the recent one came (`add`)
+                        counted = counted[~idsets.isin(ids[dead], self._recent[0], b_sorted_unique=True)]
+                    self._live -= np.bincount(counted, minlength=len(self._live))
+                    keep = ~dead
+                    run = (ids[keep], seg[keep], pos[keep])
+                    gone += n
+            runs.append(run)
+        self._main, self._recent = runs[0], runs[1]
+        self._dead = 0
+        return gone
 
     @staticmethod
     def _find_in(run: tuple, ids: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> None:

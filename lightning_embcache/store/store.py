@@ -36,6 +36,7 @@ from .errors import (
     StoreLockedError,
 )
 from . import rowcopy
+from .holes import DeadRecords
 from .hot import SLOT_OVERHEAD, HotTier
 from .schema import DTYPES, Schema
 from .stats import StoreStats
@@ -250,6 +251,8 @@ class EmbeddingStore(TieredRows, Versioning):
         self._below_token = 0  # moves whenever rows below the hot tier change (see _prefetch)
         self._flush_waiting = 0  # flushes waiting for the writer lock (compaction yields to them)
         self._folded = np.zeros(0, np.int64)  # per chunk: newest segment folded into its base file
+        self._dead: DeadRecords | None = None  # a writer's punching of dead delta records (holes.py)
+        self._manifests_seen: dict[int, Manifest] = {}  # other versions' manifests (they never change)
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
         self._clean_due = False  # a background clean was asked for (a running compaction runs it between rounds)

@@ -18,6 +18,7 @@ import torch
 from . import idsets, uring
 from .chunkrows import DENSE_ROWS, ChunkRows
 from .errors import InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
+from .holes import dead_rows
 from .hot import SLOT_OVERHEAD
 from .initrows import normal_rows
 from .rowindex import RowIndex, gather_deltas, trust
@@ -649,7 +650,7 @@ class TieredRows:
         ids, chunks, seg, pos, gens, segs, whole = plan
         rows = self._rows
         if rows is not None and len(rows):
-            now_seg, now_pos = rows.find(ids)
+            now_seg, now_pos = self._find_below(rows, ids, chunks)
         else:
             now_seg, now_pos = np.full(len(ids), -1, np.int32), np.zeros(len(ids), np.int32)
 
@@ -696,13 +697,15 @@ class TieredRows:
         One lookup in the row index finds every id's newest delta record; the rest come from base
         chunks (generation from the chunk map) or are never written. Chunks the warm tier holds,
         and chunks most of whose rows are wanted when there is a warm tier to keep them in, are
-        read whole. The plan names only immutable files, so `_read_below` runs without the lock.
+        read whole. The plan names only files whose bytes it reads never change (a delta record
+        it names is punched only after every read planned before its round ended: holes.py), so
+        `_read_below` runs without the lock.
         """
         cr = self._chunk_rows
         chunks = ids // cr
         rows = self._rows
         if rows is not None and len(rows):
-            seg, pos = rows.find(ids)
+            seg, pos = self._find_below(rows, ids, chunks)
         else:
             seg, pos = np.full(len(ids), -1, np.int32), None
         gens = self._cmap[chunks] if self._disk is not None else np.zeros(len(ids), np.int32)
@@ -738,6 +741,16 @@ class TieredRows:
                               None if cached is not None else self._layout_of(c)))
         self._chunkrows_reader()
         return ids, chunks, seg, pos, gens, (rows.segs if rows is not None else []), whole
+
+    def _find_below(self, rows: RowIndex, ids: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(segment number, row position) of each id's newest delta record in ``rows``, -1 where it
+        has none or the record is dead: its chunk's base file holds it (holes.py; the record may
+        be punched out of its segment, so it is never read). Caller holds the lock."""
+        seg, pos = rows.find(ids)
+        dead = dead_rows(rows.seqs, seg, chunks, self._folded)
+        if dead.any():
+            seg[dead] = -1
+        return seg, pos
 
     def _read_below(self, plan: tuple) -> tuple[np.ndarray, list]:
         """Run a `_plan_below` plan: (records of its ids, [(chunk, records)] read whole).
@@ -805,7 +818,8 @@ class TieredRows:
         self._rows.add(seg)
 
     def _index_rebuild(self) -> None:
-        self._rows = RowIndex(sorted(self._committed + self._pending, key=lambda g: g.seq), self._num_rows)
+        self._rows = RowIndex(sorted(self._committed + self._pending, key=lambda g: g.seq), self._num_rows,
+                              self._folded, self._chunk_rows)
 
     def _layout_of(self, chunk: int) -> tuple[int, tuple]:
         """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =
@@ -818,6 +832,9 @@ class TieredRows:
             return gen, None
         lo = chunk * self._chunk_rows
         ids, seg, pos = rows.in_range(lo, lo + self._chunk_rows)
+        if len(ids) and len(self._folded):
+            live = rows.seqs[seg] > self._folded[chunk]  # the others are dead: the base holds them
+            ids, seg, pos = ids[live], seg[live], pos[live]
         return gen, (ids, seg, pos, rows.segs) if len(ids) else None
 
     def _read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
@@ -969,15 +986,23 @@ class TieredRows:
                     return True
                 plan = self._plan_below(miss)
                 self._fetching = miss  # a get missing these waits for this read (`_await_prefetch`)
+            # Planned under the lock, read without it: no delta record the plan names is punched
+            # until this read ends (holes.py), though a compaction round may kill it meanwhile.
+            pool = self._disk.pool if self._disk is not None else None
+            epoch = pool.begin_read() if pool is not None else 0
         # -- the reads, without the lock ------------------------------------------------
-        if hot.resident:
-            results = [(c, self._read_chunk_below(c, *layout)) for c, layout in layouts]
-        else:
-            if not uring.available():  # io_uring has every read of the batch in flight at once
-                self._will_need(plan)
-            t0 = time.perf_counter()
-            records, whole = self._read_below(plan)
-            self._note_read(time.perf_counter() - t0, len(miss))
+        try:
+            if hot.resident:
+                results = [(c, self._read_chunk_below(c, *layout)) for c, layout in layouts]
+            else:
+                if not uring.available():  # io_uring has every read of the batch in flight at once
+                    self._will_need(plan)
+                t0 = time.perf_counter()
+                records, whole = self._read_below(plan)
+                self._note_read(time.perf_counter() - t0, len(miss))
+        finally:
+            if pool is not None:
+                pool.end_read(epoch)
         # -- install, if still wanted and still current ------------------------------------
         with self._lock:
             if self._closed:

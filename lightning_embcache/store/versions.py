@@ -35,6 +35,7 @@ from . import foldproc
 from .disk import Disk, Manifest, Segment
 from .fold import fold_chunk
 from .foldproc import FoldProcess
+from .holes import DeadRecords
 from .errors import CorruptStoreError, StoreError
 from .memory import trim_heap
 from .validate import version_arg
@@ -89,9 +90,11 @@ class Versioning:
             with self._lock:
                 self._flush_waiting -= 1
         try:
-            if self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR):
+            if self._dead is not None:
+                self._dead.run()  # records a round killed while a prefetch read: their blocks go now
+            if self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True):
                 self._await_round()
-            while self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR) and self._compact_round():
+            while self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True) and self._compact_round():
                 # Flushes come faster than background compaction folds their rows: this flush
                 # folds rounds itself first, so disk use stays bounded whatever the flush rate
                 # (backpressure). Before its own writes: a round that fails publishes nothing.
@@ -285,16 +288,26 @@ class Versioning:
         if not self._readonly:
             # Leftovers of a crash (unreferenced segments, temp files) are removed by the writer.
             self._collect_garbage(at_open=True)
+            # and records base chunks already hold give their blocks back (a crash, or a close
+            # before the last punch, may have left them whole)
+            self._dead = DeadRecords(disk)
+            self._kill_dead(disk.pool.seal())
 
     # ------------------------------------------------------------------ compaction and GC
-    def _segment_bytes(self) -> int:
-        return sum(s.nbytes for s in self._committed)
+    def _segment_bytes(self, held: bool = False) -> int:
+        """Bytes of the committed segments' files; ``held``: on disk, without the dead records
+        punched out of them (holes.py)."""
+        return sum(s.live_bytes if held else s.nbytes for s in self._committed)
 
     def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
-                          floor: int = 0) -> bool:
+                          floor: int = 0, held: bool = False) -> bool:
+        """Segments past ``ratio`` of the table's bytes, or more than ``segments`` of them. A pass
+        starts on the bytes of the files (their records are what reads search and the index
+        holds); a flush waits for compaction on the bytes held on disk (``held``), which drop
+        as the rounds fold chunk after chunk, not once a whole sweep is round."""
         ratio = COMPACT_RATIO if ratio is None else ratio  # read now: tests and benchmarks set it
         table = self._num_rows * self._row_bytes
-        return len(self._committed) > segments or self._segment_bytes() > max(ratio * table, floor)
+        return len(self._committed) > segments or self._segment_bytes(held) > max(ratio * table, floor)
 
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
@@ -397,7 +410,10 @@ class Versioning:
 
     def _round_chunks(self, segs: list[Segment], everything: bool) -> np.ndarray:
         """The chunks one round rewrites: those the oldest segments still need folded (so that a
-        prefix of segments can be dropped), most delta rows first, at most ROUND_BYTES of them."""
+        prefix of segments can be dropped), in chunk order, at most ROUND_BYTES of them. In chunk
+        order, the records a round kills lie next to those the rounds before it killed, so each
+        segment gets one hole a round (holes.py: a punch costs ~60 us however small here; a
+        round of scattered chunks made ~30 a segment)."""
         chunk_bytes = self._chunk_rows * self._row_bytes
         table = self._num_rows * self._row_bytes
         limit = max(1, min(ROUND_BYTES, int(table * ROUND_SHARE)) // chunk_bytes)
@@ -407,20 +423,14 @@ class Versioning:
         taken = np.zeros(len(folded), np.bool_)
         picked: list[np.ndarray] = []
         count = 0
-        stale: np.ndarray | None = None
         for s in segs:  # oldest first: its chunks go before any newer segment's
             c = s.idx_chunk[(folded[s.idx_chunk] < s.seq) & ~taken[s.idx_chunk]]
             if not len(c):
                 continue
-            if count + len(c) > limit:
-                # Only part of this segment's chunks fit: those with the most delta rows. A newer
-                # segment's chunks never displace an older one's, or the oldest segment (the one
-                # whose drop frees disk) could wait for a whole pass over the newer ones.
-                if stale is None:
-                    stale = np.zeros(len(folded), np.int64)
-                    for t in segs:
-                        np.add.at(stale, t.idx_chunk, t.idx_count)
-                c = c[np.argsort(-stale[c], kind="stable")[: limit - count]]
+            # Only part of this segment's chunks may fit: the first ones. A newer segment's
+            # chunks never displace an older one's, or the oldest segment (the one whose drop
+            # frees its file) could wait for a whole pass over the newer ones.
+            c = c[: limit - count]
             taken[c] = True
             picked.append(c)
             count += len(c)
@@ -430,8 +440,8 @@ class Versioning:
             return np.zeros(0, np.int64)
         return np.sort(np.concatenate(picked)).astype(np.int64)
 
-    def _fold_elsewhere(self, proc: FoldProcess | None, chunks: np.ndarray, cmap: np.ndarray, segs: list[Segment],
-                        gen: int) -> dict | None:
+    def _fold_elsewhere(self, proc: FoldProcess | None, chunks: np.ndarray, cmap: np.ndarray, folded: np.ndarray,
+                        segs: list[Segment], gen: int) -> dict | None:
         """Have the compaction process ``proc`` fold ``chunks`` into files of ``gen``; its result,
         or None where there is no process. Runs without the writer lock for a background round:
         it touches nothing of the store but the file pool (which has its own lock)."""
@@ -441,14 +451,14 @@ class Versioning:
         reuse = []
         while len(reuse) < len(chunks) and (name := disk.pool.take()) is not None:
             reuse.append(name)
-        ok, res = proc.fold(chunks.tolist(), cmap[chunks].tolist(), [s.seq for s in segs], gen,
-                            self._compress, self._own_gens_from, reuse)
+        ok, res = proc.fold(chunks.tolist(), cmap[chunks].tolist(), folded[chunks].tolist(), [s.seq for s in segs],
+                            gen, self._compress, self._own_gens_from, reuse)
         if res["left"] is not None:
             disk.pool.restore(res["left"])
         res["ok"] = ok
         return res
 
-    def _fold_chunks(self, chunks: np.ndarray, cmap: np.ndarray, segs: list[Segment], gen: int,
+    def _fold_chunks(self, chunks: np.ndarray, cmap: np.ndarray, folded: np.ndarray, segs: list[Segment], gen: int,
                      res: dict | None) -> np.ndarray:
         """Write ``chunks`` (sorted) with ``segs`` folded in as durable files of ``gen``, given what
         the compaction process did (``res``, `_fold_elsewhere`); return those written (all of
@@ -481,7 +491,7 @@ class Versioning:
             if self._closed:  # close() waits for the writer lock: publish what is done, stop
                 break
             recs, present = fold_chunk(disk, c, int(cmap[c]), segs, verify=int(cmap[c]) < self._own_gens_from,
-                                       init_rows=self._init_rows)
+                                       init_rows=self._init_rows, folded=int(folded[c]) if len(folded) else 0)
             disk.write_chunk(c, gen, recs, self._compress, durable=False, present=present)
             if handover:
                 time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see `_fold_round`)
@@ -565,6 +575,7 @@ class Versioning:
                 return False
             segs = list(self._committed)
             cmap = self._cmap.copy()
+            folded0 = self._folded  # replaced, never changed in place: only rounds move it
             old_gen = self._cmap_gen
             chunks = self._round_chunks(segs, everything)
             gen = self._next_gen
@@ -581,11 +592,11 @@ class Versioning:
             if release:
                 self._flush_lock.release()
             try:
-                res = self._fold_elsewhere(proc, chunks, cmap, segs, gen)
+                res = self._fold_elsewhere(proc, chunks, cmap, folded0, segs, gen)
             finally:
                 if release:
                     self._flush_lock.acquire()
-            chunks = self._fold_chunks(chunks, cmap, segs, gen, res)
+            chunks = self._fold_chunks(chunks, cmap, folded0, segs, gen, res)
             if self._closed and not len(chunks) and planned:
                 return False
             with self._lock:  # a flush may have added (or left out) segments meanwhile
@@ -636,12 +647,19 @@ class Versioning:
             if drop:
                 # Segments left the layout: renumber the index. A round that dropped none leaves
                 # it as it is (it indexes segments only; rebuilding it over every delta record,
-                # under the store lock, took ~10 ms a round that a training thread's get waited for).
+                # under the store lock, took ~10 ms a round that a training thread's get waited for),
+                # dropping the entries of the chunks it folded only once they are many.
                 self._index_rebuild()
+            elif self._rows is not None:
+                self._rows.note_folded(chunks, self._chunk_rows, folded)
             self._below_token += 1  # same rows, but the folded segments are no longer read
             self._stats.compactions += 1
+            # Reads planned from here on read the records this round folded from the new base
+            # files; those planned before, without the lock, register before this epoch.
+            ready = disk.pool.seal()
         if self._closed:
             return False  # the next open collects what this round replaced
+        self._kill_dead(ready)
         # The replaced chunk files and dropped segments are garbage once no kept version uses
         # them: collected now, round by round, so disk use stays near the table plus one round.
         # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
@@ -652,6 +670,38 @@ class Versioning:
             self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
         return True
+
+    def _kill_dead(self, ready: int) -> None:
+        """Queue the delta records the chunk map now says base chunks hold, to be punched once no
+        read begun before epoch ``ready`` runs, and punch those due (holes.py). Caller holds the
+        writer lock (or opens the store)."""
+        dead = self._dead
+        if dead is None or not dead.works:
+            return
+        with self._lock:
+            segs, folded, gen, version = list(self._committed), self._folded, self._cmap_gen, self._version
+        dead.mark(segs, folded, ready, self._protected_segments(version, gen))
+        dead.run()
+
+    def _protected_segments(self, version: int, gen: int) -> set[int]:
+        """Segments listed by a version on disk other than ``version`` whose chunk map is not
+        ``gen`` (pinned, or held by a read-only handle): their records stay whole, since that
+        version's chunk map may not count them as folded."""
+        disk = self._disk
+        out: set[int] = set()
+        cache = self._manifests_seen
+        for v in disk.list_versions():
+            if v == version:
+                continue
+            m = cache.get(v)
+            if m is None:
+                try:
+                    m = cache[v] = disk.read_manifest(v)
+                except (StoreError, OSError):
+                    continue  # dropped since it was listed: nothing of it to keep
+            if m.chunkmap != gen:
+                out.update(m.segments)
+        return out
 
     def _collect_replaced(self, disk: Disk, version: int, replaced: list[tuple[int, int]], dropped: list[Segment],
                           old_gen: int) -> bool:

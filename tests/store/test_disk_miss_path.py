@@ -22,8 +22,12 @@ HOT = HOT_ROWS * (ROW + 11)
 
 
 class _Seg:
+    _next = 0
+
     def __init__(self, ids):
         self.ids = np.asarray(ids, np.int64)
+        _Seg._next += 1
+        self.seq = _Seg._next  # segments are numbered in the order they are written
 
 
 @settings(max_examples=60, deadline=None)
