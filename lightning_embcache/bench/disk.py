@@ -343,7 +343,7 @@ def _space(cfg: dict) -> dict:
     table = n * dim * 4
     # bytes on disk: holes punched in segment files excluded (inline: --store-rev runs this module
     # inside older packages)
-    disk = sum(min(st.st_size, st.st_blocks * 512) for p in wd.rglob("*") if p.is_file() and (st := p.stat()))
+    disk = sum(min(fs.st_size, fs.st_blocks * 512) for p in wd.rglob("*") if p.is_file() and (fs := p.stat()))
     flushed = cfg["flushes"] * k * dim * 4
     return {"phase": "space", "system": "store", "pattern": cfg.get("pattern", "random"),
             "ratio_after_each_flush": ratios, "max_ratio": max(ratios),

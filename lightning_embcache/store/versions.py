@@ -92,9 +92,12 @@ class Versioning:
         try:
             if self._dead is not None:
                 self._dead.run()  # records a round killed while a prefetch read: their blocks go now
-            if self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True):
+            # the segment this flush writes counts too: disk use peaks right after it
+            adding = int(np.count_nonzero(self._hot.dirty)) * self._row_bytes
+            if self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding):
                 self._await_round()
-            while self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True) and self._compact_round():
+            while (self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding)
+                   and self._compact_round()):
                 # Flushes come faster than background compaction folds their rows: this flush
                 # folds rounds itself first, so disk use stays bounded whatever the flush rate
                 # (backpressure). Before its own writes: a round that fails publishes nothing.
@@ -300,14 +303,14 @@ class Versioning:
         return sum(s.live_bytes if held else s.nbytes for s in self._committed)
 
     def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
-                          floor: int = 0, held: bool = False) -> bool:
+                          floor: int = 0, held: bool = False, adding: int = 0) -> bool:
         """Segments past ``ratio`` of the table's bytes, or more than ``segments`` of them. A pass
         starts on the bytes of the files (their records are what reads search and the index
         holds); a flush waits for compaction on the bytes held on disk (``held``), which drop
         as the rounds fold chunk after chunk, not once a whole sweep is round."""
         ratio = COMPACT_RATIO if ratio is None else ratio  # read now: tests and benchmarks set it
         table = self._num_rows * self._row_bytes
-        return len(self._committed) > segments or self._segment_bytes(held) > max(ratio * table, floor)
+        return len(self._committed) > segments or self._segment_bytes(held) + adding > max(ratio * table, floor)
 
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
