@@ -102,6 +102,13 @@ def _train(store: EmbeddingStore, model: torch.Tensor, rng: np.random.Generator,
         store.flush()
 
 
+def _start(tmp_path, seed: int):
+    """(path, rng, model, a new store): each test's table and its reference."""
+    path = tmp_path / "s"
+    store = EmbeddingStore.create(path, N, DIM, chunk_rows=CR, hot_bytes=64 * DIM * 4)
+    return path, np.random.default_rng(seed), torch.zeros(N, DIM), store
+
+
 def _rounds(store: EmbeddingStore, k: int) -> None:
     with store._flush_lock:
         for _ in range(k):
@@ -114,10 +121,8 @@ def _segment_files(path) -> list[os.stat_result]:
 
 
 def test_rounds_punch_the_records_they_fold_and_every_row_reads_the_same(tmp_path, no_background_compaction):
-    path = tmp_path / "s"
-    rng = np.random.default_rng(0)
-    model = torch.zeros(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CR, hot_bytes=64 * DIM * 4) as s:
+    path, rng, model, s = _start(tmp_path, 0)
+    with s:
         _train(s, model, rng, 4)
         raw = sum(st.st_size for st in _segment_files(path))
         _rounds(s, 4)  # half a sweep: no segment is folded everywhere, none can go
@@ -139,10 +144,8 @@ def test_rounds_punch_the_records_they_fold_and_every_row_reads_the_same(tmp_pat
 def test_reads_and_folds_never_touch_a_dead_record(tmp_path, no_background_compaction):
     """Dead records overwritten with garbage: reads of every row (a fresh handle, nothing cached)
     and the rest of the sweep give the model's rows. Reading one would fail its checksum."""
-    path = tmp_path / "s"
-    rng = np.random.default_rng(1)
-    model = torch.zeros(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CR, hot_bytes=64 * DIM * 4) as s:
+    path, rng, model, s = _start(tmp_path, 1)
+    with s:
         _train(s, model, rng, 3)
         _rounds(s, 3)
         folded = s._folded.copy()
@@ -163,10 +166,8 @@ def test_reads_and_folds_never_touch_a_dead_record(tmp_path, no_background_compa
 
 
 def test_a_pinned_version_keeps_the_records_it_reads(tmp_path, no_background_compaction):
-    path = tmp_path / "s"
-    rng = np.random.default_rng(2)
-    model = torch.zeros(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CR, hot_bytes=64 * DIM * 4) as s:
+    path, rng, model, s = _start(tmp_path, 2)
+    with s:
         _train(s, model, rng, 3)
         v = s.version
         s.pin(v)
@@ -185,10 +186,8 @@ def test_a_pinned_version_keeps_the_records_it_reads(tmp_path, no_background_com
 def test_a_read_planned_before_a_round_holds_its_punches_back(tmp_path, no_background_compaction):
     """A prefetch plans under the store lock and reads without it: what a round kills meanwhile is
     punched only once that read ended (the next round or flush)."""
-    path = tmp_path / "s"
-    rng = np.random.default_rng(3)
-    model = torch.zeros(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CR, hot_bytes=64 * DIM * 4) as s:
+    path, rng, model, s = _start(tmp_path, 3)
+    with s:
         _train(s, model, rng, 3)
         pool = s._disk.pool
         epoch = pool.begin_read()  # as `_prefetch_once` does when it plans
@@ -203,10 +202,8 @@ def test_a_read_planned_before_a_round_holds_its_punches_back(tmp_path, no_backg
 def test_a_flush_waits_for_the_bytes_held_not_for_a_whole_sweep(tmp_path, no_background_compaction, monkeypatch):
     """Past the backpressure limit by the files' sizes but not by the bytes they still hold on
     disk, a flush runs no compaction round itself."""
-    path = tmp_path / "s"
-    rng = np.random.default_rng(4)
-    model = torch.zeros(N, DIM)
-    with EmbeddingStore.create(path, N, DIM, chunk_rows=CR, hot_bytes=64 * DIM * 4) as s:
+    path, rng, model, s = _start(tmp_path, 4)
+    with s:
         _train(s, model, rng, 4)
         _rounds(s, 6)
         table = N * s.row_bytes
