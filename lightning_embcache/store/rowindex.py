@@ -4,7 +4,8 @@ A miss asks it once per batch (two ``searchsorted`` over sorted arrays), instead
 of dozens of segments. New segments (flushes, write-backs of evicted rows) merge into a small
 *recent* run; the recent run merges into the main run once it holds an eighth as many entries,
 so adding a segment costs O(its rows + recent) and each entry is re-merged O(1) times on average
-(the LSM-tree idea). Memory: 16 bytes per entry (id, segment number, row position).
+(the LSM-tree idea). Memory: 12 bytes per entry (id, segment number, row position; 16 for a
+table of more than 2**31 rows).
 
 Given the table's row count, a bitmap of the ids indexed (one bit per row) answers first: ids
 without a delta record (never written, or folded into base chunks) skip the binary search, whose
@@ -19,20 +20,40 @@ from . import idsets, uring
 from .errors import CorruptStoreError
 from .fileio import crc32
 
-_EMPTY_I64 = np.zeros(0, np.int64)
 _EMPTY_I32 = np.zeros(0, np.int32)
 
 
 def _merge(a: tuple, b: tuple) -> tuple:
-    """(ids, seg, pos) runs ``a`` then ``b`` merged by id; of equal ids the entry of ``b`` wins."""
-    if not len(a[0]):
+    """(ids, seg, pos) runs ``a`` then ``b`` merged by id; of equal ids the entry of ``b`` wins.
+
+    Each output array is allocated once and filled in place (where ``b``'s entries go found by a
+    search of ``a``, not a sort of both): besides the inputs and the output it needs about 11
+    bytes per entry, where concatenating and sorting needed ~40 (this merge's transient is the
+    index's memory peak, and the index grows with the table's delta rows)."""
+    ai, bi = a[0], b[0]
+    if not len(ai):
         return b
-    ids = np.concatenate([a[0], b[0]])
-    order = np.argsort(ids, kind="stable")  # two sorted runs: timsort merges them in O(n)
-    ids = ids[order]
-    keep = np.r_[ids[1:] != ids[:-1], True]  # the last of equal ids is b's (stable sort)
-    sel = order[keep]
-    return ids[keep], np.concatenate([a[1], b[1]])[sel], np.concatenate([a[2], b[2]])[sel]
+    if not len(bi):
+        return a
+    at = ai.searchsorted(bi)  # where each of b's entries goes among a's
+    hit = at < len(ai)
+    hit[hit] = ai[at[hit]] == bi[hit]
+    drop = at[hit]  # a's entries that b replaces (sorted, unique)
+    n = len(ai) - len(drop) + len(bi)
+    bpos = np.arange(len(bi)) + at - np.searchsorted(drop, at)  # b's places in the output
+    from_a = np.ones(n, np.bool_)
+    from_a[bpos] = False
+    keep = None
+    if len(drop):
+        keep = np.ones(len(ai), np.bool_)
+        keep[drop] = False
+    out = []
+    for x, y in zip(a, b):
+        o = np.empty(n, x.dtype)
+        o[bpos] = y
+        o[from_a] = x[keep] if keep is not None else x
+        out.append(o)
+    return tuple(out)
 
 
 class RowIndex:
@@ -41,8 +62,12 @@ class RowIndex:
     def __init__(self, segments: list | tuple = (), num_rows: int | None = None,
                  folded: np.ndarray | None = None, chunk_rows: int = 0) -> None:
         self.segs: list = []  # segment number -> Segment; a snapshot of this list stays valid
-        self._main = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
-        self._recent = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
+        # ids as int32 where every id fits (12 bytes an entry, not 16); queries are cast to it,
+        # never the index (a search of int32 ids by int64 keys would copy the whole run)
+        self._idt = np.dtype(np.int32 if num_rows is not None and num_rows <= np.iinfo(np.int32).max else np.int64)
+        self._empty = (np.zeros(0, self._idt), _EMPTY_I32, _EMPTY_I32)
+        self._main = self._empty
+        self._recent = self._empty
         # bit i % 8 of byte i // 8: id i has an entry (ids are only added until a rebuild)
         self._bits = np.zeros((num_rows + 7) // 8, np.uint8) if num_rows is not None else None
         # per segment number: ids whose newest record it holds (0: every record it holds has a
@@ -54,7 +79,7 @@ class RowIndex:
             for seg in segments:
                 k = len(self.segs)
                 self.segs.append(seg)
-                ids, pos = seg.ids, np.arange(len(seg.ids), dtype=np.int32)
+                ids, pos = seg.ids.astype(self._idt), np.arange(len(seg.ids), dtype=np.int32)
                 if folded is not None and len(folded) and len(ids):
                     # records base chunks hold are never read (holes.py): not indexed
                     live = np.repeat(folded[seg.idx_chunk] < seg.seq, seg.idx_count)
@@ -77,7 +102,7 @@ class RowIndex:
 
     @property
     def nbytes(self) -> int:
-        return 16 * len(self)
+        return (self._idt.itemsize + 8) * len(self)
 
     def add(self, seg) -> None:
         """Index ``seg`` (newer than every segment added so far)."""
@@ -93,11 +118,11 @@ class RowIndex:
         if len(older):
             self._live[: k] -= np.bincount(older, minlength=k)
         self._mark(seg.ids)
-        run = (seg.ids, np.full(n, k, np.int32), np.arange(n, dtype=np.int32))
+        run = (seg.ids.astype(self._idt), np.full(n, k, np.int32), np.arange(n, dtype=np.int32))
         self._recent = _merge(self._recent, run)
         if len(self._recent[0]) > max(4096, len(self._main[0]) // 8):
             self._main = _merge(self._main, self._recent)
-            self._recent = (_EMPTY_I64, _EMPTY_I32, _EMPTY_I32)
+            self._recent = self._empty
 
     def superseded(self, segments: list, newer_ids: np.ndarray) -> set[int]:
         """Numbers (``seq``) of those of ``segments`` (indexed here) every record of which has a
@@ -123,10 +148,12 @@ class RowIndex:
         go to the base files). Once they are a quarter of the index they are dropped (`prune`), so
         the index follows the live records, and so does the work of every later merge (memory:
         ~50 bytes per entry while runs merge)."""
-        lo = chunks * chunk_rows
+        top = np.iinfo(self._idt).max
+        lo = np.minimum(chunks * chunk_rows, top).astype(self._idt)  # the runs' type: no copy of them
+        hi = np.minimum(chunks * chunk_rows + chunk_rows, top).astype(self._idt)
         for run in (self._main, self._recent):
             if len(run[0]):
-                self._dead += int((run[0].searchsorted(lo + chunk_rows) - run[0].searchsorted(lo)).sum())
+                self._dead += int((run[0].searchsorted(hi) - run[0].searchsorted(lo)).sum())
         if self._dead * 4 > len(self):
             self.prune(folded, chunk_rows)
 
@@ -187,6 +214,8 @@ class RowIndex:
         return self._search(ids)
 
     def _search(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if ids.dtype != self._idt:
+            ids = ids.astype(self._idt)  # (ids are in range: checked by the store)
         seg = np.full(len(ids), -1, np.int32)
         pos = np.zeros(len(ids), np.int32)
         self._find_in(self._main, ids, seg, pos)
@@ -196,8 +225,10 @@ class RowIndex:
     def in_range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, segment numbers, row positions) of every indexed id in [lo, hi)."""
         parts = []
+        top = np.iinfo(self._idt).max
+        bounds = np.array([min(lo, top), min(hi, top)], self._idt)  # the runs' type: no copy of them
         for run in (self._main, self._recent):
-            a, b = run[0].searchsorted([lo, hi])
+            a, b = run[0].searchsorted(bounds)
             parts.append((run[0][a:b], run[1][a:b], run[2][a:b]))
         (mi, ms, mp), (ri, rs, rp) = parts
         if len(ri) and len(mi):

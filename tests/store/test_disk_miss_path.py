@@ -310,3 +310,33 @@ def test_a_call_wanting_many_wide_rows_of_a_chunk_reads_it_whole(shm_path, monke
         few = torch.arange(3 * chunk, 4 * chunk, 128)  # 4 rows of chunk 3
         assert torch.equal(s.get(few), table[few])
         assert all(size < whole for size, _ in reads), reads
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(0, 200), st.integers(0, 1000), max_size=60),
+       st.dictionaries(st.integers(0, 200), st.integers(0, 1000), max_size=60),
+       st.sampled_from([np.int32, np.int64]))
+def test_merging_two_runs_keeps_the_newer_entry_like_a_dict(a, b, dtype):
+    """The index's run merge: sorted unique ids, and of an id in both runs the second's entry."""
+    from lightning_embcache.store.rowindex import _merge
+
+    def run(d):
+        ids = np.array(sorted(d), dtype)
+        vals = np.array([d[i] for i in sorted(d)], np.int32)
+        return ids, vals, vals + 1
+
+    ids, seg, pos = _merge(run(a), run(b))
+    want = {**a, **b}
+    assert ids.dtype == dtype and ids.tolist() == sorted(want)
+    assert seg.tolist() == [want[i] for i in sorted(want)] and pos.tolist() == [want[i] + 1 for i in sorted(want)]
+
+
+def test_the_index_keeps_ids_in_the_narrowest_type_and_answers_wider_queries():
+    """Ids as int32 for tables that fit (12 bytes an entry); int64 queries are cast, not the index."""
+    index = RowIndex(num_rows=1000)
+    index.add(_Seg([3, 7, 999]))
+    assert index._main[0].dtype == np.int32 or index._recent[0].dtype == np.int32
+    seg, pos = index.find(np.array([7, 8, 999], np.int64))
+    assert seg.tolist() == [0, -1, 0] and pos[[0, 2]].tolist() == [1, 2]
+    ids, _, _ = index.in_range(0, 1000)
+    assert ids.tolist() == [3, 7, 999]
