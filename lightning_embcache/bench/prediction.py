@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
-from lightning_embcache.profiling.forecast import Forecast, save_estimate_s, slow_share
+from lightning_embcache.profiling.forecast import Forecast, epoch_level, level_variation, save_estimate_s, slow_share
 from lightning_embcache.profiling.store_fill import StoreFill, StoreRates, store_fill_save_s
 
 try:
@@ -315,14 +315,18 @@ class _KnownRate(Forecast):
 def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: int = 0, epoch: int = 0,
                  save_guess_s: Optional[float] = None, earlier_save_s: Optional[float] = None,
                  device: bool = False, rate_s: Optional[float] = None,
-                 store_fill: Optional[StoreFill] = None, slow: Optional[float] = None) -> Optional[dict]:
+                 store_fill: Optional[StoreFill] = None, slow: Optional[float] = None, level_cv: float = 0.0,
+                 previous: Optional[tuple[float, float]] = None) -> Optional[dict]:
     """The prediction the current :class:`Forecast` makes after ``fraction`` of a saved epoch's
     batches (``trace`` as kept by the benchmark), against ``actual_s``. Validation still to come is
     charged at the mean of the epoch's own runs (the benchmark's sanity check is not in the trace);
     checkpoint saves (every ``every_n`` steps) at the measured cost once one was seen, else at
     ``earlier_save_s`` (a save measured in an earlier epoch), else at ``save_guess_s``. ``rate_s``:
     the rate is this instead of the estimator's (an oracle); ``store_fill``: a hot tier's fill, as
-    the profiler projected it; ``slow``: the previous epoch's share of slow steps."""
+    the profiler projected it; ``slow``: the previous epoch's share of slow steps; ``level_cv``:
+    the largest level variation of the earlier epochs; ``previous``: the previous epoch's
+    :func:`~lightning_embcache.profiling.forecast.epoch_level` (each as the profiler carries them
+    over)."""
     wall, store = trace["wall"], trace["store"]
     n = len(wall)
     k = max(9, math.ceil(fraction * n))
@@ -347,8 +351,9 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         g0 = epoch * n
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
         at = [b for b in range(k, n) if every_n and (g0 + b) % every_n == 0] if store_fill is not None else []
-        p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, 0.0, save_guess_s,
-                       store_fill=store_fill, save_batches=at, **({"slow_share": slow} if slow is not None else {}))
+        p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, level_cv, save_guess_s,
+                       store_fill=store_fill, save_batches=at, previous=previous,
+                       **({"slow_share": slow} if slow is not None else {}))
         if p is None:
             k += 1
     if p is None:
@@ -416,8 +421,13 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
             # the previous epoch's share of slow steps, as the profiler carries it over
             prev = r["traces"][e["epoch"] - 1] if 0 < e["epoch"] <= len(r["traces"]) - 1 else None
             slow = slow_share(prev["wall"], prev["saves"]) if prev is not None else None
-            row["free"] = replay_epoch(trace, *args, None, earlier, device, slow=slow)
-            row["estimate"] = replay_epoch(trace, *args, guess, earlier, device, store_fill=fill, slow=slow)
+            carried = {"slow": slow, "previous": epoch_level(prev["wall"], prev["saves"]) if prev is not None else None,
+                       "level_cv": max((level_variation(t["wall"]) for t in r["traces"][:e["epoch"]]), default=0.0)}
+            row["free"] = replay_epoch(trace, *args, None, earlier, device, **carried)
+            row["estimate"] = replay_epoch(trace, *args, guess, earlier, device, store_fill=fill, **carried)
+            # the same without the previous epoch's level in a device-timed rate
+            row["window_only"] = replay_epoch(trace, *args, guess, earlier, device, store_fill=fill,
+                                              **dict(carried, previous=None))
             rest = _steps_mean(trace["wall"], saves, k, n)
             first = _steps_mean(trace["wall"], saves, 1, k)
             # the oracles know the rate; saves and validation are charged as the estimator does
@@ -429,18 +439,21 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
                 return row[name]["error_pct"] if row[name] else float("nan")
 
             print(f"{r['run']:<28} e{e['epoch']} recorded {e['error_pct']:+7.1f}%  replayed {pct('estimate'):+7.1f}% "
-                  f"(saves free {pct('free'):+7.1f}%); oracles: rest's rate {pct('rest_rate'):+6.1f}%, "
+                  f"(saves free {pct('free'):+7.1f}%, no previous epoch {pct('window_only'):+7.1f}%); "
+                  f"oracles: rest's rate {pct('rest_rate'):+6.1f}%, "
                   f"first {100 * fraction:g}%'s rate {pct('first_rate'):+7.1f}%", flush=True)
     for group, pick in (("CPU models", lambda x: not x["run"].startswith(("gpu", "demo"))),
                         ("demo", lambda x: x["run"].startswith("demo")),
                         ("demo, full epochs", lambda x: x["run"] == "demo/max_steps=-1"),
                         ("demo, 400 steps", lambda x: x["run"] == "demo/max_steps=400"),
-                        ("GPU models", lambda x: x["run"].startswith("gpu"))):
+                        ("GPU models", lambda x: x["run"].startswith("gpu")),
+                        ("GPU models, first epochs", lambda x: x["run"].startswith("gpu") and x["epoch"] == 0),
+                        ("GPU models, later epochs", lambda x: x["run"].startswith("gpu") and x["epoch"] > 0)):
         mine = [x for x in out if pick(x)]
         if not mine:
             continue
         print(f"{group}, {len(mine)} epochs: |error| median, within 2%, within 5%:")
-        for name in ("estimate", "rest_rate", "first_rate"):
+        for name in ("estimate", "window_only", "rest_rate", "first_rate"):
             errs = [abs(x[name]["error_pct"]) for x in mine if x[name]]
             print(f"  {name:<11} {statistics.median(errs):5.1f}%  {sum(v <= 2 for v in errs):3d}  "
                   f"{sum(v <= 5 for v in errs):3d}  of {len(errs)}")

@@ -45,6 +45,15 @@ What makes early steps unrepresentative, and how each is handled:
   in the run replace the model's constants once there is enough of them (the callback reads
   them with the fill); once saves after the fill have been timed in the epoch, the saves to come
   are charged their usual cost plus the model's wait at the rate the timed ones ran at.
+- **The host's speed wandering within an epoch** (on a GPU host, a step time whose level moves
+  by 10-30% for seconds at a time and comes back; the first 5% of an epoch catches one level):
+  from the second epoch of a fit on, a device-timed rate is combined with the previous whole
+  epoch's mean step time (:func:`epoch_level`), each weighted by the inverse of its uncertainty:
+  the window's from the level variation over the blocks it spans, the previous epoch's from the
+  level variation over its 20 blocks plus the drift its two halves showed, taken twice (one
+  epoch on). A rate after a level shift, a store trend or a hot tier filling is left as it is:
+  the workload changed. Host-timed (CPU) rates are left as they are: on the shared CPU hosts
+  measured, the level moved between epochs as much as within one.
 - **Rare slow steps** (the training thread waiting while another process runs on its core, a
   few times a second on a shared host): the window of the first 5% is short and usually holds
   fewer of them than the epoch will. From the second epoch of a fit on, the window's share of
@@ -93,6 +102,7 @@ def save_estimate_s(nbytes: float) -> float:
 
 
 SLOW_STEP = 3.0  # a step over this many times the median step is a slow step
+PREVIOUS_MAX_T = 3.0  # a rate this many standard deviations from the previous epoch's is not combined with it
 
 
 def slow_share(wall: "array | list[float] | np.ndarray", skip: Sequence[int] = ()) -> float:
@@ -115,6 +125,46 @@ def _slow_share(w: np.ndarray) -> float:
         return 0.0
     slow = w[w > SLOW_STEP * med]
     return float((slow - med).sum()) / (w.size * med)
+
+
+def epoch_level(wall: "array | list[float] | np.ndarray", skip: Sequence[int] = ()) -> Optional[tuple[float, float]]:
+    """A whole epoch's mean step time and how much it moved within the epoch (its second half's
+    mean over its first half's, less 1): the level the next epoch's steps are taken to be near,
+    and how far that may have drifted by then. The first step (the loader's start-up) and the
+    steps in ``skip`` (checkpoint saves) are left out; None for fewer than 8 steps."""
+    w = np.asarray(wall, dtype=np.float64)
+    keep = np.ones(w.size, dtype=bool)
+    keep[:1] = False
+    if skip:
+        keep[[i for i in skip if 0 <= i < w.size]] = False
+    if keep.sum() < 8:
+        return None
+    half = w.size // 2
+    first, second = w[:half][keep[:half]], w[half:][keep[half:]]
+    mean = float(w[keep].mean())
+    if mean <= 0.0 or not first.size or not second.size or first.mean() <= 0.0:
+        return None
+    return mean, float(second.mean() / first.mean() - 1.0)
+
+
+def with_previous_epoch(rate_s: float, se_s: float, window_steps: int, total_batches: int, level_cv: float,
+                        previous: tuple[float, float]) -> Optional[tuple[float, float, float]]:
+    """The rate combined with the previous epoch's mean step time (:func:`epoch_level`), each
+    weighted by the inverse of its variance (relative to the rate): the window's, the level
+    variation over the blocks of a twentieth of an epoch it spans (at least one) plus its standard
+    error; the previous epoch's, the level variation over its 20 blocks plus twice the drift
+    between its halves, squared. Returns the combined rate, the previous epoch's weight and the
+    combined variance; None when the two differ by more than ``PREVIOUS_MAX_T`` standard
+    deviations of their difference (the workload changed between the epochs, not the host's
+    speed) or nothing varied."""
+    prev_s, drift = previous
+    blocks = max(1.0, LEVEL_BLOCKS * window_steps / max(1, total_batches))
+    v_window = level_cv ** 2 / blocks + (se_s / rate_s) ** 2
+    v_prev = level_cv ** 2 / LEVEL_BLOCKS + (2.0 * drift) ** 2
+    if v_window + v_prev <= 0.0 or abs(rate_s / prev_s - 1.0) > PREVIOUS_MAX_T * math.sqrt(v_window + v_prev):
+        return None
+    weight = v_window / (v_window + v_prev)
+    return weight * prev_s + (1.0 - weight) * rate_s, weight, v_window * v_prev / (v_window + v_prev)
 
 
 def level_variation_so_far(wall: "array | list[float]") -> float:
@@ -362,7 +412,8 @@ class Forecast:
                 saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
                 save_guess_s: Optional[float] = None,
                 store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = (),
-                slow_share: Optional[float] = None) -> Optional[dict]:
+                slow_share: Optional[float] = None,
+                previous: Optional[tuple[float, float]] = None) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
         measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:
@@ -378,7 +429,9 @@ class Forecast:
         cost of the saves before the fill); the store-time trend is not carried on then (the
         model replaces it).
         ``slow_share``: the previous epoch's :func:`slow_share`, which replaces the window's in
-        the rate (host-timed rates only)."""
+        the rate (host-timed rates only). ``previous``: the previous whole epoch's
+        :func:`epoch_level`, combined with a device-timed rate (:func:`with_previous_epoch`)
+        unless the window follows a level shift or a store trend, or a hot tier fills."""
         r = self.rate()
         if r is None:
             return None
@@ -387,6 +440,16 @@ class Forecast:
         if slow_share is not None and not r["device"]:
             # the rare slow steps at the rate the previous epoch had them, not the window's
             r["mean"] = max(0.0, r["mean"] + r["median"] * (slow_share - r["slow_share"]))
+        # the host's speed may change within the epoch as it did in earlier ones, and at least
+        # as it has so far in this one
+        level_cv = max(level_cv, level_variation_so_far(self.wall))
+        rate_var = None  # the combined rate's relative variance, when the previous epoch's is in it
+        r["previous_weight"] = 0.0
+        if (previous is not None and r["device"] and r["mean"] > 0.0 and not r["shifted"] and r["slope"] == 0.0
+                and store_fill is None):
+            combined = with_previous_epoch(r["mean"], r["se"], r["steps"], total_batches, level_cv, previous)
+            if combined is not None:
+                r["mean"], r["previous_weight"], rate_var = combined
         # steps the host has closed but the device may not have run yet cost their time again
         steps_s = (left + (self.backlog if r["device"] else 0)) * r["mean"]
         trend = self.trend_seconds(r, len(self.wall), left)
@@ -419,15 +482,18 @@ class Forecast:
         fill_std = STORE_CHARGE_CV * abs(fill_s)
         total = (self.start_seconds + self.elapsed + math.fsum(self.val_runs) + steps_s + trend + saves_s
                  + val_s + fill_s)
-        # the host's speed may change within the epoch as it did in earlier ones, and at least
-        # as it has so far in this one: the window the rate was taken over and the batches to go
-        # each stand for a number of blocks whose levels (treated as independent) differ by it
-        level_cv = max(level_cv, level_variation_so_far(self.wall))
+        # the window the rate was taken over and the batches to go each stand for a number of
+        # blocks whose levels (treated as independent) differ by the level variation; with the
+        # previous epoch in the rate, the rate's part is the combined variance
         window_blocks = LEVEL_BLOCKS * r["steps"] / max(1, total_batches)
         blocks_left = LEVEL_BLOCKS * left / max(1, total_batches)
-        level_s = left * r["mean"] * level_cv * math.sqrt(1.0 / max(1.0, window_blocks) + 1.0 / max(1.0, blocks_left))
-        std = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_s ** 2
-                        + guess_std ** 2 + fill_std ** 2)
+        if rate_var is None:
+            rate_std = math.hypot(left * r["se"], left * r["mean"] * level_cv / math.sqrt(max(1.0, window_blocks)))
+        else:
+            rate_std = left * r["mean"] * math.sqrt(rate_var)
+        level_std = left * r["mean"] * level_cv / math.sqrt(max(1.0, blocks_left))
+        std = math.sqrt(rate_std ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_std ** 2 + guess_std ** 2
+                        + fill_std ** 2)
         # the rate at the end of this epoch (later epochs run at it), the trend levelled off
         end_rate = r["mean"] + (self.trend_seconds(r, total_batches, 1) if r["slope"] and store_fill is None else 0.0)
         end_rate += fill_step
