@@ -127,7 +127,8 @@ def _slow_share(w: np.ndarray) -> float:
     return float((slow - med).sum()) / (w.size * med)
 
 
-def epoch_level(wall: "array | list[float] | np.ndarray", skip: Sequence[int] = ()) -> Optional[tuple[float, float]]:
+def epoch_level(wall: "array | list[float] | np.ndarray",
+                skip: Sequence[int] = ()) -> Optional[tuple[float, float]]:
     """A whole epoch's mean step time and how much it moved within the epoch (its second half's
     mean over its first half's, less 1): the level the next epoch's steps are taken to be near,
     and how far that may have drifted by then. The first step (the loader's start-up) and the
