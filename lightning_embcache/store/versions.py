@@ -56,6 +56,10 @@ HARD_FLOOR = 256 << 10  # below this many bytes of segments no flush waits for c
 # longest a flush or close() waits for the writer lock, and the disk it needs beside the table.
 ROUND_BYTES = 32 << 20
 ROUND_SHARE = 1 / 16
+# Dead records are given back once segments hold this share of the table on disk (a flush past
+# HARD_RATIO gives them back first): below it a punch buys nothing, and each costs file-system
+# metadata work (journal commits that a flush's fsync may wait for).
+PUNCH_FROM = 0.3
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
@@ -90,10 +94,11 @@ class Versioning:
             with self._lock:
                 self._flush_waiting -= 1
         try:
-            if self._dead is not None:
-                self._dead.run()  # records a round killed while a prefetch read: their blocks go now
             # the segment this flush writes counts too: disk use peaks right after it
             adding = int(np.count_nonzero(self._hot.dirty)) * self._row_bytes
+            if self._dead is not None and self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR,
+                                                                 held=True, adding=adding):
+                self._dead.run()  # dead records not given back yet go first (holes.py)
             if self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding):
                 self._await_round()
             while (self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding)
@@ -303,11 +308,11 @@ class Versioning:
         return sum(s.live_bytes if held else s.nbytes for s in self._committed)
 
     def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
-                          floor: int = 0, held: bool = False, adding: int = 0) -> bool:
-        """Segments past ``ratio`` of the table's bytes, or more than ``segments`` of them. A pass
-        starts on the bytes of the files (their records are what reads search and the index
-        holds); a flush waits for compaction on the bytes held on disk (``held``), which drop
-        as the rounds fold chunk after chunk, not once a whole sweep is round."""
+                          floor: int = 0, held: bool = True, adding: int = 0) -> bool:
+        """Segments past ``ratio`` of the table's bytes, or more than ``segments`` of them, with
+        ``adding`` bytes more (a flush's own segment). ``held``: the bytes on disk, dead records
+        given back (holes.py), which drop as the rounds fold chunk after chunk, not once a whole
+        sweep is round; else the files' sizes."""
         ratio = COMPACT_RATIO if ratio is None else ratio  # read now: tests and benchmarks set it
         table = self._num_rows * self._row_bytes
         return len(self._committed) > segments or self._segment_bytes(held) + adding > max(ratio * table, floor)
@@ -684,7 +689,8 @@ class Versioning:
         with self._lock:
             segs, folded, gen, version = list(self._committed), self._folded, self._cmap_gen, self._version
         dead.mark(segs, folded, ready, self._protected_segments(version, gen))
-        dead.run()
+        if self._segment_bytes(held=True) > PUNCH_FROM * self._num_rows * self._row_bytes:
+            dead.run()
 
     def _protected_segments(self, version: int, gen: int) -> set[int]:
         """Segments listed by a version on disk other than ``version`` whose chunk map is not
