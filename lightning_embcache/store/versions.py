@@ -94,8 +94,13 @@ class Versioning:
             with self._lock:
                 self._flush_waiting -= 1
         try:
-            # the segment this flush writes counts too: disk use peaks right after it
-            adding = int(np.count_nonzero(self._hot.dirty)) * self._row_bytes
+            # The segments this flush writes or commits count too (disk use peaks right after it),
+            # up to half the limit: a flush of most of the table would otherwise have every
+            # segment folded first, which costs a table's worth of writes and saves nothing.
+            with self._lock:
+                adding = (int(np.count_nonzero(self._hot.dirty)) * self._row_bytes
+                          + sum(p.nbytes for p in self._pending))
+            adding = min(adding, int(HARD_RATIO * self._num_rows * self._row_bytes / 2))
             if self._dead is not None and self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR,
                                                                  held=True, adding=adding):
                 self._dead.run()  # dead records not given back yet go first (holes.py)
@@ -699,7 +704,10 @@ class Versioning:
         disk = self._disk
         out: set[int] = set()
         cache = self._manifests_seen
-        for v in disk.list_versions():
+        listed = disk.list_versions()
+        for v in [v for v in cache if v not in listed]:
+            del cache[v]  # reclaimed: never listed again (numbers only grow)
+        for v in listed:
             if v == version:
                 continue
             m = cache.get(v)
