@@ -22,7 +22,7 @@ import sys
 import threading
 import zlib
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from .errors import CorruptStoreError, DiskFullError, StoreError, StoreIOError, io_error  # noqa: F401 (re-exported)
 
@@ -290,13 +290,52 @@ def _write_parts(fd: int, parts: Iterable[bytes | memoryview], name: object) -> 
             written += done + _write_all(fd, v[done:], name)
             done = 0
         return written
+    return _write_stream(fd, iter(parts), name)
+
+
+def _write_stream(fd: int, parts: Iterator[bytes | memoryview], name: object) -> int:
+    """Write an iterator's blocks in order. A block of 1 MiB or more is written by a helper thread
+    while the next is made: making a block (a flush gathers its rows) keeps the GIL, writing it
+    lets go of it, so the two overlap on another core (two blocks in memory, one written and one
+    being made); smaller ones (an eviction's write-back) are written here, where a thread would
+    cost more than the write. Large streamed files start their write-back block by block, their
+    first blocks going out while the rest is made."""
     written = 0
-    for part in parts:
-        n = _write_all(fd, part, name)
-        if n >= 1 << 20:
-            start_writeback(fd)  # a large streamed file: its first blocks go out while the rest is made
-        written += n
-    return written
+    job: tuple[threading.Thread, list] | None = None
+
+    def write(part: bytes | memoryview, box: list) -> None:
+        try:
+            box.append(_write_all(fd, part, name))
+            start_writeback(fd)
+        except BaseException as exc:  # raised in the caller's thread
+            box.append(exc)
+
+    def finish() -> int:
+        assert job is not None
+        job[0].join()
+        r = job[1][0]
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+    try:
+        for part in parts:
+            if job is not None:
+                written += finish()
+                job = None
+            if memoryview(part).nbytes < 1 << 20:
+                written += _write_all(fd, part, name)
+                continue
+            box: list = []
+            job = (threading.Thread(target=write, args=(part, box), name="embcache-write", daemon=True), box)
+            job[0].start()
+        if job is not None:
+            written += finish()
+            job = None
+        return written
+    finally:
+        if job is not None:
+            job[0].join()  # the caller closes the descriptor: no write may still be running
 
 
 def open_dir(path: object, dir_fd: int | None = None, *, follow: bool = False) -> int:
