@@ -34,14 +34,8 @@ import numpy as np
 from . import fileio
 from .disk import Segment
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
 def dead_entries(seg: Segment, folded: np.ndarray) -> np.ndarray:
     """Which index entries (one per chunk) of ``seg`` base chunks already hold."""
-    if not len(folded):
-        return np.zeros(len(seg.idx_chunk), np.bool_)
     return folded[seg.idx_chunk] >= seg.seq
 
 
@@ -74,11 +68,11 @@ def _ranges(seg: Segment, punched: np.ndarray, new: np.ndarray) -> tuple[list[tu
     last = idx[np.r_[brk, len(idx) - 1]]
     lo, hi = starts[first], ends[last]
     pages = int(np.maximum(hi // page - (-(-lo // page)), 0).sum()) * page
-    # per run: its first and last new entry
-    run_of = np.searchsorted(first, np.flatnonzero(new), "right") - 1
     nidx = np.flatnonzero(new)
     if not len(nidx):
         return [], pages
+    # per run: its first and last new entry
+    run_of = np.searchsorted(first, nidx, "right") - 1
     bounds = np.flatnonzero(np.r_[True, run_of[1:] != run_of[:-1], True])
     r = run_of[bounds[:-1]]
     a = np.maximum(starts[nidx[bounds[:-1]]] - page, lo[r])
@@ -93,7 +87,7 @@ class DeadRecords:
         self.disk = disk
         self.works = fileio.punch_supported()
         self._queue: list[tuple[Segment, np.ndarray, int]] = []  # (segment, entries, ready epoch)
-        self.punched_bytes = 0  # freed so far (stats)
+        self.punched_bytes = 0  # given back so far
 
     def mark(self, segs: list[Segment], folded: np.ndarray, ready: int, protected: set[int]) -> None:
         """Queue the entries of ``segs`` dead under ``folded`` and not punched or queued yet, to be
@@ -131,7 +125,7 @@ class DeadRecords:
         s.punched |= new
         ranges, pages = _ranges(s, s.punched, new)
         try:
-            fd = os.open(s.path.name, os.O_WRONLY | _NOFOLLOW | _CLOEXEC, dir_fd=self.disk._segments_fd)
+            fd = os.open(s.path.name, os.O_WRONLY | fileio._NOFOLLOW | fileio._CLOEXEC, dir_fd=self.disk._segments_fd)
         except OSError:
             return  # gone (dropped meanwhile) or unwritable: nothing to give back
         try:

@@ -93,7 +93,10 @@ class FilePool:
     def reads_before(self, epoch: int) -> bool:
         """Is a read begun before ``epoch`` still running?"""
         with self._lock:
-            return bool(self._reads) and min(self._reads) < epoch
+            return self._reads_before(epoch)
+
+    def _reads_before(self, epoch: int) -> bool:  # (caller holds the lock)
+        return bool(self._reads) and min(self._reads) < epoch
 
     def take(self) -> str | None:
         """A pooled file no read can reach any more, or None."""
@@ -101,7 +104,7 @@ class FilePool:
             if not self._free or self._pid != os.getpid():
                 return None
             name, ready = self._free[0]
-            if ready > self._epoch or (self._reads and min(self._reads) < ready):
+            if ready > self._epoch or self._reads_before(ready):
                 return None
             self._free.popleft()
             self.reused += 1

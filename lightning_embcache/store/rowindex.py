@@ -146,8 +146,7 @@ class RowIndex:
     def note_folded(self, chunks: np.ndarray, chunk_rows: int, folded: np.ndarray) -> None:
         """Compaction folded ``chunks`` (chunk map ``folded``): their entries are dead now (reads
         go to the base files). Once they are a quarter of the index they are dropped (`prune`), so
-        the index follows the live records, and so does the work of every later merge (memory:
-        ~50 bytes per entry while runs merge)."""
+        the index follows the live records, and so does the work and memory of every later merge."""
         top = np.iinfo(self._idt).max
         lo = np.minimum(chunks * chunk_rows, top).astype(self._idt)  # the runs' type: no copy of them
         hi = np.minimum(chunks * chunk_rows + chunk_rows, top).astype(self._idt)

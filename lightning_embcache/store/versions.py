@@ -101,13 +101,15 @@ class Versioning:
                 adding = (int(np.count_nonzero(self._hot.dirty)) * self._row_bytes
                           + sum(p.nbytes for p in self._pending))
             adding = min(adding, int(HARD_RATIO * self._num_rows * self._row_bytes / 2))
-            if self._dead is not None and self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR,
-                                                                 held=True, adding=adding):
+
+            def over() -> bool:
+                return self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding)
+
+            if self._dead is not None and over():
                 self._dead.run()  # dead records not given back yet go first (holes.py)
-            if self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding):
+            if over():
                 self._await_round()
-            while (self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding)
-                   and self._compact_round()):
+            while over() and self._compact_round():
                 # Flushes come faster than background compaction folds their rows: this flush
                 # folds rounds itself first, so disk use stays bounded whatever the flush rate
                 # (backpressure). Before its own writes: a round that fails publishes nothing.
@@ -504,7 +506,7 @@ class Versioning:
             if self._closed:  # close() waits for the writer lock: publish what is done, stop
                 break
             recs, present = fold_chunk(disk, c, int(cmap[c]), segs, verify=int(cmap[c]) < self._own_gens_from,
-                                       init_rows=self._init_rows, folded=int(folded[c]) if len(folded) else 0)
+                                       init_rows=self._init_rows, folded=int(folded[c]))
             disk.write_chunk(c, gen, recs, self._compress, durable=False, present=present)
             if handover:
                 time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see `_fold_round`)
@@ -672,39 +674,43 @@ class Versioning:
             ready = disk.pool.seal()
         if self._closed:
             return False  # the next open collects what this round replaced
-        self._kill_dead(ready)
+        listed = disk.list_versions()  # (for both: nothing adds or drops a version meanwhile)
+        self._kill_dead(ready, listed)
         # The replaced chunk files and dropped segments are garbage once no kept version uses
         # them: collected now, round by round, so disk use stays near the table plus one round.
         # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
         disk.pool.limit = len(chunks)  # the next round of the pass rewrites about as many files
         replaced = [(c, g) for c, g in zip(chunks.tolist(), cmap[chunks].tolist()) if g]
-        if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen)):
+        if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen,
+                                                                  listed)):
             self._apply_retention(collect=False)
             self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
         return True
 
-    def _kill_dead(self, ready: int) -> None:
+    def _kill_dead(self, ready: int, listed: list[int] | None = None) -> None:
         """Queue the delta records the chunk map now says base chunks hold, to be punched once no
-        read begun before epoch ``ready`` runs, and punch those due (holes.py). Caller holds the
-        writer lock (or opens the store)."""
+        read begun before epoch ``ready`` runs, and punch those due (holes.py). ``listed``: the
+        versions on disk, if the caller has just listed them. Caller holds the writer lock (or
+        opens the store)."""
         dead = self._dead
         if dead is None or not dead.works:
             return
         with self._lock:
             segs, folded, gen, version = list(self._committed), self._folded, self._cmap_gen, self._version
-        dead.mark(segs, folded, ready, self._protected_segments(version, gen))
+        dead.mark(segs, folded, ready, self._protected_segments(version, gen, listed))
         if self._segment_bytes(held=True) > PUNCH_FROM * self._num_rows * self._row_bytes:
             dead.run()
 
-    def _protected_segments(self, version: int, gen: int) -> set[int]:
+    def _protected_segments(self, version: int, gen: int, listed: list[int] | None = None) -> set[int]:
         """Segments listed by a version on disk other than ``version`` whose chunk map is not
         ``gen`` (pinned, or held by a read-only handle): their records stay whole, since that
         version's chunk map may not count them as folded."""
         disk = self._disk
         out: set[int] = set()
         cache = self._manifests_seen
-        listed = disk.list_versions()
+        if listed is None:
+            listed = disk.list_versions()
         for v in [v for v in cache if v not in listed]:
             del cache[v]  # reclaimed: never listed again (numbers only grow)
         for v in listed:
@@ -721,7 +727,7 @@ class Versioning:
         return out
 
     def _collect_replaced(self, disk: Disk, version: int, replaced: list[tuple[int, int]], dropped: list[Segment],
-                          old_gen: int) -> bool:
+                          old_gen: int, listed: list[int]) -> bool:
         """Delete (or pool for reuse) just the files a round replaced: its chunks' previous files,
         the segments it dropped and the previous chunk map, without listing the folders or reading
         any manifest (~4 ms a round, a round every ~25 ms in a disk-mode epoch). Only where
@@ -730,7 +736,7 @@ class Versioning:
         with self._lock:
             if self._pins or self._closed or old_gen in self._writing_gens or old_gen == self._cmap_gen:
                 return False
-        if disk.list_versions() != [version]:
+        if listed != [version]:
             return False
         pooled = [(c, g) for c, g in replaced if disk.retire_chunk(c, g, pool=True)]
         for seg in dropped:
