@@ -134,6 +134,21 @@ def drop_cache(paths: list[Path]) -> str:
     return "fadvise"
 
 
+def copy_as_written(src: Path, dst: Path) -> None:
+    """Copy a folder with plain reads and large writes, so that its pages sit in the page cache
+    as the store's own writes leave them. A ``shutil`` copy (``sendfile``/``copy_file_range``)
+    leaves small page-cache folios, and a row read from those costs ~1.5x (1.56-1.88 against
+    1.00-1.13 us a row through io_uring on a 2-vCPU EPYC VM); memmap's file is used as written
+    for the same reason."""
+
+    def copy(a: str, b: str) -> None:
+        with open(a, "rb") as f, open(b, "wb") as g:
+            while block := f.read(16 * MiB):
+                g.write(block)
+
+    shutil.copytree(src, dst, copy_function=copy)
+
+
 def warm_cache(paths: list[Path]) -> None:
     for root in paths:
         for p in ([root] if root.is_file() else [q for q in root.rglob("*") if q.is_file()]):
@@ -220,7 +235,7 @@ def _loop(cfg: dict) -> dict:
         if system == "memmap":
             shutil.copyfile(shared / "table.npy", wd / "table.npy")
         else:
-            shutil.copytree(shared / "store", wd / "store")
+            copy_as_written(shared / "store", wd / "store")
         # The copy's dirty pages go to disk now: left to the timed run, the first sync of the
         # file system there (a compaction round's syncfs) wrote them all (0.16 s of a 2.2 s epoch).
         os.sync()
