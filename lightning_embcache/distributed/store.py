@@ -281,6 +281,11 @@ class ShardedStore:
             self.device_rows.write_down()  # the GPU's newer rows first
         return self.local.flush()
 
+    @property
+    def unflushed_share(self) -> float:
+        """This shard's `EmbeddingStore.unflushed_share`."""
+        return self.local.unflushed_share
+
     def stats(self) -> StoreStats:
         """This shard's `StoreStats` (``io_wait_seconds`` includes the exchanges)."""
         s = self.local.stats()

@@ -56,6 +56,12 @@ class DeferredSync(Callback):
           version that holds every update so far. The mixin flushes for checkpoints in any case
           (a checkpoint must name a durable version); ``on_checkpoint=False`` only leaves that
           flush out of this callback's figures and does not wait for a background flush.
+        - Disk use: between flushes, dirty rows evicted from a store's hot tier are written to disk
+          beside the last flushed version, which stays whole until the next flush commits them.
+          A store whose rows all change between two flushes (one flush an epoch over per-sample
+          rows) then holds about twice its table right after the flush. ``unflushed_share``
+          requests a flush once a store's rows written since its last flush pass that share of
+          its table, which keeps disk use near the table plus compaction's share.
         - Logged (to ``trainer.loggers``, rank 0) when flushes complete: ``embcache/sync_seconds``
           (wall time of the last flush), ``embcache/synced_rows`` (rows made durable since the last
           log), ``embcache/dirty_rows`` (rows updated during the last flush, not yet durable: a
@@ -66,10 +72,14 @@ class DeferredSync(Callback):
         every_n_epochs: flush at the end of every N training epochs; ``None`` = never.
         on_checkpoint: flush before each checkpoint is written.
         background: flush in a worker thread (``False``: on the training thread, in the hook).
+        unflushed_share: flush once the rows a store wrote to disk since its last flush pass this
+            share of its table's bytes (checked every batch, O(1)); ``None`` = never. Each rank
+            checks its own shard.
 
     Raises:
-        TypeError: an interval that is not an int (or None), a flag that is not a bool.
-        ValueError: for an interval below 1.
+        TypeError: an interval that is not an int (or None), a flag that is not a bool, a share
+            that is not a number (or None).
+        ValueError: for an interval below 1, a share outside (0, 1].
         MisconfigurationException: at setup, for a module without ``EmbeddingStoreMixin``
             (there would be nothing to flush).
     """
@@ -80,6 +90,7 @@ class DeferredSync(Callback):
         every_n_epochs: int | None = 1,
         on_checkpoint: bool = True,
         background: bool = True,
+        unflushed_share: float | None = 0.1,
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
@@ -90,7 +101,14 @@ class DeferredSync(Callback):
         for name, flag in (("on_checkpoint", on_checkpoint), ("background", background)):
             if not isinstance(flag, bool):
                 raise TypeError(f"Invalid value for {name}={flag!r}. Must be True or False")
+        if unflushed_share is not None:
+            if isinstance(unflushed_share, bool) or not isinstance(unflushed_share, (int, float)):
+                raise TypeError(f"Invalid value for unflushed_share={unflushed_share!r}. Must be a number in (0, 1] "
+                                f"or None, got {type(unflushed_share).__name__}")
+            if not 0.0 < unflushed_share <= 1.0:
+                raise ValueError(f"Invalid value for unflushed_share={unflushed_share}. Must be in (0, 1] or None")
         self.every_n_steps = every_n_steps
+        self.unflushed_share = None if unflushed_share is None else float(unflushed_share)
         self.every_n_epochs = every_n_epochs
         self.on_checkpoint = on_checkpoint
         self.background = background
@@ -134,6 +152,9 @@ class DeferredSync(Callback):
         self._report(trainer, self._drain(), collective=due)
         if due:
             self._request(trainer, pl_module)
+        elif self.unflushed_share is not None and not self._flushing() and self._over_share(pl_module):
+            # this rank's own shard: no collective (the figures wait for a common point)
+            self._request(trainer, pl_module, collective=False)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -160,11 +181,19 @@ class DeferredSync(Callback):
         self._stop()
 
     # ------------------------------------------------------------------ private
-    def _request(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _flushing(self) -> bool:
+        """A background flush is queued or running (it commits what is over the share)."""
+        return self._worker is not None and self._worker.busy
+
+    def _over_share(self, pl_module: LightningModule) -> bool:
+        share = self.unflushed_share
+        return any(h.unflushed_share > share for h in getattr(pl_module, "embedding_stores", {}).values())
+
+    def _request(self, trainer: Trainer, pl_module: LightningModule, collective: bool = True) -> None:
         if self._worker is not None:
             self._worker.request()
         else:
-            self._report(trainer, [_flush_stores(pl_module)], collective=True)
+            self._report(trainer, [_flush_stores(pl_module)], collective=collective)
 
     def _flush_now(self, trainer: Trainer, pl_module: LightningModule) -> None:
         results = self._drain(wait=True)

@@ -225,6 +225,15 @@ class EmbeddingStoreHandle:
             seconds = self._io_reported = max(seconds, getattr(self, "_io_reported", 0.0))
         return seconds
 
+    @property
+    def unflushed_share(self) -> float:
+        """The open store's ``unflushed_share`` (rows written to disk since the last flush, as a
+        share of the table); 0.0 while no store is open. O(1): `DeferredSync` reads it every batch."""
+        store = self._store
+        if store is None or store.closed:
+            return 0.0
+        return float(getattr(store, "unflushed_share", 0.0))
+
     def thread_io_wait_seconds(self) -> float:
         """Seconds the calling thread spent in this store's calls so far: what the training
         thread waited for (a `DeferredSync` flush in its background thread overlaps the step and

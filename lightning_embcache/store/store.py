@@ -231,6 +231,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._seg_index: dict[int, list[Segment]] = {}  # chunk -> segments holding its rows
         self._committed: list[Segment] = []
         self._pending: list[Segment] = []
+        self._pending_bytes = 0  # their bytes (`unflushed_share`)
         self._pins: set[int] = set()
         self._disk: Disk | None = None
         self._version = 0
@@ -469,6 +470,14 @@ class EmbeddingStore(TieredRows, Versioning):
         """Typed ``(n, cols)`` view of field ``name`` inside uint8 records from `read_records`."""
         self._check_names((name,))
         return self._schema.view(records, name)
+
+    @property
+    def unflushed_share(self) -> float:
+        """Bytes of rows written to disk since the last flush (dirty rows evicted from the hot
+        tier), as a share of the table's bytes. They sit beside the last flushed version, which
+        stays whole until the next flush commits them, so disk use grows with them between
+        flushes (`DeferredSync(unflushed_share=...)` flushes before they pass a bound). O(1)."""
+        return self._pending_bytes / max(1, self._num_rows * self._row_bytes)
 
     @property
     def row_bytes(self) -> int:

@@ -65,6 +65,7 @@ class TieredRows:
     _disk: Any
     _rows: RowIndex | None = None  # newest delta record of each id (built at open)
     _chunkrows: ChunkRows | None = None  # batched reads of base chunk files (made on first miss)
+    _pending_bytes: int = 0  # bytes of the segments in ``_pending`` (written since the last flush)
     _hinted: list | None = None  # ids of `upcoming` hints the prefetch thread has not taken yet
     _hint_task: bool = False  # a `_prefetch_hinted` task is queued or running
     _held_advice: np.ndarray | None = None  # announced rows `_advise` asks the kernel for next time
@@ -477,6 +478,7 @@ class TieredRows:
         patched (`_patch_warm`). Caller holds the lock."""
         self._pending.append(seg)
         self._pending.sort(key=lambda g: g.seq)
+        self._pending_bytes += seg.nbytes
         self._index_add(seg)
         self._patch_warm(seg.ids)
 

@@ -173,6 +173,7 @@ class Versioning:
             self._end_write_back(slots, seq, ok=True)
             self._committed = kept + new
             self._pending = [p for p in self._pending if p not in pending]
+            self._pending_bytes = sum(p.nbytes for p in self._pending)
             for seg in new:
                 self._index_add(seg)
             if gone:
