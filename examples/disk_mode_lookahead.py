@@ -2,11 +2,14 @@
 
 A table of trainable rows four times larger than the store's hot tier; each step reads the rows
 of its batch, takes a gradient step on them (here: pull each row towards a per-sample target) and
-writes them back. The sampler announces the next batches, so their rows are loaded in the
-background while the current batch trains. At the end the store reports how many announced rows
-were already hot, how long reads stalled the steps, and the disk use against the table.
+writes them back. The sampler announces the next batches: while reads wait for the disk their
+rows are loaded in the background while the current batch trains, and while the page cache
+serves them the next get that misses reads them together with its own. The loop flushes a few
+times an epoch, as `DeferredSync` would (rows evicted between flushes are kept on disk beside the
+last flushed version). At the end the store reports how many announced rows were already hot,
+how long reads stalled the steps, and the disk use against the table.
 
-    python examples/disk_mode_lookahead.py [--rows 200000] [--chunk-order] [--workers 2]
+    python examples/disk_mode_lookahead.py [--rows 200000] [--chunk-order] [--workers 2] [--flushes-per-epoch 8]
 """
 
 from __future__ import annotations
