@@ -113,7 +113,12 @@ def fit(cfg: dict, out: Path, tag: str, resume: str | None, ckpt_dir: str | None
     model = RowsModel(cfg.get("path"), cfg.get("if_exists", "error"), cfg.get("hot_bytes"))
     fit_model = torch.compile(model) if cfg.get("compile") else model
     clock = StepClock()
-    callbacks = [DeferredSync(every_n_steps=3), MemoryPressure(check_every_n_steps=2, reader=calm),
+    share = cfg.get("sync_share", 0.1)
+    if isinstance(share, list):  # one per rank (Lightning sets LOCAL_RANK in the processes it starts)
+        share = share[int(os.environ.get("LOCAL_RANK", 0))]
+    sync = DeferredSync(every_n_steps=cfg.get("sync_every", 3), unflushed_share=share,
+                        background=cfg.get("sync_background", True))
+    callbacks = [sync, MemoryPressure(check_every_n_steps=2, reader=calm),
                  StepProfiler(log_every_n_steps=4, report=False), clock]
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=cfg.get("save_top_k", -1),
