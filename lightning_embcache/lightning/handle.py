@@ -232,7 +232,7 @@ class EmbeddingStoreHandle:
         store = self._store
         if store is None or store.closed:
             return 0.0
-        return float(getattr(store, "unflushed_share", 0.0))
+        return store.unflushed_share
 
     def thread_io_wait_seconds(self) -> float:
         """Seconds the calling thread spent in this store's calls so far: what the training

@@ -19,6 +19,7 @@ import numpy as np
 from . import idsets, uring
 from .errors import CorruptStoreError
 from .fileio import crc32
+from .holes import dead_entries, dead_rows
 
 _EMPTY_I32 = np.zeros(0, np.int32)
 
@@ -60,7 +61,7 @@ class RowIndex:
     """Newest (segment, row position) of each id over the segments added, in order."""
 
     def __init__(self, segments: list | tuple = (), num_rows: int | None = None,
-                 folded: np.ndarray | None = None, chunk_rows: int = 0) -> None:
+                 folded: np.ndarray | None = None) -> None:
         self.segs: list = []  # segment number -> Segment; a snapshot of this list stays valid
         # ids as int32 where every id fits (12 bytes an entry, not 16); queries are cast to it,
         # never the index (a search of int32 ids by int64 keys would copy the whole run)
@@ -82,7 +83,7 @@ class RowIndex:
                 ids, pos = seg.ids.astype(self._idt), np.arange(len(seg.ids), dtype=np.int32)
                 if folded is not None and len(folded) and len(ids):
                     # records base chunks hold are never read (holes.py): not indexed
-                    live = np.repeat(folded[seg.idx_chunk] < seg.seq, seg.idx_count)
+                    live = np.repeat(~dead_entries(seg, folded), seg.idx_count)
                     if not live.all():
                         ids, pos = ids[live], pos[live]
                 parts.append((ids, np.full(len(ids), k, np.int32), pos))
@@ -165,7 +166,7 @@ class RowIndex:
         for run in (self._main, self._recent):
             ids, seg, pos = run
             if len(ids):
-                dead = folded[ids // chunk_rows] >= self.seqs[seg]
+                dead = dead_rows(self.seqs, seg, ids // chunk_rows, folded)
                 n = int(np.count_nonzero(dead))
                 if n:
                     counted = seg[dead]

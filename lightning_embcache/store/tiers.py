@@ -821,7 +821,7 @@ class TieredRows:
 
     def _index_rebuild(self) -> None:
         self._rows = RowIndex(sorted(self._committed + self._pending, key=lambda g: g.seq), self._num_rows,
-                              self._folded, self._chunk_rows)
+                              self._folded)
 
     def _layout_of(self, chunk: int) -> tuple[int, tuple]:
         """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =

@@ -98,8 +98,7 @@ class Versioning:
             # up to half the limit: a flush of most of the table would otherwise have every
             # segment folded first, which costs a table's worth of writes and saves nothing.
             with self._lock:
-                adding = (int(np.count_nonzero(self._hot.dirty)) * self._row_bytes
-                          + sum(p.nbytes for p in self._pending))
+                adding = int(np.count_nonzero(self._hot.dirty)) * self._row_bytes + self._pending_bytes
             adding = min(adding, int(HARD_RATIO * self._num_rows * self._row_bytes / 2))
 
             def over() -> bool:

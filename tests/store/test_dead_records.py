@@ -60,7 +60,7 @@ def test_index_follows_a_model_of_newest_live_records(ops):
         elif op == "prune":
             index.prune(folded, cr)
         elif op == "rebuild":
-            index = RowIndex(segs, rows, folded, cr)
+            index = RowIndex(segs, rows, folded)
         ids = np.arange(rows, dtype=np.int64)
         seg, _ = index.find(ids)
         seg[dead_rows(index.seqs, seg, ids // cr, folded)] = -1  # as the store reads (`_find_below`)
