@@ -541,12 +541,23 @@ class Versioning:
         """Wait until no background round is folding without the writer lock (caller holds the
         writer lock exactly once, and lets go of it meanwhile: the round publishes under it)."""
         me = threading.get_ident()
-        while self._round_thread not in (None, me):
-            self._flush_lock.release()
-            try:
-                self._round_done.wait(0.05)
-            finally:
-                self._flush_lock.acquire()
+        if self._round_thread in (None, me):
+            return
+        # Counted as a flush waiting: the background pass starts no new round until this caller
+        # got in. Without it the pass went on round after round (each starts while this thread
+        # waits to be scheduled) and a flush waited out 14 rounds, 0.78 s, instead of one.
+        with self._lock:
+            self._flush_waiting += 1
+        try:
+            while self._round_thread not in (None, me):
+                self._flush_lock.release()
+                try:
+                    self._round_done.wait(0.05)
+                finally:
+                    self._flush_lock.acquire()
+        finally:
+            with self._lock:
+                self._flush_waiting -= 1
 
     def _compact_round(self, everything: bool = False, unlocked: bool = False) -> bool:
         """One round of compaction (`_fold_round`), its time counted in ``stats().compaction_seconds``."""

@@ -214,3 +214,47 @@ def test_a_bad_setting_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv(foldproc.ENV, "sometimes")
     with pytest.raises(ValueError, match="EMBCACHE_COMPACTION_PROCESS"):
         EmbeddingStore.create(tmp_path / "s", N, DIM, chunk_rows=CHUNK).close()
+
+
+def test_a_flush_waiting_for_a_background_round_waits_for_that_round_only(tmp_path, process_mode, monkeypatch):
+    """A flush over the disk-use limit waits for the background round in progress, and the
+    background pass starts no new round until the flush got in (it would otherwise go on round
+    after round while the flush waits to be scheduled)."""
+    monkeypatch.setattr(versions, "HARD_FLOOR", 0)  # this small table's flushes count too
+    s = EmbeddingStore.create(tmp_path / "s", N, DIM, chunk_rows=CHUNK, hot_bytes=N * DIM * 4, init="zeros")
+    table = torch.zeros(N, DIM)
+    _ready(s)
+    folding = threading.Event()
+    started: list[tuple[str, float]] = []  # (thread, time) of each fold
+    real_fold = foldproc.FoldProcess.fold
+
+    def slow_fold(self, *a, **k):
+        started.append((threading.current_thread().name, time.perf_counter()))
+        if threading.current_thread() is not threading.main_thread():
+            folding.set()  # a background round is folding (without the writer lock)
+            time.sleep(0.1)
+        return real_fold(self, *a, **k)
+
+    monkeypatch.setattr(foldproc.FoldProcess, "fold", slow_fold)
+    with s:
+        for step in range(4):
+            _update(s, table, np.arange(N), step)
+            s.flush()  # segments of 4 tables: a background pass of many rounds starts
+        me = threading.current_thread().name
+        for step in range(3):  # (whether the pass would have gone on depends on scheduling)
+            _update(s, table, np.arange(step, N, 2), 10 + step)
+            folding.clear()
+            wait_for(folding.is_set, 10, "a background round")
+            t0 = time.perf_counter()
+            s.flush()  # over the limit: it waits for the round in progress, then folds itself
+            t1 = time.perf_counter()
+            own = [at for name, at in started if name == me and t0 < at < t1]
+            assert own, "the flush was not over the limit: it folded nothing itself"
+            # up to the flush's own last round (it holds the writer lock then; once it lets go,
+            # a background round may start before this thread reads the clock)
+            background = [at for name, at in started if name != me and t0 < at < own[-1]]
+            assert not background, f"{len(background)} background rounds started while flush {step} waited"
+        s.compact()
+        assert_bitwise_equal(s.get(torch.arange(N)), table)
+    with EmbeddingStore.open(tmp_path / "s") as s:
+        assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after reopening")
