@@ -81,21 +81,38 @@ class ChunkShuffleSampler(Sampler[int]):
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """The indices of one epoch, in the order they are yielded."""
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, int(self.epoch if epoch is None else epoch) & 0xFFFFFFFF])
-        ids = self.store_ids if self.store_ids is not None else np.arange(self.num_samples, dtype=np.int64)
-        chunk = ids // self.chunk_rows
-        by_chunk = np.argsort(chunk, kind="stable")  # sample indices grouped by chunk
-        uniq, starts = np.unique(chunk[by_chunk], return_index=True)
-        ends = np.r_[starts[1:], len(by_chunk)]
-        perm = rng.permutation(len(uniq))
         out = np.empty(self.num_samples, np.int64)
         at = 0
-        for g in range(0, len(perm), self.window):
-            members = np.concatenate([by_chunk[starts[c] : ends[c]] for c in perm[g : g + self.window]])
-            rng.shuffle(members)
+        for members in self._groups(epoch):
             out[at : at + len(members)] = members
             at += len(members)
         return out
 
+    def _groups(self, epoch: int | None = None) -> Iterator[np.ndarray]:
+        """The epoch's groups of ``window`` chunks, each group's sample indices shuffled, made one
+        at a time: iterating holds one group, not an epoch of Python ints (a list of 10M ints
+        is ~360 MB), and the first batch does not wait for a whole epoch's order."""
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, int(self.epoch if epoch is None else epoch) & 0xFFFFFFFF])
+        cr, n = self.chunk_rows, self.num_samples
+        if self.store_ids is None:  # sample i is row i: its chunk's samples are a range already
+            starts = np.arange(0, n, cr, dtype=np.int64)
+            ends = np.minimum(starts + cr, n)
+            by_chunk = None
+        else:
+            chunk = self.store_ids // cr
+            by_chunk = np.argsort(chunk, kind="stable")  # sample indices grouped by chunk
+            _, starts = np.unique(chunk[by_chunk], return_index=True)
+            ends = np.r_[starts[1:], len(by_chunk)]
+        perm = rng.permutation(len(starts))
+        for g in range(0, len(perm), self.window):
+            group = perm[g : g + self.window]
+            if by_chunk is None:
+                members = np.concatenate([np.arange(starts[c], ends[c], dtype=np.int64) for c in group.tolist()])
+            else:
+                members = np.concatenate([by_chunk[starts[c] : ends[c]] for c in group.tolist()])
+            rng.shuffle(members)
+            yield members
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order().tolist())
+        for members in self._groups():
+            yield from members.tolist()
