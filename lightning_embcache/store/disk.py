@@ -739,8 +739,8 @@ class Disk:
             raise CorruptStoreError(path, f"describes chunk {c} with {rows} rows; expected chunk {chunk}")
 
     def _pread_into(self, path: Path, offset: int, n: int, fd: int) -> np.ndarray:
-        """``n`` bytes at ``offset`` into a new writable buffer (callers change the records they
-        get: reading into bytes and copying them cost a third of a cached 512 KiB chunk's read)."""
+        """``n`` bytes at ``offset`` into a new writable array (callers change the records they
+        get): one copy out of the page cache, where bytes made writable took a second."""
         buf = np.empty(n, np.uint8)
         got = os.preadv(fd, [buf], offset) if n else 0
         if got != n:
