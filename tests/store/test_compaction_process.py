@@ -40,6 +40,17 @@ def _ready(store: EmbeddingStore) -> int:
     return store._fold_proc.pid
 
 
+def _before_each_fold(monkeypatch, hook) -> None:
+    """Call ``hook()`` in the calling thread before each round the compaction process folds."""
+    real_fold = foldproc.FoldProcess.fold
+
+    def fold(self, *a, **k):
+        hook()
+        return real_fold(self, *a, **k)
+
+    monkeypatch.setattr(foldproc.FoldProcess, "fold", fold)
+
+
 def _update(store, table, ids, step) -> None:
     ids = torch.as_tensor(ids)
     values = torch.randn(len(ids), DIM, generator=torch.Generator().manual_seed(step))
@@ -102,14 +113,7 @@ def test_a_flush_does_not_wait_for_a_background_fold(tmp_path, process_mode, mon
     table = torch.zeros(N, DIM)
     _ready(s)
     folding, release = threading.Event(), threading.Event()
-    real_fold = foldproc.FoldProcess.fold
-
-    def slow_fold(self, *a, **k):
-        folding.set()
-        release.wait(10)
-        return real_fold(self, *a, **k)
-
-    monkeypatch.setattr(foldproc.FoldProcess, "fold", slow_fold)
+    _before_each_fold(monkeypatch, lambda: (folding.set(), release.wait(10)))
     with s:
         for step in range(3):
             _update(s, table, np.arange(N), step)
@@ -226,16 +230,14 @@ def test_a_flush_waiting_for_a_background_round_waits_for_that_round_only(tmp_pa
     _ready(s)
     folding = threading.Event()
     started: list[tuple[str, float]] = []  # (thread, time) of each fold
-    real_fold = foldproc.FoldProcess.fold
 
-    def slow_fold(self, *a, **k):
+    def note() -> None:
         started.append((threading.current_thread().name, time.perf_counter()))
         if threading.current_thread() is not threading.main_thread():
             folding.set()  # a background round is folding (without the writer lock)
             time.sleep(0.1)
-        return real_fold(self, *a, **k)
 
-    monkeypatch.setattr(foldproc.FoldProcess, "fold", slow_fold)
+    _before_each_fold(monkeypatch, note)
     with s:
         for step in range(4):
             _update(s, table, np.arange(N), step)
