@@ -25,17 +25,34 @@ from lightning_embcache import ChunkShuffleSampler, EmbeddingStore, LookaheadSam
 
 
 class Targets(Dataset):
-    """Sample i: its index (the store id of its row) and a target its row should move to."""
+    """Sample i: its index (the store id of its row) and a target its row should move to.
+
+    Fetched a batch at a time (``__getitems__``: the DataLoader passes a whole batch of indices)
+    and built in a few tensor operations: made one sample at a time, with a collate stacking
+    them, the loader took longer than the store and the update together."""
 
     def __init__(self, n: int, dim: int) -> None:
         self.n, self.dim = n, dim
+        self._phase = torch.arange(dim, dtype=torch.float64) * 1.3
 
     def __len__(self) -> int:
         return self.n
 
+    def _targets(self, ids: torch.Tensor) -> torch.Tensor:
+        # a fixed function of the index, unit variance like a normal draw
+        return (2**0.5 * torch.sin(ids[:, None].to(torch.float64) * 0.618 + self._phase)).to(torch.float32)
+
     def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(i)
-        return i, torch.randn(self.dim, generator=g)
+        return i, self._targets(torch.tensor([i]))[0]
+
+    def __getitems__(self, indices: list[int]):
+        ids = torch.as_tensor(indices, dtype=torch.int64)
+        return ids, self._targets(ids)
+
+
+def as_batch(batch):
+    """The collate of a dataset that returns whole batches (``__getitems__``): nothing to do."""
+    return batch
 
 
 def main(argv=None) -> dict:
@@ -61,7 +78,7 @@ def main(argv=None) -> dict:
     order = (ChunkShuffleSampler(len(data), chunk_rows=store.chunk_rows, window=16, seed=0) if args.chunk_order
              else RandomSampler(data, generator=torch.Generator().manual_seed(0)))
     sampler = LookaheadSampler(BatchSampler(order, args.batch, drop_last=False), store)  # window sized from measured read latency
-    loader = DataLoader(data, batch_sampler=sampler, num_workers=args.workers,
+    loader = DataLoader(data, batch_sampler=sampler, num_workers=args.workers, collate_fn=as_batch,
                         persistent_workers=args.workers > 0)
     lr = 0.5
     flush_every = max(1, -(-len(sampler) // max(1, args.flushes_per_epoch)))
