@@ -231,7 +231,6 @@ class EmbeddingStore(TieredRows, Versioning):
         self._seg_index: dict[int, list[Segment]] = {}  # chunk -> segments holding its rows
         self._committed: list[Segment] = []
         self._pending: list[Segment] = []
-        self._pending_bytes = 0  # their bytes (`unflushed_share`)
         self._pins: set[int] = set()
         self._disk: Disk | None = None
         self._version = 0
