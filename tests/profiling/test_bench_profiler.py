@@ -167,5 +167,7 @@ def test_prediction_replay_oracles_split_the_estimators_error_from_the_hosts(tmp
 def test_own_step_cost_drives_every_boundary(plain_callback):
     from lightning_embcache.bench.profiler_own_step import measure
 
-    r = measure(steps=50, plain_callback=plain_callback)  # asserts the profiler saw each phase
-    assert r["with_sp_us"] > r["empty_tap_us"] > 0 and r["passthrough_us"] > 0
+    # measure() itself asserts that the profiler closed every step and charged each phase; which
+    # configuration is faster is a benchmark's question (50 steps on a shared host cannot tell)
+    r = measure(steps=50, plain_callback=plain_callback)
+    assert r["with_sp_us"] > 0 and r["empty_tap_us"] > 0 and r["passthrough_us"] > 0

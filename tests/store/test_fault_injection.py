@@ -26,15 +26,23 @@ def mode(request):
 
 
 def _points(shm_path, k: int | None) -> list[int]:
+    """Every I/O call index of the workload (``k`` None), or a seeded shuffle of them to draw a
+    sample of ``k`` from: a run makes 490-824 calls depending on when background work gets its
+    turn, so a drawn point may not be reached; the trials draw on until ``k`` points fired."""
     n = total_calls(shm_path / "count")
     assert n > 100, f"the workload made only {n} I/O calls"
     pts = list(range(n))
-    return pts if k is None else sorted(random.Random(13).sample(pts, min(k, n)))
+    if k is not None:
+        random.Random(13).shuffle(pts)
+    return pts
 
 
-def _error_trials(shm_path, points, err):
+def _error_trials(shm_path, points, err, want: int | None = None):
+    """Inject ``err`` at each of ``points`` in turn (stopping once ``want`` fired)."""
     injected = survived = lost_total = wrong_total = 0
-    for i in points:
+    for tried, i in enumerate(points):
+        if want is not None and (injected >= want or tried >= 3 * want):
+            break
         path = shm_path / f"e{i}"
         faults = FailAt(i, err)
         out = run_workload(path, faults)
@@ -50,9 +58,12 @@ def _error_trials(shm_path, points, err):
     return injected, survived, lost_total, wrong_total
 
 
-def _crash_trials(shm_path, points):
+def _crash_trials(shm_path, points, want: int | None = None):
+    """Kill the workload after each of ``points`` in turn (stopping once ``want`` kills happened)."""
     killed = lost_total = 0
-    for i in points:
+    for tried, i in enumerate(points):
+        if want is not None and (killed >= want or tried >= 3 * want):
+            break
         acks, lost, was_killed = crash_trial(shm_path / f"k{i}", i)
         assert lost == 0, f"{lost} rows lost after a kill after I/O call {i} ({acks} flushes acknowledged)"
         killed += was_killed
@@ -62,12 +73,12 @@ def _crash_trials(shm_path, points):
 
 @pytest.mark.parametrize("name", sorted(ERRNOS))
 def test_an_io_error_at_sampled_points_loses_and_corrupts_nothing(shm_path, mode, name):
-    injected, survived, lost, wrong = _error_trials(shm_path, _points(shm_path, SAMPLE), ERRNOS[name])
+    injected, survived, lost, wrong = _error_trials(shm_path, _points(shm_path, SAMPLE), ERRNOS[name], SAMPLE)
     assert injected >= SAMPLE // 2 and survived == injected and lost == wrong == 0
 
 
 def test_a_kill_after_sampled_points_loses_nothing(shm_path, mode):
-    killed, lost = _crash_trials(shm_path, _points(shm_path, SAMPLE))
+    killed, lost = _crash_trials(shm_path, _points(shm_path, SAMPLE), SAMPLE)
     assert killed >= SAMPLE // 2 and lost == 0
 
 
