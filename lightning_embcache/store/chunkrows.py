@@ -29,12 +29,12 @@ import threading
 import numpy as np
 
 from . import idsets, uring
+from .blockcrc import BLOCK, first_bad_block
 from .disk import SPARSE_KIND
 from .errors import CorruptStoreError
 from .fileio import HEADER_SIZE, crc32
 from .memory import zeros
 
-BLOCK = 4096
 WHOLE_AFTER = 4  # block-wise first reads of a chunk before a cached chunk is verified whole
 DENSE_SHARE = 8  # a call wanting first reads of >= 1/8 of a chunk's blocks (and >= 2) reads the chunk whole
 DENSE_ROWS = 64  # ... or of >= 1/64 of its rows (rows of a few KiB: 32 of a 1,024-row chunk are 1/16 of its blocks)
@@ -392,11 +392,10 @@ class ChunkRows:
             if got != n:
                 continue
             cl = crcs[ch]
-            view = memoryview(buf)
-            for k in range(len(cl)):
-                if crc32(view[k * BLOCK : (k + 1) * BLOCK]) != cl[k]:
-                    raise CorruptStoreError(self.disk.chunk_path(ch, int(gens[rows[a]])),
-                                            f"block {k} of chunk {ch} fails its checksum")
+            bad = first_bad_block(buf, cl)  # one GIL-free pass over the chunk
+            if bad >= 0:
+                raise CorruptStoreError(self.disk.chunk_path(ch, int(gens[rows[a]])),
+                                        f"block {bad} of chunk {ch} fails its checksum")
             recs = np.frombuffer(buf, np.uint8).reshape(-1, rb)
             out[rows[a:b]] = recs[local[rows[a:b]]]
             left[a:b] = False

@@ -20,7 +20,6 @@ import os
 import struct
 import sys
 import threading
-import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -41,8 +40,14 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
+try:  # ISA-L's CRC-32: the same checksum as zlib's, ~17x faster (PCLMULQDQ); both let go of the GIL
+    from isal.isal_zlib import crc32 as raw_crc32
+except ImportError:  # pragma: no cover - a platform without an isal wheel
+    from zlib import crc32 as raw_crc32
+
+
 def crc32(data: bytes | memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+    return raw_crc32(data) & 0xFFFFFFFF
 
 
 def uuid_bytes(hex_uuid: str) -> bytes:

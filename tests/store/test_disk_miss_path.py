@@ -289,7 +289,7 @@ def test_a_call_wanting_many_blocks_of_a_chunk_reads_it_whole_and_verified(shm_p
     with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (dim * 4 + 11)) as s:
         with pytest.raises(CorruptStoreError) as info:
             s.get(torch.arange(7 * chunk, 8 * chunk, 32))
-        assert f.name in str(info.value)
+        assert f.name in str(info.value) and "block 3 of chunk 7" in str(info.value)
 
 
 def test_a_call_wanting_many_wide_rows_of_a_chunk_reads_it_whole(shm_path, monkeypatch):
