@@ -40,7 +40,7 @@ from .holes import DeadRecords
 from .hot import SLOT_OVERHEAD, HotTier
 from .schema import DTYPES, Schema
 from .stats import StoreStats
-from .tiers import TieredRows, TooLarge, to_np
+from .tiers import ServedWarm, TieredRows, TooLarge, to_np
 from .validate import (MAX_CHUNK_ROWS, MAX_ROWS, as_ids, as_values, budget, check_meta, finite_float,
                        positive_int, version_arg)
 from . import foldproc
@@ -301,7 +301,7 @@ class EmbeddingStore(TieredRows, Versioning):
                     f"num_rows={self._num_rows} with chunk_rows={self._chunk_rows} needs more memory for its "
                     f"bookkeeping than this machine has; give fewer rows or larger chunks") from None
             raise
-        self._warm = WarmTier(warm_bytes if root is not None else 0)
+        self._warm = WarmTier(warm_bytes if root is not None else 0, self._chunk_rows, self._row_bytes, num_chunks)
         if root is None and self._init_kind == "zeros" and not any(f.fill for f in self._schema.fields.values()):
             self._hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
             self._hot.all_loaded = True
@@ -590,6 +590,8 @@ class EmbeddingStore(TieredRows, Versioning):
         self._check_open()
         try:
             return self._gather(self._resolve(idx, load=True), names)
+        except ServedWarm as w:
+            return self._gather_warm(idx, w.slots, w.missing, w.rows, names)
         except TooLarge as big:
             return self._gather_direct(idx, big.slots, big.mids, big.records, names)
 
@@ -679,6 +681,7 @@ class EmbeddingStore(TieredRows, Versioning):
                 if self._chunkrows is not None:
                     self._chunkrows.close()
                 self._hot.close()
+                self._warm.close()
                 self._np_views = {}
                 self._weight_np = self._weight_t = None
                 if self._disk is not None:

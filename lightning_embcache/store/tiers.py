@@ -48,6 +48,15 @@ class ServedBelow(TooLarge):
     from those copies without taking hot slots (see `TieredRows._resolve`)."""
 
 
+class ServedWarm(Exception):
+    """Internal: a read whose missing rows all lie in chunks held raw in the warm tier's slab:
+    ``slots`` for the ids of the call (-1 where not hot), and for the positions ``missing`` of
+    the others their ``rows`` in the slab (`TieredRows._gather_warm`)."""
+
+    def __init__(self, slots: np.ndarray, missing: np.ndarray, rows: np.ndarray) -> None:
+        self.slots, self.missing, self.rows = slots, missing, rows
+
+
 def np_dtype(dtype: torch.dtype) -> np.dtype:
     # bfloat16 has no numpy dtype: move its bits as int16
     return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
@@ -95,6 +104,23 @@ class TieredRows:
         out = torch.from_numpy(view.take(slots, axis=0) if view.flags.c_contiguous else view[slots])
         return out.view(torch.bfloat16) if self._schema.fields[name].dtype == torch.bfloat16 else out
 
+    def _gather_warm(self, idx, slots, missing, rows, names) -> dict[str, torch.Tensor]:
+        """Serve a read whose missing rows lie in the warm tier's slab (`ServedWarm`)."""
+        rec = self._warm.slab.rows.take(rows, axis=0)
+        if len(missing) < len(idx):  # some rows are hot (updated this epoch, or read ahead)
+            full = np.empty((len(idx), self._row_bytes), np.uint8)
+            full[missing] = rec
+            hit = np.flatnonzero(slots >= 0)
+            full[hit] = self._hot.pool_np.take(slots[hit], axis=0)
+            rec = full
+        return self._fields_of(rec, names)
+
+    def _fields_of(self, rec: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        t = torch.from_numpy(rec)
+        if len(self._schema.fields) == 1:  # the record is the weight: a view of this new buffer
+            return {n: self._schema.view(t, n) for n in names}
+        return {n: self._schema.view(t, n).clone() for n in names}
+
     def _gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
         """Serve a read without installing rows ``mids`` (`TooLarge`): hot rows from their
         slots, the others from ``records``."""
@@ -107,10 +133,7 @@ class TieredRows:
         rec = records.take(at, axis=0)
         if len(hit):
             rec[hit] = self._hot.pool_np.take(slots[hit], axis=0)
-        t = torch.from_numpy(rec)
-        if len(self._schema.fields) == 1:  # the record is the weight: a view of this new buffer
-            return {n: self._schema.view(t, n) for n in names}
-        return {n: self._schema.view(t, n).clone() for n in names}
+        return self._fields_of(rec, names)
 
     def _snapshot_reader(self, slots: np.ndarray):
         """Start a copy-on-write snapshot of ``slots`` (caller holds the lock and marks them
@@ -183,6 +206,17 @@ class TieredRows:
         self._stats.hot_misses += n_asked
         if not n_miss:
             return slots
+        if load and not for_write and self._warm.slab is not None:
+            # Every missing row in a chunk held raw in the warm tier (`ChunkShuffleSampler`
+            # order once its window is read): one gather in request order serves them, with no
+            # plan below the hot tier and no slot (each such row is read once an epoch). The
+            # copies are current: see `served` below.
+            where = np.flatnonzero(missing)
+            ids = idx[where]
+            chunks = ids // self._chunk_rows
+            rows = self._warm.rows_of(chunks, ids - chunks * self._chunk_rows)
+            if rows is not None:
+                raise ServedWarm(slots, where, rows)
         mids = idsets.unique(idx[missing])
         if len(mids) > hot.limit or (for_write and len(mids) > hot.limit // 2):
             if for_write:
@@ -627,8 +661,12 @@ class TieredRows:
         ``whole_rows``: return (records, which rows came from chunks held whole: a warm copy, or
         a chunk read whole just now and kept warm, so that a later read finds it there too)."""
         t0 = time.perf_counter()
-        plan = self._plan_below(ids)
-        records, whole = self._read_below(plan)
+        self._warm.pin()  # the plan's warm copies stay put until read
+        try:
+            plan = self._plan_below(ids)
+            records, whole = self._read_below(plan)
+        finally:
+            self._warm.unpin()
         self._stats.cold_reads += self._chunks_read(plan)
         took = time.perf_counter() - t0
         self._stats.stall_seconds += took
@@ -972,6 +1010,7 @@ class TieredRows:
             cr = self._chunk_rows
             token = self._below_token
             compactions = self._stats.compactions
+            pinned = False
             if hot.resident:  # memory mode over a store on disk: whole chunks
                 chunks = idsets.unique(idx // cr)
                 chunks = chunks[~hot.loaded[chunks]]
@@ -986,7 +1025,13 @@ class TieredRows:
                     miss = miss[: hot.limit // 2]
                 if not len(miss):
                     return True
-                plan = self._plan_below(miss)
+                self._warm.pin()  # warm copies the plan reads stay put until this read ends
+                pinned = True
+                try:
+                    plan = self._plan_below(miss)
+                except BaseException:
+                    self._warm.unpin()
+                    raise
                 self._fetching = miss  # a get missing these waits for this read (`_await_prefetch`)
             # Planned under the lock, read without it: no delta record the plan names is punched
             # until this read ends (holes.py), though a compaction round may kill it meanwhile.
@@ -1005,6 +1050,9 @@ class TieredRows:
         finally:
             if pool is not None:
                 pool.end_read(epoch)
+            if pinned:
+                with self._lock:
+                    self._warm.unpin()
         # -- install, if still wanted and still current ------------------------------------
         with self._lock:
             if self._closed:

@@ -5,7 +5,8 @@ the decompressed records of the most recently used compressed chunks, dropped fi
 budget is short: a chunk that serves a few rows to each of many batches (`ChunkShuffleSampler`
 order: about 1/32 of its rows per batch while it is in the window) is decompressed once, not
 once per batch. A store whose chunks do not compress stops trying for a while, so its puts cost
-a copy at most.
+a copy at most. Raw chunks (kept raw or decompressed) live in the slots of one `ChunkSlab` where
+there is room, so that rows of many of them are gathered in one call (`rows_of`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import lz4.block
 import numpy as np
 
 from . import idsets
+from .slab import ChunkSlab
 
 # A chunk that compresses worse than this is kept raw: decompressing it would cost time for nothing.
 MIN_RATIO = 1.05
@@ -25,8 +27,13 @@ SKIP_PUTS = 32
 
 
 class WarmTier:
-    def __init__(self, budget: int) -> None:
-        self.budget = max(int(budget), 0)
+    def __init__(self, budget: int, chunk_rows: int = 0, row_bytes: int = 0, num_chunks: int = 0) -> None:
+        """``chunk_rows``, ``row_bytes``, ``num_chunks``: the store's shape, for the slab (none
+        without them)."""
+        self._budget = max(int(budget), 0)
+        self._shape = (chunk_rows, row_bytes, num_chunks)
+        self.slab: ChunkSlab | None = None  # made at the first raw chunk, sized to the budget
+        self._pins = 0  # readers holding views of the slab (`pin`)
         # chunk -> (bytes or read-only uint8 array, compressed?, raw length); oldest first
         self._items: OrderedDict[int, tuple[bytes | np.ndarray, bool, int]] = OrderedDict()
         self._raw: OrderedDict[int, np.ndarray] = OrderedDict()  # decompressed copies, oldest first
@@ -40,6 +47,86 @@ class WarmTier:
         self.misses = 0
         self.bytes_read = 0  # raw bytes served from the tier
         self.bytes_written = 0  # bytes stored into it (compressed where LZ4 paid)
+
+    @property
+    def budget(self) -> int:
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        """A new budget: chunks in the slab move out to arrays of their own and the slab is
+        made again at the next raw chunk, sized to the new budget."""
+        value = max(int(value), 0)
+        if value != self._budget and self.slab is not None:
+            for chunk, (data, compressed, raw_len) in list(self._items.items()):
+                if not compressed and self._in_slab(chunk):
+                    self._items[chunk] = (_frozen(data.copy()), False, raw_len)
+            for chunk in list(self._raw):
+                if self._in_slab(chunk):
+                    self._raw[chunk] = _frozen(self._raw[chunk].copy())
+            self.slab.close()
+            self.slab = None
+        self._budget = value
+
+    def _in_slab(self, chunk: int) -> bool:
+        return self.slab is not None and self.slab.slot_of[chunk] >= 0
+
+    def _keep(self, chunk: int, raw: np.ndarray) -> np.ndarray:
+        """``raw`` (flat, read-only) where it is kept: a slot of the slab if one is free."""
+        slab = self.slab
+        if slab is None:
+            rows, rb, n = self._shape
+            if not n or self._budget < rows * rb:
+                return raw
+            try:  # (never more slots than the table has chunks)
+                slab = ChunkSlab(rows, rb, min(n, self._budget // (rows * rb)), n, pins=self._pins)
+            except (OSError, MemoryError, OverflowError, ValueError):  # no address space for it
+                self._shape = (rows, rb, 0)  # chunks stay arrays of their own, as they always can
+                return raw
+            self.slab = slab
+        placed = slab.place(chunk, raw)
+        return raw if placed is None else placed
+
+    def pin(self) -> None:
+        """Views `get` returns from now on stay valid until `unpin` (a plan holds several at
+        once; a slot freed meanwhile is not reused, in a slab made meanwhile too)."""
+        self._pins += 1
+        if self.slab is not None:
+            self.slab.pin()
+
+    def unpin(self) -> None:
+        """End a `pin`; slots freed meanwhile are free again (their pages within the budget)."""
+        self._pins -= 1
+        if self.slab is not None:
+            self.slab.unpin()
+            self._trim_pages(self.budget)
+
+    def rows_of(self, chunks: np.ndarray, local: np.ndarray) -> np.ndarray | None:
+        """Where rows ``local`` of ``chunks`` lie in ``slab.rows`` (one gather serves them all),
+        or None unless every chunk is held raw in the slab. Counts the hits as `get` does."""
+        slab = self.slab
+        if slab is None:
+            return None
+        slots = slab.locate(chunks)
+        if slots is None:
+            return None
+        for c in slab.chunks_of(np.flatnonzero(np.bincount(slots, minlength=slab.slots))):
+            self._items.move_to_end(c)
+            if c in self._raw:
+                self._raw.move_to_end(c)
+            self.hits += 1
+            self.bytes_read += self._items[c][2]
+        return slots.astype(np.int64) * slab.chunk_rows + local
+
+    def close(self) -> None:
+        """Let go of every chunk and the slab (the store is closing)."""
+        self._items.clear()
+        self._raw.clear()
+        self._item_bytes = self._raw_copy_bytes = self.raw_bytes = 0
+        self._sorted = None
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
 
     @property
     def nbytes(self) -> int:
@@ -78,12 +165,11 @@ class WarmTier:
             self._raw.move_to_end(chunk)
             return arr
         arr = np.frombuffer(lz4.block.decompress(data, uncompressed_size=raw_len), dtype=np.uint8)
-        self._keep_raw(chunk, arr)
-        return arr
+        return self._keep_raw(chunk, arr)
 
     def put(self, chunk: int, records: np.ndarray) -> None:
-        """Keep a chunk's records (read whole). Records kept raw are kept as they are, not
-        copied: the caller must not change them afterwards."""
+        """Keep a chunk's records (read whole). Records kept raw are copied into the slab, or
+        where it has no room kept as they are: the caller must not change them afterwards."""
         if self.budget <= 0:
             return
         raw = _frozen(records)
@@ -104,6 +190,11 @@ class WarmTier:
         if size > self.budget:
             return
         self.discard(chunk)
+        # room first, so that the raw form takes the slot of a chunk dropped for it (its pages
+        # are reused, not given back and faulted in again)
+        self._fit(self.budget - size - (raw.nbytes if compressed else 0))
+        if not compressed:
+            data = raw = self._keep(chunk, raw)
         self._items[chunk] = (data, compressed, raw.nbytes)
         self._sorted = None
         self._item_bytes += size
@@ -113,17 +204,22 @@ class WarmTier:
             self._keep_raw(chunk, raw)  # just read for a batch: its next batches want it too
         self.shrink(self.budget)
 
-    def _keep_raw(self, chunk: int, arr: np.ndarray) -> None:
-        self._raw[chunk] = arr
+    def _keep_raw(self, chunk: int, arr: np.ndarray) -> np.ndarray:
+        self._trim_raw(self.budget - arr.nbytes)
+        arr = self._raw[chunk] = self._keep(chunk, arr)
         self._raw_copy_bytes += arr.nbytes
         self._trim_raw(self.budget)
+        self._trim_pages(self.budget)
+        return arr
 
     def _trim_raw(self, limit: int) -> int:
         """Drop decompressed copies, oldest first, until the tier fits ``limit``."""
         freed = 0
         while self.nbytes > limit and self._raw:
-            _, arr = self._raw.popitem(last=False)
+            chunk, arr = self._raw.popitem(last=False)
             self._raw_copy_bytes -= arr.nbytes
+            if self.slab is not None:
+                self.slab.release(chunk)
             freed += arr.nbytes
         return freed
 
@@ -136,6 +232,8 @@ class WarmTier:
         arr = self._raw.pop(chunk, None)
         if arr is not None:
             self._raw_copy_bytes -= arr.nbytes
+        if self.slab is not None:
+            self.slab.release(chunk)
 
     def patch(self, chunk: int, local: np.ndarray, records: np.ndarray) -> bool:
         """Write ``records`` over rows ``local`` of ``chunk``'s copy, so that it stays exact when
@@ -174,7 +272,17 @@ class WarmTier:
 
     def shrink(self, limit: int) -> int:
         """Drop decompressed copies, then least recently used chunks, until at most ``limit``
-        bytes remain; return bytes freed."""
+        bytes remain (the slab's pages included); return bytes freed."""
+        freed = self._fit(limit)
+        self._trim_pages(limit)
+        return freed
+
+    def _trim_pages(self, limit: int) -> None:
+        """What is held outside the slab plus the slab's pages fit ``limit`` too."""
+        if self.slab is not None:
+            self.slab.trim(max(0, limit - (self.nbytes - self.slab.placed_bytes)))
+
+    def _fit(self, limit: int) -> int:
         freed = self._trim_raw(limit)
         while self.nbytes > limit and self._items:
             chunk = next(iter(self._items))
