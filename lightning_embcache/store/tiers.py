@@ -397,6 +397,9 @@ class TieredRows:
         if reader is None:
             return False
         cr = self._chunk_rows
+        slab = self._warm.slab
+        if slab is not None and self._held_advice is None and slab.locate(idx // cr) is not None:
+            return True  # every row in a chunk held raw in memory: nothing to ask (most hints in chunk order)
         ids = idsets.unique(idx)
         ids = ids[self._hot.slot_of[ids] == 0]
         rows = self._rows
