@@ -25,6 +25,7 @@ import array
 import os
 import resource
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -113,6 +114,7 @@ class ChunkRows:
         self.cache_counts = [0, 0]
         # (chunk, gen) -> rows of it announced lately (-1: asked for whole), oldest first
         self._advised: dict[tuple[int, int], int] = {}
+        self._adviser: ThreadPoolExecutor | None = None  # asks for whole chunks (`_advise_whole_later`)
 
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
@@ -223,6 +225,9 @@ class ChunkRows:
         by a thread of the parent at the fork, and the descriptors are the parent's to close."""
         if os.getpid() != self._pid:
             return
+        if self._adviser is not None:
+            self._adviser.shutdown(wait=True)
+            self._adviser = None
         with self._lock:
             fds = [int(x) for x in self._fd[self._fd >= 0]] + self._retired + self._replaced
             self._fd[:] = -1
@@ -487,6 +492,43 @@ class ChunkRows:
             for f, x0, x1 in zip(first[span].tolist(), b0[span].tolist(), b1[span].tolist()):
                 self._ok[f + x0 : f + x1 + 1] = 1
 
+    def _advise_whole_later(self, chunks: list[tuple[int, int]]) -> None:
+        """Ask the kernel for whole chunk files from a helper thread: the kernel's part of
+        ``posix_fadvise(WILLNEED)`` (allocating the page cache pages and queueing the reads, ~150
+        us per 512 KiB here) then runs beside the training thread instead of in it. The thread
+        holds the GIL only between its system calls."""
+        if os.getpid() != self._pid:  # a forked child has no helper thread (nor the parent's lock)
+            return
+        if self._adviser is None:
+            self._adviser = ThreadPoolExecutor(1, thread_name_prefix="embcache-advise")
+        self._enter()  # descriptors open here stay open until the helper is done
+        try:
+            self._adviser.submit(self._advise_each, chunks)
+        except BaseException:
+            self._leave()
+            raise
+
+    def _advise_each(self, chunks: list[tuple[int, int]]) -> None:
+        try:
+            for c, g in chunks:
+                try:
+                    self._advise_whole(c, g)
+                except OSError:
+                    pass  # a hint (a compaction replaced the file meanwhile: the miss reads the new one)
+        finally:
+            self._leave()
+
+    def _advise_whole(self, c: int, g: int) -> None:
+        if self._fd[c] >= 0 and self._gen[c] == g:  # (`_enter`: it stays open meanwhile)
+            os.posix_fadvise(int(self._fd[c]), 0, 0, _FADV_WILLNEED)
+            return
+        # not open here, or an LZ4 chunk (read whole by the miss)
+        fd = os.open(_chunk_name(c, g), _OPEN_FLAGS, dir_fd=self.disk._chunks_fd)
+        try:
+            os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
     def will_need(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> bool:
         """Ask the kernel to start reading these rows' blocks now (asynchronously; a hint).
         True if it could ask for every row (none asked block by block lies in an LZ4 chunk, no
@@ -508,6 +550,7 @@ class ChunkRows:
         counts = np.diff(bounds).tolist()
         advised = self._advised
         sparse_rows = []  # (first, end) positions of the chunks asked block by block
+        whole_chunks: list[tuple[int, int]] = []
         self._enter()
         try:
             for i, a in enumerate(starts.tolist()):
@@ -522,14 +565,10 @@ class ChunkRows:
                     del advised[next(iter(advised))]
                 if not whole:
                     sparse_rows.append((a, int(bounds[i + 1])))
-                elif self._fd[c] >= 0 and self._gen[c] == g:  # (`_enter`: it stays open meanwhile)
-                    os.posix_fadvise(int(self._fd[c]), 0, 0, _FADV_WILLNEED)
-                else:  # not open here, or an LZ4 chunk (read whole by the miss)
-                    fd = os.open(_chunk_name(c, g), _OPEN_FLAGS, dir_fd=self.disk._chunks_fd)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
-                    finally:
-                        os.close(fd)
+                else:
+                    whole_chunks.append((c, g))
+            if whole_chunks:
+                self._advise_whole_later(whole_chunks)
             if not sparse_rows:
                 return True
             sel = np.concatenate([np.arange(a, b) for a, b in sparse_rows])

@@ -243,3 +243,26 @@ def test_a_random_order_read_from_the_page_cache_is_still_read_ahead_with_a_warm
             ids = torch.as_tensor(batch)
             assert_bitwise_equal(s.get(ids), table[ids])
         assert s.stats().prefetched_rows > n // 2
+
+
+def test_whole_chunks_are_asked_for_beside_the_training_thread(shm_path, monkeypatch):
+    """The kernel's part of asking for a whole chunk (page allocation, queueing its reads) runs on
+    a helper thread, not in the `upcoming` call of the training thread; every chunk is still
+    asked for once and every row matches."""
+    import threading
+
+    n, chunk, window = 8192, 1024, 4
+    table = compacted_store(shm_path / "s", n, DIM, chunk)
+    asked = []
+    real = chunkrows.os.posix_fadvise
+    monkeypatch.setattr(chunkrows.os, "posix_fadvise", lambda fd, off, k, adv: (
+        asked.append((off, k, threading.current_thread().name)), real(fd, off, k, adv))[1])
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=n * (ROW + 11) // 4,
+                             warm_bytes=2 * window * chunk * ROW) as s:
+        sampler = ChunkShuffleSampler(n, chunk_rows=chunk, window=window, seed=1)
+        for batch in LookaheadSampler(BatchSampler(sampler, 128, drop_last=False), s, lookahead=4):
+            ids = torch.as_tensor(batch)
+            assert_bitwise_equal(s.get(ids), table[ids])
+    whole = [a for a in asked if a[:2] == (0, 0)]
+    assert len(whole) == n // chunk
+    assert all(name.startswith("embcache-advise") for _, _, name in whole), whole
