@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
     p.add_argument("--phases", default="warm,cold,space", help="any of warm,cold,space,epoch,shuffle")
     p.add_argument("--store-rev", help="also run the store as committed at this git revision (system "
-                   "'store@REV', extracted with git archive; no lookahead), e.g. the one before a change")
+                   "'store@REV', extracted with git archive; no lookahead), e.g. the one before a change; "
+                   "or a folder holding that revision's lightning_embcache/ (where there is no git)")
     p.add_argument("--workdir", help="where the files go (default: a temp dir under /var/tmp, removed after)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
@@ -482,7 +483,11 @@ def _run_worker(cfg: dict) -> dict:
 def _spawn(cfg: dict, tree: Path | None = None, cgroups: tuple[Path, ...] = ()) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if tree is not None:  # the package of another revision, with this benchmark module in it
-        env["PYTHONPATH"] = str(tree)
+        # first on the path; other entries stay (where dependencies were installed with --target),
+        # except the one holding this package (the revision under test would be shadowed)
+        here = str(Path(__file__).resolve().parents[2])
+        keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(here)]
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *keep])
     enter = None
     if cgroups:
         from .slowdisk import enter as enter_cgroups
@@ -533,13 +538,19 @@ def main(argv=None) -> int:
         systems = ["memmap", "store", "store+lookahead"]
         trees: dict[str, Path] = {}
         if args.store_rev:
-            rev = subprocess.run(["git", "rev-parse", "--short", args.store_rev], capture_output=True, text=True,
-                                 check=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
-            tree = wd / f"rev-{rev}"
-            tree.mkdir(exist_ok=True)
-            archive = subprocess.run(["git", "archive", rev, "lightning_embcache"], capture_output=True, check=True,
-                                     cwd=Path(__file__).resolve().parents[2]).stdout
-            subprocess.run(["tar", "x", "-C", str(tree)], input=archive, check=True)
+            given = Path(args.store_rev)
+            if (given / "lightning_embcache").is_dir():  # an extracted tree (a machine without git)
+                rev = given.resolve().name
+                tree = wd / f"rev-{rev}"
+                shutil.copytree(given / "lightning_embcache", tree / "lightning_embcache", dirs_exist_ok=True)
+            else:
+                rev = subprocess.run(["git", "rev-parse", "--short", args.store_rev], capture_output=True, text=True,
+                                     check=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+                tree = wd / f"rev-{rev}"
+                tree.mkdir(exist_ok=True)
+                archive = subprocess.run(["git", "archive", rev, "lightning_embcache"], capture_output=True, check=True,
+                                         cwd=Path(__file__).resolve().parents[2]).stdout
+                subprocess.run(["tar", "x", "-C", str(tree)], input=archive, check=True)
             for name in ("disk.py", "results.py"):  # this benchmark's code, whatever that revision had
                 shutil.copy(Path(__file__).with_name(name), tree / "lightning_embcache" / "bench" / name)
             trees[f"store@{rev}"] = tree
