@@ -35,6 +35,7 @@ class ChunkSlab:
         self._chunk_of = [-1] * slots
         self._free: list[int] = list(range(slots - 1, -1, -1))  # touched slots last in: reused first
         self._touched = np.zeros(slots, np.bool_)
+        self._n_touched = 0
         self._limbo: list[int] = []  # freed while pinned
         self._pins = pins
         self._sizes = [0] * slots
@@ -50,7 +51,7 @@ class ChunkSlab:
     @property
     def touched_bytes(self) -> int:
         """Bytes of slots written since their pages were last given back (what the slab holds)."""
-        return int(np.count_nonzero(self._touched)) * self.chunk_bytes
+        return self._n_touched * self.chunk_bytes
 
     def place(self, chunk: int, records: np.ndarray) -> np.ndarray | None:
         """Copy a chunk's records (flat uint8, at most a slot) into a free slot; a read-only view
@@ -63,6 +64,7 @@ class ChunkSlab:
         flat[:] = records.reshape(-1)
         self.slot_of[chunk] = s
         self._chunk_of[s] = chunk
+        self._n_touched += not self._touched[s]
         self._touched[s] = True
         self._sizes[s] = records.nbytes
         self.placed_bytes += records.nbytes
@@ -113,6 +115,7 @@ class ChunkSlab:
                 if hi > lo:
                     self._map.madvise(_DONTNEED, lo, hi - lo)
                 self._touched[s] = False
+                self._n_touched -= 1
                 freed += self.chunk_bytes
         if freed:  # slots still holding pages are reused first
             self._free.sort(key=lambda s: self._touched[s])
