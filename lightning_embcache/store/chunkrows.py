@@ -115,6 +115,7 @@ class ChunkRows:
         # (chunk, gen) -> rows of it announced lately (-1: asked for whole), oldest first
         self._advised: dict[tuple[int, int], int] = {}
         self._adviser: ThreadPoolExecutor | None = None  # asks for whole chunks (`_advise_whole_later`)
+        self._asked_gen = zeros(nc, np.int32)  # generation asked for whole lately (in ``_advised``), else 0
 
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
@@ -529,6 +530,10 @@ class ChunkRows:
         finally:
             os.close(fd)
 
+    def asked_whole(self, chunks: np.ndarray, gens: np.ndarray) -> bool:
+        """Whether each of ``chunks`` (at ``gens``) was asked for whole lately (`will_need`)."""
+        return bool((self._asked_gen[chunks] == gens).all())
+
     def will_need(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> bool:
         """Ask the kernel to start reading these rows' blocks now (asynchronously; a hint).
         True if it could ask for every row (none asked block by block lies in an LZ4 chunk, no
@@ -561,8 +566,13 @@ class ChunkRows:
                 seen += counts[i]  # rows of it announced lately, this call's included
                 whole = seen * DENSE_ROWS >= self.disk.chunk_rows_of(c)
                 advised[(c, g)] = -1 if whole else seen
+                if whole:
+                    self._asked_gen[c] = g
                 if len(advised) > 512:
-                    del advised[next(iter(advised))]
+                    (oc, og), was = next(iter(advised.items()))
+                    del advised[(oc, og)]
+                    if was < 0 and self._asked_gen[oc] == og:
+                        self._asked_gen[oc] = 0
                 if not whole:
                     sparse_rows.append((a, int(bounds[i + 1])))
                 else:

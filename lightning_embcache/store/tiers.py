@@ -388,7 +388,7 @@ class TieredRows:
 
     def _advise(self, idx: np.ndarray, cached: bool = False) -> bool:
         """Start the kernel reading the base-chunk blocks of announced rows that are not hot
-        (``posix_fadvise(WILLNEED)``: asynchronous, no thread, no GIL held while the disk works).
+        (``posix_fadvise(WILLNEED)``: asynchronous; whole chunks are asked from a helper thread).
         True if that covers every such row (none lies in a delta segment; see
         `ChunkRows.will_need`). ``cached``: recent reads came from the page cache; rows the
         kernel would be asked for block by block are then left to a miss that reads them ahead
@@ -405,6 +405,10 @@ class TieredRows:
         rows = self._rows
         if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
             return False
+        if self._held_advice is None:
+            c = ids // cr
+            if reader.asked_whole(c, self._cmap[c]):
+                return True  # every chunk of these rows was asked for whole lately (a window's later hints)
         held, self._held_advice = self._held_advice, None
         if held is not None:
             ids = idsets.union(ids, held)

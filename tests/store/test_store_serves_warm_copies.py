@@ -266,3 +266,23 @@ def test_whole_chunks_are_asked_for_beside_the_training_thread(shm_path, monkeyp
     whole = [a for a in asked if a[:2] == (0, 0)]
     assert len(whole) == n // chunk
     assert all(name.startswith("embcache-advise") for _, _, name in whole), whole
+
+
+def test_hints_for_chunks_already_asked_for_ask_nothing_more(shm_path, monkeypatch):
+    """In chunk order the batches announced ahead of a window all name its chunks: once they were
+    asked for whole, the later hints (and those wholly in warm chunks) return without asking the
+    kernel anything, so the block-asking code runs about once per window, not once per hint."""
+    n, chunk, window, bsz = 16_384, 512, 4, 128  # 8 windows of 16 batches
+    table = compacted_store(shm_path / "s", n, DIM, chunk)
+    calls = []
+    real = chunkrows.ChunkRows.will_need
+    monkeypatch.setattr(chunkrows.ChunkRows, "will_need", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=n * (ROW + 11) // 4,
+                             warm_bytes=2 * window * chunk * ROW) as s:
+        sampler = ChunkShuffleSampler(n, chunk_rows=chunk, window=window, seed=2)
+        for batch in LookaheadSampler(BatchSampler(sampler, bsz, drop_last=False), s, lookahead=6):
+            ids = torch.as_tensor(batch)
+            assert_bitwise_equal(s.get(ids), table[ids])
+        assert s.stats().cold_reads == n // chunk
+    windows = n // (chunk * window)
+    assert len(calls) <= 2 * windows, f"{len(calls)} hints asked the kernel over {windows} windows"
