@@ -62,12 +62,14 @@ class InlineExecutor:
         pass
 
 
-def compacted_store(path, n: int, dim: int, chunk_rows: int, seed: int = 0) -> torch.Tensor:
-    """Create a store at ``path`` whose ``n`` random rows all live in base chunk files (no delta
-    segment left); return the rows."""
+def compacted_store(path, n: int, dim: int, chunk_rows: int, seed: int = 0,
+                    table: torch.Tensor | None = None) -> torch.Tensor:
+    """Create a store at ``path`` whose ``n`` rows (random, or ``table``) all live in base chunk
+    files (no delta segment left); return the rows."""
     from lightning_embcache import EmbeddingStore
 
-    table = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
+    if table is None:
+        table = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
     with EmbeddingStore.create(path, n, dim, chunk_rows=chunk_rows) as s:
         s.update(torch.arange(n), table)
         s.flush()

@@ -56,18 +56,18 @@ def test_training_in_chunk_order_reads_warm_rows_in_one_gather(shm_path, monkeyp
         assert_bitwise_equal(s.get(torch.arange(n)), model)
 
 
+def _packable_store(path, n: int, chunk: int) -> torch.Tensor:
+    """A compacted store whose rows LZ4 packs (row i is i everywhere); returns the rows."""
+    return compacted_store(path, n, DIM, chunk, table=torch.arange(n, dtype=torch.float32)[:, None].expand(n, DIM).contiguous())
+
+
 def test_a_plan_holding_several_warm_copies_reads_each_as_it_was(shm_path):
     """Rows that compress are held LZ4-packed with raw copies of the latest chunks only; a get
     wanting rows of many of them decompresses each into the slab while the plan still holds the
     copies it took before. A slot freed by one of those is not reused until the read ends (it
     would overwrite rows the plan has yet to read)."""
     n, chunk = 4096, 64  # 64 rows of 64 bytes: one 4 KiB page per chunk
-    table = torch.arange(n, dtype=torch.float32)[:, None].expand(n, DIM).contiguous()  # compresses
-    with EmbeddingStore.create(shm_path / "s", n, DIM, chunk_rows=chunk) as s:
-        s.update(torch.arange(n), table)
-        s.flush()
-        s.compact()
-        s.flush()
+    table = _packable_store(shm_path / "s", n, chunk)
     raw = chunk * ROW
     packed = len(lz4.block.compress(table[:chunk].numpy().tobytes(), store_size=False))
     assert packed * 4 < raw
@@ -87,12 +87,7 @@ def test_a_read_right_after_a_budget_change_reads_each_warm_copy_as_it_was(shm_p
     existed still holds its slots: two packed chunks decompressed by one get into a slab of one
     slot each read as they were."""
     n, chunk = 1024, 64
-    table = torch.arange(n, dtype=torch.float32)[:, None].expand(n, DIM).contiguous()
-    with EmbeddingStore.create(shm_path / "s", n, DIM, chunk_rows=chunk) as s:
-        s.update(torch.arange(n), table)
-        s.flush()
-        s.compact()
-        s.flush()
+    table = _packable_store(shm_path / "s", n, chunk)
     raw = chunk * ROW
     with EmbeddingStore.open(shm_path / "s", hot_bytes=8 * (ROW + 11), warm_bytes=4 * raw) as s:
         for c in range(4):
