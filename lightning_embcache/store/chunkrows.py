@@ -542,8 +542,9 @@ class ChunkRows:
         ``chunks`` sorted (rows of sorted ids). A chunk of which at least 1/64 of the rows were
         announced over the last calls is asked for whole, once per generation while it stays
         among the last few hundred chunks announced (`ChunkShuffleSampler` order announces each
-        chunk in every batch of its window), through a descriptor opened just for that if none
-        is open: its header is not read here (a disk read the caller would wait for). Other rows
+        chunk in every batch of its window), by a helper thread (`_advise_whole_later`), through
+        a descriptor opened just for that if none is open: its header is not read (a disk read
+        the caller would wait for). Other rows
         by their blocks (one request for their span where they lie close together or are four
         or more: a system call costs about as much as the kernel's reading a few blocks more)."""
         if _FADV_WILLNEED is None:
