@@ -205,10 +205,14 @@ class WarmTier:
         self.shrink(self.budget)
 
     def _keep_raw(self, chunk: int, arr: np.ndarray) -> np.ndarray:
+        """Keep ``arr`` as the decompressed copy of a packed chunk where the budget has room
+        beside the packed chunks; returns the records to serve now (``arr`` itself if not kept:
+        a slot given up at once would be reused or given back under the caller)."""
         self._trim_raw(self.budget - arr.nbytes)
+        if self.nbytes + arr.nbytes > self.budget:
+            return arr
         arr = self._raw[chunk] = self._keep(chunk, arr)
         self._raw_copy_bytes += arr.nbytes
-        self._trim_raw(self.budget)
         self._trim_pages(self.budget)
         return arr
 
