@@ -114,6 +114,9 @@ class ChunkRows:
         self.cache_counts = [0, 0]
         # (chunk, gen) -> rows of it announced lately (-1: asked for whole), oldest first
         self._advised: dict[tuple[int, int], int] = {}
+        # how many chunks it remembers: a pass over the table (an epoch) announces every chunk,
+        # so a chunk of a table with fewer chunks than this would never be asked for again
+        self._advised_max = min(512, max(64, nc // 2))
         self._adviser: ThreadPoolExecutor | None = None  # asks for whole chunks (`_advise_whole_later`)
         self._asked_gen = zeros(nc, np.int32)  # generation asked for whole lately (in ``_advised``), else 0
 
@@ -541,7 +544,8 @@ class ChunkRows:
 
         ``chunks`` sorted (rows of sorted ids). A chunk of which at least 1/64 of the rows were
         announced over the last calls is asked for whole, once per generation while it stays
-        among the last few hundred chunks announced (`ChunkShuffleSampler` order announces each
+        among the chunks announced lately (half the table's or 512, whichever is fewer, at least
+        64: a table of more chunks is asked for again each epoch; `ChunkShuffleSampler` order announces each
         chunk in every batch of its window), by a helper thread (`_advise_whole_later`), through
         a descriptor opened just for that if none is open: its header is not read (a disk read
         the caller would wait for). Other rows
@@ -569,7 +573,7 @@ class ChunkRows:
                 advised[(c, g)] = -1 if whole else seen
                 if whole:
                     self._asked_gen[c] = g
-                if len(advised) > 512:
+                if len(advised) > self._advised_max:
                     (oc, og), was = next(iter(advised.items()))
                     del advised[(oc, og)]
                     if was < 0 and self._asked_gen[oc] == og:

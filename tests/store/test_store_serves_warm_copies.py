@@ -286,3 +286,28 @@ def test_hints_for_chunks_already_asked_for_ask_nothing_more(shm_path, monkeypat
         assert s.stats().cold_reads == n // chunk
     windows = n // (chunk * window)
     assert len(calls) <= 2 * windows, f"{len(calls)} hints asked the kernel over {windows} windows"
+
+
+def test_each_epoch_in_chunk_order_asks_the_kernel_for_every_chunk_again(shm_path, monkeypatch):
+    """The store remembers which chunks it asked for whole only for about half a table of
+    announcements: in a table far beyond the page cache the next epoch's chunks are gone from
+    it, so each epoch asks for its chunks again (a table of 256 chunks was remembered whole, and
+    its second epoch asked for nothing)."""
+    n, chunk, window = 256 * 64, 64, 4
+    table = compacted_store(shm_path / "s", n, DIM, chunk)
+    whole = []
+    real = chunkrows.os.posix_fadvise
+    monkeypatch.setattr(chunkrows.os, "posix_fadvise",
+                        lambda fd, off, k, adv: ((off, k) == (0, 0) and whole.append(fd), real(fd, off, k, adv))[1])
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=n * (ROW + 11) // 8,
+                             warm_bytes=2 * window * chunk * ROW) as s:
+        sampler = ChunkShuffleSampler(n, chunk_rows=chunk, window=window, seed=4)
+        batches = LookaheadSampler(BatchSampler(sampler, 64, drop_last=False), s, lookahead=4)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for batch in batches:
+                ids = torch.as_tensor(batch)
+                assert_bitwise_equal(s.get(ids), table[ids])
+    # every chunk once in the first epoch; in the second, all but those the end of the first
+    # asked for within the last half table of announcements (likely still cached)
+    assert 1.5 * (n // chunk) <= len(whole) <= 2 * (n // chunk)
