@@ -485,8 +485,8 @@ def _spawn(cfg: dict, tree: Path | None = None, cgroups: tuple[Path, ...] = ()) 
     if tree is not None:  # the package of another revision, with this benchmark module in it
         # first on the path; other entries stay (where dependencies were installed with --target),
         # except the one holding this package (the revision under test would be shadowed)
-        here = str(Path(__file__).resolve().parents[2])
-        keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(here)]
+        here = Path(__file__).resolve().parents[2]
+        keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != here]
         env["PYTHONPATH"] = os.pathsep.join([str(tree), *keep])
     enter = None
     if cgroups:

@@ -1,4 +1,4 @@
-"""Check a run of 4 KiB blocks against their stored CRC-32s with one pass of zlib over all of them.
+"""Check a run of 4 KiB blocks against their stored CRC-32s with one CRC-32 pass over all of them.
 
 Chunk files keep a CRC-32 per 4 KiB block so that a few rows can be verified without reading the
 whole chunk. A whole chunk read used to be checked block by block: 128 calls of ``zlib.crc32``
@@ -8,8 +8,8 @@ reading chunks in the background took the GIL from the training thread for every
 CRC-32 is linear: ``crc(A + B) == S_len(B)(crc(A)) ^ crc(B)`` with ``S_m`` a fixed GF(2) map
 (zlib's ``crc32_combine``). The CRC of the whole run is therefore the XOR of each stored block
 CRC mapped through the shift for the bytes after it; those maps are tabulated once per run length
-(one 32-entry column per block). One ``zlib.crc32`` over the run (GIL released) plus a vectorised
-XOR replaces the loop. The check detects what a CRC-32 of the whole run detects (every burst of
+(one 32-entry column per block). One CRC-32 over the run (`fileio.crc32`: the GIL is let go) plus
+a vectorised XOR replaces the loop. The check detects what a CRC-32 of the whole run detects (every burst of
 up to 32 bits, any other error but with probability 2^-32); on a mismatch the blocks are checked
 one by one to name the bad block.
 """
@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .fileio import raw_crc32
+from .fileio import crc32
 
 BLOCK = 4096
 _BITS = np.arange(32, dtype=np.uint32)
@@ -42,9 +42,10 @@ def _apply(columns: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=4)
 def _table(nblocks: int, last: int) -> tuple[np.ndarray, np.ndarray]:
-    """(nblocks, 4, 256), flat, and where each of its rows starts: entry [i, k, b] is byte k (little-endian) of a block CRC with value b,
-    carried over the bytes after block i - for ``nblocks`` blocks of which the last has ``last``
-    bytes (512 KiB for a 512 KiB chunk; a store has one or two shapes)."""
+    """(nblocks, 4, 256), flat, and where each of its rows starts: entry [i, k, b] is what byte k
+    (little-endian) of block i's CRC, of value b, becomes carried over the bytes after block i -
+    for ``nblocks`` blocks of which the last has ``last`` bytes (512 KiB for a 512 KiB chunk; a
+    store has one or two shapes)."""
     columns = np.empty((nblocks, 32), np.uint32)
     columns[-1] = np.left_shift(np.uint32(1), _BITS)  # the identity: nothing follows the last block
     if nblocks > 1:
@@ -77,9 +78,9 @@ def first_bad_block(data: bytes | bytearray | memoryview | np.ndarray, crcs: np.
     n = -(-len(view) // BLOCK)
     if len(crcs) != n:
         return min(len(crcs), n)  # a block missing or one checksum too many
-    if n == 0 or (raw_crc32(view) & 0xFFFFFFFF) == combined(crcs, len(view)):
+    if n == 0 or crc32(view) == combined(crcs, len(view)):
         return -1
     for i, crc in enumerate(np.asarray(crcs, np.uint32).tolist()):
-        if raw_crc32(view[i * BLOCK : (i + 1) * BLOCK]) & 0xFFFFFFFF != crc:
+        if crc32(view[i * BLOCK : (i + 1) * BLOCK]) != crc:
             return i
     return -1  # every block matches: the bytes changed between the two passes (not a file's fault)

@@ -41,13 +41,13 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 try:  # ISA-L's CRC-32: the same checksum as zlib's, ~17x faster (PCLMULQDQ); both let go of the GIL
-    from isal.isal_zlib import crc32 as raw_crc32
+    from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - a platform without an isal wheel
-    from zlib import crc32 as raw_crc32
+    from zlib import crc32 as _crc32
 
 
 def crc32(data: bytes | memoryview) -> int:
-    return raw_crc32(data) & 0xFFFFFFFF
+    return _crc32(data) & 0xFFFFFFFF
 
 
 def uuid_bytes(hex_uuid: str) -> bytes:

@@ -6,8 +6,8 @@ reordering per batch (about half of a get). In one slab, slot ``s`` holding chun
 ``r`` of that chunk is row ``s * chunk_rows + r`` of one array: a whole batch is one gather in
 request order (`EmbeddingStore.get`'s warm path).
 
-Slots freed while a reader without the store's lock may still read them (the prefetch thread,
-`pin`) are reused only once it is done. Pages of free slots are given back to the system when
+Slots freed while ``hold`` is set (a plan or a reader without the store's lock holds views of
+the slab: `WarmTier.pin`) are reused only once `let_go` is called. Pages of free slots are given back to the system when
 the tier must shrink (`trim`), so the slab never holds more than the warm budget allows.
 """
 
@@ -24,7 +24,7 @@ _FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(
 
 
 class ChunkSlab:
-    def __init__(self, chunk_rows: int, row_bytes: int, slots: int, num_chunks: int, pins: int = 0) -> None:
+    def __init__(self, chunk_rows: int, row_bytes: int, slots: int, num_chunks: int, hold: bool = False) -> None:
         self.chunk_rows, self.row_bytes = chunk_rows, row_bytes
         self.chunk_bytes = chunk_rows * row_bytes
         self.slots = slots
@@ -36,8 +36,8 @@ class ChunkSlab:
         self._free: list[int] = list(range(slots - 1, -1, -1))  # touched slots last in: reused first
         self._touched = np.zeros(slots, np.bool_)
         self._n_touched = 0
-        self._limbo: list[int] = []  # freed while pinned
-        self._pins = pins
+        self._limbo: list[int] = []  # freed while ``hold``
+        self.hold = hold
         self._sizes = [0] * slots
         self.placed_bytes = 0  # bytes of the records in the slots
 
@@ -79,7 +79,7 @@ class ChunkSlab:
         self.slot_of[chunk] = -1
         self._chunk_of[s] = -1
         self.placed_bytes -= self._sizes[s]
-        (self._limbo if self._pins else self._free).append(s)
+        (self._limbo if self.hold else self._free).append(s)
 
     def locate(self, chunks: np.ndarray) -> np.ndarray | None:
         """Slot of each of ``chunks``, or None if any is not in the slab."""
@@ -90,15 +90,11 @@ class ChunkSlab:
         """The chunks in ``slots`` (distinct slots)."""
         return [self._chunk_of[s] for s in slots.tolist()]
 
-    def pin(self) -> None:
-        """A reader without the store's lock starts using views of the slab."""
-        self._pins += 1
-
-    def unpin(self) -> None:
-        self._pins = max(0, self._pins - 1)
-        if not self._pins and self._limbo:
-            self._free.extend(self._limbo)
-            self._limbo = []
+    def let_go(self) -> None:
+        """No view is held any more: slots freed meanwhile are free."""
+        self.hold = False
+        self._free.extend(self._limbo)
+        self._limbo = []
 
     def trim(self, limit: int) -> int:
         """Give back the pages of free slots until the slab holds at most ``limit`` bytes;

@@ -79,7 +79,7 @@ class WarmTier:
             if not n or self._budget < rows * rb:
                 return raw
             try:  # (never more slots than the table has chunks)
-                slab = ChunkSlab(rows, rb, min(n, self._budget // (rows * rb)), n, pins=self._pins)
+                slab = ChunkSlab(rows, rb, min(n, self._budget // (rows * rb)), n, hold=self._pins > 0)
             except (OSError, MemoryError, OverflowError, ValueError):  # no address space for it
                 self._shape = (rows, rb, 0)  # chunks stay arrays of their own, as they always can
                 return raw
@@ -92,13 +92,13 @@ class WarmTier:
         once; a slot freed meanwhile is not reused, in a slab made meanwhile too)."""
         self._pins += 1
         if self.slab is not None:
-            self.slab.pin()
+            self.slab.hold = True
 
     def unpin(self) -> None:
         """End a `pin`; slots freed meanwhile are free again (their pages within the budget)."""
         self._pins -= 1
-        if self.slab is not None:
-            self.slab.unpin()
+        if self.slab is not None and not self._pins:
+            self.slab.let_go()
             self._trim_pages(self.budget)
 
     def rows_of(self, chunks: np.ndarray, local: np.ndarray) -> np.ndarray | None:
