@@ -689,13 +689,30 @@ class Disk:
         if chunks:
             fileio.sync_written(self._chunks_fd, [self.chunk_path(c, gen).name for c in chunks], self.root / "chunks")
 
+    def raw_chunk_data_offset(self, chunk: int) -> int:
+        """Where a dense raw chunk file of ``chunk`` has its records: after its header and
+        directory, whose size the chunk's shape fixes (a read of a whole file can be asked for
+        before its header was read: `ChunkLoader`)."""
+        return HEADER_SIZE + _CHUNK_HEAD.size + 4 * -(-self.chunk_rows_of(chunk) * self.row_bytes // BLOCK)
+
+    def raw_chunk_checksums(self, chunk: int, gen: int, head: bytes) -> np.ndarray:
+        """The block checksums in ``head`` (the first `raw_chunk_data_offset` bytes of chunk file
+        (chunk, gen)), everything in it checked; CorruptStoreError if it is not a dense raw chunk
+        of this store's ``chunk`` (a sparse or LZ4 file too)."""
+        path = self.chunk_path(chunk, gen)
+        if len(head) != self.raw_chunk_data_offset(chunk):
+            raise CorruptStoreError(path, "truncated: shorter than its header")
+        return self._raw_chunk_directory(path, chunk, head=bytes(head[:HEADER_SIZE]),
+                                         directory=bytes(head[HEADER_SIZE:]))[1]
+
     def _raw_chunk_directory(self, path: Path, chunk: int, *, fd: int | None = None,
-                             head: bytes | None = None) -> tuple[int, np.ndarray, int]:
+                             head: bytes | None = None, directory: bytes | None = None) -> tuple[int, np.ndarray, int]:
         head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)
         length, pcrc = parse_header(path, head, b"chunkraw", self.uid)
         if length != _CHUNK_HEAD.size + 4 * -(-self.chunk_rows_of(chunk) * self.row_bytes // BLOCK):
             raise CorruptStoreError(path, f"chunk directory of {length} bytes does not fit chunk {chunk}")
-        directory = self._pread(path, HEADER_SIZE, length, fd=fd)
+        if directory is None:
+            directory = self._pread(path, HEADER_SIZE, length, fd=fd)
         if crc32(directory) != pcrc:
             raise CorruptStoreError(path, "chunk directory fails its checksum")
         c, rows, raw_len, _ = _CHUNK_HEAD.unpack_from(directory)

@@ -49,6 +49,10 @@ class ChunkSlab:
             pass
 
     @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
     def touched_bytes(self) -> int:
         """Bytes of slots written since their pages were last given back (what the slab holds)."""
         return self._n_touched * self.chunk_bytes
@@ -71,6 +75,32 @@ class ChunkSlab:
         view = flat.view()
         view.flags.writeable = False
         return view
+
+    def reserve(self) -> tuple[int, np.ndarray] | None:
+        """A free slot taken for a chunk being read into it (`ChunkLoader`): (slot, its writable
+        flat bytes), or None if none is free. It serves nothing until `fill`, and goes back with
+        `unreserve`."""
+        if not self._free:
+            return None
+        s = self._free.pop()
+        self._n_touched += not self._touched[s]
+        self._touched[s] = True  # the kernel writes its pages
+        return s, self.rows[s * self.chunk_rows : (s + 1) * self.chunk_rows].reshape(-1)
+
+    def fill(self, chunk: int, slot: int, nbytes: int) -> np.ndarray:
+        """A reserved slot now holds ``chunk``'s ``nbytes`` of records: a read-only view of them."""
+        self.release(chunk)
+        self.slot_of[chunk] = slot
+        self._chunk_of[slot] = chunk
+        self._sizes[slot] = nbytes
+        self.placed_bytes += nbytes
+        view = self.rows[slot * self.chunk_rows : (slot + 1) * self.chunk_rows].reshape(-1)[:nbytes].view()
+        view.flags.writeable = False
+        return view
+
+    def unreserve(self, slot: int) -> None:
+        """A reserved slot that was never filled is free again (nobody saw its bytes)."""
+        self._free.append(slot)
 
     def release(self, chunk: int) -> None:
         s = int(self.slot_of[chunk])

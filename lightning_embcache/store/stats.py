@@ -52,11 +52,12 @@ class StoreStats:
     warm_bytes_read: int = 0
     warm_bytes_written: int = 0
     table_bytes: int = 0
+    chunks_read_ahead: int = 0  # announced chunks read whole into the warm tier by kernel threads
 
     _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions", "superseded_segments", "flush_seconds", "compaction_seconds",
                  "compaction_process_chunks", "compaction_process_failures",
                  "prefetched_rows", "evicted_bytes", "cleaned_rows", "gets", "updates",
-                 "prefetch_hits", "prefetch_misses", "stall_seconds")
+                 "prefetch_hits", "prefetch_misses", "stall_seconds", "chunks_read_ahead")
 
     @classmethod
     def counter_fields(cls) -> tuple[str, ...]:

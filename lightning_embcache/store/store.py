@@ -678,6 +678,8 @@ class EmbeddingStore(TieredRows, Versioning):
             with self._lock:
                 for s in self._committed + self._pending:
                     s.close()
+                if self._loader is not None:
+                    self._loader.close()
                 if self._chunkrows is not None:
                     self._chunkrows.close()
                 self._hot.close()

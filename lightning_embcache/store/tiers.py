@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from . import idsets, uring
+from .blockcrc import first_bad_block
+from .chunkload import ChunkLoader
 from .chunkrows import DENSE_ROWS, ChunkRows
-from .errors import InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
+from .errors import CorruptStoreError, InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
 from .holes import dead_rows
 from .hot import SLOT_OVERHEAD
 from .initrows import normal_rows
@@ -83,6 +85,8 @@ class TieredRows:
     _cache_seen: tuple[int, int] = (0, 0)  # the reader's ``cache_counts`` when last looked at
     _fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
     _fetch_cond: threading.Condition | None = None
+    _loader: ChunkLoader | None = None  # announced chunks read whole into the warm slab (chunkload.py)
+    _loader_tried: bool = False
 
     def _field_np(self, name: str) -> np.ndarray:
         f = self._schema.fields[name]
@@ -215,6 +219,9 @@ class TieredRows:
             ids = idx[where]
             chunks = ids // self._chunk_rows
             rows = self._warm.rows_of(chunks, ids - chunks * self._chunk_rows)
+            if rows is None and self._loader is not None and len(self._loader):
+                self._adopt_loads(chunks)  # chunks being read ahead: wait for them
+                rows = self._warm.rows_of(chunks, ids - chunks * self._chunk_rows)
             if rows is not None:
                 raise ServedWarm(slots, where, rows)
         mids = idsets.unique(idx[missing])
@@ -433,6 +440,8 @@ class TieredRows:
             if few.any():
                 self._held_advice = ids[few]
                 ids, chunks = ids[~few], chunks[~few]
+        if len(chunks) and self._chunk_loader() is not None:
+            ids, chunks = self._load_ahead(ids, chunks)
         covered = True
         if cached and len(chunks):
             sparse = thin(chunks)
@@ -444,6 +453,73 @@ class TieredRows:
             return covered
         c = chunks[base]
         return reader.will_need(c, ids[base] - c * cr, gens[base]) and covered
+
+    def _chunk_loader(self) -> ChunkLoader | None:
+        """The loader of announced chunks, made at first need where io_uring is there and the warm
+        tier can hold chunks (caller holds the lock)."""
+        if self._loader is None and not self._loader_tried and self._disk is not None:
+            self._loader_tried = True
+            loader = ChunkLoader(self._disk, self._warm)
+            if loader.usable:
+                self._loader = loader
+        loader = self._loader
+        return loader if loader is not None and loader.usable else None
+
+    def _load_ahead(self, ids: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Start reading whole into the warm slab the base chunks of announced rows ``ids`` (not
+        hot, not warm; chunks ``chunks``, sorted) of which the hint wants a good part; returns
+        the ids and chunks left to ask the kernel for (caller holds the lock)."""
+        bounds = idsets.runs(chunks)
+        uc = chunks[bounds[:-1]]
+        gens = self._cmap[uc]
+        dense = (np.diff(bounds) * DENSE_ROWS >= self._chunk_rows) & (gens > 0)
+        if not dense.any():
+            return ids, chunks
+        self._adopt_loads()  # completed loads first: their slots may be what the next ones need
+        going = self._loader.start(uc[dense].tolist(), gens[dense].tolist())
+        if not going:
+            return ids, chunks
+        left = ~idsets.isin(chunks, np.fromiter(going, np.int64, len(going)))
+        return ids[left], chunks[left]
+
+    def _adopt_loads(self, wait_for: np.ndarray | None = None) -> None:
+        """Chunks read ahead whose reads completed (waiting for those of ``wait_for`` in flight)
+        join the warm tier: checked (header, block checksums), brought up to date with their
+        newer delta records, or given up where they fail or a compaction replaced the file (a
+        miss then reads the chunk as usual and names any damage). Caller holds the lock."""
+        loader = self._loader
+        t0 = time.perf_counter()
+        done = loader.done(() if wait_for is None else wait_for)
+        if wait_for is not None:
+            self._stats.stall_seconds += time.perf_counter() - t0
+        for ld in done:
+            c, warm = ld.chunk, self._warm
+            if int(self._cmap[c]) != ld.gen:
+                warm.unreserve(c)  # compacted meanwhile
+                continue
+            ok = ld.ok
+            if ok:
+                try:
+                    crcs = self._disk.raw_chunk_checksums(c, ld.gen, ld.head.tobytes())
+                    ok = first_bad_block(ld.flat, crcs) < 0
+                except CorruptStoreError:  # a sparse or LZ4 file (or damage: the miss names it)
+                    ok = False
+            if not ok:
+                loader.refuse(c, ld.gen)
+                warm.unreserve(c)
+                continue
+            _, delta = self._layout_of(c)
+            if delta is not None:
+                ids, seg, pos, segs = delta
+                gather_deltas(ld.flat.reshape(-1, self._row_bytes), ids - c * self._chunk_rows, seg, pos, segs)
+            warm.adopt(c)
+            self._stats.cold_reads += 1
+            self._stats.chunks_read_ahead += 1
+
+    def _cancel_loads(self) -> None:
+        """Wait for the chunks being read ahead and give their slots back (caller holds the lock)."""
+        if self._loader is not None:
+            self._loader.cancel()
 
     def _reads_cached(self) -> bool:
         """Whether this store's recent reads below the hot tier came from the page cache (under
@@ -668,6 +744,8 @@ class TieredRows:
         ``whole_rows``: return (records, which rows came from chunks held whole: a warm copy, or
         a chunk read whole just now and kept warm, so that a later read finds it there too)."""
         t0 = time.perf_counter()
+        if self._loader is not None and len(self._loader):
+            self._adopt_loads(idsets.unique(ids // self._chunk_rows))  # the plan finds them warm
         self._warm.pin()  # the plan's warm copies stay put until read
         try:
             plan = self._plan_below(ids)
@@ -1150,6 +1228,7 @@ class TieredRows:
             if self._closed:
                 raise StoreClosedError("this EmbeddingStore was closed during set_budget()")
             if warm_bytes is not None:
+                self._cancel_loads()  # (their slots are in the slab the new budget replaces)
                 self._warm.budget = budget(warm_bytes, "warm_bytes", allow_none=False)
                 self._warm.shrink(self._warm.budget)
             if hot_bytes is None:

@@ -32,6 +32,7 @@ _REGISTER_PROBE = 8
 _OP_SUPPORTED = 1
 _OP_READ = 22
 _ENTER_GETEVENTS = 1
+_SQE_ASYNC = 1 << 4  # IOSQE_ASYNC (5.6): never tried inline, always a kernel worker's
 _FEAT_SINGLE_MMAP = 1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 
@@ -214,6 +215,60 @@ class _Ring:
             _disabled = True
 
 
+    # ---- reads left in flight (`AsyncReads`) --------------------------------------------------
+    def submit(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray, offs: np.ndarray,
+               tags: np.ndarray, sqe_flags: int = 0) -> None:
+        """Queue reads and hand them to the kernel without waiting; their completions carry
+        ``tags``. The caller keeps the buffers alive and never has more reads in flight than
+        the completion queue holds."""
+        n = len(fds)
+        if n > self.entries:
+            raise ValueError(f"at most {self.entries} reads at once; got {n}")
+        words = self.sqe_words
+        tail = int(self.sq_tail[0])
+        first = tail & self.sq_mask
+        for x, y, slot in ((0, min(n, self.entries - first), first), (self.entries - first, n, 0)):
+            if y <= x:
+                continue
+            w = words[slot : slot + y - x]
+            w[:, 0] = ((fds[x:y].astype(np.uint64) << np.uint64(32)) | np.uint64(_OP_READ)
+                       | np.uint64(sqe_flags << 8))
+            w[:, 1] = offs[x:y]
+            w[:, 2] = addrs[x:y]
+            w[:, 3] = lens[x:y].astype(np.uint64)
+            w[:, 4] = tags[x:y]
+            w[:, 5:] = 0
+        self.sq_tail[0] = np.uint32((tail + n) & 0xFFFFFFFF)
+        while (int(self.sq_tail[0]) - int(self.sq_head[0])) & 0xFFFFFFFF:
+            self._enter_raw(0)
+
+    def _enter_raw(self, wait: int) -> None:
+        submit = (int(self.sq_tail[0]) - int(self.sq_head[0])) & 0xFFFFFFFF
+        got = _syscall()(ctypes.c_long(_SYS_ENTER), ctypes.c_int(self.fd), ctypes.c_uint32(submit),
+                         ctypes.c_uint32(wait), ctypes.c_uint32(_ENTER_GETEVENTS if wait else 0), None,
+                         ctypes.c_size_t(0))
+        if got < 0:
+            err = ctypes.get_errno()
+            if err not in (4, 11, 16):  # EINTR, EAGAIN, EBUSY: the caller looks again
+                raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
+
+    def completed(self, wait: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(tags, results) of the reads completed since the last call: bytes read, or -errno.
+        ``wait``: first wait until at least that many completions are there (no system call
+        where they already are)."""
+        if wait and ((int(self.cq_tail[0]) - int(self.cq_head[0])) & 0xFFFFFFFF) < wait:
+            self._enter_raw(wait)
+        head, ctail = int(self.cq_head[0]), int(self.cq_tail[0])
+        done = (ctail - head) & 0xFFFFFFFF
+        if not done:
+            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        h = head & self.cq_mask
+        first = min(done, self.cq_entries - h)
+        part = np.concatenate([self.cqe_words[h : h + first], self.cqe_words[: done - first]])
+        self.cq_head[0] = np.uint32(ctail)
+        return part[:, 0].copy(), part[:, 1].astype(np.uint32).view(np.int32).astype(np.int64)
+
+
 _local = threading.local()  # a thread's ring closes with the thread (its locals are dropped)
 
 
@@ -235,6 +290,17 @@ def _ring() -> _Ring | None:
 
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 8)
+
+
+def async_ring(entries: int) -> _Ring | None:
+    """A ring of the caller's own for reads left in flight (`_Ring.submit`, `_Ring.completed`),
+    or None where io_uring is not available. Single-threaded use; useless in a forked child."""
+    if _disabled:
+        return None
+    try:
+        return _Ring(entries)
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
 def available() -> bool:

@@ -24,6 +24,10 @@ MIN_RATIO = 1.05
 # After this many incompressible chunks in a row, the next SKIP_PUTS puts are kept raw untried.
 GIVE_UP_AFTER = 4
 SKIP_PUTS = 32
+# A chunk read ahead takes the slot of the least recently read chunk only if that was last read
+# this many serving calls ago or more (the chunks of a window in use are read by every call)...
+LATELY = 2
+FRESH = 1 << 62  # ...and never that of a chunk read ahead that no call has read yet
 
 
 class WarmTier:
@@ -42,6 +46,12 @@ class WarmTier:
         self._sorted: np.ndarray | None = None  # `chunks()`, until the chunks held change
         self._incompressible = 0  # incompressible puts in a row
         self._skip = 0  # puts left to keep raw without trying LZ4
+        self._loading: dict[int, tuple[int, int]] = {}  # chunk -> (slot, bytes): being read into the slab
+        self._loading_bytes = 0
+        # per chunk: the serving call (``_clock``) that last read it; FRESH until a chunk read
+        # ahead is first read (a read ahead never takes the slot of a chunk read since LATELY calls)
+        self._clock = 0
+        self._stamp: dict[int, int] = {}
         self.raw_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -57,6 +67,8 @@ class WarmTier:
         """A new budget: chunks in the slab move out to arrays of their own and the slab is
         made again at the next raw chunk, sized to the new budget."""
         value = max(int(value), 0)
+        if self._loading:
+            raise RuntimeError("WarmTier.budget changed while chunks are read into the slab; cancel them first")
         if value != self._budget and self.slab is not None:
             for chunk, (data, compressed, raw_len) in list(self._items.items()):
                 if not compressed and self._in_slab(chunk):
@@ -71,21 +83,76 @@ class WarmTier:
     def _in_slab(self, chunk: int) -> bool:
         return self.slab is not None and self.slab.slot_of[chunk] >= 0
 
-    def _keep(self, chunk: int, raw: np.ndarray) -> np.ndarray:
-        """``raw`` (flat, read-only) where it is kept: a slot of the slab if one is free."""
+    def _slab(self) -> ChunkSlab | None:
+        """The slab, made at first need; None where the budget holds no chunk or no map could be had."""
         slab = self.slab
         if slab is None:
             rows, rb, n = self._shape
             if not n or self._budget < rows * rb:
-                return raw
+                return None
             try:  # (never more slots than the table has chunks)
                 slab = ChunkSlab(rows, rb, min(n, self._budget // (rows * rb)), n, hold=self._pins > 0)
             except (OSError, MemoryError, OverflowError, ValueError):  # no address space for it
                 self._shape = (rows, rb, 0)  # chunks stay arrays of their own, as they always can
-                return raw
+                return None
             self.slab = slab
+        return slab
+
+    def _keep(self, chunk: int, raw: np.ndarray) -> np.ndarray:
+        """``raw`` (flat, read-only) where it is kept: a slot of the slab if one is free."""
+        slab = self._slab()
+        if slab is None:
+            return raw
         placed = slab.place(chunk, raw)
         return raw if placed is None else placed
+
+    # ---- chunks read into the slab by the kernel (`ChunkLoader`) -----------------------------
+    def reserve(self, chunk: int, nbytes: int) -> np.ndarray | None:
+        """A slot for ``chunk``'s ``nbytes`` of records about to be read into it: its writable
+        bytes, or None where no slot can be had without dropping a chunk read in the last
+        LATELY serving calls (those of the window being trained on) or one read ahead and not
+        read yet. The bytes count against the budget until `adopt` or `unreserve`."""
+        if chunk in self._loading:
+            return None
+        slab = self._slab()
+        if slab is None or nbytes > slab.chunk_bytes:
+            return None
+        self._trim_raw(self.budget - nbytes if slab.free_slots else 0)  # (copies can be made again)
+        while self.nbytes + nbytes > self.budget or not slab.free_slots:
+            victim = next(iter(self._items), None)
+            if victim is None or self._stamp.get(victim, 0) > self._clock - LATELY:
+                return None
+            self.discard(victim)
+        got = slab.reserve()
+        if got is None:  # (slots freed while a reader holds views come free at `unpin`)
+            return None
+        slot, flat = got
+        self._loading[chunk] = (slot, nbytes)
+        self._loading_bytes += nbytes
+        self._trim_pages(self.budget)
+        return flat[:nbytes]
+
+    def adopt(self, chunk: int) -> None:
+        """The reserved slot of ``chunk`` holds its current records: the tier serves them."""
+        slot, nbytes = self._loading.pop(chunk)
+        self._loading_bytes -= nbytes
+        self.discard(chunk)
+        view = self.slab.fill(chunk, slot, nbytes)
+        self._items[chunk] = (view, False, nbytes)
+        self._sorted = None
+        self._item_bytes += nbytes
+        self.bytes_written += nbytes
+        self.raw_bytes += nbytes
+        self._stamp[chunk] = FRESH
+
+    def unreserve(self, chunk: int) -> None:
+        """Give back the slot reserved for ``chunk`` (its read failed or is no longer current)."""
+        slot, nbytes = self._loading.pop(chunk)
+        self._loading_bytes -= nbytes
+        self.slab.unreserve(slot)
+
+    def loading(self, chunk: int) -> bool:
+        return chunk in self._loading
 
     def pin(self) -> None:
         """Views `get` returns from now on stay valid until `unpin` (a plan holds several at
@@ -110,7 +177,9 @@ class WarmTier:
         slots = slab.locate(chunks)
         if slots is None:
             return None
+        self._clock += 1
         for c in slab.chunks_of(np.flatnonzero(np.bincount(slots, minlength=slab.slots))):
+            self._stamp[c] = self._clock
             self._items.move_to_end(c)
             if c in self._raw:
                 self._raw.move_to_end(c)
@@ -122,7 +191,9 @@ class WarmTier:
         """Let go of every chunk and the slab (the store is closing)."""
         self._items.clear()
         self._raw.clear()
-        self._item_bytes = self._raw_copy_bytes = self.raw_bytes = 0
+        self._loading.clear()
+        self._stamp.clear()
+        self._item_bytes = self._raw_copy_bytes = self.raw_bytes = self._loading_bytes = 0
         self._sorted = None
         if self.slab is not None:
             self.slab.close()
@@ -130,8 +201,9 @@ class WarmTier:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the chunks as kept plus the decompressed copies (what the budget bounds)."""
-        return self._item_bytes + self._raw_copy_bytes
+        """Bytes held: the chunks as kept, the decompressed copies and the slots being read
+        into (what the budget bounds)."""
+        return self._item_bytes + self._raw_copy_bytes + self._loading_bytes
 
     def __contains__(self, chunk: int) -> bool:
         return chunk in self._items
@@ -155,6 +227,8 @@ class WarmTier:
             self.misses += 1
             return None
         self._items.move_to_end(chunk)
+        self._clock += 1
+        self._stamp[chunk] = self._clock
         self.hits += 1
         data, compressed, raw_len = item
         self.bytes_read += raw_len
@@ -196,6 +270,7 @@ class WarmTier:
         if not compressed:
             data = raw = self._keep(chunk, raw)
         self._items[chunk] = (data, compressed, raw.nbytes)
+        self._stamp[chunk] = self._clock
         self._sorted = None
         self._item_bytes += size
         self.bytes_written += size
@@ -230,6 +305,7 @@ class WarmTier:
     def discard(self, chunk: int) -> None:
         item = self._items.pop(chunk, None)
         if item is not None:
+            self._stamp.pop(chunk, None)
             self._sorted = None
             self._item_bytes -= _size(item[0])
             self.raw_bytes -= item[2]
@@ -284,7 +360,8 @@ class WarmTier:
     def _trim_pages(self, limit: int) -> None:
         """What is held outside the slab plus the slab's pages fit ``limit`` too."""
         if self.slab is not None:
-            self.slab.trim(max(0, limit - (self.nbytes - self.slab.placed_bytes)))
+            outside = self.nbytes - self.slab.placed_bytes - self._loading_bytes
+            self.slab.trim(max(0, limit - outside))
 
     def _fit(self, limit: int) -> int:
         freed = self._trim_raw(limit)

@@ -192,12 +192,16 @@ def test_gets_updates_flushes_and_hints_with_a_warm_tier_match_a_tensor(tmp_path
 
 # ---- ChunkShuffleSampler order with lookahead -----------------------------------------------------
 @pytest.mark.parametrize("uncached_share", [1.0, 0.0])
-def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_path, monkeypatch, uncached_share):
+@pytest.mark.parametrize("kernel_threads", [True, False], ids=["read-ahead", "page-cache"])
+def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_path, monkeypatch, uncached_share,
+                                                                          kernel_threads, request):
     """Batches of 100 straddle the sampler's windows, so a window's first batch meets each of its
     chunks with a few rows: neither the hint nor the get opens the chunk's file for them (the
-    next batches read it whole); every chunk is asked from the kernel once, whole, and read
-    from below once; no row is read ahead into the hot tier, whether recent reads waited for
-    the disk or not; every row matches the table."""
+    next batches read it whole); every chunk is read ahead whole by kernel threads once (where
+    io_uring is there; else asked from the kernel once, whole) and read from below once; no row
+    is read ahead into the hot tier, whether recent reads waited for the disk or not; every row
+    matches the table."""
+    request.getfixturevalue("read_ahead" if kernel_threads else "no_read_ahead")
     n, chunk, window = 16_384, 1024, 4
     table = compacted_store(shm_path / "s", n, DIM, chunk)
     opened = []
@@ -222,7 +226,8 @@ def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_
     assert torch.equal(torch.sort(torch.cat(seen)).values, torch.arange(n))
     assert opened == []
     whole = [a for a in asked if a[2] == chunkrows._FADV_WILLNEED and a[:2] == (0, 0)]
-    assert len(whole) == n // chunk
+    assert len(whole) == (0 if kernel_threads else n // chunk)
+    assert st_.chunks_read_ahead == (n // chunk if kernel_threads else 0)
     assert len(asked) == len(whole)  # no block-by-block request
     assert st_.cold_reads == n // chunk
     assert st_.prefetched_rows == 0 and st_.hot_bytes == 0
@@ -245,7 +250,7 @@ def test_a_random_order_read_from_the_page_cache_is_still_read_ahead_with_a_warm
         assert s.stats().prefetched_rows > n // 2
 
 
-def test_whole_chunks_are_asked_for_beside_the_training_thread(shm_path, monkeypatch):
+def test_whole_chunks_are_asked_for_beside_the_training_thread(shm_path, monkeypatch, no_read_ahead):
     """The kernel's part of asking for a whole chunk (page allocation, queueing its reads) runs on
     a helper thread, not in the `upcoming` call of the training thread; every chunk is still
     asked for once and every row matches."""
@@ -288,7 +293,7 @@ def test_hints_for_chunks_already_asked_for_ask_nothing_more(shm_path, monkeypat
     assert len(calls) <= 2 * windows, f"{len(calls)} hints asked the kernel over {windows} windows"
 
 
-def test_each_epoch_in_chunk_order_asks_the_kernel_for_every_chunk_again(shm_path, monkeypatch):
+def test_each_epoch_in_chunk_order_asks_the_kernel_for_every_chunk_again(shm_path, monkeypatch, no_read_ahead):
     """The store remembers which chunks it asked for whole only for about half a table of
     announcements: in a table far beyond the page cache the next epoch's chunks are gone from
     it, so each epoch asks for its chunks again (a table of 256 chunks was remembered whole, and

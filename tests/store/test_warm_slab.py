@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler
 
 from lightning_embcache import ChunkShuffleSampler, EmbeddingStore, LookaheadSampler
 from lightning_embcache.store import tiers
-from lightning_embcache.store.warm import WarmTier
+from lightning_embcache.store.warm import LATELY, WarmTier
 
 from _store_helpers import assert_bitwise_equal, compacted_store
 
@@ -124,6 +124,9 @@ _op = st.one_of(
     st.tuples(st.just("pin"),),
     st.tuples(st.just("unpin"),),
     st.tuples(st.just("rows_of"), st.lists(st.integers(0, NCH * CR - 1), min_size=1, max_size=20)),
+    # a chunk read ahead into a reserved slot (chunkload.py), then adopted or given up
+    st.tuples(st.just("reserve"), st.integers(0, NCH - 1), st.integers(0, 10**6)),
+    st.tuples(st.just("finish"), st.integers(0, 10**6), st.booleans()),
 )
 
 
@@ -136,6 +139,7 @@ def test_the_warm_tier_returns_what_it_was_given_within_its_budget(budget, ops):
     warm = WarmTier(budget, CR, RB, NCH)
     model: dict[int, np.ndarray] = {}  # what each chunk held would return
     pins: list = []  # (slab, [(view, its bytes when taken)]) of each open pin
+    loading: dict[int, np.ndarray] = {}  # chunk -> records written into its reserved slot
     for op in ops:
         kind = op[0]
         if kind == "put":
@@ -161,7 +165,28 @@ def test_the_warm_tier_returns_what_it_was_given_within_its_budget(budget, ops):
                 model[op[1]][local] = recs
         elif kind == "shrink":
             warm.shrink(op[1])
+        elif kind == "reserve":
+            served = [c for c in model if warm._stamp.get(c, 0) > warm._clock - LATELY]  # in use: not dropped
+            flat = warm.reserve(op[1], CR * RB)
+            if flat is not None:
+                assert op[1] not in loading
+                recs = _records(0, op[2])
+                flat[:] = recs.reshape(-1)  # what the kernel writes
+                loading[op[1]] = recs
+                assert all(c in warm for c in served), "a chunk in use was dropped for a read ahead"
+        elif kind == "finish" and loading:
+            c = sorted(loading)[op[1] % len(loading)]
+            recs = loading.pop(c)
+            if op[2]:
+                warm.adopt(c)
+                model[c] = recs
+                assert np.array_equal(warm.get(c).reshape(CR, RB), recs)
+            else:
+                warm.unreserve(c)
         elif kind == "budget" and not pins:  # (the store changes budgets under its lock only)
+            for c in list(loading):  # (and waits for its reads ahead first)
+                warm.unreserve(c)
+                del loading[c]
             warm.budget = op[1]
             warm.shrink(warm.budget)
         elif kind == "pin":
@@ -183,8 +208,8 @@ def test_the_warm_tier_returns_what_it_was_given_within_its_budget(budget, ops):
         assert warm.nbytes <= warm.budget
         slab = warm.slab
         if slab is not None and not pins:
-            assert warm.nbytes - slab.placed_bytes + slab.touched_bytes <= warm.budget, \
-                "the slab keeps pages beyond the budget"
+            outside = warm.nbytes - slab.placed_bytes - warm._loading_bytes
+            assert outside + slab.touched_bytes <= warm.budget, "the slab keeps pages beyond the budget"
 
 
 @pytest.mark.parametrize("budget, chunks", [(25 << 30, NCH), (1 << 50, 1 << 20), (1 << 62, 1 << 40)])

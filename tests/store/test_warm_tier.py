@@ -112,10 +112,13 @@ N, DIM, CHUNK = 16_384, 16, 256
 ROW = DIM * 4
 
 
-def test_lookahead_in_chunk_order_asks_each_chunk_once_and_reads_it_once(shm_path, monkeypatch):
-    """With a warm tier, the announced batches of a `ChunkShuffleSampler` epoch ask the kernel
-    for each chunk once, whole (no prefetch thread), each chunk is read from below once, and
-    every row matches the table."""
+@pytest.mark.parametrize("kernel_threads", [True, False], ids=["read-ahead", "page-cache"])
+def test_lookahead_in_chunk_order_asks_each_chunk_once_and_reads_it_once(shm_path, monkeypatch, kernel_threads, request):
+    """With a warm tier, the announced batches of a `ChunkShuffleSampler` epoch have kernel
+    threads read each chunk once, whole, into the warm tier (where io_uring is there; else ask
+    the kernel for each chunk once, whole), no prefetch thread runs, each chunk is read from
+    below once, and every row matches the table."""
+    request.getfixturevalue("read_ahead" if kernel_threads else "no_read_ahead")
     table = compacted_store(shm_path / "s", N, DIM, CHUNK)
     asked = []
     real = chunkrows.os.posix_fadvise
@@ -137,7 +140,8 @@ def test_lookahead_in_chunk_order_asks_each_chunk_once_and_reads_it_once(shm_pat
         st_ = s.stats()
     assert torch.equal(torch.sort(torch.cat(seen)).values, torch.arange(N))
     whole = [a for a in asked if a[3] == chunkrows._FADV_WILLNEED and a[1:3] == (0, 0)]  # whole files
-    assert len(whole) == N // CHUNK  # each chunk once, whole
+    assert len(whole) == (0 if kernel_threads else N // CHUNK)  # each chunk once, whole
+    assert st_.chunks_read_ahead == (N // CHUNK if kernel_threads else 0)
     assert st_.cold_reads == N // CHUNK  # each chunk read from below once; its other rows came warm
     assert st_.warm_hits > 0
 
