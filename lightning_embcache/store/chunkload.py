@@ -176,6 +176,7 @@ class ChunkLoader:
 
     def _forget_forked(self) -> None:
         """In a forked child: the kernel fills the parent's slots, never this copy's."""
-        for c in list(self._loads):
+        for c, ld in list(self._loads.items()):
             self._warm.unreserve(c)
+            os.close(ld.fd)  # this process's copy of the descriptor
         self._loads.clear()

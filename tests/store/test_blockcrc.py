@@ -7,6 +7,7 @@ import array
 import zlib
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -48,3 +49,11 @@ def test_the_store_checksum_is_zlibs_crc32():
     raw = np.random.default_rng(1).integers(0, 256, 3 * BLOCK + 11, dtype=np.uint8).tobytes()
     assert fileio.crc32(raw) == zlib.crc32(raw)
     assert fileio.crc32(memoryview(raw)[5:900]) == zlib.crc32(raw[5:900])
+
+
+@pytest.mark.parametrize("n", [128 * BLOCK, 127 * BLOCK + 1, 300 * BLOCK - 5])
+def test_chunk_sized_runs_agree_with_zlib(n):
+    """The sizes of real chunks (512 KiB and beyond): the tables are built by doubling, so runs
+    past a power of two of blocks take other paths than the short ones above."""
+    raw = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert combined(_block_crcs(raw), n) == zlib.crc32(raw)
