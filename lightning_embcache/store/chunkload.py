@@ -28,6 +28,9 @@ from . import uring
 from .chunkrows import _OPEN_FLAGS, _chunk_name
 
 MAX_LOADS = 64  # chunks in flight at most (32 MiB of 512 KiB chunks)
+# Loads whose completion could not be awaited (the ring failed): the kernel may still write into
+# their slots, so their memory stays mapped (held by these views) and the slots are never reused.
+_ABANDONED: list = []
 
 
 @dataclass
@@ -52,6 +55,7 @@ class ChunkLoader:
         self._ring = uring.async_ring(2 * max_loads)
         self._pid = os.getpid()
         self._loads: dict[int, Load] = {}  # chunk -> its load in flight
+        self._ready: list[Load] = []  # completed, not handed to the caller yet (`done`)
         self._refused: dict[int, int] = {}  # chunk -> generation not loaded ahead (not a dense raw file)
         self.chunks_read = 0  # loads completed
 
@@ -60,7 +64,7 @@ class ChunkLoader:
         return self._ring is not None and os.getpid() == self._pid
 
     def __len__(self) -> int:
-        return len(self._loads)
+        return len(self._loads) + len(self._ready)
 
     def __contains__(self, chunk: int) -> bool:
         return chunk in self._loads
@@ -131,14 +135,12 @@ class ChunkLoader:
         """Loads whose reads have completed since the last call (no system call unless it
         waits), after waiting for those of the chunks in ``wait_for`` that are in flight. Their
         slots stay reserved: the caller checks each and adopts or unreserves it."""
-        if not self._loads:
-            return []
         if not self.usable:
             self._forget_forked()
             return []
         need = {c for c in (wait_for.tolist() if isinstance(wait_for, np.ndarray) else wait_for) if c in self._loads}
-        out: list[Load] = []
-        while True:
+        while self._loads:
+            # (an error here leaves the loads finished so far in ``_ready`` for the next call)
             tags, res = self._ring.completed(wait=1 if need else 0)
             for t, r in zip(tags.tolist(), res.tolist()):
                 ld = self._loads[t >> 1]
@@ -148,9 +150,11 @@ class ChunkLoader:
                 if not ld.left:
                     self._finish(ld)
                     need.discard(ld.chunk)
-                    out.append(ld)
+                    self._ready.append(ld)
             if not need:
-                return out
+                break
+        out, self._ready = self._ready, []
+        return out
 
     def _finish(self, ld: Load) -> None:
         del self._loads[ld.chunk]
@@ -165,7 +169,15 @@ class ChunkLoader:
         if not self.usable:
             self._forget_forked()
             return
-        for ld in self.done(list(self._loads)):
+        try:
+            finished = self.done(list(self._loads))
+        except OSError:  # the ring failed: never let the kernel write into memory reused meanwhile
+            for c, ld in self._loads.items():
+                _ABANDONED.append(ld)
+                self._warm.unreserve(c, reuse=False)
+            self._loads.clear()
+            finished, self._ready = self._ready, []
+        for ld in finished:
             self._warm.unreserve(ld.chunk)
 
     def close(self) -> None:
@@ -180,3 +192,6 @@ class ChunkLoader:
             self._warm.unreserve(c)
             os.close(ld.fd)  # this process's copy of the descriptor
         self._loads.clear()
+        for ld in self._ready:
+            self._warm.unreserve(ld.chunk)
+        self._ready = []

@@ -492,26 +492,33 @@ class TieredRows:
         done = loader.done(() if wait_for is None else wait_for)
         if wait_for is not None:
             self._stats.stall_seconds += time.perf_counter() - t0
-        for ld in done:
-            c, warm = ld.chunk, self._warm
-            if int(self._cmap[c]) != ld.gen:
-                warm.unreserve(c)  # compacted meanwhile
-                continue
-            ok = ld.ok
-            if ok:
-                try:
-                    crcs = self._disk.raw_chunk_checksums(c, ld.gen, ld.head.tobytes())
-                    ok = first_bad_block(ld.flat, crcs) < 0
-                except CorruptStoreError:  # a sparse or LZ4 file (or damage: the miss names it)
-                    ok = False
-            if not ok:
-                loader.refuse(c, ld.gen)
-                warm.unreserve(c)
-                continue
-            _, delta = self._layout_of(c)
-            if delta is not None:
-                ids, seg, pos, segs = delta
-                gather_deltas(ld.flat.reshape(-1, self._row_bytes), ids - c * self._chunk_rows, seg, pos, segs)
+        warm = self._warm
+        for i, ld in enumerate(done):
+            c = ld.chunk
+            try:
+                if int(self._cmap[c]) != ld.gen:
+                    warm.unreserve(c)  # compacted meanwhile
+                    continue
+                ok = ld.ok
+                if ok:
+                    try:
+                        crcs = self._disk.raw_chunk_checksums(c, ld.gen, ld.head.tobytes())
+                        ok = first_bad_block(ld.flat, crcs) < 0
+                    except CorruptStoreError:  # a sparse or LZ4 file (or damage: the miss names it)
+                        ok = False
+                if not ok:
+                    loader.refuse(c, ld.gen)
+                    warm.unreserve(c)
+                    continue
+                _, delta = self._layout_of(c)
+                if delta is not None:
+                    ids, seg, pos, segs = delta
+                    gather_deltas(ld.flat.reshape(-1, self._row_bytes), ids - c * self._chunk_rows, seg, pos, segs)
+            except BaseException:  # (a delta segment unreadable): no slot stays reserved for nothing
+                for rest in done[i:]:
+                    if warm.loading(rest.chunk):
+                        warm.unreserve(rest.chunk)
+                raise
             warm.adopt(c)
             self._stats.cold_reads += 1
             self._stats.chunks_read_ahead += 1

@@ -145,11 +145,13 @@ class WarmTier:
         self.raw_bytes += nbytes
         self._stamp[chunk] = FRESH
 
-    def unreserve(self, chunk: int) -> None:
-        """Give back the slot reserved for ``chunk`` (its read failed or is no longer current)."""
+    def unreserve(self, chunk: int, reuse: bool = True) -> None:
+        """Give back the slot reserved for ``chunk`` (its read failed or is no longer current);
+        ``reuse=False``: the slot is never used again (a read into it may still be running)."""
         slot, nbytes = self._loading.pop(chunk)
         self._loading_bytes -= nbytes
-        self.slab.unreserve(slot)
+        if reuse:
+            self.slab.unreserve(slot)
 
     def loading(self, chunk: int) -> bool:
         return chunk in self._loading

@@ -187,3 +187,27 @@ def test_a_forked_child_reads_its_rows_itself(shm_path, read_ahead):
         assert child_ok == b"\x01"
         assert_bitwise_equal(s.get(torch.arange(2 * CHUNK)), model[: 2 * CHUNK])
         assert s.stats().chunks_read_ahead == 2
+
+
+def test_a_failure_while_taking_chunks_in_leaves_no_slot_reserved(shm_path, read_ahead, monkeypatch):
+    """A delta segment that cannot be read while a chunk read ahead joins the warm tier fails
+    that get; no slot stays reserved for it, and the store goes on (a budget change too)."""
+    from lightning_embcache.store import tiers
+
+    model = compacted_store(shm_path / "s", N, DIM, CHUNK).clone()
+    with _open(shm_path / "s") as s:
+        ids = _chunk_rows(1)[::3]
+        model[ids] = 5.0
+        s.update(ids, model[ids])
+        s.flush()
+        s.evict(1 << 40)
+        _announce(s, 0)
+        s._loader.start([1], [int(s._cmap[1])])  # chunk 1 has newer rows in a delta segment
+        real = tiers.gather_deltas
+        monkeypatch.setattr(tiers, "gather_deltas", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "EIO")))
+        with pytest.raises(OSError):
+            s.get(torch.arange(2 * CHUNK))
+        assert s._warm._loading == {} and s._warm._loading_bytes == 0
+        monkeypatch.setattr(tiers, "gather_deltas", real)
+        s.set_budget(warm_bytes=WARM // 2)
+        assert_bitwise_equal(s.get(torch.arange(2 * CHUNK)), model[: 2 * CHUNK])
