@@ -6,8 +6,10 @@ writes them back. The sampler announces the next batches: while reads wait for t
 rows are loaded in the background while the current batch trains, and while the page cache
 serves them the next get that misses reads them together with its own. The loop flushes a few
 times an epoch, as `DeferredSync` would (rows evicted between flushes are kept on disk beside the
-last flushed version). At the end the store reports how many announced rows were already hot,
-how long reads stalled the steps, and the disk use against the table.
+last flushed version). In chunk order (`--chunk-order`) the store gets a warm tier of two
+windows of chunks: announced chunks are read whole into it ahead of their batches. At the end
+the store reports how many announced rows were already in memory, how long reads stalled the
+steps, and the disk use against the table.
 
     python examples/disk_mode_lookahead.py [--rows 200000] [--chunk-order] [--workers 2] [--flushes-per-epoch 8]
 """
@@ -75,7 +77,10 @@ def main(argv=None) -> dict:
     store = EmbeddingStore.create(f"{root}/rows", args.rows, args.dim, hot_bytes=table // 4, init="normal",
                                   init_std=0.1)
     data = Targets(args.rows, args.dim)
-    order = (ChunkShuffleSampler(len(data), chunk_rows=store.chunk_rows, window=16, seed=0) if args.chunk_order
+    window = 16
+    if args.chunk_order:  # two windows of chunks held whole: each chunk is read once an epoch, ahead
+        store.set_budget(warm_bytes=2 * window * store.chunk_rows * store.row_bytes)
+    order = (ChunkShuffleSampler(len(data), chunk_rows=store.chunk_rows, window=window, seed=0) if args.chunk_order
              else RandomSampler(data, generator=torch.Generator().manual_seed(0)))
     sampler = LookaheadSampler(BatchSampler(order, args.batch, drop_last=False), store)  # window sized from measured read latency
     loader = DataLoader(data, batch_sampler=sampler, num_workers=args.workers, collate_fn=as_batch,
@@ -100,8 +105,10 @@ def main(argv=None) -> dict:
         print(f"epoch {epoch}: loss {loss_sum / steps:.4f}, {steps * args.batch / (time.perf_counter() - t0):,.0f} rows/s")
     st = store.stats()
     report = {"prefetch_hit_rate": st.prefetch_hit_rate, "stall_ms_per_step": 1e3 * st.stall_seconds / max(st.gets, 1),
-              "disk_use_ratio": st.disk_use_ratio, "peak_disk_use_ratio": peak_disk / table, "loss": loss_sum / steps}
-    print(f"announced rows already hot: {st.prefetch_hit_rate:.1%}; read stall {report['stall_ms_per_step']:.2f} ms/step; "
+              "disk_use_ratio": st.disk_use_ratio, "peak_disk_use_ratio": peak_disk / table, "loss": loss_sum / steps,
+              "chunks_read_ahead": st.chunks_read_ahead}
+    print(f"announced rows already in memory: {st.prefetch_hit_rate:.1%} ({st.chunks_read_ahead} chunks read ahead whole); "
+          f"read stall {report['stall_ms_per_step']:.2f} ms/step; "
           f"disk {st.disk_bytes / 2**20:.0f} MiB for a {table / 2**20:.0f} MiB table ({st.disk_use_ratio:.2f}x; "
           f"{report['peak_disk_use_ratio']:.2f}x at most after a flush)")
     store.close()

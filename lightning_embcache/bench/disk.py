@@ -457,6 +457,7 @@ def _shuffle(cfg: dict) -> dict:
         store.flush()
         wall = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
+        st = store.stats()
         store.close()
         shutil.rmtree(wd)
         seq.append(sequential())
@@ -466,7 +467,10 @@ def _shuffle(cfg: dict) -> dict:
         out.update({f"{key}rows_per_s": rows / wall, f"{key}wall_s": wall, f"{key}store_mib_s": rows * dim * 4 / wall / MiB,
                     f"{key}vs_sequential": (rows * dim * 4 / wall) / seq_bps,
                     f"{key}sequential_mib_s": seq_bps / MiB,
-                    f"{key}cpu_us_per_row": 1e6 * cpu / rows})
+                    f"{key}cpu_us_per_row": 1e6 * cpu / rows,
+                    # time gets waited for reads below the hot tier, and chunks read ahead whole
+                    f"{key}stall_s": st.stall_seconds,
+                    f"{key}chunks_read_ahead": getattr(st, "chunks_read_ahead", 0)})
     out["sequential_mib_s_each"] = [b / MiB for b, _ in seq]
     out["sequential_mib_s"] = statistics.median(out["sequential_mib_s_each"])
     return out

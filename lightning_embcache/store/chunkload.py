@@ -69,6 +69,13 @@ class ChunkLoader:
     def __contains__(self, chunk: int) -> bool:
         return chunk in self._loads
 
+    def loading(self, chunks: np.ndarray) -> np.ndarray:
+        """Per chunk of ``chunks``: read ahead and not taken in yet (in flight or completed)."""
+        held = [*self._loads, *(ld.chunk for ld in self._ready)]
+        if not held:
+            return np.zeros(len(chunks), np.bool_)
+        return np.isin(chunks, np.asarray(held, np.int64))
+
     def refuse(self, chunk: int, gen: int) -> None:
         """Never read this generation of ``chunk`` ahead again (not a dense raw chunk file, or it
         failed its checks: the store's own read names the problem)."""

@@ -70,7 +70,8 @@ class StoreStats:
 
     @property
     def prefetch_hit_rate(self) -> float:
-        """Of the rows a lookahead hint announced, the share that was hot when read (1.0 if none)."""
+        """Of the rows a lookahead hint announced, the share that was in memory when read: hot,
+        or in a chunk held whole in the warm tier (1.0 if none)."""
         total = self.prefetch_hits + self.prefetch_misses
         return self.prefetch_hits / total if total else 1.0
 

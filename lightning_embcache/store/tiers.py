@@ -204,13 +204,10 @@ class TieredRows:
                 missing = slots < 0
         n_asked = int(asked.sum())
         self._stats.hot_hits += len(idx) - n_asked
-        if hot.want is not None:
-            self._follow_window(idx, slots, asked, for_write)
-        n_miss = int(missing.sum())
         self._stats.hot_misses += n_asked
-        if not n_miss:
-            return slots
-        if load and not for_write and self._warm.slab is not None:
+        n_miss = int(missing.sum())
+        rows = None
+        if n_miss and load and not for_write and self._warm.slab is not None:
             # Every missing row in a chunk held raw in the warm tier (`ChunkShuffleSampler`
             # order once its window is read): one gather in request order serves them, with no
             # plan below the hot tier and no slot (each such row is read once an epoch). The
@@ -220,10 +217,15 @@ class TieredRows:
             chunks = ids // self._chunk_rows
             rows = self._warm.rows_of(chunks, ids - chunks * self._chunk_rows)
             if rows is None and self._loader is not None and len(self._loader):
-                self._adopt_loads(chunks)  # chunks being read ahead: wait for them
+                self._adopt_loads(idsets.unique(chunks))  # chunks being read ahead: wait for them
                 rows = self._warm.rows_of(chunks, ids - chunks * self._chunk_rows)
-            if rows is not None:
-                raise ServedWarm(slots, where, rows)
+        if hot.want is not None:
+            # rows served from warm chunks were in memory when read: the lookahead did its work
+            self._follow_window(idx, slots, asked if rows is None else asked & ~missing, for_write)
+        if rows is not None:
+            raise ServedWarm(slots, where, rows)
+        if not n_miss:
+            return slots
         mids = idsets.unique(idx[missing])
         if len(mids) > hot.limit or (for_write and len(mids) > hot.limit // 2):
             if for_write:
@@ -232,12 +234,15 @@ class TieredRows:
         if len(mids) > hot.limit and not for_write:
             raise TooLarge(slots, mids, self._fetch(mids))
         ahead = self._take_hints(mids) if load and not for_write and self._hinted else None
-        if ahead is not None and len(self._warm):
-            # announced rows of chunks held warm are served from there when their get comes:
-            # reading them ahead would only gather rows to drop (see `served` below)
-            ahead = ahead[~idsets.isin(ahead // self._chunk_rows, self._warm.chunks(), b_sorted_unique=True)]
-            if not len(ahead):
-                ahead = None
+        if ahead is not None and (len(self._warm) or (self._loader is not None and len(self._loader))):
+            # announced rows of chunks held warm (or being read into it) are served from there
+            # when their get comes: reading them ahead would only gather rows to drop (see
+            # `served` below), or wait for reads a later batch wants
+            chunks = ahead // self._chunk_rows
+            keep = ~idsets.isin(chunks, self._warm.chunks(), b_sorted_unique=True)
+            if self._loader is not None:
+                keep &= ~self._loader.loading(chunks)
+            ahead = ahead[keep] if keep.any() else None
         warm = None  # which rows were served by whole chunks (warm copies, or read whole now)
         if ahead is not None:  # this miss reads the announced rows of coming batches with its own
             both = idsets.union(mids, ahead)
@@ -409,6 +414,22 @@ class TieredRows:
             return True  # every row in a chunk held raw in memory: nothing to ask (most hints in chunk order)
         ids = idsets.unique(idx)
         ids = ids[self._hot.slot_of[ids] == 0]
+        if len(ids) and self._chunk_loader() is not None:
+            # Chunks this hint (with the rows held from the last one, below) wants a good part of
+            # are read whole into the warm tier, whether or not rows of them have newer records
+            # in delta segments (applied when taken in)
+            held = self._held_advice
+            both = ids if held is None else idsets.union(ids, held)
+            if len(self._warm):
+                both = both[~idsets.isin(both // cr, self._warm.chunks(), b_sorted_unique=True)]
+            left = self._load_ahead(both, both // cr)
+            if len(left) < len(both):
+                ids = ids[idsets.isin(ids, left, b_sorted_unique=True)]
+                if held is not None:
+                    held = held[idsets.isin(held, left, b_sorted_unique=True)]
+                    self._held_advice = held if len(held) else None
+            if not len(ids) and self._held_advice is None:
+                return True
         rows = self._rows
         if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
             return False
@@ -440,8 +461,6 @@ class TieredRows:
             if few.any():
                 self._held_advice = ids[few]
                 ids, chunks = ids[~few], chunks[~few]
-        if len(chunks) and self._chunk_loader() is not None:
-            ids, chunks = self._load_ahead(ids, chunks)
         covered = True
         if cached and len(chunks):
             sparse = thin(chunks)
@@ -465,22 +484,23 @@ class TieredRows:
         loader = self._loader
         return loader if loader is not None and loader.usable else None
 
-    def _load_ahead(self, ids: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _load_ahead(self, ids: np.ndarray, chunks: np.ndarray) -> np.ndarray:
         """Start reading whole into the warm slab the base chunks of announced rows ``ids`` (not
-        hot, not warm; chunks ``chunks``, sorted) of which the hint wants a good part; returns
-        the ids and chunks left to ask the kernel for (caller holds the lock)."""
+        hot, not warm; sorted; chunks ``chunks``) of which the hint wants a good part; returns
+        the ids left (caller holds the lock)."""
+        if not len(ids):
+            return ids
         bounds = idsets.runs(chunks)
         uc = chunks[bounds[:-1]]
         gens = self._cmap[uc]
         dense = (np.diff(bounds) * DENSE_ROWS >= self._chunk_rows) & (gens > 0)
         if not dense.any():
-            return ids, chunks
+            return ids
         self._adopt_loads()  # completed loads first: their slots may be what the next ones need
         going = self._loader.start(uc[dense].tolist(), gens[dense].tolist())
         if not going:
-            return ids, chunks
-        left = ~idsets.isin(chunks, np.fromiter(going, np.int64, len(going)))
-        return ids[left], chunks[left]
+            return ids
+        return ids[~idsets.isin(chunks, np.fromiter(going, np.int64, len(going)))]
 
     def _adopt_loads(self, wait_for: np.ndarray | None = None) -> None:
         """Chunks read ahead whose reads completed (waiting for those of ``wait_for`` in flight)
@@ -752,7 +772,10 @@ class TieredRows:
         a chunk read whole just now and kept warm, so that a later read finds it there too)."""
         t0 = time.perf_counter()
         if self._loader is not None and len(self._loader):
-            self._adopt_loads(idsets.unique(ids // self._chunk_rows))  # the plan finds them warm
+            # what was read ahead is taken in (the plan finds it warm), without waiting: chunks
+            # still in flight that this get needs were waited for in `_resolve`; others (rows
+            # read around the hot tier) are read here as usual
+            self._adopt_loads()
         self._warm.pin()  # the plan's warm copies stay put until read
         try:
             plan = self._plan_below(ids)

@@ -23,7 +23,7 @@ def test_the_example_trains_with_rows_arriving_ahead(tmp_path, capsys, chunk_ord
             "--root", str(tmp_path)] + (["--chunk-order"] if chunk_order else [])
     report = _load().main(argv)
     out = capsys.readouterr().out
-    assert "epoch 1: loss" in out and "announced rows already hot" in out
+    assert "epoch 1: loss" in out and "announced rows already in memory" in out
     assert report["loss"] < 0.6, report  # the rows moved towards their targets (~1.0 at the start)
     assert report["prefetch_hit_rate"] > 0.5, report
     # flushed 8 times an epoch (the default), the rows evicted between flushes stay few: the
