@@ -1,6 +1,10 @@
 """Memory probe of the budget test: random get/update over a disk store 4x its budget.
 
-    python _rss_probe.py PATH HOT_BYTES WARM_BYTES NUM_ROWS DIM SECONDS
+    python _rss_probe.py PATH HOT_BYTES WARM_BYTES NUM_ROWS DIM SECONDS [ORDER]
+
+ORDER ``random`` (the default), or ``chunk``: the table is written whole and compacted first,
+then trained two epochs in `ChunkShuffleSampler` order with `LookaheadSampler` (chunks read
+ahead whole into the warm tier, within its budget); the peak is that of the epochs.
 
 Prints one JSON line: the RSS before the store was created, the peak RSS while it ran (sampled
 after every batch and from getrusage), and what the store says about its tiers.
@@ -33,6 +37,7 @@ def main() -> None:
     from lightning_embcache import EmbeddingStore
 
     path, hot, warm, n, dim, seconds = sys.argv[1], *map(int, sys.argv[2:6]), float(sys.argv[6])
+    order = sys.argv[7] if len(sys.argv) > 7 else "random"
     proc = psutil.Process()
     rng = np.random.default_rng(0)
     batch = 4096
@@ -46,8 +51,34 @@ def main() -> None:
         t0 = time.monotonic()
         steps = 0
         touched = np.zeros(n, bool)
-        while time.monotonic() - t0 < seconds or touched.mean() < 0.9:
-            ids = torch.from_numpy(rng.integers(0, n, batch))
+        if order == "chunk":
+            from torch.utils.data import BatchSampler
+
+            from lightning_embcache import ChunkShuffleSampler, LookaheadSampler
+
+            for a in range(0, n, batch):  # every chunk gets a base file to read ahead
+                s.update(torch.arange(a, min(n, a + batch)), torch.randn(min(n, a + batch) - a, dim))
+                peak = max(peak, proc.memory_info().rss)
+            s.flush()
+            s.compact()
+            s.flush()
+            # the peak of the epochs from here on (the writes above are the random order's case);
+            # "5" resets this process's VmHWM to its RSS now
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            peak = proc.memory_info().rss
+            sampler = ChunkShuffleSampler(n, chunk_rows=1024, window=16, seed=0)
+            batches = LookaheadSampler(BatchSampler(sampler, batch, drop_last=False), s, lookahead=8)
+            work = (torch.as_tensor(b) for epoch in range(2) for b in batches)
+        else:
+            work = None
+        while (time.monotonic() - t0 < seconds or touched.mean() < 0.9) if work is None else True:
+            if work is None:
+                ids = torch.from_numpy(rng.integers(0, n, batch))
+            else:
+                ids = next(work, None)
+                if ids is None:
+                    break
             rows = s.get(ids)
             s.update(ids, rows + 1.0)
             touched[ids.numpy()] = True
@@ -64,7 +95,7 @@ def main() -> None:
     print(json.dumps({"base": base, "peak": max(peak, maxrss) + process_grew, "peak_sampled": peak,
                       "compaction_process_grew": process_grew, "steps": steps,
                       "touched": float(touched.mean()), "hot_bytes": st.hot_bytes, "warm_bytes": st.warm_bytes,
-                      "cold_reads": st.cold_reads}))
+                      "cold_reads": st.cold_reads, "chunks_read_ahead": st.chunks_read_ahead}))
 
 
 if __name__ == "__main__":
