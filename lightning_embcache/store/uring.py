@@ -214,8 +214,7 @@ class _Ring:
         if todo > 0:  # the kernel still holds requests: this ring (and its buffers) must not be reused
             _disabled = True
 
-
-    # ---- reads left in flight (`AsyncReads`) --------------------------------------------------
+    # ---- reads left in flight (`async_ring`; chunkload.py) -------------------------------------
     def submit(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray, offs: np.ndarray,
                tags: np.ndarray, sqe_flags: int = 0) -> None:
         """Queue reads and hand them to the kernel without waiting; their completions carry
