@@ -13,6 +13,8 @@ from torch.utils.data import Sampler
 
 from lightning_embcache.store.errors import InvalidArgumentError, InvalidTypeError
 
+from .chunk_shuffle import ChunkShuffleSampler
+
 # For a sampler of single indices, a "batch" of the lookahead window is this many indices.
 INDEX_GROUP = 256
 MAX_AUTO_LOOKAHEAD = 32
@@ -61,7 +63,9 @@ class LookaheadSampler(Sampler):
             ``read_seconds_per_row()`` times the batch's rows) over the time between two batches,
             plus one, re-read every step; at most as many batches as fit in a quarter of the hot
             tier (at most 32; 2 in memory mode), which is also the window before anything was
-            read. ``window`` holds the current size.
+            read; over a `ChunkShuffleSampler` (or a batch sampler of one) at least half of its
+            window's batches, so that the store reads the next window's chunks while the
+            current one trains. ``window`` holds the current size.
         id_fn: maps the indices of one batch (a 1-D int64 tensor) to the store ids its step reads
             (a tensor or array); ``None``: the indices are the ids.
 
@@ -129,6 +133,17 @@ class LookaheadSampler(Sampler):
         slots = hot // (row_bytes + 11)
         return max(1, min(MAX_AUTO_LOOKAHEAD, slots // (4 * max(rows, 1))))
 
+    def _chunk_order_floor(self, rows: int) -> int:
+        """Batches to announce at least in `ChunkShuffleSampler` order: half a window's. A
+        window's first batch wants all of its chunks, which the store reads ahead whole while
+        the window before trains; the latency it measures is that of the reads the training
+        thread waits for, which read-ahead keeps short (a window sized from it alone announced
+        the next window too late: ~30 ms of waiting an epoch against 2-8 ms)."""
+        inner = getattr(self.sampler, "sampler", self.sampler)  # a BatchSampler's
+        if not isinstance(inner, ChunkShuffleSampler):
+            return 1
+        return max(1, math.ceil(inner.window * inner.chunk_rows / max(rows, 1) / 2))
+
     def _hint(self, indices: Any) -> None:
         # numpy turns a list of ints into an array 8x faster than torch.as_tensor (6 against 48 us
         # for 512); the hint is still an int64 tensor
@@ -154,7 +169,8 @@ class LookaheadSampler(Sampler):
         unit = 1 if batched else INDEX_GROUP
         most = self._window(first)
         latency = getattr(self.store, "read_seconds_per_row", None) if self.lookahead is None else None
-        pace = _Pace(most, len(first) if batched else INDEX_GROUP, unit, latency) if latency is not None else None
+        rows = len(first) if batched else INDEX_GROUP
+        pace = _Pace(most, rows, unit, latency, self._chunk_order_floor(rows)) if latency is not None else None
         self.window = most
         ahead = most * unit
         window: collections.deque = collections.deque()
@@ -209,8 +225,9 @@ class _Pace:
     anything below its hot tier, ``most``. ``unit``: items yielded per batch of the window (a
     sampler of single indices yields 256 per batch)."""
 
-    def __init__(self, most: int, rows: int, unit: int, latency: Callable[[], float]) -> None:
+    def __init__(self, most: int, rows: int, unit: int, latency: Callable[[], float], floor: int = 1) -> None:
         self.most, self.rows, self.unit, self.latency = most, rows, unit, latency
+        self.floor = min(floor, most)
         self.last = _clock()
         self.step_s = float("nan")
         self.k = most
@@ -221,7 +238,7 @@ class _Pace:
         self.step_s = dt if self.step_s != self.step_s else 0.9 * self.step_s + 0.1 * dt
         per_row = self.latency()
         if per_row == per_row and self.step_s > 0:
-            self.k = max(1, min(self.most, math.ceil(self.rows * per_row / (self.step_s * self.unit)) + 1))
+            self.k = max(self.floor, min(self.most, math.ceil(self.rows * per_row / (self.step_s * self.unit)) + 1))
         return self.k
 
 

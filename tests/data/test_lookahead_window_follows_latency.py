@@ -91,3 +91,21 @@ def test_a_real_store_measures_its_reads(tmp_path):
         s.get(torch.arange(0, n, 7))  # rows below the hot tier
         per_row = s.read_seconds_per_row()
         assert 0 < per_row < 0.01, per_row
+
+
+def test_in_chunk_order_the_window_is_at_least_half_a_sampler_window(clock):
+    """Over a `ChunkShuffleSampler` the next window's chunks must be announced while the current
+    window trains, however short the reads the training thread waits for."""
+    from lightning_embcache import ChunkShuffleSampler
+
+    n, chunk, window = BATCH * BATCHES, 256, 4  # 16 batches a window: at least 8 ahead
+    for per_row, want in ((1e-9, 8), (1e-3 / BATCH * 95, 11), (1.0, 16)):
+        store = Store(per_row)
+        batches = BatchSampler(ChunkShuffleSampler(n, chunk_rows=chunk, window=window, seed=0), BATCH, False)
+        sampler = LookaheadSampler(batches, store)
+        ahead = []
+        for i, _ in enumerate(sampler):
+            ahead.append(store.hints - (i + 1))
+            clock[0] += 0.010
+        assert set(ahead[100:150]) == {want}, (per_row, want, ahead[100:110])
+        assert list(sampler) == list(batches)  # the order is the sampler's
