@@ -48,6 +48,8 @@ class Load:
 
 
 class ChunkLoader:
+    """The chunks of one store being read ahead into its warm tier (used under the store's lock)."""
+
     def __init__(self, disk, warm, max_loads: int = MAX_LOADS) -> None:
         self._disk = disk
         self._warm = warm
