@@ -144,32 +144,39 @@ class _Ring:
             os.close(self.fd)
             self.fd = -1
 
+    def _queue(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray, offs: np.ndarray, tags: np.ndarray,
+               sqe_flags: int = 0, rw_flags: int = 0) -> None:
+        """Write at most ``entries`` reads into the submission queue (the next `_enter_raw` hands
+        them to the kernel); their completions carry ``tags``."""
+        n = len(fds)
+        words = self.sqe_words
+        tail = int(self.sq_tail[0])
+        first = tail & self.sq_mask
+        # they go to slots first.. (wrapping to 0): at most two contiguous runs of slots
+        for x, y, slot in ((0, min(n, self.entries - first), first), (self.entries - first, n, 0)):
+            if y <= x:
+                continue
+            w = words[slot : slot + y - x]
+            # word 0: opcode | sqe flags | ioprio 0 | fd; 1: offset; 2: address; 3: length |
+            # rw_flags; 4: user_data (the tag); 5-7 stay zero
+            w[:, 0] = ((fds[x:y].astype(np.uint64) << np.uint64(32)) | np.uint64(_OP_READ)
+                       | np.uint64(sqe_flags << 8))
+            w[:, 1] = offs[x:y]
+            w[:, 2] = addrs[x:y]
+            w[:, 3] = lens[x:y].astype(np.uint64) | (np.uint64(rw_flags) << np.uint64(32))
+            w[:, 4] = tags[x:y]
+        self.sq_tail[0] = np.uint32((tail + n) & 0xFFFFFFFF)
+
     def read(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray, offs: np.ndarray,
              rw_flags: int = 0) -> np.ndarray:
         """Bytes read by each request (or -errno); every request completed when it returns."""
         n = len(fds)
         res = np.empty(n, np.int64)
-        words = self.sqe_words
-        flags_hi = np.uint64(rw_flags) << np.uint64(32)
         for a in range(0, n, self.entries):
             b = min(n, a + self.entries)
-            k = b - a
-            tail = int(self.sq_tail[0])
-            first = tail & self.sq_mask
-            # [a, b) go to slots first.. (wrapping to 0): at most two contiguous runs of slots
-            for x, y, slot in ((a, min(b, a + self.entries - first), first), (a + self.entries - first, b, 0)):
-                if y <= x:
-                    continue
-                w = words[slot : slot + y - x]
-                # word 0: opcode | flags 0 | ioprio 0 | fd; 1: offset; 2: address; 3: length |
-                # rw_flags; 4: user_data (the request's index); 5-7 stay zero
-                w[:, 0] = (fds[x:y].astype(np.uint64) << np.uint64(32)) | np.uint64(_OP_READ)
-                w[:, 1] = offs[x:y]
-                w[:, 2] = addrs[x:y]
-                w[:, 3] = lens[x:y].astype(np.uint64) | flags_hi
-                w[:, 4] = np.arange(x, y, dtype=np.uint64)
-            self.sq_tail[0] = np.uint32((tail + k) & 0xFFFFFFFF)
-            todo = k
+            self._queue(fds[a:b], addrs[a:b], lens[a:b], offs[a:b], np.arange(a, b, dtype=np.uint64),
+                        rw_flags=rw_flags)
+            todo = b - a
             try:
                 while todo:
                     todo -= self._enter(todo, res)
@@ -182,24 +189,10 @@ class _Ring:
 
     def _enter(self, todo: int, res: np.ndarray, strict: bool = True) -> int:
         """Submit what the kernel has not taken yet, wait for completions; returns how many came."""
-        # entries the kernel has not taken yet (it moves the SQ head as it submits)
-        submit = (int(self.sq_tail[0]) - int(self.sq_head[0])) & 0xFFFFFFFF
-        got = _syscall()(ctypes.c_long(_SYS_ENTER), ctypes.c_int(self.fd), ctypes.c_uint32(submit),
-                         ctypes.c_uint32(todo), ctypes.c_uint32(_ENTER_GETEVENTS), None, ctypes.c_size_t(0))
-        if got < 0:
-            err = ctypes.get_errno()
-            if strict and err not in (4, 11, 16):  # EINTR, EAGAIN, EBUSY: reap what completed, go on
-                raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
-        head, ctail = int(self.cq_head[0]), int(self.cq_tail[0])
-        done = (ctail - head) & 0xFFFFFFFF
-        if done:
-            h = head & self.cq_mask
-            first = min(done, self.cq_entries - h)
-            for part in (self.cqe_words[h : h + first], self.cqe_words[: done - first]):
-                if len(part):  # word 0: user_data; word 1: res (low 32 bits, signed) | flags
-                    res[part[:, 0].astype(np.int64)] = part[:, 1].astype(np.uint32).view(np.int32)
-            self.cq_head[0] = np.uint32(ctail)
-        return done
+        self._enter_raw(todo, strict)
+        tags, results = self.completed()
+        res[tags.astype(np.int64)] = results
+        return len(tags)
 
     def _drain(self, todo: int, res: np.ndarray) -> None:
         global _disabled
@@ -220,35 +213,22 @@ class _Ring:
         """Queue reads and hand them to the kernel without waiting; their completions carry
         ``tags``. The caller keeps the buffers alive and never has more reads in flight than
         the completion queue holds."""
-        n = len(fds)
-        if n > self.entries:
-            raise ValueError(f"at most {self.entries} reads at once; got {n}")
-        words = self.sqe_words
-        tail = int(self.sq_tail[0])
-        first = tail & self.sq_mask
-        for x, y, slot in ((0, min(n, self.entries - first), first), (self.entries - first, n, 0)):
-            if y <= x:
-                continue
-            w = words[slot : slot + y - x]
-            w[:, 0] = ((fds[x:y].astype(np.uint64) << np.uint64(32)) | np.uint64(_OP_READ)
-                       | np.uint64(sqe_flags << 8))
-            w[:, 1] = offs[x:y]
-            w[:, 2] = addrs[x:y]
-            w[:, 3] = lens[x:y].astype(np.uint64)
-            w[:, 4] = tags[x:y]
-            w[:, 5:] = 0
-        self.sq_tail[0] = np.uint32((tail + n) & 0xFFFFFFFF)
+        if len(fds) > self.entries:
+            raise ValueError(f"at most {self.entries} reads at once; got {len(fds)}")
+        self._queue(fds, addrs, lens, offs, tags, sqe_flags=sqe_flags)
         while (int(self.sq_tail[0]) - int(self.sq_head[0])) & 0xFFFFFFFF:
             self._enter_raw(0)
 
-    def _enter_raw(self, wait: int) -> None:
+    def _enter_raw(self, wait: int, strict: bool = True) -> None:
+        """Hand the kernel what it has not taken yet (it moves the SQ head as it takes them) and
+        wait for ``wait`` completions."""
         submit = (int(self.sq_tail[0]) - int(self.sq_head[0])) & 0xFFFFFFFF
         got = _syscall()(ctypes.c_long(_SYS_ENTER), ctypes.c_int(self.fd), ctypes.c_uint32(submit),
                          ctypes.c_uint32(wait), ctypes.c_uint32(_ENTER_GETEVENTS if wait else 0), None,
                          ctypes.c_size_t(0))
         if got < 0:
             err = ctypes.get_errno()
-            if err not in (4, 11, 16):  # EINTR, EAGAIN, EBUSY: the caller looks again
+            if strict and err not in (4, 11, 16):  # EINTR, EAGAIN, EBUSY: reap what completed, go on
                 raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
 
     def completed(self, wait: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -263,9 +243,12 @@ class _Ring:
             return np.zeros(0, np.uint64), np.zeros(0, np.int64)
         h = head & self.cq_mask
         first = min(done, self.cq_entries - h)
-        part = np.concatenate([self.cqe_words[h : h + first], self.cqe_words[: done - first]])
+        part = self.cqe_words[h : h + done] if first == done else np.concatenate(
+            [self.cqe_words[h : h + first], self.cqe_words[: done - first]])
+        # word 0: user_data; word 1: res (low 32 bits, signed) | flags; copied before the slots go back
+        tags, results = part[:, 0].copy(), part[:, 1].astype(np.uint32).view(np.int32).astype(np.int64)
         self.cq_head[0] = np.uint32(ctail)
-        return part[:, 0].copy(), part[:, 1].astype(np.uint32).view(np.int32).astype(np.int64)
+        return tags, results
 
 
 _local = threading.local()  # a thread's ring closes with the thread (its locals are dropped)
