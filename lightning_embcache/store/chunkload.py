@@ -59,7 +59,6 @@ class ChunkLoader:
         self._loads: dict[int, Load] = {}  # chunk -> its load in flight
         self._ready: list[Load] = []  # completed, not handed to the caller yet (`done`)
         self._refused: dict[int, int] = {}  # chunk -> generation not loaded ahead (not a dense raw file)
-        self.chunks_read = 0  # loads completed
 
     @property
     def usable(self) -> bool:
@@ -67,9 +66,6 @@ class ChunkLoader:
 
     def __len__(self) -> int:
         return len(self._loads) + len(self._ready)
-
-    def __contains__(self, chunk: int) -> bool:
-        return chunk in self._loads
 
     def loading(self, chunks: np.ndarray) -> np.ndarray:
         """Per chunk of ``chunks``: read ahead and not taken in yet (in flight or completed)."""
@@ -169,7 +165,6 @@ class ChunkLoader:
         del self._loads[ld.chunk]
         os.close(ld.fd)
         self._disk.pool.end_read(ld.epoch)
-        self.chunks_read += 1
         self._disk.bytes_read += len(ld.head) + len(ld.flat)
 
     def cancel(self) -> None:

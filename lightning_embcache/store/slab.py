@@ -61,20 +61,14 @@ class ChunkSlab:
         """Copy a chunk's records (flat uint8, at most a slot) into a free slot; a read-only view
         of them there, or None if no slot is free."""
         self.release(chunk)
-        if not self._free or records.nbytes > self.chunk_bytes:
+        if records.nbytes > self.chunk_bytes:
             return None
-        s = self._free.pop()
-        flat = self.rows[s * self.chunk_rows : (s + 1) * self.chunk_rows].reshape(-1)[: records.nbytes]
-        flat[:] = records.reshape(-1)
-        self.slot_of[chunk] = s
-        self._chunk_of[s] = chunk
-        self._n_touched += not self._touched[s]
-        self._touched[s] = True
-        self._sizes[s] = records.nbytes
-        self.placed_bytes += records.nbytes
-        view = flat.view()
-        view.flags.writeable = False
-        return view
+        got = self.reserve()
+        if got is None:
+            return None
+        slot, flat = got
+        flat[: records.nbytes] = records.reshape(-1)
+        return self.fill(chunk, slot, records.nbytes)
 
     def reserve(self) -> tuple[int, np.ndarray] | None:
         """A free slot taken for a chunk being read into it (`ChunkLoader`): (slot, its writable

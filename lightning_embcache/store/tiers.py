@@ -543,11 +543,6 @@ class TieredRows:
             self._stats.cold_reads += 1
             self._stats.chunks_read_ahead += 1
 
-    def _cancel_loads(self) -> None:
-        """Wait for the chunks being read ahead and give their slots back (caller holds the lock)."""
-        if self._loader is not None:
-            self._loader.cancel()
-
     def _reads_cached(self) -> bool:
         """Whether this store's recent reads below the hot tier came from the page cache (under
         10% of them had to wait for the disk); False until some hundred reads tell (caller holds
@@ -1258,7 +1253,8 @@ class TieredRows:
             if self._closed:
                 raise StoreClosedError("this EmbeddingStore was closed during set_budget()")
             if warm_bytes is not None:
-                self._cancel_loads()  # (their slots are in the slab the new budget replaces)
+                if self._loader is not None:  # reads ahead land in the slab the new budget replaces
+                    self._loader.cancel()
                 self._warm.budget = budget(warm_bytes, "warm_bytes", allow_none=False)
                 self._warm.shrink(self._warm.budget)
             if hot_bytes is None:

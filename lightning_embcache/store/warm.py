@@ -137,12 +137,7 @@ class WarmTier:
         slot, nbytes = self._loading.pop(chunk)
         self._loading_bytes -= nbytes
         self.discard(chunk)
-        view = self.slab.fill(chunk, slot, nbytes)
-        self._items[chunk] = (view, False, nbytes)
-        self._sorted = None
-        self._item_bytes += nbytes
-        self.bytes_written += nbytes
-        self.raw_bytes += nbytes
+        self._add(chunk, self.slab.fill(chunk, slot, nbytes), False, nbytes, nbytes)
         self._stamp[chunk] = FRESH
 
     def unreserve(self, chunk: int, reuse: bool = True) -> None:
@@ -271,15 +266,19 @@ class WarmTier:
         self._fit(self.budget - size - (raw.nbytes if compressed else 0))
         if not compressed:
             data = raw = self._keep(chunk, raw)
-        self._items[chunk] = (data, compressed, raw.nbytes)
+        self._add(chunk, data, compressed, raw.nbytes, size)
+        if compressed:
+            self._keep_raw(chunk, raw)  # just read for a batch: its next batches want it too
+        self.shrink(self.budget)
+
+    def _add(self, chunk: int, data: bytes | np.ndarray, compressed: bool, raw_len: int, size: int) -> None:
+        """Hold ``data`` (``size`` bytes as kept) as ``chunk``'s records, most recently used."""
+        self._items[chunk] = (data, compressed, raw_len)
         self._stamp[chunk] = self._clock
         self._sorted = None
         self._item_bytes += size
         self.bytes_written += size
-        self.raw_bytes += raw.nbytes
-        if compressed:
-            self._keep_raw(chunk, raw)  # just read for a batch: its next batches want it too
-        self.shrink(self.budget)
+        self.raw_bytes += raw_len
 
     def _keep_raw(self, chunk: int, arr: np.ndarray) -> np.ndarray:
         """Keep ``arr`` as the decompressed copy of a packed chunk where the budget has room
