@@ -9,7 +9,9 @@ independent callback). Runs:
   no loader worker, plain and with validation twice per epoch plus a checkpoint every quarter
   epoch; and with 2 workers, plain;
 - the demo (``embcache demo``) on a fresh, cold store: the default 400-step run and a full epoch;
-- on CUDA, the GPU models.
+- on CUDA, the GPU models: two whose step the host sets (``gpu_small`` launches small kernels,
+  ``gpu_large`` makes and pins 32 MB batches on the training thread) and one whose step the GPU
+  sets (``gpu_deep``).
 
 Error = predicted / actual - 1, per epoch; the fit's prediction made in epoch 0 against the
 fit's actual training wall time.
@@ -47,7 +49,8 @@ except (AttributeError, OSError):  # not glibc
 
 # model -> batches per epoch for the prediction runs (5% of it is the prediction point): epochs
 # of a few seconds, so that 5% of one is more than a blink of the host's scheduler
-EPOCH_BATCHES = {"tiny": 8000, "small": 5000, "large": 400, "gpu_small": 4000, "gpu_large": 400}
+EPOCH_BATCHES = {"tiny": 8000, "small": 5000, "large": 400, "gpu_small": 4000, "gpu_large": 400,
+                 "gpu_deep": 2000}
 
 
 class _Wall(L.Callback):
@@ -227,7 +230,7 @@ def run(device: str = "cpu", reps: int = 3, models: Optional[list[str]] = None, 
     if models == ["demo"]:  # the demo alone
         models = []
     elif not models:
-        models = ["tiny", "small", "large"] if device == "cpu" else ["gpu_small", "gpu_large"]
+        models = ["tiny", "small", "large"] if device == "cpu" else ["gpu_small", "gpu_large", "gpu_deep"]
     configs = [(w, extras) for w in workers for extras in ((False, True) if w == 0 else (False,))]
     for rep in range(reps):
         for model in models:

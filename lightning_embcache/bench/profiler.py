@@ -50,9 +50,11 @@ MODELS = {
     # the shortest step Lightning runs on a CPU: a one-layer MLP, no loader cost (~1.3 ms here)
     "tiny": (16, 1, 16, 1000, 0.0),
     "large": (512, 2, 128, 30, 5.0),
-    # GPU: launch-bound small steps and GPU-bound large ones; no loader cost
+    # GPU, no loader cost: launch-bound small steps; large batches (32 MB made, pinned and copied
+    # on the training thread each step: the host sets the step); a step the GPU sets
     "gpu_small": (256, 2, 256, 200, 0.0),
     "gpu_large": (4096, 4, 2048, 40, 0.0),
+    "gpu_deep": (4096, 12, 512, 40, 0.0),
 }
 
 

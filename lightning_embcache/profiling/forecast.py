@@ -101,6 +101,14 @@ def save_estimate_s(nbytes: float) -> float:
     return SAVE_FIXED_S + nbytes / SAVE_BYTES_PER_S
 
 
+# a device-timed rate against the host's steps, whose wall the epoch is: the timed steps miss the
+# host's own stalls and the drain at the epoch's end (a device-bound step on an H100 and an H200:
+# the host's steps 0.3-0.5% longer than the timed steps' mean)
+DEVICE_RATE_CV = 0.005
+# a measured save's extra time against the saves still to come: one model's saves varied by 10%
+# between epochs on one host (805 MB from an H100's memory: 2.3-2.7 s)
+SAVE_MEASURED_CV = 0.1
+
 SLOW_STEP = 3.0  # a step over this many times the median step is a slow step
 PREVIOUS_MAX_T = 3.0  # a rate this many standard deviations from the previous epoch's is not combined with it
 
@@ -166,6 +174,18 @@ def with_previous_epoch(rate_s: float, se_s: float, window_steps: int, total_bat
         return None
     weight = v_window / (v_window + v_prev)
     return weight * prev_s + (1.0 - weight) * rate_s, weight, v_window * v_prev / (v_window + v_prev)
+
+
+def _batch_means_se(w: np.ndarray) -> float:
+    """Standard error of ``w``'s mean by batch means (up to 8 blocks of at least 4 consecutive
+    values): consecutive steps are not independent."""
+    m = int(w.size)
+    blocks = min(8, m // 4)
+    if blocks < 2:
+        return float(w.std(ddof=1)) / math.sqrt(m)
+    size = m // blocks
+    means = w[:blocks * size].reshape(blocks, size).mean(axis=1)
+    return float(means.std(ddof=1)) / math.sqrt(blocks)
 
 
 def level_variation_so_far(wall: "array | list[float]") -> float:
@@ -281,6 +301,12 @@ class Forecast:
         self.device_index.append(index)
         self.device_wall.append(seconds)
 
+    def _device_steps(self) -> np.ndarray:
+        """The timed steps' device seconds in the order the steps ran."""
+        n = len(self.device_index)
+        dw = np.frombuffer(self.device_wall, dtype=np.float64, count=n)
+        return dw[np.argsort(np.asarray(self.device_index), kind="stable")]
+
     def mark_save(self) -> None:
         """A checkpoint is being saved during the step now running."""
         self._save_pending = True
@@ -324,14 +350,7 @@ class Forecast:
             return None
         mean = float(w.mean())
         std = float(w.std(ddof=1))
-        # standard error of the mean by batch means: consecutive steps are not independent
-        blocks = min(8, m // 4)
-        if blocks >= 2:
-            size = m // blocks
-            means = w[:blocks * size].reshape(blocks, size).mean(axis=1)
-            se = float(means.std(ddof=1)) / math.sqrt(blocks)
-        else:
-            se = std / math.sqrt(m)
+        se = _batch_means_se(w)
         # a trend in store time: the two halves of the window
         half = m // 2
         s_a, s_b = st[:half], st[half:]
@@ -354,9 +373,11 @@ class Forecast:
             if sel.sum() < 3:
                 sel = di >= 1
             if sel.sum() >= 3:
-                d = dw[sel]
+                d = dw[sel][np.argsort(di[sel], kind="stable")]  # in the order the steps ran
                 mean, std = float(d.mean()), float(d.std(ddof=1))
-                se = std / math.sqrt(d.size) if blocks < 2 else max(se, std / math.sqrt(d.size))
+                # by batch means over the timed steps: the host's step times say nothing of the
+                # device's spread while the host runs ahead of it
+                se = max(_batch_means_se(d), std / math.sqrt(d.size))
                 device = True
         # the extra time of a checkpoint save: a save step's wall over the rate
         extra = [self.wall[i] - mean for i in self.saves if i > 0]
@@ -442,8 +463,9 @@ class Forecast:
             # the rare slow steps at the rate the previous epoch had them, not the window's
             r["mean"] = max(0.0, r["mean"] + r["median"] * (slow_share - r["slow_share"]))
         # the host's speed may change within the epoch as it did in earlier ones, and at least
-        # as it has so far in this one
-        level_cv = max(level_cv, level_variation_so_far(self.wall))
+        # as it has so far in this one (on a GPU, in the device's step times: the host's early
+        # steps run ahead of the device and vary with the launch queue, not with the step)
+        level_cv = max(level_cv, level_variation_so_far(self._device_steps() if r["device"] else self.wall))
         rate_var = None  # the combined rate's relative variance, when the previous epoch's is in it
         r["previous_weight"] = 0.0
         if (previous is not None and r["device"] and r["mean"] > 0.0 and not r["shifted"] and r["slope"] == 0.0
@@ -461,7 +483,7 @@ class Forecast:
             save_s = save_guess_s
         r["save_s"] = save_s
         saves_s = saves_left * save_s if save_s is not None else 0.0
-        guess_std = 0.0 if measured else 0.5 * saves_s
+        guess_std = (SAVE_MEASURED_CV if measured else 0.5) * saves_s
         val_s = (val_runs_left * val_run_s) if val_run_s is not None else 0.0
         fill_s = fill_step = 0.0
         if store_fill is not None:
@@ -492,6 +514,8 @@ class Forecast:
             rate_std = math.hypot(left * r["se"], left * r["mean"] * level_cv / math.sqrt(max(1.0, window_blocks)))
         else:
             rate_std = left * r["mean"] * math.sqrt(rate_var)
+        if r["device"]:
+            rate_std = math.hypot(rate_std, left * r["mean"] * DEVICE_RATE_CV)
         level_std = left * r["mean"] * level_cv / math.sqrt(max(1.0, blocks_left))
         std = math.sqrt(rate_std ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_std ** 2 + guess_std ** 2
                         + fill_std ** 2)

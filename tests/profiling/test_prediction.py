@@ -310,6 +310,39 @@ def test_on_a_gpu_no_prediction_before_the_device_has_timed_a_few_steps():
     assert f.predict(1000, 0, None, 0) is not None
 
 
+def _device_bound_epoch_start(f: Forecast, steps: int = 100) -> None:
+    """A step the GPU sets at 14 ms: the host first runs ahead of it (steps of 9 ms, every fourth
+    15 ms, while the launch queue fills), then waits for it (14 ms); every eighth step timed on
+    the device, 14 ms +/- 0.02."""
+    for i in range(steps):
+        f.add_step(0.4 if i == 0 else (0.015 if i % 4 == 0 else 0.009) if i < 45 else 0.014, 0.0)
+    for j, i in enumerate(range(3, steps, 8)):
+        f.add_device_step(i, 0.014 + (0.00002 if j % 2 else -0.00002))
+    f.needs_device = True
+
+
+def test_on_a_gpu_the_uncertainty_comes_from_the_device_not_the_host_running_ahead():
+    f = Forecast()
+    _device_bound_epoch_start(f)
+    p = f.predict(2000, 0, None, 0)
+    assert p["rate"]["device"] and _close(p["rate_s"], 0.014, rel=1e-3)
+    # the host's steps so far vary by ~20% (run-ahead), which said nothing of the epoch to come:
+    # the +/- is the device's spread plus how far a device-timed rate is from the host's steps
+    rel = p["std"] / p["seconds"]
+    assert forecast.DEVICE_RATE_CV * 0.9 < rel < 2 * forecast.DEVICE_RATE_CV
+    assert forecast.level_variation_so_far(f.wall) > 0.1  # what the +/- was taken from before
+
+
+def test_a_measured_save_still_to_come_carries_its_spread():
+    f = Forecast()
+    for i in range(100):
+        f.add_step(0.010, 0.0)
+    with_saves = f.predict(1000, 0, None, 4, save_s=2.0)
+    without = f.predict(1000, 0, None, 0)
+    assert _close(with_saves["seconds"] - without["seconds"], 8.0)
+    assert _close(with_saves["std"] ** 2 - without["std"] ** 2, (forecast.SAVE_MEASURED_CV * 8.0) ** 2, rel=1e-6)
+
+
 def test_the_sanity_checks_one_time_set_up_is_not_taken_for_the_cost_of_validation():
     clock = FakeClock()
     cost = Cost(clock)
