@@ -35,3 +35,27 @@ def test_demo_prefetches_by_default_and_trains_the_same_rows_without(tmp_path, c
     assert "prefetch:" not in off
     losses = [[l.split("loss ")[1].split()[0] for l in out.splitlines() if " loss " in l] for out in (on, off)]
     assert losses[0] and losses[0] == losses[1], losses
+
+
+def test_a_demo_stopped_mid_epoch_leaves_no_loader_worker_behind(tmp_path, capsys):
+    """`--max-steps` ends the fit inside an epoch, with the loader's persistent worker alive.
+    Lightning stops the workers of the DataLoaders it sees; the demo's is inside a wrapper, so the
+    demo stops it at teardown. Left to the garbage collector, it was stopped inside a finalizer
+    that waited 5 s, stalling whatever the process ran next (a second fit, a benchmark)."""
+    import gc
+
+    import psutil
+
+    gc.collect()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    gc.disable()  # nothing may be left for a collection to clean up
+    try:
+        rc = embcache(["demo", "--samples", "4096", "--dim", "16", "--max-steps", "6", "--batch-size", "256",
+                       "--workers", "1", "--sync-every", "3", "--ckpt-every", "5", "--root", str(tmp_path / "demo")])
+        assert rc == 0
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+        assert left == [], [p.cmdline() for p in left]
+    finally:
+        gc.enable()
+    capsys.readouterr()
