@@ -224,6 +224,14 @@ class EpochClock(Callback):
         # Before teardown closes the stores: the counters of this run.
         self.store_stats = {name: h.stats() for name, h in pl_module.embedding_stores.items()}
         self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
+        # a run stopped inside an epoch: what the profiler predicts a full one takes (its store's
+        # hot tier filling, the saves still to come), not the rate so far times the batches
+        from lightning_embcache.profiling import StepProfiler
+
+        e = self.epochs[-1] if self.epochs else None
+        sp = next((cb for cb in trainer.callbacks if isinstance(cb, StepProfiler)), None)
+        if e is not None and sp is not None and e["steps"] < e["epoch_steps"]:
+            e["predicted"] = sp.predict(epoch_batches=int(e["epoch_steps"]))
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -329,7 +337,12 @@ def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: Def
     for i, e in enumerate(clock.epochs):
         rate = e["steps"] / e["seconds"] if e["seconds"] else 0.0
         line = f"  epoch {i}: {e['seconds']:.1f} s, {e['steps']} steps ({rate:.1f} steps/s), loss {e['loss']:.4f}"
-        if e["steps"] < e["epoch_steps"] and rate:
+        p = e.get("predicted")
+        if e["steps"] < e["epoch_steps"] and p:
+            fill = "" if p.get("store_fill_batch") is None else f", the hot tier full from batch {p['store_fill_batch']}"
+            line += (f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: StepProfiler predicts a full "
+                     f"epoch at {p['epoch_s']:.1f} +/- {p['epoch_std_s']:.1f} s{fill})")
+        elif e["steps"] < e["epoch_steps"] and rate:
             line += (f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: a full epoch at this rate "
                      f"takes about {e['epoch_steps'] / rate:.0f} s)")
         print(line)

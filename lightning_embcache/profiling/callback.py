@@ -177,16 +177,21 @@ class StepProfiler(Callback):
         """One dict per finished training epoch (see docs/profiler.md for every key)."""
         return [dict(s) for s in self._ledger.summaries]
 
-    def predict(self) -> Optional[dict[str, Optional[float]]]:
+    def predict(self, epoch_batches: Optional[int] = None) -> Optional[dict[str, Optional[float]]]:
         """The current prediction: ``{"epoch_s", "epoch_std_s", "fit_s", "fit_std_s",
         "at_batch", "epoch_batches", "store_fill_batch", ...}`` (wall seconds, validation inside
         the epoch included; ``fit_s`` None without ``max_epochs``/``max_steps``;
         ``store_fill_batch`` the batch at which the embedding stores' hot tiers will be full, if
-        within the epoch), or None before enough steps of the running epoch (docs/profiler.md:
-        how to read it). Reads the stores' ``stats()``."""
+        within the epoch), or None before enough steps of the running epoch or after the fit
+        (docs/profiler.md: how to read it). Reads the stores' ``stats()``.
+
+        ``epoch_batches``: predict the running epoch at this many batches instead of the length
+        it will have: for a run that ``max_steps`` or ``limit_train_batches`` stops early, what a
+        full epoch would take (call it in ``on_train_end`` at the latest), with everything the
+        prediction charges (validation, checkpoint saves, a store's hot tier filling) over it."""
         if self._trainer is None:
             return None
-        return self._predictor.predict(self._trainer, with_store=True)
+        return self._predictor.predict(self._trainer, with_store=True, epoch_batches=epoch_batches)
 
     def report_table(self) -> str:
         """The end-of-fit table (phases, true average batch, predicted vs actual epoch times)."""

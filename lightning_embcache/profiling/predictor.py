@@ -278,14 +278,15 @@ class EpochPredictor:
         self._fill = projected._replace(rates=measured_rates(now, projected, done))
         return self._fill
 
-    def predict(self, trainer: Any, with_store: bool = False) -> Optional[dict]:
+    def predict(self, trainer: Any, with_store: bool = False, epoch_batches: Optional[int] = None) -> Optional[dict]:
         """Predicted wall seconds of the running epoch and of the fit (docs/profiler.md);
-        ``with_store``: also when the stores' hot tiers will fill up (reads their stats)."""
+        ``with_store``: also when the stores' hot tiers will fill up (reads their stats);
+        ``epoch_batches``: the epoch predicted at this many batches instead of its own length."""
         self._sync()
         fc = self.forecast
         if fc is None:
             return None
-        target = self.epoch_target(trainer)
+        target = self.epoch_target(trainer) if epoch_batches is None else max(int(epoch_batches), fc.batches)
         if target is None:
             return None
         tl = self._timeline

@@ -11,6 +11,8 @@ def test_demo_runs_tiny_and_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "trained 12 steps" in out
+    # stopped inside the epoch (12 of 16 batches): the profiler's prediction of a whole one
+    assert "stopped at step 12 of 16: StepProfiler predicts a full epoch at" in out
     assert "store 'latents'" in out and "hit rate" in out and "DeferredSync:" in out
     assert "memory:" in out and "RSS now" in out
     assert (tmp_path / "demo" / "latents").is_dir()

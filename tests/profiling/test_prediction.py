@@ -141,6 +141,34 @@ def test_max_steps_ends_the_predicted_epoch_early():
     assert _close(e["predicted_fit_seconds"], wall.epochs[0])
 
 
+def test_a_run_stopped_early_predicts_the_full_epoch_it_did_not_run(tmp_path):
+    """`predict(epoch_batches=...)` at the end of a run that `max_steps` cut short gives what a
+    whole epoch takes, with the checkpoint saves a whole epoch would have: against a real whole
+    epoch of the same loop. Without the argument the prediction is of the cut epoch."""
+
+    class AtTrainEnd(Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.full = sp.predict(epoch_batches=400)
+            self.own = sp.predict()
+
+    clock = FakeClock()
+    sp, probe = StepProfiler(report=False), AtTrainEnd()
+    saves = SaveCost(Cost(clock), 0.5)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=100, save_top_k=-1)
+    _, wall, _ = _fit(sp, batches=400, epochs=1, first_s=150 * MS, clock=clock, max_steps=150,
+                      enable_checkpointing=True, extra=(saves, ckpt, probe))
+    assert saves.saves == 1 and _close(probe.own["epoch_s"], wall.epochs[0])
+    clock = FakeClock()
+    saves = SaveCost(Cost(clock), 0.5)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=100, save_top_k=-1)
+    _, whole, _ = _fit(StepProfiler(report=False), batches=400, epochs=1, first_s=150 * MS, clock=clock,
+                       enable_checkpointing=True, extra=(saves, ckpt))
+    assert saves.saves == 4
+    assert probe.full["epoch_batches"] == 400 and probe.full["at_batch"] == 150
+    assert _close(probe.full["epoch_s"], whole.epochs[0], rel=1e-6), (probe.full["epoch_s"], whole.epochs[0])
+    assert probe.full["epoch_s"] > 400 / 150 * wall.epochs[0]  # not the rate so far times the batches
+
+
 def test_validation_runs_are_predicted_from_the_sanity_check():
     sp = StepProfiler(report=False)
     # 4 validation runs of 5 batches (3 ms each) inside each epoch; the sanity check ran 2 batches
