@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_embcache.lightning import DeferredSync, EmbeddingStoreMixin, MemoryPressure
+from lightning_embcache.profiling import StepProfiler
 
 MiB = 1 << 20
 
@@ -224,14 +225,6 @@ class EpochClock(Callback):
         # Before teardown closes the stores: the counters of this run.
         self.store_stats = {name: h.stats() for name, h in pl_module.embedding_stores.items()}
         self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
-        # a run stopped inside an epoch: what the profiler predicts a full one takes (its store's
-        # hot tier filling, the saves still to come), not the rate so far times the batches
-        from lightning_embcache.profiling import StepProfiler
-
-        e = self.epochs[-1] if self.epochs else None
-        sp = next((cb for cb in trainer.callbacks if isinstance(cb, StepProfiler)), None)
-        if e is not None and sp is not None and e["steps"] < e["epoch_steps"]:
-            e["predicted"] = sp.predict(epoch_batches=int(e["epoch_steps"]))
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -288,10 +281,7 @@ def prepare_run_folder(root: Path) -> str | None:
 
 
 def _optional_profiler() -> list[Callback]:
-    try:
-        from lightning_embcache import StepProfiler
-    except ImportError:
-        return []
+    """The demo's callbacks that time the run (the profiler benchmark swaps in its own)."""
     return [StepProfiler(log_every_n_steps=50, warmup_steps=5, report=False)]
 
 
@@ -334,14 +324,17 @@ def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: Def
             pressure: MemoryPressure, ckpt: ModelCheckpoint, profilers: list[Callback], total: float) -> None:
     print(f"\ntrained {trainer.global_step} steps in {total:.1f} s (setup, final flushes and closing the store "
           "included)")
+    sp = next((p for p in profilers if isinstance(p, StepProfiler)), None)
+    summaries = sp.summary() if sp is not None else []
     for i, e in enumerate(clock.epochs):
         rate = e["steps"] / e["seconds"] if e["seconds"] else 0.0
         line = f"  epoch {i}: {e['seconds']:.1f} s, {e['steps']} steps ({rate:.1f} steps/s), loss {e['loss']:.4f}"
-        p = e.get("predicted")
-        if e["steps"] < e["epoch_steps"] and p:
-            fill = "" if p.get("store_fill_batch") is None else f", the hot tier full from batch {p['store_fill_batch']}"
+        # stopped inside the epoch: what the profiler predicts a whole one takes (the store's hot
+        # tier filling, the saves still to come), not the rate so far times the batches
+        full = summaries[i].get("predicted_full_epoch_seconds") if i < len(summaries) else None
+        if e["steps"] < e["epoch_steps"] and full is not None:
             line += (f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: StepProfiler predicts a full "
-                     f"epoch at {p['epoch_s']:.1f} +/- {p['epoch_std_s']:.1f} s{fill})")
+                     f"epoch at {full:.1f} +/- {summaries[i]['predicted_full_epoch_std_seconds']:.1f} s)")
         elif e["steps"] < e["epoch_steps"] and rate:
             line += (f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: a full epoch at this rate "
                      f"takes about {e['epoch_steps'] / rate:.0f} s)")
@@ -368,13 +361,12 @@ def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: Def
         cg = f", cgroup limit {r.cgroup_limit / MiB:.0f} MiB" if r.cgroup_limit else ""
         print(f"  used {r.used_fraction:.0%} of {r.limit_bytes / MiB:.0f} MiB{cg}; "
               f"evicted under pressure: {pressure.evicted_bytes_total / MiB:.0f} MiB")
-    for prof in profilers:
-        for epoch in getattr(prof, "summary", lambda: [])():
-            phases = epoch.get("phases_ms", {})
-            if phases:
-                parts = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-                print(f"step profile (ms per batch): {parts}")
-                break
+    for epoch in summaries:
+        phases = epoch.get("phases_ms", {})
+        if phases:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+            print(f"step profile (ms per batch): {parts}")
+            break
     model.latents._release()
 
 

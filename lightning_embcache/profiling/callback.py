@@ -556,9 +556,10 @@ class StepProfiler(Callback):
     # ------------------------------------------------------------------ epoch summary
 
     def _finish_epoch(self, trainer: Trainer, epoch: int, totals: Totals) -> None:
-        kept = self._predictor.finish_epoch()
         epoch_batches = self.epoch_batches
         if epoch_batches is None and math.isfinite(trainer.num_training_batches):
             epoch_batches = int(trainer.num_training_batches)
+        full = self._predictor.predict_cut(trainer, epoch_batches)
+        kept = self._predictor.finish_epoch()
         timeline = "cuda-events" if self._timeline is not None and self._timeline._cuda else "host-clock"
-        self._ledger.finish(totals, epoch, self._device, self._samples_known, epoch_batches, timeline, kept)
+        self._ledger.finish(totals, epoch, self._device, self._samples_known, epoch_batches, timeline, kept, full)

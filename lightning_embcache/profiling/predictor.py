@@ -202,6 +202,16 @@ class EpochPredictor:
         self._last_logged = pred
         return pred
 
+    def predict_cut(self, trainer: Any, epoch_batches: Optional[int]) -> Optional[dict]:
+        """At the end of an epoch cut short (``max_steps``, or a trial run against
+        ``epoch_batches=``): the prediction of a whole one of ``epoch_batches``, with the saves,
+        validation and store fill its rest would have had; None for an epoch that ran whole."""
+        self._sync()
+        fc = self.forecast
+        if epoch_batches is None or fc is None or not 0 < fc.batches < epoch_batches:
+            return None
+        return self.predict(trainer, with_store=True, epoch_batches=epoch_batches)
+
     def epoch_target(self, trainer: Any) -> Optional[int]:
         """Batches the running epoch will have when it ends (the predicted epoch)."""
         if self.epoch_batches is not None:

@@ -61,7 +61,10 @@ def format_table(epochs: list[dict], rank_rows: Optional[list[list[float]]] = No
         lines.append(f"throughput (last epoch): {last['samples_per_sec']:.1f} samples/s")
     lines.extend(_prediction_lines(epochs))
     if last.get("projected_epoch_seconds") is not None and last["epoch_batches"] > last["batches"]:
-        lines.append(f"a full epoch ({last['epoch_batches']} batches) at the last epoch's rate: "
+        full = last.get("predicted_full_epoch_seconds")
+        predicted = "" if full is None else (
+            f"predicted {full:.1f} +/- {last['predicted_full_epoch_std_seconds']:.1f} s; ")
+        lines.append(f"a full epoch ({last['epoch_batches']} batches): {predicted}at the last epoch's rate "
                      f"{last['projected_epoch_seconds']:.1f} s")
     if tot["world_size"] > 1:
         lines.append(f"slowest rank (last epoch): {tot['slowest_rank']}; "

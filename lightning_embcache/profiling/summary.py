@@ -49,11 +49,12 @@ def rank_phase_rows(rows: list[list[float]]) -> list[list[float]]:
 
 
 def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoch_batches: Optional[int],
-                  timeline: str, prediction: Optional[dict] = None) -> dict:
+                  timeline: str, prediction: Optional[dict] = None, full_prediction: Optional[dict] = None) -> dict:
     """One epoch's dict of ``StepProfiler.summary()`` (keys documented in docs/profiler.md).
 
     ``prediction``: what the profiler predicted for this epoch early on (``StepProfiler.predict()``
-    at ``predict_at`` of the epoch), compared here with the epoch's actual wall time."""
+    at ``predict_at`` of the epoch), compared here with the epoch's actual wall time;
+    ``full_prediction``: for an epoch cut short, its prediction at ``epoch_batches`` made at its end."""
     n = len(rows)
     wall_s = sum(r[_E_WALL] for r in rows) / n
     batches = round(sum(r[_E_BATCHES] for r in rows) / n)
@@ -91,6 +92,8 @@ def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoc
         "steady_batch_ms": steady_ms,
         "epoch_batches": epoch_batches,
         "projected_epoch_seconds": projected,
+        "predicted_full_epoch_seconds": full_prediction["epoch_s"] if full_prediction else None,
+        "predicted_full_epoch_std_seconds": full_prediction["epoch_std_s"] if full_prediction else None,
         "predicted_epoch_seconds": predicted,
         "predicted_epoch_std_seconds": predicted_std,
         "predicted_at_batch": at,

@@ -161,12 +161,18 @@ def test_a_run_stopped_early_predicts_the_full_epoch_it_did_not_run(tmp_path):
     clock = FakeClock()
     saves = SaveCost(Cost(clock), 0.5)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=100, save_top_k=-1)
-    _, whole, _ = _fit(StepProfiler(report=False), batches=400, epochs=1, first_s=150 * MS, clock=clock,
+    sp_whole = StepProfiler(report=False)
+    _, whole, _ = _fit(sp_whole, batches=400, epochs=1, first_s=150 * MS, clock=clock,
                        enable_checkpointing=True, extra=(saves, ckpt))
-    assert saves.saves == 4
+    assert saves.saves == 4 and sp_whole.summary()[0]["predicted_full_epoch_seconds"] is None
     assert probe.full["epoch_batches"] == 400 and probe.full["at_batch"] == 150
     assert _close(probe.full["epoch_s"], whole.epochs[0], rel=1e-6), (probe.full["epoch_s"], whole.epochs[0])
     assert probe.full["epoch_s"] > 400 / 150 * wall.epochs[0]  # not the rate so far times the batches
+    # the cut epoch's summary and the end-of-fit table carry the same prediction
+    e = sp.summary()[0]
+    assert e["batches"] == 150 and _close(e["predicted_full_epoch_seconds"], probe.full["epoch_s"])
+    assert e["predicted_full_epoch_std_seconds"] is not None
+    assert f"a full epoch (400 batches): predicted {probe.full['epoch_s']:.1f} +/- " in sp.report_table()
 
 
 def test_validation_runs_are_predicted_from_the_sanity_check():
