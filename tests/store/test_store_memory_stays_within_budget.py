@@ -64,14 +64,22 @@ def test_chunks_read_ahead_add_no_memory_beyond_the_warm_budget(shm_path):
     """`ChunkShuffleSampler` order with lookahead, whose chunks are read ahead whole into the warm
     tier: the slots being read into count against its budget, so the epochs' peak is no higher
     than in the same run without read-ahead (io_uring off), within noise. (Absolute: in this
-    order every row of a batch is new to the hot tier and dirty, and the epochs peaked 55-59 MiB
+    order every row of a batch is new to the hot tier and dirty, and the epochs peaked 55-63 MiB
     over the start here with or without read-ahead, against 46 MiB for random rows: above the
-    bound the test above can afford at this table size.)"""
+    bound the test above can afford at this table size.) The peak is brief, where transients meet (a
+    flush's 4 MiB blocks beside a batch's temporaries); with and without read-ahead one run each
+    differed by -0.8 to +4.3 MiB, the lower of two runs each by -1.5 to +5.0 MiB (2-vCPU
+    host). So each way runs twice, interleaved, the lower peak counts, and 8 MiB is the noise
+    allowed; a read-ahead that held chunks outside the budget could add up to the 64 MiB table."""
     if uring.async_ring(2) is None:
         pytest.skip("io_uring is not available here")
-    ahead = _probe(shm_path / "a", "chunk")
-    assert ahead["chunks_read_ahead"] >= ROWS // 1024, ahead
-    assert ahead["warm_bytes"] <= WARM, ahead
-    plain = _probe(shm_path / "b", "chunk", EMBCACHE_NO_IO_URING="1")
-    assert plain["chunks_read_ahead"] == 0, plain
-    assert ahead["peak"] - ahead["base"] <= plain["peak"] - plain["base"] + 4 * MIB, (ahead, plain)
+    ahead, plain = [], []
+    for i in range(2):
+        ahead.append(_probe(shm_path / f"a{i}", "chunk"))
+        plain.append(_probe(shm_path / f"b{i}", "chunk", EMBCACHE_NO_IO_URING="1"))
+    for a, p in zip(ahead, plain):
+        assert a["chunks_read_ahead"] >= ROWS // 1024 and a["warm_bytes"] <= WARM, a
+        assert p["chunks_read_ahead"] == 0, p
+    grew_ahead = min(a["peak"] - a["base"] for a in ahead)
+    grew_plain = min(p["peak"] - p["base"] for p in plain)
+    assert grew_ahead <= grew_plain + 8 * MIB, (ahead, plain)
