@@ -27,6 +27,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -111,9 +112,7 @@ class ResumableLoader:
         it is given, and it sees this wrapper, not the DataLoader inside; left to the garbage
         collector (the loader sits in reference cycles with the Trainer), the workers' shutdown ran
         inside a finalizer and waited 5 s for them, stalling whatever ran next in the process."""
-        it, self.loader._iterator = self.loader._iterator, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        _shutdown_workers_and_reset_iterator(self.loader)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.sampler.epoch, "consumed": self._consumed}

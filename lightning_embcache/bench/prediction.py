@@ -48,7 +48,7 @@ except (AttributeError, OSError):  # not glibc
     _getcpu = None
 
 # model -> batches per epoch for the prediction runs (5% of it is the prediction point): epochs
-# of a few seconds, so that 5% of one is more than a blink of the host's scheduler
+# of a few seconds (gpu_deep ~30 s), so that 5% of one is more than a blink of the host's scheduler
 EPOCH_BATCHES = {"tiny": 8000, "small": 5000, "large": 400, "gpu_small": 4000, "gpu_large": 400,
                  "gpu_deep": 2000}
 

@@ -302,10 +302,9 @@ class Forecast:
         self.device_wall.append(seconds)
 
     def _device_steps(self) -> np.ndarray:
-        """The timed steps' device seconds in the order the steps ran."""
-        n = len(self.device_index)
-        dw = np.frombuffer(self.device_wall, dtype=np.float64, count=n)
-        return dw[np.argsort(np.asarray(self.device_index), kind="stable")]
+        """The timed steps' device seconds, in the order the steps ran (the timeline reads its
+        events back first in, first out)."""
+        return np.frombuffer(self.device_wall, dtype=np.float64, count=len(self.device_index))
 
     def mark_save(self) -> None:
         """A checkpoint is being saved during the step now running."""
@@ -368,12 +367,12 @@ class Forecast:
         device = False
         if self.device_index:
             di = np.asarray(self.device_index)
-            dw = np.frombuffer(self.device_wall, dtype=np.float64, count=len(self.device_index))
+            dw = self._device_steps()
             sel = (di >= lo) & ~np.isin(di, self.saves) if self.saves else di >= lo
             if sel.sum() < 3:
                 sel = di >= 1
             if sel.sum() >= 3:
-                d = dw[sel][np.argsort(di[sel], kind="stable")]  # in the order the steps ran
+                d = dw[sel]
                 mean, std = float(d.mean()), float(d.std(ddof=1))
                 # by batch means over the timed steps: the host's step times say nothing of the
                 # device's spread while the host runs ahead of it
