@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,8 +37,8 @@ def reshard_checkpoint(checkpoint: str | os.PathLike, world_size: int, *, out: s
         raise InvalidArgumentError(f"world_size must be an integer >= 1; got {world_size!r}")
     src = Path(checkpoint).absolute()
     dst = Path(out).absolute() if out is not None else src.with_name(f"{src.stem}.world{world_size}{src.suffix}")
-    ckpt = torch.load(src, map_location="cpu", weights_only=False)
-    refs = ckpt.get("embedding_stores")
+    ckpt = load_checkpoint(src)
+    refs = ckpt.get("embedding_stores") if isinstance(ckpt, dict) else None
     if not refs:
         raise InvalidArgumentError(f"checkpoint={str(src)!r} names no embedding stores (nothing to reshard)")
     paths = dict(paths or {})
@@ -50,6 +51,25 @@ def reshard_checkpoint(checkpoint: str | os.PathLike, world_size: int, *, out: s
         refs[name] = _reshard_store(name, ref, world_size, paths.get(name), dst)
     torch.save(ckpt, dst)
     return dst
+
+
+def load_checkpoint(path: Path) -> Any:
+    """A Lightning checkpoint's contents, loaded the way Lightning's own resume loads it
+    (``weights_only=True``): a pickle that would import or call anything beyond tensors and plain
+    containers is refused before it runs, so a crafted checkpoint cannot execute code here."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"checkpoint={str(path)!r} does not exist") from None
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise InvalidArgumentError(
+            f"checkpoint={str(path)!r} holds objects a weights-only load refuses ({first}); checkpoints are "
+            "read with weights_only=True so a crafted file cannot run code. If you trust this file, allow "
+            "its classes in Python: `with torch.serialization.safe_globals([TheClass]): "
+            "reshard_checkpoint(...)`") from None
+    except (RuntimeError, EOFError, ValueError) as exc:  # not a torch checkpoint at all, or truncated
+        raise InvalidArgumentError(f"checkpoint={str(path)!r} is not a readable torch checkpoint: {exc}") from None
 
 
 def _reshard_store(name: str, ref: dict[str, Any], world_size: int, new_path: str | None, dst: Path) -> dict[str, Any]:
