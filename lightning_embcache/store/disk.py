@@ -196,9 +196,13 @@ class Manifest:
 class Disk:
     """Reads and writes the files of one store directory. Not thread-safe: the store serialises."""
 
-    def __init__(self, root: Path, num_rows: int, chunk_rows: int, row_bytes: int, uid: bytes) -> None:
+    def __init__(self, root: Path, num_rows: int, chunk_rows: int, row_bytes: int, uid: bytes, *,
+                 unbound: bool = True) -> None:
         self.root = root
         self.uid = uid  # every file's header names this store (a foreign file is refused)
+        # Whether files bound to no name (format 2) may be read: only in stores created before
+        # names were bound (META's "names_bound" absent); see fileio.FORMAT_VERSION.
+        self.unbound = unbound
         # Writes, renames and deletes go through these descriptors: a symlink swapped in for a
         # subfolder is refused, never followed out of the store.
         self._root_fd = open_dir(root, follow=True)
@@ -261,8 +265,8 @@ class Disk:
     def _write(self, path: Path, kind: bytes, payload: bytes | memoryview, *, durable: bool = True) -> int:
         return write_file(path, kind, payload, self.uid, durable=durable, dir_fd=self._dir_fd(path))
 
-    def _read_file(self, path: Path, kind: bytes) -> bytes:
-        return read_file(path, kind, self.uid)
+    def _read_file(self, path: Path, kind: bytes, *, name: str | None = None) -> bytes:
+        return read_file(path, kind, self.uid, name=name, unbound=self.unbound)
 
     # ---- paths -------------------------------------------------------------------------------
     def manifest_path(self, version: int) -> Path:
@@ -334,10 +338,20 @@ class Disk:
         except FileNotFoundError:
             pass
         p = self.root / "LATEST"
-        obj = _json(p, self._read_file(p, b"manifest"))
-        v = obj.get("version") if isinstance(obj, dict) else None
+        data = fileio.read_raw(p)
+        # LATEST is bound to the name of the manifest it links to, which its payload names: that
+        # payload is checked against the header's payload checksum first, then the header with it.
+        payload = memoryview(data)[HEADER_SIZE:]
+        v = None
+        if len(data) >= HEADER_SIZE and crc32(payload) == int.from_bytes(data[44:48], "little"):
+            try:
+                obj = json.loads(bytes(payload))
+                v = obj.get("version") if isinstance(obj, dict) else None
+            except ValueError:
+                pass
         if not _is_count(v):
-            raise CorruptStoreError(p, "does not hold a version number")
+            raise CorruptStoreError(p, "does not hold a version number (damaged, or not a manifest)")
+        self._read_file(p, b"manifest", name=self.manifest_path(v).name)
         return v
 
     def write_latest(self, version: int) -> None:
@@ -451,7 +465,7 @@ class Disk:
         head = path.read_bytes()[:HEADER_SIZE] if path.exists() else b""
         if not head:
             raise VersionNotFoundError(f"version={version} of store {self.root} is not retained")
-        _, pcrc = parse_header(path, head, b"manifest", self.uid)
+        _, pcrc = parse_header(path, head, b"manifest", self.uid, unbound=self.unbound)
         ident = self.read_manifest(version).ident
         return ident or f"{pcrc:08x}"
 
@@ -615,7 +629,7 @@ class Disk:
                 if hd[8:16] != b"chunkraw":
                     self._remember_directory(key, None)
                     return None
-                length, pcrc = parse_header(path, hd[:HEADER_SIZE], b"chunkraw", self.uid)  # type: ignore[arg-type]
+                length, pcrc = parse_header(path, hd[:HEADER_SIZE], b"chunkraw", self.uid, unbound=self.unbound)  # type: ignore[arg-type]
                 if length != dlen or len(hd) != HEADER_SIZE + dlen or crc32(hd[HEADER_SIZE:]) != pcrc:
                     raise CorruptStoreError(path, "chunk directory is truncated or fails its checksum")
                 c, r, rl, _ = _CHUNK_HEAD.unpack_from(hd, HEADER_SIZE)
@@ -657,12 +671,12 @@ class Disk:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
                 head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 1)
-                self._write_chunk_file(chunk, gen, pack(b"chunk", head + packed, self.uid), durable)
+                self._write_chunk_file(chunk, gen, pack(b"chunk", head + packed, self.uid, self.chunk_path(chunk, gen).name), durable)
                 return
         # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
         crcs = _block_crcs(raw)
         directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
-        self._write_chunk_file(chunk, gen, pack(b"chunkraw", directory, self.uid) + [raw], durable)
+        self._write_chunk_file(chunk, gen, pack(b"chunkraw", directory, self.uid, self.chunk_path(chunk, gen).name) + [raw], durable)
 
     def _write_sparse_chunk(self, chunk: int, gen: int, present: np.ndarray, records: np.ndarray,
                             durable: bool) -> None:
@@ -676,7 +690,7 @@ class Disk:
         crcs = _block_crcs(raw)
         directory = (_SPARSE_HEAD.pack(chunk, rows, len(present), len(raw)) + np.packbits(held, bitorder="little").tobytes()
                      + crcs.tobytes())
-        self._write_chunk_file(chunk, gen, pack(SPARSE_KIND, directory, self.uid) + [raw], durable)
+        self._write_chunk_file(chunk, gen, pack(SPARSE_KIND, directory, self.uid, self.chunk_path(chunk, gen).name) + [raw], durable)
 
     def _write_chunk_file(self, chunk: int, gen: int, parts: list, durable: bool) -> None:
         """Create chunk file ``(chunk, gen)`` from ``parts``, overwriting a pooled replaced file
@@ -708,7 +722,7 @@ class Disk:
     def _raw_chunk_directory(self, path: Path, chunk: int, *, fd: int | None = None,
                              head: bytes | None = None, directory: bytes | None = None) -> tuple[int, np.ndarray, int]:
         head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)
-        length, pcrc = parse_header(path, head, b"chunkraw", self.uid)
+        length, pcrc = parse_header(path, head, b"chunkraw", self.uid, unbound=self.unbound)
         if length != _CHUNK_HEAD.size + 4 * -(-self.chunk_rows_of(chunk) * self.row_bytes // BLOCK):
             raise CorruptStoreError(path, f"chunk directory of {length} bytes does not fit chunk {chunk}")
         if directory is None:
@@ -728,7 +742,7 @@ class Disk:
         records) of a sparse chunk file, its directory checked: checksum, chunk, row count, a
         bitmap whose bits match the count, one checksum per block."""
         head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)
-        length, pcrc = parse_header(path, head, SPARSE_KIND, self.uid)
+        length, pcrc = parse_header(path, head, SPARSE_KIND, self.uid, unbound=self.unbound)
         rows = self.chunk_rows_of(chunk)
         bitmap = -(-rows // 64) * 8
         if (length < _SPARSE_HEAD.size + bitmap or length > _SPARSE_HEAD.size + bitmap + 4 * -(-rows * self.row_bytes // BLOCK)
@@ -826,7 +840,7 @@ class Disk:
 
         def head() -> bytes:
             directory = _SEG_HEAD.pack(n, rb, index.shape[1], self.chunk_rows) + ids.astype(np.int64).tobytes() + index.tobytes()
-            return b"".join(bytes(p) for p in pack(b"segment", directory, self.uid))
+            return b"".join(bytes(p) for p in pack(b"segment", directory, self.uid, self.segment_path(seq).name))
 
         path = self.segment_path(seq)
         t0 = time.perf_counter()
@@ -869,7 +883,7 @@ class Disk:
         try:
             size = os.fstat(fd).st_size
             head = os.pread(fd, HEADER_SIZE, 0)
-            length, pcrc = parse_header(path, head, b"segment", self.uid)
+            length, pcrc = parse_header(path, head, b"segment", self.uid, unbound=self.unbound)
             if length > size - HEADER_SIZE:  # never allocate what a crafted header claims
                 raise CorruptStoreError(path, f"truncated: header says {length} bytes of directory, file has {size}")
             directory = os.pread(fd, length, HEADER_SIZE)

@@ -29,7 +29,12 @@ MAGIC = b"EMBCACHE"
 # magic, kind (8 bytes), format version, store uuid (16 bytes), payload length, payload crc32, header crc32
 _HEADER = struct.Struct("<8s8sI16sQII")
 HEADER_SIZE = _HEADER.size
-FORMAT_VERSION = 2
+# Format 3: the header checksum also covers the file's own name (`bound_crc`), so a valid file of
+# the same store put in another file's place (another chunk, an older generation, another segment
+# or manifest) fails its header check instead of being served. Format 2 (stores of 0.1) bound no
+# name: its files are read where META allows them (stores created before format 3).
+FORMAT_VERSION = 3
+UNBOUND_FORMAT = 2
 ANY_STORE = None  # parse_header(uid=ANY_STORE): accept any store's uuid (META, read before the uuid is known)
 
 # Set by the fault-injection suite: an object with before(op, name) (may raise OSError) and
@@ -61,44 +66,72 @@ def uuid_bytes(hex_uuid: str) -> bytes:
     return raw
 
 
-def pack(kind: bytes, payload: bytes | memoryview, uid: bytes) -> list[bytes | memoryview]:
-    """The parts of a file of ``kind`` of store ``uid`` holding ``payload`` (not joined: no copy)."""
+def bound_crc(head: bytes | memoryview, name: str) -> int:
+    """The header checksum of format 3: the header's first 48 bytes, then the file's name."""
+    return crc32(bytes(head[: HEADER_SIZE - 4]) + name.encode())
+
+
+def pack(kind: bytes, payload: bytes | memoryview, uid: bytes, name: str) -> list[bytes | memoryview]:
+    """The parts of file ``name`` (its name in the store's folder, not a temporary one) of ``kind``
+    of store ``uid`` holding ``payload`` (not joined: no copy)."""
     head = _HEADER.pack(MAGIC, kind.ljust(8, b"\0"), FORMAT_VERSION, uid, len(payload), crc32(payload), 0)
-    head = head[:-4] + struct.pack("<I", crc32(head[:-4]))
+    head = head[:-4] + struct.pack("<I", bound_crc(head, name))
     return [head, payload]
 
 
-def parse_header(path: object, head: bytes, kind: bytes, uid: bytes | None = ANY_STORE) -> tuple[int, int]:
-    """Validate a header of a file of ``kind`` belonging to store ``uid``; return (payload length,
-    payload crc). ``uid=ANY_STORE`` accepts any store (use `header_uuid` to learn which)."""
+def parse_header(path: object, head: bytes, kind: bytes, uid: bytes | None = ANY_STORE, *,
+                 name: str | None = None, unbound: bool = True) -> tuple[int, int]:
+    """Validate a header of a file of ``kind`` belonging to store ``uid`` and bound to ``name``
+    (default: ``path``'s last part); return (payload length, payload crc). ``uid=ANY_STORE``
+    accepts any store (use `header_uuid` to learn which); ``unbound=False`` refuses format-2 files,
+    which are bound to no name."""
     if len(head) < HEADER_SIZE:
         raise CorruptStoreError(path, f"truncated: {len(head)} bytes, a store file has at least {HEADER_SIZE}")
     magic, got_kind, fmt, got_uid, length, pcrc, hcrc = _HEADER.unpack(head[:HEADER_SIZE])
     if magic != MAGIC:
         raise CorruptStoreError(path, "not a lightning_embcache store file (bad magic)")
-    if crc32(head[: HEADER_SIZE - 4]) != hcrc:
-        raise CorruptStoreError(path, "header checksum mismatch")
+    if fmt == FORMAT_VERSION:
+        bind = name if name is not None else os.path.basename(os.fspath(path))  # type: ignore[arg-type]
+        if bound_crc(head, bind) != hcrc:
+            if uid is not None and got_uid != uid:
+                _refuse_foreign(path, got_uid, uid)
+            raise CorruptStoreError(
+                path, f"header checksum mismatch: the file is damaged, or it is another file of a store put in the "
+                f"place of {bind!r} (each file is bound to the name its manifest gives it)")
+    elif fmt == UNBOUND_FORMAT and unbound:
+        if crc32(head[: HEADER_SIZE - 4]) != hcrc:
+            raise CorruptStoreError(path, "header checksum mismatch")
+    elif fmt == UNBOUND_FORMAT:
+        raise CorruptStoreError(path, f"format version {fmt} (bound to no name) in a store whose files are all "
+                                f"format {FORMAT_VERSION}: a file put here from elsewhere is never read")
+    else:
+        raise CorruptStoreError(path, f"format version {fmt}; this build reads versions {UNBOUND_FORMAT} and "
+                                f"{FORMAT_VERSION}")
     if got_kind.rstrip(b"\0") != kind:
         found = got_kind.rstrip(b"\0").decode("ascii", "replace")
         raise CorruptStoreError(path, f"expected a {kind.decode()!r} file, found {found!r}")
-    if fmt != FORMAT_VERSION:
-        raise CorruptStoreError(path, f"format version {fmt}; this build reads version {FORMAT_VERSION}")
     if uid is not None and got_uid != uid:
-        raise CorruptStoreError(
-            path, f"belongs to another store (uuid {got_uid.hex()}; this store's uuid is {uid.hex()}): "
-            "a file copied in from elsewhere is never read as this store's"
-        )
+        _refuse_foreign(path, got_uid, uid)
     return length, pcrc
+
+
+def _refuse_foreign(path: object, got_uid: bytes, uid: bytes) -> None:
+    raise CorruptStoreError(
+        path, f"belongs to another store (uuid {got_uid.hex()}; this store's uuid is {uid.hex()}): "
+        "a file copied in from elsewhere is never read as this store's"
+    )
 
 
 def header_uuid(head: bytes) -> bytes:
     return _HEADER.unpack(head[:HEADER_SIZE])[3]
 
 
-def read_file(path: Path, kind: bytes, uid: bytes | None = ANY_STORE) -> bytes:
-    """Read and verify a whole store file; raise CorruptStoreError naming it on any damage."""
+def read_file(path: Path, kind: bytes, uid: bytes | None = ANY_STORE, *, name: str | None = None,
+              unbound: bool = True) -> bytes:
+    """Read and verify a whole store file (bound to ``name``, default its own); raise
+    CorruptStoreError naming it on any damage."""
     data = read_raw(path, what="missing (the store directory is incomplete)")
-    length, pcrc = parse_header(path, data, kind, uid)
+    length, pcrc = parse_header(path, data, kind, uid, name=name, unbound=unbound)
     payload = memoryview(data)[HEADER_SIZE:]
     if len(payload) != length:
         raise CorruptStoreError(path, f"truncated: payload is {len(payload)} bytes, header says {length}")
@@ -468,7 +501,7 @@ def _reuse(name: str, tmp: str, dfd: int, path: object) -> int:
 
 def write_file(path: Path, kind: bytes, payload: bytes | memoryview, uid: bytes, *, durable: bool = True,
                dir_fd: int | None = None) -> int:
-    return write_parts(path, pack(kind, payload, uid), durable=durable, dir_fd=dir_fd)
+    return write_parts(path, pack(kind, payload, uid, Path(path).name), durable=durable, dir_fd=dir_fd)
 
 
 def write_plain(path: Path, data: bytes, *, durable: bool = True) -> int:

@@ -71,14 +71,15 @@ _BOOT = (
 class FoldProcess:
     """The parent's handle on one store's compaction process."""
 
-    def __init__(self, root: Path, num_rows: int, chunk_rows: int, row_bytes: int, uid: bytes) -> None:
+    def __init__(self, root: Path, num_rows: int, chunk_rows: int, row_bytes: int, uid: bytes, *,
+                 unbound: bool = True) -> None:
         self._pid = os.getpid()
         self._broken = False
         self._ready = False
         self.base_rss = 0
         mine, theirs = socketpair()
         cfg = {"root": str(root), "num_rows": num_rows, "chunk_rows": chunk_rows, "row_bytes": row_bytes,
-               "uid": uid.hex(), "ppid": os.getpid(), "sys_path": list(sys.path),
+               "uid": uid.hex(), "unbound": unbound, "ppid": os.getpid(), "sys_path": list(sys.path),
                "package": str(Path(__file__).resolve().parent)}
         self._conn = Connection(mine.detach())
         started = threading.Event()
@@ -212,7 +213,8 @@ def serve(cfg: dict, fd: int) -> None:
 
     conn = Connection(fd)
     try:
-        disk = Disk(Path(cfg["root"]), cfg["num_rows"], cfg["chunk_rows"], cfg["row_bytes"], bytes.fromhex(cfg["uid"]))
+        disk = Disk(Path(cfg["root"]), cfg["num_rows"], cfg["chunk_rows"], cfg["row_bytes"], bytes.fromhex(cfg["uid"]),
+                    unbound=cfg["unbound"])
     except (OSError, StoreError):  # the store closed and its folder went before this process was up
         conn.close()
         return

@@ -136,6 +136,7 @@ class EmbeddingStore(TieredRows, Versioning):
             "seed": int(seed),
             "init_std": float(init_std),
             "init_version": 2,  # init="normal" per row from (seed, id); absent = per chunk (older stores)
+            "names_bound": True,  # every file is bound to its name (format 3); absent: files of 0.1 may be read
         }
         ephemeral = path is None
         if ephemeral and hot_bytes is None:
@@ -271,7 +272,7 @@ class EmbeddingStore(TieredRows, Versioning):
                 if create:
                     Disk.write_meta(root, meta)
                 self._disk = Disk(root, self._num_rows, self._chunk_rows, self._row_bytes,
-                                  fileio.uuid_bytes(meta["uuid"]))
+                                  fileio.uuid_bytes(meta["uuid"]), unbound=meta.get("names_bound") is not True)
                 self._disk.set_init_rows(self._init_rows)  # the rows a sparse chunk file does not hold
                 if create:
                     self._disk.write_manifest(Manifest(0, 0, []))

@@ -524,7 +524,7 @@ class Versioning:
                 return None
             try:
                 proc = self._fold_proc = FoldProcess(self._root, self._num_rows, self._chunk_rows, self._row_bytes,
-                                                     self._disk.uid)
+                                                     self._disk.uid, unbound=self._disk.unbound)
             except Exception:  # no interpreter to start (an embedded Python), no processes allowed
                 self._fold_proc_failed = True
                 return None

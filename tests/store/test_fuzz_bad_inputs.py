@@ -116,7 +116,7 @@ def _craft_segment_with_id(path, bad_id: int) -> None:
     ids = np.frombuffer(directory, np.int64, 1, 28).copy()
     ids[0] = bad_id
     directory[28:36] = ids.tobytes()
-    new_head = fileio.pack(b"segment", bytes(directory), fileio.header_uuid(head))[0]
+    new_head = fileio.pack(b"segment", bytes(directory), fileio.header_uuid(head), seg.name)[0]
     seg.write_bytes(bytes(new_head) + bytes(directory) + bytes(data[fileio.HEADER_SIZE + length :]))
 
 

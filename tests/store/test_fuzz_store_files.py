@@ -160,19 +160,28 @@ def _json_values():
     )
 
 
+def _bound_name(target: Path) -> str:
+    """The name a file's header is bound to: its own, but LATEST's is the manifest it links to."""
+    if target.name != "LATEST":
+        return target.name
+    version = json.loads(target.read_bytes()[fileio.HEADER_SIZE :])["version"]
+    return f"manifest-{version:012d}"
+
+
 def _split(target: Path) -> tuple[bytes, bytes, bytes]:
     """(header, checksummed payload, tail): raw chunks and segments checksum only their directory
     in the header; their records follow, with checksums of their own."""
     data = target.read_bytes()
     head = data[: fileio.HEADER_SIZE]
-    length, _ = fileio.parse_header(target, head, head[8:16].rstrip(b"\0"))
+    length, _ = fileio.parse_header(target, head, head[8:16].rstrip(b"\0"), name=_bound_name(target))
     return head, data[fileio.HEADER_SIZE : fileio.HEADER_SIZE + length], data[fileio.HEADER_SIZE + length :]
 
 
 def _craft(target: Path, payload: bytes) -> None:
     head, _, tail = _split(target)
     kind = head[8:16].rstrip(b"\0")
-    target.write_bytes(b"".join(bytes(p) for p in fileio.pack(kind, payload, fileio.header_uuid(head))) + tail)
+    sealed = fileio.pack(kind, payload, fileio.header_uuid(head), _bound_name(target))
+    target.write_bytes(b"".join(bytes(p) for p in sealed) + tail)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

@@ -77,11 +77,11 @@ def test_garbage_collection_tolerates_versions_dropped_while_it_runs(shm_path, m
     original = disk_module.read_file
     held, release = threading.Event(), threading.Event()
 
-    def read_file(path, kind, *uid):
+    def read_file(path, kind, *uid, **kw):
         if kind == b"manifest" and threading.current_thread() is not threading.main_thread() and not release.is_set():
             held.set()
             release.wait(1)  # GC holds the writer lock now: flushes wait for it, so keep the hold short
-        return original(path, kind, *uid)
+        return original(path, kind, *uid, **kw)
 
     monkeypatch.setattr(disk_module, "read_file", read_file)
     path = shm_path / "store"

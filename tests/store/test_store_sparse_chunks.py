@@ -265,7 +265,7 @@ def _recraft(f: Path, edit) -> None:
     directory = bytearray(data[lo:hi])
     edit(directory)
     uid = fileio.header_uuid(data)
-    head, _ = fileio.pack(b"sparse", bytes(directory), uid)
+    head, _ = fileio.pack(b"sparse", bytes(directory), uid, f.name)
     f.write_bytes(bytes(head) + bytes(directory) + data[hi:])
 
 
