@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 import sys
 import threading
 
@@ -44,7 +45,11 @@ _CQE = np.dtype({"names": ["user_data", "res", "flags"], "formats": [np.uint64, 
                  "offsets": [0, 8, 12], "itemsize": 16})
 
 _libc = None
-_disabled = not sys.platform.startswith("linux") or os.environ.get("EMBCACHE_NO_IO_URING") == "1"
+# The rings' head and tail words are read and written as plain memory, without the acquire/release
+# barriers liburing issues: correct under x86-64's total store order only, so io_uring is used on
+# x86-64 alone and other machines take the pread path.
+_disabled = (not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64")
+             or os.environ.get("EMBCACHE_NO_IO_URING") == "1")
 
 
 def _syscall():
