@@ -529,6 +529,7 @@ class DeviceTier:
             return n
 
     def stats(self) -> dict[str, Any]:
+        """Rows held, capacity, bytes, dirty, loaded and evicted rows of the device tier."""
         used = self.capacity if self.resident else self.capacity - self._nfree
         return {"device_rows": used, "device_capacity_rows": self.capacity, "device_bytes": self.nbytes,
                 "device_dirty_rows": int(np.count_nonzero(self.dirty)), "device_loaded_rows": self.loaded_rows,

@@ -30,7 +30,7 @@ SECTIONS = [
     ("Errors", None),  # every exception class in __all__
 ]
 NOT_CONSTRUCTED = {"EmbeddingStore", "EmbeddingStoreHandle"}  # made by create()/open(), add_embedding_store()
-HOOKS = {"setup", "teardown", "state_dict", "load_state_dict", "state_key"}
+HOOKS = {"setup", "teardown", "state_dict", "load_state_dict", "state_key", "configure_callbacks"}
 
 
 def _signature(obj: object) -> str:
@@ -73,19 +73,27 @@ def _doc(obj: object) -> str:
     return inspect.cleandoc(inspect.getdoc(obj) or "").strip()
 
 
+def public_members(cls: type) -> list[tuple[str, object]]:
+    """Every public method and property of ``cls``, its own and those of its bases inside this
+    package (not Lightning's or Python's), first definition in the MRO winning, in definition order."""
+    members: dict[str, object] = {}
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("lightning_embcache"):
+            continue
+        for name, value in klass.__dict__.items():
+            if name in members or (name.startswith("_") and name not in ("__init__", "__enter__")):
+                continue
+            if name in HOOKS or name.startswith("on_"):  # Lightning hooks: called by the Trainer
+                continue
+            if isinstance(value, (staticmethod, classmethod)):
+                value = getattr(cls, name)  # bound: its signature has no cls
+            if (callable(value) or isinstance(value, property)) and name != "__init__":
+                members[name] = value
+    return list(members.items())
+
+
 def _public_members(cls: type) -> list[tuple[str, object]]:
-    members = []
-    for name, value in cls.__dict__.items():
-        if name.startswith("_") and name not in ("__init__", "__enter__"):
-            continue
-        if name in HOOKS or name.startswith("on_"):  # Lightning hooks: called by the Trainer
-            continue
-        if isinstance(value, (staticmethod, classmethod)):
-            value = getattr(cls, name)  # bound: its signature has no cls
-        if callable(value) or isinstance(value, property):
-            if name != "__init__" and _doc(value if not isinstance(value, property) else value.fget):
-                members.append((name, value))
-    return members
+    return [(n, v) for n, v in public_members(cls) if _doc(v)]
 
 
 def _render(name: str, obj: object) -> list[str]:
@@ -98,7 +106,7 @@ def _render(name: str, obj: object) -> list[str]:
             return lines
         for member, value in _public_members(obj):
             if isinstance(value, property):
-                lines += [f"#### `{name}.{member}` (property)", "", _doc(value.fget), ""]
+                lines += [f"#### `{name}.{member}` (property)", "", _doc(value), ""]
             else:
                 lines += [f"#### `{name}.{member}{_signature(value)}`", "", _doc(value), ""]
     else:

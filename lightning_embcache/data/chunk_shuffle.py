@@ -79,6 +79,7 @@ class ChunkShuffleSampler(Sampler[int]):
         return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose order `__iter__` yields (Lightning calls it at each epoch's start)."""
         self.epoch = int(epoch)
 
     def order(self, epoch: int | None = None) -> np.ndarray:

@@ -87,6 +87,7 @@ class RowOptimizer:
     # -- learning rate -------------------------------------------------------------------------
     @property
     def lr(self) -> float:
+        """The learning rate used by the next step (a torch optimizer's group lr, when following one)."""
         if self._followed is not None:
             return float(self._followed["lr"]) * self._follow_scale
         return self._group["lr"]

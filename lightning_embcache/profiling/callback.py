@@ -213,6 +213,7 @@ class StepProfiler(Callback):
     # settings that name the checkpoint entry (state_key)
     @property
     def warmup_steps(self) -> int:
+        """Batches at the start of each epoch left out of ``steady_batch_ms``."""
         return self._warmup_steps
 
     @warmup_steps.setter
@@ -221,6 +222,7 @@ class StepProfiler(Callback):
 
     @property
     def epoch_batches(self) -> Optional[int]:
+        """Batches of a whole epoch, for predictions of runs that stop inside one (None: the loader's length)."""
         return self._epoch_batches
 
     @epoch_batches.setter
@@ -231,6 +233,7 @@ class StepProfiler(Callback):
 
     @property
     def plot(self) -> Optional[Union[str, Path]]:
+        """Where the end-of-fit chart is written (None: no chart)."""
         return self._plot
 
     @plot.setter

@@ -61,10 +61,12 @@ class StoreStats:
 
     @classmethod
     def counter_fields(cls) -> tuple[str, ...]:
+        """Names of the fields that count events (they add up across stores and ranks)."""
         return cls._COUNTERS
 
     @property
     def hot_hit_rate(self) -> float:
+        """Share of looked-up rows found in the hot tier."""
         total = self.hot_hits + self.hot_misses
         return self.hot_hits / total if total else 1.0
 
@@ -86,4 +88,5 @@ class StoreStats:
         return self.disk_bytes / self.table_bytes if self.table_bytes else 0.0
 
     def as_dict(self) -> dict[str, float]:
+        """Every figure by field name (what loggers take)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

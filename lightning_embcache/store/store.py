@@ -319,16 +319,16 @@ class EmbeddingStore(TieredRows, Versioning):
 
     # ------------------------------------------------------------------ properties
     path = property(lambda self: None if self._ephemeral else self._root, doc="Store directory (None if ephemeral).")
-    num_rows = property(lambda self: self._num_rows)
-    dim = property(lambda self: self._schema.dim)
-    dtype = property(lambda self: self._schema.dtype)
-    chunk_rows = property(lambda self: self._chunk_rows)
-    readonly = property(lambda self: self._readonly)
-    closed = property(lambda self: self._closed)
+    num_rows = property(lambda self: self._num_rows, doc="Rows in the table: ids are in [0, num_rows).")
+    dim = property(lambda self: self._schema.dim, doc="Width of a row's weight vector.")
+    dtype = property(lambda self: self._schema.dtype, doc="dtype of the weight vectors.")
+    chunk_rows = property(lambda self: self._chunk_rows, doc="Rows per chunk file (the unit of disk reads).")
+    readonly = property(lambda self: self._readonly, doc="True for a handle opened with readonly=True.")
+    closed = property(lambda self: self._closed, doc="True once close() ran.")
     hot_bytes = property(lambda self: self._hot_budget, doc="Hot budget in bytes; None = whole table resident.")
-    warm_bytes = property(lambda self: self._warm.budget)
+    warm_bytes = property(lambda self: self._warm.budget, doc="Warm (compressed chunk) budget in bytes; 0 = none.")
     version = property(lambda self: self._version, doc="Version of the last completed flush (0 = as created).")
-    field_names = property(lambda self: self._schema.names)
+    field_names = property(lambda self: self._schema.names, doc="Names of a record's fields, 'weight' first.")
 
     @property
     def io_wait_seconds(self) -> float:

@@ -208,6 +208,7 @@ class Versioning:
                 raise
 
     def unpin(self, version: int) -> None:
+        """Release a version kept by `pin`; retention may then reclaim it (not a reader's)."""
         self._check_usable(write=True)
         version = version_arg(version, "version")
         disk = self._require_disk("unpin")
@@ -223,6 +224,7 @@ class Versioning:
             self._apply_retention()
 
     def pinned(self) -> list[int]:
+        """The pinned versions, oldest first."""
         return sorted(self._pins)
 
     def manifest_checksum(self, version: int) -> str:
