@@ -44,6 +44,12 @@ class HotTier:
         if self.resident:
             num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
             self.loaded = zeros(num_chunks, np.bool_)
+            # Rows of never-written chunks are made one by one as they are first read (a first
+            # touch costs its rows, not its chunks): ``row_ok`` marks them in chunks not loaded
+            # whole, ``row_count`` counts them per chunk (a chunk whose every row is made counts
+            # as loaded). Allocated on first use.
+            self.row_ok: np.ndarray | None = None
+            self.row_count: np.ndarray | None = None
         else:
             self.slot_of = zeros(num_rows, np.int32)  # slot + 1; 0 = not resident
             self.id_of = zeros(self.capacity, np.int64)
@@ -65,6 +71,8 @@ class HotTier:
                 return ids
             c = ids // self.chunk_rows
             ok = self.loaded[c]
+            if self.row_ok is not None and not ok.all():
+                ok |= self.row_ok[ids]
             return ids if ok.all() else np.where(ok, ids, -1)
         s = self.slot_of[ids].astype(np.int64) - 1
         hit = s[s >= 0]
@@ -74,7 +82,12 @@ class HotTier:
     def nbytes(self) -> int:
         """Bytes of records held now (what the budget bounds)."""
         if self.resident:
-            return int(self.loaded.sum()) * self.chunk_rows * self.row_bytes
+            rows = int(self.loaded.sum()) * self.chunk_rows
+            if len(self.loaded) and self.loaded[-1]:  # the last chunk may be short
+                rows -= len(self.loaded) * self.chunk_rows - self.num_rows
+            if self.row_count is not None:
+                rows += int(self.row_count[~self.loaded].sum())
+            return rows * self.row_bytes
         return self.used * (self.row_bytes + SLOT_OVERHEAD)
 
     def budget_bytes(self) -> int:
@@ -202,8 +215,37 @@ class HotTier:
         lo = chunk * self.chunk_rows
         return lo, min(lo + self.chunk_rows, self.num_rows)
 
+    def mark_rows(self, ids: np.ndarray) -> None:
+        """Rows ``ids`` (sorted, unique, of chunks not loaded) now hold their values in the pool."""
+        if self.row_ok is None:
+            self.row_ok = self._zeros(self.num_rows, np.bool_)
+            self.row_count = self._zeros(len(self.loaded), np.int64)
+        assert self.row_count is not None
+        self.row_ok[ids] = True
+        chunks, counts = np.unique(ids // self.chunk_rows, return_counts=True)
+        self.row_count[chunks] += counts
+        sizes = np.minimum(self.chunk_rows, self.num_rows - chunks * self.chunk_rows)
+        whole = chunks[self.row_count[chunks] >= sizes]
+        if len(whole):
+            self.loaded[whole] = True
+
+    def fill_chunk(self, chunk: int, records: np.ndarray) -> None:
+        """Load ``chunk`` whole from ``records`` (its rows as stored below), keeping the rows
+        already made in the pool one by one (they may have changed since)."""
+        lo, hi = self.chunk_range(chunk)
+        if self.row_ok is not None and self.row_ok[lo:hi].any():
+            keep = self.row_ok[lo:hi]
+            self.pool_np[lo:hi][~keep] = records[~keep]
+        else:
+            self.pool_np[lo:hi] = records
+        self.loaded[chunk] = True
+
     def unload_chunk(self, chunk: int) -> None:
         lo, hi = self.chunk_range(chunk)
+        if self.row_ok is not None:
+            assert self.row_count is not None
+            self.row_ok[lo:hi] = False
+            self.row_count[chunk] = 0
         self.loaded[chunk] = False
         self.all_loaded = False
         self.dirty[lo:hi] = 0

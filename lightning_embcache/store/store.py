@@ -98,8 +98,19 @@ class EmbeddingStore(TieredRows, Versioning):
         init_std: float = 1.0,
         check_finite: bool = True,
         fields: Mapping[str, tuple] | None = None,
+        materialize: bool = False,
     ) -> "EmbeddingStore":
-        """Create a new store (``path=None``: ephemeral, deleted on close)."""
+        """Create a new store (``path=None``: ephemeral, deleted on close).
+
+        ``materialize=True`` (memory mode, ``hot_bytes=None``): every row's initial value is made
+        now, in large vectorised blocks, instead of chunk by chunk on first use, so the first
+        steps of a fit run at the steady speed (pay it once, up front)."""
+        if not isinstance(materialize, bool):
+            raise InvalidTypeError(f"materialize must be True or False; got {materialize!r}")
+        if materialize and hot_bytes is not None:
+            raise InvalidArgumentError(
+                f"materialize=True fills a memory-mode table (hot_bytes=None) up front; got hot_bytes={hot_bytes!r}. "
+                "In disk mode never-written rows cost nothing until read: leave materialize=False")
         num_rows = positive_int(num_rows, "num_rows", maximum=MAX_ROWS)
         dim = positive_int(dim, "dim", maximum=1 << 20)
         chunk_rows = positive_int(chunk_rows, "chunk_rows", maximum=MAX_CHUNK_ROWS)
@@ -155,9 +166,16 @@ class EmbeddingStore(TieredRows, Versioning):
             except OSError as exc:
                 raise fileio.io_error(exc, "creating", root) from exc
         try:
-            return cls(root, meta, None, readonly=False, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
-                       check_finite=check_finite, init_fn=None if isinstance(init, str) else init,
-                       ephemeral=ephemeral, create=True)
+            store = cls(root, meta, None, readonly=False, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
+                        check_finite=check_finite, init_fn=None if isinstance(init, str) else init,
+                        ephemeral=ephemeral, create=True)
+            if materialize:
+                try:
+                    store._materialize()
+                except BaseException:
+                    store.close()
+                    raise
+            return store
         except BaseException:
             # A failed create leaves nothing behind: a correct create at the same path must work.
             if root is not None:
@@ -454,16 +472,20 @@ class EmbeddingStore(TieredRows, Versioning):
             slots = self._resolve(idx, load=not full, for_write=True, values=vals)
             if slots is not None:
                 self._scatter(slots, vals)
-            if not self._hot.resident:
-                # Keep evictions cheap for the training thread: once about half the hot slots
-                # may be dirty, write the cold ones back in the background.
-                self._dirty_estimate += len(idx)
-                if self._dirty_estimate > self._hot.limit // 2:
-                    self._dirty_estimate = 0
-                    self._clean_due = True
-                    self._submit_bg(self._clean)
+            self._note_dirty(len(idx))
         self._stats.updates += 1
         self._waited(t0)
+
+    def _note_dirty(self, n: int) -> None:
+        """Keep evictions cheap for the training thread: once about half the hot slots may be
+        dirty, write the cold ones back in the background (disk mode; caller holds the lock)."""
+        if self._hot.resident:
+            return
+        self._dirty_estimate += n
+        if self._dirty_estimate > self._hot.limit // 2:
+            self._dirty_estimate = 0
+            self._clean_due = True
+            self._submit_bg(self._clean)
 
     # ------------------------------------------------------------------ whole records (trainers)
     def record_view(self, records: torch.Tensor, name: str) -> torch.Tensor:
@@ -503,16 +525,17 @@ class EmbeddingStore(TieredRows, Versioning):
                                        f"{tuple(getattr(out, 'shape', ()))}")
         if out is None:
             out = torch.empty(shape, dtype=torch.uint8)
-        with self._lock:
-            self._check_open()
-            done = self._hot.all_loaded
-            if done:
-                rowcopy.gather(self._hot.pool_np, idx, out.numpy())
-        if not done:  # cold rows, or a cache of slots: field by field through the tiers
-            fields = self.get_fields(idx, self._schema.names)
-            out.zero_()  # the padding between fields reads as zeros, as in the pool
-            for n, v in fields.items():
-                self._schema.view(out, n).copy_(v)
+        dest = out.numpy()
+        if self._hot.all_loaded:
+            with self._lock:
+                self._check_open()
+                rowcopy.gather(self._hot.pool_np, idx, dest)
+        else:  # rows to bring in first: whole records through the tiers, in slices (bounded memory)
+            step = len(idx) if self._hot.resident else SLICE_ROWS
+            for a in range(0, len(idx), max(step, 1)):
+                with self._lock:
+                    self._check_open()
+                    self._records_into(idx[a : a + step], dest[a : a + step])
         self._stats.gets += 1
         self._waited(t0)
         return out
@@ -534,15 +557,19 @@ class EmbeddingStore(TieredRows, Versioning):
         w = self._schema.view(records, "weight")
         if self._check_finite and len(idx):
             as_values(w.contiguous(), len(idx), self.dim, self.dtype, arg="records (weight)", check_finite=True)
-        with self._lock:
-            self._check_open()
-            fast = self._hot.all_loaded and self._cow is None
-            if fast:
-                rowcopy.scatter(self._hot.pool_np, idx, records.numpy())
-                self._hot.dirty[idx] = 1
-        if not fast:
+        big = not self._hot.resident and len(idx) > SLICE_ROWS
+        if big:  # staged as one pending segment, all or nothing (see update_fields)
             self.update_fields(idx, {n: self._schema.view(records, n) for n in self._schema.names})
             self._stats.updates -= 1  # counted once, below
+        else:
+            with self._lock:
+                self._check_open()
+                if self._hot.all_loaded and self._cow is None:
+                    rowcopy.scatter(self._hot.pool_np, idx, records.numpy())
+                    self._hot.dirty[idx] = 1
+                else:  # whole records through the tiers: no field-by-field path
+                    self._write_records_into(idx, records.numpy())
+                    self._note_dirty(len(idx))
         self._stats.updates += 1
         self._waited(t0)
 

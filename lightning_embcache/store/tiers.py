@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import idsets, uring
+from . import idsets, rowcopy, uring
 from .blockcrc import first_bad_block
 from .chunkload import ChunkLoader
 from .chunkrows import DENSE_ROWS, ChunkRows
@@ -110,6 +110,10 @@ class TieredRows:
 
     def _gather_warm(self, idx, slots, missing, rows, names) -> dict[str, torch.Tensor]:
         """Serve a read whose missing rows lie in the warm tier's slab (`ServedWarm`)."""
+        return self._fields_of(self._warm_records(idx, slots, missing, rows), names)
+
+    def _warm_records(self, idx, slots, missing, rows) -> np.ndarray:
+        """Whole records of ``idx``: ``missing`` positions from the warm slab's ``rows``, the rest hot."""
         rec = self._warm.slab.rows.take(rows, axis=0)
         if len(missing) < len(idx):  # some rows are hot (updated this epoch, or read ahead)
             full = np.empty((len(idx), self._row_bytes), np.uint8)
@@ -117,7 +121,7 @@ class TieredRows:
             hit = np.flatnonzero(slots >= 0)
             full[hit] = self._hot.pool_np.take(slots[hit], axis=0)
             rec = full
-        return self._fields_of(rec, names)
+        return rec
 
     def _fields_of(self, rec: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         t = torch.from_numpy(rec)
@@ -128,16 +132,45 @@ class TieredRows:
     def _gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
         """Serve a read without installing rows ``mids`` (`TooLarge`): hot rows from their
         slots, the others from ``records``."""
+        return self._fields_of(self._direct_records(idx, slots, mids, records), names)
+
+    def _direct_records(self, idx, slots, mids, records) -> np.ndarray:
+        """Whole records of ``idx``: hot rows from their slots, the others from ``records`` of ``mids``."""
         hit = np.flatnonzero(slots >= 0)
         # One gather into a new array, then the (few) hot rows over it: filling an empty array
-        # through a mask paged in a fresh buffer each call (170 against 8 us for 512 rows).
+        # through a mask pages in a fresh buffer each call.
         at = np.searchsorted(mids, idx)
         if len(hit):
             at[hit] = 0
         rec = records.take(at, axis=0)
         if len(hit):
             rec[hit] = self._hot.pool_np.take(slots[hit], axis=0)
-        return self._fields_of(rec, names)
+        return rec
+
+    def _records_into(self, idx: np.ndarray, out: np.ndarray) -> None:
+        """Whole records of ``idx`` into ``out`` (n, row_bytes), filling misses; caller holds the
+        lock. One gather of whole records, whatever the tier: no field-by-field path."""
+        try:
+            slots = self._resolve(idx, load=True)
+        except ServedWarm as w:
+            out[:] = self._warm_records(idx, w.slots, w.missing, w.rows)
+            return
+        except TooLarge as big:
+            out[:] = self._direct_records(idx, big.slots, big.mids, big.records)
+            return
+        rowcopy.gather(self._hot.pool_np, slots, out)
+
+    def _write_records_into(self, idx: np.ndarray, records: np.ndarray) -> None:
+        """Write whole ``records`` of unique ``idx``; caller holds the lock. Resolved before
+        anything is written (a write-back that fails making room raises with nothing applied)."""
+        values = {n: self._schema.view(torch.from_numpy(records), n) for n in self._schema.names}
+        slots = self._resolve(idx, load=False, for_write=True, values=values)
+        if slots is None:  # too large for the hot tier: written around it
+            return
+        if self._cow is not None:
+            self._save_cow(slots)
+        rowcopy.scatter(self._hot.pool_np, slots, records)
+        self._hot.dirty[slots] = 1
 
     def _snapshot_reader(self, slots: np.ndarray):
         """Start a copy-on-write snapshot of ``slots`` (caller holds the lock and marks them
@@ -190,8 +223,7 @@ class TieredRows:
             if slots is idx:
                 return slots
             miss = idx[slots < 0]
-            for c in idsets.unique(miss // self._chunk_rows).tolist():
-                self._load_chunk_resident(c)
+            self._load_resident(miss)
             hot.all_loaded = bool(hot.loaded.all())
             self._stats.hot_misses += len(miss)
             self._stats.hot_hits += len(idx) - len(miss)
@@ -752,11 +784,31 @@ class TieredRows:
                 self._np_views[n][slots[res]] = to_np(v[at])
             hot.dirty[slots[res]] = 1
 
+    def _load_resident(self, miss: np.ndarray) -> None:
+        """Bring rows ``miss`` of a memory-mode table into its pool. Rows of chunks never written
+        anywhere (no base file, no delta record) are made one by one from their initial values,
+        so a first touch costs its rows; other chunks are read whole, once. Caller holds the lock."""
+        if not len(miss):
+            return
+        t0 = time.perf_counter()
+        cr = self._chunk_rows
+        chunks = idsets.unique(miss // cr)
+        if self._rows is None or not len(self._rows):  # no delta records: only the chunk map decides
+            fresh = chunks if self._disk is None else chunks[self._cmap[chunks] == 0]
+        else:
+            fresh = np.asarray([c for c in chunks.tolist() if self._layout_of(c) == (0, None)], np.int64)
+        if len(fresh) < len(chunks):
+            for c in np.setdiff1d(chunks, fresh, assume_unique=True).tolist():
+                self._hot.fill_chunk(c, self._below(c))
+        if len(fresh):
+            rows = idsets.unique(miss[idsets.isin(miss // cr, fresh, b_sorted_unique=True)])
+            self._hot.pool_np[rows] = self._init_rows(rows)
+            self._hot.mark_rows(rows)
+        self._stats.stall_seconds += time.perf_counter() - t0
+
     def _load_chunk_resident(self, chunk: int) -> None:
         t0 = time.perf_counter()
-        lo, hi = self._hot.chunk_range(chunk)
-        self._hot.pool_np[lo:hi] = self._below(chunk)
-        self._hot.loaded[chunk] = True
+        self._hot.fill_chunk(chunk, self._below(chunk))
         self._stats.stall_seconds += time.perf_counter() - t0
 
     # ---- the miss path: one plan per batch, vectorised reads ----------------------------------
@@ -1010,8 +1062,7 @@ class TieredRows:
             self._schema.view(t, "weight")[:] = vals.detach().cpu().to(self.dtype)
         elif self._init_kind == "normal":
             if self._meta.get("init_version", 1) >= 2:
-                vals = normal_rows(ids, self.dim, self._seed, self._init_std)
-                self._schema.view(t, "weight")[:] = torch.from_numpy(vals).to(self.dtype)
+                self._normal_into(self._schema.view(t, "weight"), ids)
             else:  # a store created before per-row init: its rows come from a per-chunk generator
                 cr = self._chunk_rows
                 chunks = ids // cr
@@ -1025,6 +1076,23 @@ class TieredRows:
             if f.name != "weight" and f.fill:
                 self._schema.view(t, f.name)[:] = f.fill
         return recs
+
+    def _normal_into(self, w: torch.Tensor, ids: np.ndarray) -> None:
+        """The seeded normal initial values of ``ids`` into ``w`` (a weight view of records)."""
+        if self.dtype == torch.float32:  # straight into the records: no temporary, no copy
+            normal_rows(ids, self.dim, self._seed, self._init_std, out=w.numpy())
+        else:
+            w[:] = torch.from_numpy(normal_rows(ids, self.dim, self._seed, self._init_std)).to(self.dtype)
+
+    def _materialize(self) -> None:
+        """Bring every chunk of a memory-mode table into its pool now (never-written rows from
+        their initial values, made in large vectorised blocks), so no step pays a first touch."""
+        with self._lock:
+            self._check_open()
+            hot = self._hot
+            for c in np.flatnonzero(~hot.loaded).tolist():
+                self._load_chunk_resident(c)
+            hot.all_loaded = True
 
     def _below(self, chunk: int) -> np.ndarray:
         """A chunk's records as stored below the hot tier: warm copy, else base + deltas."""
@@ -1045,8 +1113,7 @@ class TieredRows:
         w = self._schema.view(t, "weight")
         if self._init_kind == "normal":
             if self._meta.get("init_version", 1) >= 2:
-                w[:] = torch.from_numpy(normal_rows(np.arange(lo, lo + rows), self.dim, self._seed,
-                                                    self._init_std)).to(self.dtype)
+                self._normal_into(w, np.arange(lo, lo + rows))
             else:  # stores created before per-row init keep their per-chunk generator
                 g = torch.Generator().manual_seed(self._seed * 1_000_003 + chunk)
                 w[:] = (torch.randn(rows, self.dim, generator=g, dtype=torch.float32) * self._init_std).to(self.dtype)
@@ -1182,8 +1249,7 @@ class TieredRows:
                         self._warm.put(c, recs)
                     if not hot.loaded[c]:
                         lo, hi = hot.chunk_range(c)
-                        hot.pool_np[lo:hi] = recs
-                        hot.loaded[c] = True
+                        hot.fill_chunk(c, recs)
                         self._stats.prefetched_rows += hi - lo
                 hot.all_loaded = bool(hot.loaded.all())
                 return True
@@ -1218,17 +1284,19 @@ class TieredRows:
                 return freed
             hot = self._hot
             if hot.resident:
-                for c in np.flatnonzero(hot.loaded).tolist():
+                held = hot.loaded if hot.row_count is None else hot.loaded | (hot.row_count > 0)
+                for c in np.flatnonzero(held).tolist():
                     if freed >= nbytes:
                         break
                     lo, hi = hot.chunk_range(c)
                     if hot.inflight[lo:hi].any():
                         continue
+                    rows = hi - lo if hot.loaded[c] else int(hot.row_count[c])  # type: ignore[index]
                     d = np.flatnonzero(hot.dirty[lo:hi]) + lo
                     if len(d):
                         self._write_back(d, hot.pool_np[d])
                     hot.unload_chunk(c)
-                    freed += (hi - lo) * self._row_bytes
+                    freed += rows * self._row_bytes
             else:
                 per = self._row_bytes + SLOT_OVERHEAD
                 want = min(hot.used, -(-(nbytes - freed) // per))

@@ -215,9 +215,9 @@ def test_normal_init_is_per_row_and_deterministic(shm_path, monkeypatch):
     sizes = []
     original = initrows.normal_rows
 
-    def counting(ids, *a):
+    def counting(ids, *a, **kw):
         sizes.append(len(ids))
-        return original(ids, *a)
+        return original(ids, *a, **kw)
 
     with EmbeddingStore.create(shm_path / "a", N, DIM, chunk_rows=CHUNK, init="normal", seed=7, init_std=0.5,
                                hot_bytes=HOT) as s:
