@@ -2,7 +2,7 @@
 
     embcache --version
     embcache demo [--root runs/demo] [--samples N] ...   train the demo auto-decoder, print a report
-    embcache bench {store,disk,optim,profiler,sync,tuning,train,distributed,flush,shuffle} [--out FILE] [...]
+    embcache bench {store,disk,optim,profiler,sync,tuning,train,distributed,flush,shuffle,first-touch} [--out FILE] [...]
     embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "distributed": "lightning_embcache.bench.distributed",
     "flush": "lightning_embcache.bench.flush",
     "shuffle": "lightning_embcache.bench.shuffle",
+    "first-touch": "lightning_embcache.bench.first_touch",
 }
 # the module's own name for its output file flag, where it is not --out
 OUTPUT_FLAG = {"store": "--json", "disk": "--json", "optim": "--json", "sync": "--json", "shuffle": "--json"}
@@ -43,6 +44,7 @@ BENCHMARK_HELP = {
     "sync": "DeferredSync against flushing on every step",
     "tuning": "hot_bytes, chunk_rows and warm_bytes/LZ4 settings on one table",
     "train": "end-to-end training throughput",
+    "first-touch": "how soon a memory-mode table trains, against nn.Embedding + SparseAdam",
     "distributed": "auto-decoder with row-sharded trainable rows at 1, 2, 4 processes",
     "flush": "a large flush against a sequential write of the same bytes",
     "shuffle": "the randomness ChunkShuffleSampler trades, on data stored class by class",
