@@ -85,18 +85,27 @@ def test_a_hot_set_over_half_the_threshold_ends_the_pass(tmp_path, monkeypatch):
     with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros") as s:
         s.update(torch.arange(N), table)
         s.flush()  # a segment of the whole table: a background pass starts
-        t0 = time.monotonic()
         k = 0
-        while time.monotonic() - t0 < 2.0:  # the hot set flushed again and again meanwhile
+
+        def flush_hot_set() -> None:
+            nonlocal k
             s.update(hot_set, torch.full((len(hot_set), DIM), float(k)))
             table[hot_set] = float(k)
             s.flush()
             time.sleep(0.01)
             k += 1
+
+        # The hot set flushed again and again while the pass folds the whole-table segment (64
+        # rounds of a chunk each), however long that takes on this machine: counted, not timed.
+        while (k < 20 or s.stats().compactions < N // CHUNK) and k < 5000:
+            flush_hot_set()
+        for _ in range(20):  # and on after it: an ended pass stays ended
+            flush_hot_set()
+        s._wait_bg()
         st = s.stats()
-        # One pass folds the whole-table segment (64 rounds of a chunk each); the hot set's
-        # segments are left out by the flushes themselves. A pass that went on while segments were over half the
-        # threshold folded each new hot-set segment into every chunk again: 200+ rounds here.
+        # The hot set's segments are left out by the flushes themselves. A pass that went on
+        # while segments were over half the threshold folded each new hot-set segment into every
+        # chunk again: 200+ rounds here.
         assert st.superseded_segments >= 20, st
         assert N // CHUNK <= st.compactions <= 2 * (N // CHUNK), st
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows")
