@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from fastpaths import missing
 
 
 @pytest.fixture
@@ -35,5 +36,5 @@ def read_ahead():
 
     ring = uring.async_ring(2)
     if ring is None:
-        pytest.skip("io_uring is not available here")
+        missing("io_uring")
     ring.close()

@@ -17,8 +17,9 @@ from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import fileio, versions
 from lightning_embcache.store.holes import dead_rows
 from lightning_embcache.store.rowindex import RowIndex
+from fastpaths import skip_unless
 
-pytestmark = pytest.mark.skipif(not fileio.punch_supported(), reason="no fallocate(PUNCH_HOLE) here")
+pytestmark = skip_unless(fileio.punch_supported(), "fallocate(PUNCH_HOLE)")
 
 N, DIM, CR = 4096, 16, 64
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lightning_embcache.store import uring
+from fastpaths import missing
 
 PROBE = Path(__file__).with_name("_rss_probe.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +73,7 @@ def test_chunks_read_ahead_add_no_memory_beyond_the_warm_budget(shm_path):
     host). So each way runs twice, interleaved, the lower peak counts, and 8 MiB is the noise
     allowed; a read-ahead that held chunks outside the budget could add up to the 64 MiB table."""
     if uring.async_ring(2) is None:
-        pytest.skip("io_uring is not available here")
+        missing("io_uring")
     ahead, plain = [], []
     for i in range(2):
         ahead.append(_probe(shm_path / f"a{i}", "chunk"))

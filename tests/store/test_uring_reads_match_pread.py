@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache.store import uring
+from fastpaths import skip_unless
 
-pytestmark = pytest.mark.skipif(not uring.available(), reason="io_uring is not available here")
+pytestmark = skip_unless(uring.available(), "io_uring")
 
 SIZES = [5000, 70_000, 4096, 123]
 

@@ -15,6 +15,7 @@ from lightning_embcache import EmbeddingStore, LookaheadSampler
 from lightning_embcache.store import uring
 
 from _store_helpers import compacted_store
+from fastpaths import missing
 
 N, DIM, CHUNK = 6000, 16, 128
 ROW = DIM * 4
@@ -27,7 +28,7 @@ def read_path(request, monkeypatch):
     if request.param == "preadv":
         monkeypatch.setattr(uring, "_disabled", True)
     elif not uring.available():
-        pytest.skip("io_uring is not available on this machine")
+        missing("io_uring")
     return request.param
 
 

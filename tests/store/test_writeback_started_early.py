@@ -15,8 +15,9 @@ import torch
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import fileio
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or fileio._SYNC_FILE_RANGE is None,
-                                reason="sync_file_range is Linux's")
+from fastpaths import skip_unless
+
+pytestmark = skip_unless(sys.platform.startswith("linux") and fileio._SYNC_FILE_RANGE is not None, "sync_file_range")
 
 N, DIM, CHUNK = 40_000, 64, 1024  # 10 MiB of rows: a full flush streams three 4 MiB blocks
 
