@@ -16,9 +16,13 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_embcache.distributed.integration import (
     follow_checkpoint_files, gather_shard_refs, local_ref, shard_handles,
 )
+from lightning_embcache.lightning.arguments import (
+    check_choice, check_hot_bytes, check_optimizer, check_unknown_keywords,
+)
 from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
 from lightning_embcache.lightning.handle import IF_EXISTS, EmbeddingStoreHandle
 from lightning_embcache.optim import make_row_optimizer
+from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.trainable import trainable_fields
 
 log = logging.getLogger(__name__)
@@ -62,8 +66,12 @@ class EmbeddingStoreMixin:
 
     Raises:
         TypeError: the mixin placed after ``LightningModule`` in the bases (its hooks would never
-            run); keyword arguments that are neither store options nor optimizer options.
-        ValueError: a store name that is not an identifier or is already used; an unknown ``if_exists``.
+            run).
+        InvalidArgumentError: a store name that is not an identifier or is already used; an
+            ``if_exists`` or ``optimizer`` that is not one of the allowed values; ``hot_bytes``
+            below one record; a keyword that is neither a store option nor an option of the chosen
+            optimizer (also a ``TypeError``). Each message names the allowed values and, for a
+            near miss, the argument probably meant (``hot_byte=`` -> ``hot_bytes=``).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -120,21 +128,20 @@ class EmbeddingStoreMixin:
         """
         _check_base_order(type(self))
         stores = self._embcache_stores()
-        if if_exists not in IF_EXISTS:
-            raise ValueError(f"Invalid value for if_exists={if_exists!r}. Must be one of {', '.join(map(repr, IF_EXISTS))}")
+        # every argument checked before anything is made: a rejected call leaves no trace
+        check_choice("if_exists", if_exists, IF_EXISTS)
         if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"Invalid value for name={name!r}. Must be a Python identifier")
+            raise InvalidArgumentError(f"Invalid value for name={name!r}. Must be a Python identifier")
         if name in stores:
-            raise ValueError(f"Invalid value for name={name!r}. An embedding store of that name already exists")
+            raise InvalidArgumentError(
+                f"Invalid value for name={name!r}. An embedding store of that name already exists "
+                f"(names so far: {', '.join(stores)})")
         if device_bytes is not None and (isinstance(device_bytes, bool) or not isinstance(device_bytes, int)
                                          or device_bytes < 0):
-            raise ValueError(f"Invalid value for device_bytes={device_bytes!r}. Must be None or an int >= 0 (bytes)")
-        if optim_kwargs and optimizer is None:
-            raise TypeError(
-                f"add_embedding_store() got unexpected keyword arguments {sorted(optim_kwargs)}; store options "
-                "are path, hot_bytes, warm_bytes, dtype, chunk_rows, compression, init, seed, init_std, check_finite, "
-                "fields, if_exists (optimizer options need optimizer=...)"
-            )
+            raise InvalidArgumentError(
+                f"Invalid value for device_bytes={device_bytes!r}. Must be None or an int >= 0 (bytes)")
+        check_optimizer(optimizer)
+        check_unknown_keywords(optim_kwargs, optimizer)
         create_options: dict[str, Any] = dict(
             dtype=dtype, chunk_rows=chunk_rows, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
             compression=compression, init=init, seed=seed, init_std=init_std, check_finite=check_finite,
@@ -145,6 +152,7 @@ class EmbeddingStoreMixin:
             row_optimizer = make_row_optimizer(optimizer, **optim_kwargs, **({} if lr is None else {"lr": lr}))
             # optimizer moments and per-row metadata live beside each row, flushed with it
             fields = {**dict(fields or {}), **trainable_fields(row_optimizer, dim, dtype)}
+        check_hot_bytes(hot_bytes, dim, dtype, fields)
         if fields:
             create_options["fields"] = dict(fields)
         open_options: dict[str, Any] = dict(hot_bytes=hot_bytes, warm_bytes=warm_bytes, check_finite=check_finite)
