@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import shutil
@@ -43,6 +44,10 @@ def store_exists(path: Path) -> bool:
     """True when `path` already holds something (the store decides whether it is a store)."""
     return path.exists() and (not path.is_dir() or any(path.iterdir()))
 
+
+# StoreStats fields that count since the store opened, beyond StoreStats.counter_fields()
+_MORE_COUNTERS = ("io_wait_seconds", "bytes_read", "bytes_written", "write_back_seconds", "warm_hits", "warm_misses",
+                  "warm_bytes_read", "warm_bytes_written")
 
 #: what a handle does when its path already holds a store it did not create and no checkpoint names
 IF_EXISTS = ("error", "resume", "overwrite")
@@ -129,6 +134,9 @@ class EmbeddingStoreHandle:
         self._create_options = create_options
         self._open_options = open_options
         self._store: EmbeddingStore | None = None
+        # figures of the stores this handle opened and closed: stats() after fit is not zeros
+        self._last_stats: StoreStats | None = None
+        self._earlier_counters: dict[str, float] = {}
         # Version to open next (set by a checkpoint being loaded); None = the latest flush.
         self._target_version: int | None = None
         self._target_checksum: str | None = None
@@ -246,8 +254,33 @@ class EmbeddingStoreHandle:
 
     @_store_call
     def stats(self) -> StoreStats:
-        """The store's `StoreStats` (bytes per tier, hits, dirty rows, flushes, ...)."""
-        return self._ensure_open(writable=False).stats()
+        """The store's `StoreStats` (bytes per tier, hits, dirty rows, flushes, ...).
+
+        Counters (hits, reads, flushes, seconds, ...) add up over every store this handle opened,
+        so after ``fit`` they still hold the fit's figures. While the store is closed (after
+        ``fit`` or ``close()``) this is what it reported when it closed: the handle does not
+        reopen it to count nothing; a call that reads or writes rows reopens it.
+        """
+        if not self._is_open() and self._last_stats is not None:
+            return dataclasses.replace(self._last_stats)
+        return self._with_earlier_counters(self._ensure_open(writable=False).stats())
+
+    def _with_earlier_counters(self, stats: StoreStats) -> StoreStats:
+        earlier = self._earlier_counters
+        if not earlier:
+            return stats
+        return dataclasses.replace(stats, **{k: getattr(stats, k) + v for k, v in earlier.items()
+                                             if hasattr(stats, k)})
+
+    def _keep_last_stats(self, store: EmbeddingStore) -> None:
+        """The figures of a store about to close, so that ``stats()`` after ``fit`` is not zeros."""
+        try:
+            last = self._with_earlier_counters(store.stats())
+        except Exception:  # a store that failed (damage, a full disk) may not report: keep the earlier figures
+            return
+        self._last_stats = last
+        self._earlier_counters = {k: getattr(last, k) for k in (*type(last).counter_fields(), *_MORE_COUNTERS)
+                                  if hasattr(last, k)}
 
     @_store_call
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -537,6 +570,7 @@ class EmbeddingStoreHandle:
             if tier is not None:
                 tier.close()  # after a flush it holds nothing the store lacks; else, as the store
             if store is not None and not store.closed:
+                self._keep_last_stats(store)
                 store.close()
 
     def close(self) -> None:
@@ -578,7 +612,8 @@ class EmbeddingStoreHandle:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"if_exists": "error", "_claimed": False, "_stand_in": False, "_in_fit": False, **state})
+        self.__dict__.update({"if_exists": "error", "_claimed": False, "_stand_in": False, "_in_fit": False,
+                              "_last_stats": None, "_earlier_counters": {}, **state})
         self._lifecycle = threading.RLock()
         self._staging = PinnedRing(2)
         self._module_ref = lambda: None
