@@ -439,9 +439,15 @@ class EmbeddingStoreHandle:
                 return store  # type: ignore[return-value]
             return self._open(readonly=not writable)
 
-    def _open(self, *, readonly: bool, version: int | None = None, checksum: str | None = None) -> EmbeddingStore:
-        """(Re)open the store: at `version`, else at a version a loaded checkpoint named, else the latest."""
+    def _open(self, *, readonly: bool, version: int | None = None, checksum: str | None = None,
+              checkpoint: str | None = None) -> EmbeddingStore:
+        """(Re)open the store: at `version`, else at a version a loaded checkpoint named, else the latest.
+
+        `checkpoint`: the file that named `version`, for the message if the store is not there.
+        """
         with self._lifecycle:
+            if version is not None and self.path is not None and not store_exists(self.path):
+                self._refuse_missing_folder(version, checkpoint)
             if version is not None:
                 self._target_version, self._target_checksum = version, checksum
                 self._target_from_checkpoint = self._claimed = True
@@ -475,6 +481,25 @@ class EmbeddingStoreHandle:
             if self.path is not None and not readonly:
                 _writers[self.path] = weakref.ref(self)
             return self._store
+
+    def _refuse_missing_folder(self, version: int, checkpoint: str | None) -> None:
+        """A checkpoint names a version of a store whose folder is gone: say so before anything is made
+        (creating an empty store there would only fail later, blaming reclamation)."""
+        where = "does not exist" if not self.path.exists() else "is empty"  # type: ignore[union-attr]
+        raise _store_errors().VersionNotFoundError(
+            f"embedding store {self.name!r}: {checkpoint or 'the checkpoint being loaded'} names version {version} "
+            f"of the store at {self.path}, and that folder {where} (deleted, or moved). Nothing was created. "
+            f"Put the store folder back at that path, or pass add_embedding_store(path=...) where it is now "
+            f"(a moved folder is opened with a warning and its manifest checksum checked); to start afresh "
+            f"instead, fit without ckpt_path"
+        )
+
+    def _absent_before_claim(self) -> bool:
+        """Nothing at `path` yet and no version to reopen: `fit` makes the store only once it knows
+        that no checkpoint names one (a checkpoint restored after setup may name a folder that was
+        deleted; making an empty store there first would hide that)."""
+        return (self.path is not None and self._target_version is None and not self._claimed
+                and getattr(self, "_shard_factory", None) is None and not store_exists(self.path))
 
     def _needs_claim(self) -> bool:
         """A write would meet rows this handle did not create and if_exists='error' forbids it (so far)."""

@@ -227,12 +227,19 @@ class EmbeddingStoreMixin:
             if ref.get("version") is None:
                 continue
             ref = local_ref(handle, ref)  # several processes: this rank's shard (or a world-size error)
-            if handle.path is None or Path(ref["path"]) != handle.path:
+            checkpoint_file = _checkpoint_file(trainer)
+            moved = handle.path is None or Path(ref["path"]) != handle.path
+            if moved:
                 warning_cache.warn(
-                    f"Embedding store {name!r} was at {ref['path']} when checkpointed and is at {handle.path} now; "
-                    f"opening version {ref['version']} there (its manifest checksum is verified)."
+                    f"Embedding store {name!r} was at {ref['path']} when checkpointed and is at {handle.path} now "
+                    f"(a moved or copied folder, or another path= than the run that saved "
+                    f"{checkpoint_file or 'the checkpoint'}); opening version {ref['version']} there (its manifest "
+                    f"checksum is verified)."
                 )
-            handle._open(readonly=not writable, version=int(ref["version"]), checksum=ref.get("manifest_checksum"))
+            handle._open(readonly=not writable, version=int(ref["version"]), checksum=ref.get("manifest_checksum"),
+                         checkpoint=checkpoint_file)
+            if moved and writable and handle.path is not None:
+                self._embcache_follow_move(handle, Path(ref["path"]), checkpoint_file, int(ref["version"]))
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Lightning's transfer, remembering the host copy of every integer tensor in the batch, so
@@ -267,6 +274,24 @@ class EmbeddingStoreMixin:
             assert handle.path is not None
             pins[handle.name] = CheckpointPins(handle.path)
         return pins[handle.name]
+
+    def _embcache_follow_move(self, handle: EmbeddingStoreHandle, old: Path, checkpoint_file: str | None,
+                              version: int) -> None:
+        """A store resumed from another path than it was saved at: the checkpoint registry names
+        files under the old folder, which the next save's sweep would find missing, unpinning (and
+        so reclaiming) the versions of every checkpoint that moved with the store. Follow them."""
+        assert handle.path is not None
+        pins = self._embcache_pins(handle)
+        followed = follow_moved_files(pins.versions, old, handle.path)
+        if checkpoint_file is not None and version in pins.versions:
+            here = os.path.abspath(checkpoint_file)
+            if here not in pins.versions[version]:
+                pins.versions[version].append(here)  # the file being resumed pins its version wherever it is
+                followed += 1
+        if followed:
+            pins.save()
+            log.info("Embedding store %r moved from %s to %s: %d checkpoint file(s) of its registry followed",
+                     handle.name, old, handle.path, followed)
 
     def _embcache_install_io(self) -> None:
         trainer = getattr(self, "_trainer", None)
@@ -316,7 +341,7 @@ class EmbeddingStoreMixin:
             handle._in_fit = fitting
             # Rows found at the path with if_exists="error" are opened for reading until a
             # checkpoint (restored after setup) claims them; _embcache_claim_for_fit decides.
-            deferred = fitting and handle._needs_claim()
+            deferred = fitting and (handle._needs_claim() or handle._absent_before_claim())
             handle._ensure_open(writable=fitting and not deferred)
         if fitting:
             self._embcache_install_io()
@@ -348,6 +373,37 @@ def _loss_scale(trainer: Any) -> float | None:
         return None
     scale = scaler.get_scale()
     return float(scale) if scale else None
+
+
+def follow_moved_files(versions: dict[int, list[str]], old: Path, new: Path) -> int:
+    """Rewrite registered checkpoint files that are missing under the folder that moved (`old`
+    without the end it shares with `new`) to their place under the new one, if they exist there;
+    returns how many were rewritten."""
+    old_parts, new_parts = Path(os.path.abspath(old)).parts, Path(os.path.abspath(new)).parts
+    tail = 0
+    while tail < min(len(old_parts), len(new_parts)) - 1 and old_parts[-1 - tail] == new_parts[-1 - tail]:
+        tail += 1
+    # the folders that moved: what is left of both paths once their common end is taken off
+    # (runs/a/latents -> runs/b/latents: runs/a -> runs/b), else the store's parents
+    tail = max(tail, 1)
+    old_root, new_root = Path(*old_parts[: len(old_parts) - tail]), Path(*new_parts[: len(new_parts) - tail])
+    count = 0
+    for files in versions.values():
+        for i, file in enumerate(files):
+            path = Path(file)
+            if path.exists() or not path.is_relative_to(old_root):
+                continue
+            moved = new_root / path.relative_to(old_root)
+            if moved.exists() and str(moved) not in files:
+                files[i] = str(moved)
+                count += 1
+    return count
+
+
+def _checkpoint_file(trainer: Any) -> str | None:
+    """The checkpoint file being restored by `trainer` (None: ``load_from_checkpoint`` or unknown)."""
+    path = getattr(getattr(trainer, "_checkpoint_connector", None), "_ckpt_path", None)
+    return str(path) if path else None
 
 
 def _check_base_order(cls: type) -> None:
