@@ -181,6 +181,11 @@ class EmbeddingStoreMixin:
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()  # type: ignore[misc]
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        trainer = getattr(self, "_trainer", None)
+        if trainer is not None and any(isinstance(c, _StoreLifecycle) for c in trainer.callbacks):
+            # a Trainer used again (validate after fit) keeps its lifecycle callback: returning a new
+            # one makes Lightning log that it overrides the old one at every call
+            return callbacks
         return [*callbacks, _StoreLifecycle()]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -241,10 +246,16 @@ class EmbeddingStoreMixin:
             if moved and writable and handle.path is not None:
                 self._embcache_follow_move(handle, Path(ref["path"]), checkpoint_file, int(ref["version"]))
 
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Lightning's transfer, remembering the host copy of every integer tensor in the batch, so
-        that ``get``/``lookup`` of ids that are now on the GPU read the store without a device sync."""
-        moved = super().transfer_batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+    def _apply_batch_transfer_handler(self, batch: Any, device: torch.device | None = None,
+                                      dataloader_idx: int = 0) -> Any:
+        """Lightning's batch transfer (``transfer_batch_to_device`` and ``on_after_batch_transfer``,
+        the module's or the DataModule's), remembering the host copy of every integer tensor in the
+        batch, so that ``get``/``lookup`` of ids that are now on the GPU read the store without a
+        device sync. Lightning's internal entry point rather than the public hook: overriding
+        ``transfer_batch_to_device`` made Lightning warn on every run with a DataModule, and a
+        DataModule's own transfer would have bypassed it."""
+        moved = super()._apply_batch_transfer_handler(batch, device, dataloader_idx)  # type: ignore[misc]
+        device = device or self.device  # type: ignore[attr-defined]
         host_ids = self.__dict__.setdefault("_embcache_host_ids", {})
         host_ids.clear()
         if device.type != "cpu":
@@ -436,6 +447,7 @@ class _StoreLifecycle(Callback):
         self._stepped: dict[str, int] = {}  # handle -> global step its rows were applied at
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stepped.clear()  # a Trainer used again may count global steps from 0 again
         if isinstance(pl_module, EmbeddingStoreMixin):
             pl_module._embcache_setup(stage)
 
