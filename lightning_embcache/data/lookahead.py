@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import time
 from typing import Any, Callable, Iterator
@@ -156,7 +157,7 @@ class LookaheadSampler(Sampler):
         self._hint_fn(ids)
 
     def __iter__(self) -> Iterator[Any]:
-        it = iter(self.sampler)
+        it = _bounded(self.sampler)
         skip, self._skip = self._skip, 0
         for _ in range(skip):
             if next(it, _END) is _END:
@@ -216,6 +217,21 @@ class LookaheadSampler(Sampler):
 
 
 _END = object()
+
+
+def _bounded(sampler: Any) -> Iterator[Any]:
+    """``iter(sampler)``, ending after ``len(sampler)`` items without asking it for one more.
+
+    Reading ahead must not run a sampler further than a loader would: torch's ``RandomSampler``
+    with a ``generator`` draws its next permutation when resumed after its last index, so asking
+    past the end would change every later epoch's order from that of the same loader unwrapped.
+    """
+    it = iter(sampler)
+    try:
+        n = len(sampler)
+    except TypeError:  # no length: the sampler says when it ends
+        return it
+    return itertools.islice(it, n)
 
 
 class _Pace:

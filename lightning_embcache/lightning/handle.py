@@ -149,6 +149,8 @@ class EmbeddingStoreHandle:
         # (a read before anything was written); a write replaces it with the store on disk.
         self._stand_in = False
         self._in_fit = False  # set by the mixin between setup and teardown of a fit
+        # host ids of get/lookup/update while the mixin checks that its loader's indices are ids
+        self._noted: list[torch.Tensor] | None = None
         # Serialises open/flush/close; get/update never take it, so a background flush does not
         # stall the training thread.
         self._lifecycle = threading.RLock()
@@ -204,9 +206,9 @@ class EmbeddingStoreHandle:
         store = self._ensure_open(writable=False)
         tier = self._tier(store)
         if tier is not None:
-            tier.prefetch(self._valid_ids(store, ids), self._held_slots())
+            tier.prefetch(self._valid_ids(store, ids, note=False), self._held_slots())
             return
-        store.prefetch(self._host_ids(ids))
+        store.prefetch(self._host_ids(ids, note=False))
 
     @_store_call
     def flush(self) -> int:
@@ -373,8 +375,8 @@ class EmbeddingStoreHandle:
         t = self._trainable
         return t.held_slots() if t is not None and t.device_tier is self._device_tier else None
 
-    def _valid_ids(self, store: EmbeddingStore, ids: torch.Tensor) -> Any:
-        return as_ids(self._host_ids(ids), store.num_rows)
+    def _valid_ids(self, store: EmbeddingStore, ids: torch.Tensor, note: bool = True) -> Any:
+        return as_ids(self._host_ids(ids, note), store.num_rows)
 
     def _settle(self) -> None:
         """Run a scheduled row update before anything reads or flushes the rows."""
@@ -392,7 +394,7 @@ class EmbeddingStoreHandle:
     def _bind(self, module: torch.nn.Module) -> None:
         self._module_ref = weakref.ref(module)
 
-    def _host_ids(self, ids: torch.Tensor) -> torch.Tensor:
+    def _host_ids(self, ids: torch.Tensor, note: bool = True) -> torch.Tensor:
         """``ids`` on the host: the batch's own host copy when Lightning moved it to the GPU
         (no device sync), else a copy (a sync, warned once: pass host ids to avoid it). A list,
         range or numpy array becomes a tensor (the store checks its dtype and values)."""
@@ -405,17 +407,24 @@ class EmbeddingStoreHandle:
                     f"({exc})"
                 ) from None
         if ids.device.type == "cpu":
+            if self._noted is not None and note:
+                self._noted.append(ids)
             return ids
         module = self._module_ref()
         host = module._embcache_host_copy(ids) if module is not None and hasattr(module, "_embcache_host_copy") else None
         if host is not None:
+            if self._noted is not None and note:
+                self._noted.append(host)
             return host
         _sync_warning.warn(
             f"Embedding store {self.name!r} got ids on {ids.device} that are not a tensor of the batch as "
             "Lightning moved it; copying them to the host synchronizes the device. Pass the batch's ids "
             "(or a CPU tensor) to get/lookup/update."
         )
-        return ids.cpu()
+        ids = ids.cpu()
+        if self._noted is not None and note:
+            self._noted.append(ids)
+        return ids
 
     def _device(self) -> torch.device:
         module = self._module_ref()
@@ -633,12 +642,12 @@ class EmbeddingStoreHandle:
         # Pickled with its module (deepcopy, spawn): the open store, locks and buffers stay behind.
         state = self.__dict__.copy()
         state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None, _trainable=None,
-                     _stand_in=False, _in_fit=False, _device_tier=None)
+                     _stand_in=False, _in_fit=False, _device_tier=None, _noted=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update({"if_exists": "error", "_claimed": False, "_stand_in": False, "_in_fit": False,
-                              "_last_stats": None, "_earlier_counters": {}, **state})
+                              "_last_stats": None, "_earlier_counters": {}, "_noted": None, **state})
         self._lifecycle = threading.RLock()
         self._staging = PinnedRing(2)
         self._module_ref = lambda: None

@@ -16,6 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_embcache.distributed.integration import (
     follow_checkpoint_files, gather_shard_refs, local_ref, shard_handles,
 )
+from lightning_embcache.lightning.auto_lookahead import AutoLookahead
 from lightning_embcache.lightning.arguments import (
     check_choice, check_hot_bytes, check_optimizer, check_unknown_keywords,
 )
@@ -73,6 +74,10 @@ class EmbeddingStoreMixin:
             optimizer (also a ``TypeError``). Each message names the allowed values and, for a
             near miss, the argument probably meant (``hot_byte=`` -> ``hot_bytes=``).
     """
+
+    #: announce the rows of the training loader's coming batches to the stores (see
+    #: docs/lightning.md, "Announcing coming rows"); set ``self.announce_upcoming = False`` to turn off
+    announce_upcoming: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -445,6 +450,7 @@ class _StoreLifecycle(Callback):
 
     def __init__(self) -> None:
         self._stepped: dict[str, int] = {}  # handle -> global step its rows were applied at
+        self._lookahead: AutoLookahead | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._stepped.clear()  # a Trainer used again may count global steps from 0 again
@@ -454,10 +460,19 @@ class _StoreLifecycle(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if isinstance(pl_module, EmbeddingStoreMixin) and not trainer.strategy.restore_checkpoint_after_setup:
             pl_module._embcache_claim_for_fit()
+        if isinstance(pl_module, EmbeddingStoreMixin) and pl_module.announce_upcoming and trainer.world_size == 1:
+            self._lookahead = AutoLookahead(pl_module)  # before Lightning asks for the training loader
+            self._lookahead.install(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if isinstance(pl_module, EmbeddingStoreMixin):
             pl_module._embcache_claim_for_fit()
+            if self._lookahead is not None:
+                self._lookahead._start_probe()  # the stores are open now
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._lookahead is not None and self._lookahead.probing:
+            self._lookahead.after_batch()
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         # Take each micro-batch's gradient rows as soon as they exist (accumulation sums them).
@@ -485,9 +500,16 @@ class _StoreLifecycle(Callback):
             pl_module._embcache_flush_all()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._remove_lookahead()
         if isinstance(pl_module, EmbeddingStoreMixin):
             pl_module._embcache_release(trainer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._remove_lookahead()
         if isinstance(pl_module, EmbeddingStoreMixin):
             pl_module._embcache_release(trainer)
+
+    def _remove_lookahead(self) -> None:
+        if self._lookahead is not None:
+            self._lookahead.remove()
+            self._lookahead = None
