@@ -29,7 +29,7 @@ from lightning_embcache.store import (
 )
 from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.trainable import TrainableRows, trainable_fields
-from lightning_embcache.data import ChunkShuffleSampler, LookaheadSampler
+from lightning_embcache.data import ChunkShuffleSampler, LookaheadSampler, ResumableLoader
 
 __version__ = "0.1.0"
 
@@ -66,6 +66,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidTypeError",
     "LookaheadSampler",
+    "ResumableLoader",
     "MemoryPressure",
     "ReadOnlyError",
     "RowOptimizer",

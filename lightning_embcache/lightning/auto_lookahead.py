@@ -11,8 +11,9 @@ must include every index of the batch. Stores that pass are announced to from th
 batches already in the window included); if none passes, nothing is announced and the loader
 runs as before.
 
-Only a single process's plain ``torch.utils.data.DataLoader`` of a map-style dataset with its
-default batching is wrapped (not a subclass such as torchdata's ``StatefulDataLoader``, not a
+Only a single process's plain ``torch.utils.data.DataLoader`` (or `ResumableLoader`, which skips a
+resumed epoch's batches below the batch sampler) of a map-style dataset with its default batching
+is wrapped (not another subclass such as torchdata's ``StatefulDataLoader``, not a
 loader whose sampler is already a ``LookaheadSampler``), and only stores with a path and a hot
 budget (disk mode) that keep their rows on the host. The loader is restored when ``fit`` ends.
 """
@@ -28,6 +29,7 @@ import numpy as np
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_embcache.data.lookahead import LookaheadSampler
+from lightning_embcache.data.resumable import ResumableLoader
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class ProbingLookahead(LookaheadSampler):
 
 
 def _wrappable(loader: Any) -> bool:
-    return (type(loader) is DataLoader and not isinstance(loader.dataset, IterableDataset)
+    return (type(loader) in (DataLoader, ResumableLoader) and not isinstance(loader.dataset, IterableDataset)
             and isinstance(loader.batch_sampler, BatchSampler)
             and not isinstance(loader.sampler, LookaheadSampler))
 
