@@ -79,7 +79,10 @@ def io_error(exc: OSError, doing: str, path: object) -> StoreIOError:
     code = exc.errno or _errno.EIO
     if code in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG):
         what = "disk full" if code != _errno.EFBIG else "file too large for the file system (disk full for this file)"
-        return DiskFullError(code, f"{what} while {doing} {path}; the previous version is intact", path)
+        return DiskFullError(code, f"{what} while {doing} {path}; the previous version is intact. Free space on "
+                             f"that file system: keep fewer checkpoints (each pins a store version), run `embcache "
+                             f"compact` on the store, or move it to a larger disk (docs/troubleshooting.md, "
+                             f"DiskFullError)", path)
     if code == _errno.ELOOP:
         return StoreIOError(code, f"refusing to follow a symlink while {doing} {path}: the store only touches its own files", path)
     return StoreIOError(code, f"{exc.strerror or exc} while {doing} {path}; the previous version is intact", path)

@@ -65,3 +65,4 @@ def test_a_duplicate_name_is_an_invalid_argument_listing_the_names(tmp_path):
     model = tiny_model(tmp_path / "latents")
     with pytest.raises(InvalidArgumentError, match="latents"):
         model.add_embedding_store("latents", 10, 4)
+
