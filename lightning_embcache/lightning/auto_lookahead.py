@@ -168,6 +168,8 @@ class AutoLookahead:
         return out
 
     def _start_probe(self) -> None:
+        if not any(s.state == "probing" for s in self.samplers):
+            return  # nothing wrapped (or decided already): the handles note nothing
         self._checked, self._passed = 0, {}
         for handle in self._eligible():
             handle._noted = []

@@ -99,3 +99,25 @@ def test_a_loader_with_workers_is_announced(tmp_path):
     assert hinted > N
     rows_off, _, _ = _fit(Codes(tmp_path / "b", announce=False), tmp_path, _loader())
     assert torch.equal(rows, rows_off)
+
+
+def test_a_loader_that_cannot_be_wrapped_leaves_the_handles_noting_nothing(tmp_path):
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for start in range(0, N, 64):
+                yield torch.arange(start, start + 64), torch.randn(64, 4, generator=g)
+
+    noted = []
+
+    class Watch(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            noted.append(pl_module.codes._noted)
+
+    model = Codes(tmp_path / "a")
+    tiny_trainer(tmp_path, max_steps=5, callbacks=[Watch()]).fit(model, DataLoader(Stream(), batch_size=None))
+    assert noted == [None] * 5  # no ids kept for a check that will never come
+    assert model.codes.stats().prefetch_hits + model.codes.stats().prefetch_misses == 0
