@@ -76,8 +76,9 @@ class EpochBatches:
         yield from self.batches()[skip:]
 
 
-class ResumableLoader:
-    """A DataLoader over `EpochBatches` that Lightning can checkpoint mid-epoch (state_dict/load_state_dict).
+class DemoLoader:
+    """A DataLoader over `EpochBatches` that Lightning can checkpoint mid-epoch (state_dict/load_state_dict),
+    telling the store each next batch's ids. For your own dataset, use `lightning_embcache.ResumableLoader`.
 
     Resuming replays the rest of the interrupted epoch in the same order, which is what makes a
     resumed run equal an uninterrupted one.
@@ -187,9 +188,9 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.decoder.parameters(), lr=self.hparams.lr)
 
-    def train_dataloader(self) -> ResumableLoader:
+    def train_dataloader(self) -> DemoLoader:
         h = self.hparams
-        self._loader = ResumableLoader(h.num_samples, h.batch_size, h.out_dim, h.seed, h.num_workers,
+        self._loader = DemoLoader(h.num_samples, h.batch_size, h.out_dim, h.seed, h.num_workers,
                                        prefetch=self.latents.prefetch if h.prefetch else None)
         return self._loader
 
