@@ -60,6 +60,10 @@ class EmbeddingStoreMixin:
         - The mixin's hooks (``on_save_checkpoint``, ``on_load_checkpoint``, ``configure_callbacks``)
           call ``super()``; if you override them, call ``super()`` too.
         - A store with ``path=None`` lives in memory: fast, but not part of checkpoints.
+        - In ``fit``, the training ``DataLoader``'s batch sampler is wrapped in a `LookaheadSampler`
+          that announces each coming batch to the disk-mode stores, once the first 2 batches show
+          that the loader's indices are the ids the step reads (``announce_upcoming = False``
+          turns it off; docs/lightning.md, "Announcing coming rows").
         - A path that already holds a store is read freely (validate, test, predict, ``get``),
           but written only when a checkpoint names one of its versions (``fit(ckpt_path=...)``,
           ``load_from_checkpoint``) or ``if_exists`` says so; otherwise ``fit`` stops before
