@@ -464,7 +464,8 @@ class _StoreLifecycle(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if isinstance(pl_module, EmbeddingStoreMixin) and not trainer.strategy.restore_checkpoint_after_setup:
             pl_module._embcache_claim_for_fit()
-        if isinstance(pl_module, EmbeddingStoreMixin) and pl_module.announce_upcoming and trainer.world_size == 1:
+        if (isinstance(pl_module, EmbeddingStoreMixin) and pl_module.announce_upcoming and trainer.world_size == 1
+                and not trainer.overfit_batches):  # overfit_batches makes Lightning rebuild the loader's sampler
             self._lookahead = AutoLookahead(pl_module)  # before Lightning asks for the training loader
             self._lookahead.install(trainer)
 

@@ -121,3 +121,10 @@ def test_a_loader_that_cannot_be_wrapped_leaves_the_handles_noting_nothing(tmp_p
     tiny_trainer(tmp_path, max_steps=5, callbacks=[Watch()]).fit(model, DataLoader(Stream(), batch_size=None))
     assert noted == [None] * 5  # no ids kept for a check that will never come
     assert model.codes.stats().prefetch_hits + model.codes.stats().prefetch_misses == 0
+
+
+def test_overfit_batches_leaves_the_loader_to_lightning(tmp_path):
+    # Lightning rebuilds the loader's sampler for overfit_batches, which a wrapped batch sampler refuses
+    model = Codes(tmp_path / "a")
+    tiny_trainer(tmp_path, max_epochs=1, overfit_batches=2).fit(model, _loader())
+    assert model.trainer.global_step == 2
