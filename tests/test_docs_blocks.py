@@ -5,9 +5,12 @@ Conventions for the pages:
   only this checkout on ``PYTHONPATH``) and an empty temporary working directory, with
   ``__name__ == "__main__"``: a later block may use what an earlier one defined, exactly as when
   the reader pastes the page's blocks into one script. Nothing is silenced or patched.
-* A block that is a fragment (it needs the reader's own data, a GPU, or a running Trainer) is
-  fenced ```python no-run: it is still highlighted as Python, and this test only checks that it
-  parses. Keep them few: a reader can only trust a page whose blocks run.
+* ```bash blocks run too, in the same folder, between the python blocks around them (``embcache``
+  is this checkout's command).
+* A block that is a fragment (it needs the reader's own data, a GPU, or a running Trainer), or a
+  command that installs or benchmarks, is fenced ```python no-run (```bash no-run): it is still
+  highlighted, and this test only checks that a python one parses. Keep them few: a reader can
+  only trust a page whose blocks run.
 * A block may shrink sizes for the test with a trailing comment `# docs-test: NAME=VALUE`
   replacing that assignment; none do today, keep pages copy-pasteable.
 The page fails on the first block that raises, naming the page and the block's line.
@@ -29,30 +32,50 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```(python|bash)([^\n]*)\n(.*?)^```", re.S | re.M)
 # pages whose blocks would take too long for the default suite (none: getting-started takes ~15 s)
 SLOW_PAGES: set[str] = set()
 
 
-def blocks(page: Path) -> list[tuple[int, str, str]]:
-    """(line, info string after 'python', code) for every python block of `page`."""
+def blocks(page: Path, lang: str = "python") -> list[tuple[int, str, str]]:
+    """(line, info string after the language, code) for every `lang` block of `page`."""
+    return [(line, info, code) for line, lg, info, code in all_blocks(page) if lg == lang]
+
+
+def all_blocks(page: Path) -> list[tuple[int, str, str, str]]:
+    """(line, language, info string, code) for every python and bash block of `page`, in order."""
     text = page.read_text()
-    return [(text[: m.start()].count("\n") + 1, m.group(1).strip(), m.group(2)) for m in FENCE.finditer(text)]
+    return [(text[: m.start()].count("\n") + 1, m.group(1), m.group(2).strip(), m.group(3))
+            for m in FENCE.finditer(text)]
+
+
+def _run_bash(code: str, where: str) -> None:
+    """A bash block as the reader types it, with ``embcache`` being this checkout's command."""
+    prelude = f'set -e\nembcache() {{ "{sys.executable}" -m lightning_embcache "$@"; }}\n'
+    proc = subprocess.run(["bash", "-c", prelude + code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+    print(proc.stdout, flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bash exited {proc.returncode}")
 
 
 def run_page(page: Path) -> int:
     """Run `page`'s blocks in order in this process (the test's child); 0 if all ran."""
     namespace: dict[str, object] = {"__name__": "__main__"}
-    for line, info, code in blocks(page):
+    for line, lang, info, code in all_blocks(page):
         where = f"{page.name}:{line}"
-        tree = compile(code, where, "exec", flags=ast.PyCF_ONLY_AST)  # every block must at least parse
+        if lang == "python":
+            tree = compile(code, where, "exec", flags=ast.PyCF_ONLY_AST)  # every block must at least parse
         if info == "no-run":
             continue
         try:
-            exec(compile(tree, where, "exec"), namespace)
+            if lang == "bash":
+                _run_bash(code, where)
+            else:
+                exec(compile(tree, where, "exec"), namespace)
         except BaseException as exc:  # noqa: BLE001 - report any failure of the reader's script
             traceback.print_exc()
-            print(f"DOCS-BLOCK-FAILED the python block at {where} raised {type(exc).__name__}: {exc} (a fragment "
+            print(f"DOCS-BLOCK-FAILED the {lang} block at {where} raised {type(exc).__name__}: {exc} (a fragment "
                   "that is not meant to run is fenced ```python no-run; see tests/test_docs_blocks.py)", flush=True)
             return 1
     return 0
@@ -60,13 +83,13 @@ def run_page(page: Path) -> int:
 
 def test_the_fence_convention_is_used_consistently():
     for page in PAGES:
-        for line, info, _ in blocks(page):
-            assert info in ("", "no-run"), f"{page.name}:{line}: unknown python fence info {info!r}"
+        for line, lang, info, _ in all_blocks(page):
+            assert info in ("", "no-run"), f"{page.name}:{line}: unknown {lang} fence info {info!r}"
 
 
 def _page_params():
     for p in PAGES:
-        if blocks(p):
+        if [b for b in all_blocks(p) if b[2] != "no-run"]:
             marks = [pytest.mark.slow] if p.name in SLOW_PAGES else []
             yield pytest.param(p, id=p.name, marks=marks)
 
@@ -88,6 +111,15 @@ def test_a_failing_block_is_reported_with_its_page_and_line(tmp_path):
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(page)], cwd=tmp_path,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "DOCS-BLOCK-FAILED the python block at page.md:7 raised AssertionError" in proc.stdout
+
+
+def test_bash_blocks_run_in_order_with_the_python_ones(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nopen('made.txt', 'w').write('x')\n```\n\n```bash\ntest -f made.txt\n"
+                    "embcache --version\n```\n\n```bash no-run\nexit 3\n```\n\n```bash\ntest -f missing.txt\n```\n")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(page)], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "DOCS-BLOCK-FAILED the bash block at page.md:14 raised" in proc.stdout
 
 
 def test_the_api_reference_is_generated_from_the_current_docstrings():
