@@ -66,3 +66,14 @@ def test_follow_moved_files_rewrites_only_files_that_exist_under_the_new_folder(
     assert follow_moved_files(versions, tmp_path / "old" / "latents", tmp_path / "new" / "latents") == 1
     assert versions == {1: [str(tmp_path / "new" / "ck" / "x.ckpt")], 2: [str(tmp_path / "old" / "ck" / "gone.ckpt")],
                         3: [str(tmp_path / "elsewhere.ckpt")]}
+
+
+def test_load_from_checkpoint_with_the_store_folder_deleted_names_it_and_makes_nothing(tmp_path):
+    from lightning_embcache.demo import AutoDecoder
+
+    run = tmp_path / "run"
+    _fit(run, 4)
+    shutil.rmtree(run / "latents")
+    with pytest.raises(VersionNotFoundError, match="does not exist"):
+        AutoDecoder.load_from_checkpoint(run / "ck" / "step=4.ckpt")
+    assert not (run / "latents").exists()
