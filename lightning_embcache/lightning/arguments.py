@@ -12,11 +12,10 @@ import torch
 from lightning_embcache.optim.factory import OPTIMIZERS
 from lightning_embcache.store.errors import InvalidArgumentError
 
-#: keyword arguments of ``add_embedding_store`` that configure the store (not the optimizer)
-STORE_OPTIONS = (
-    "path", "hot_bytes", "warm_bytes", "device_bytes", "dtype", "chunk_rows", "compression", "init", "seed",
-    "init_std", "check_finite", "fields", "optimizer", "lr", "if_exists",
-)
+def named_options(fn: Any) -> tuple[str, ...]:
+    """The keyword-only arguments `fn` names (``add_embedding_store``'s store options), in order."""
+    return tuple(p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY)
+
 #: optimizer keywords the layer takes itself rather than the row optimizer
 LAYER_OPTIM_OPTIONS = ("max_grad_norm",)
 # bytes of a hot-tier slot beyond its record (the store's id map and CLOCK bits)
@@ -63,8 +62,9 @@ def check_choice(arg: str, value: Any, allowed: tuple[str, ...]) -> None:
                                    f"{', '.join(map(repr, allowed))}{hint}")
 
 
-def check_unknown_keywords(optim_kwargs: Mapping[str, Any], optimizer: str | None) -> None:
-    """Every keyword beyond the named ones must be an option of the chosen row optimizer."""
+def check_unknown_keywords(optim_kwargs: Mapping[str, Any], optimizer: str | None,
+                           store_options: tuple[str, ...]) -> None:
+    """Every keyword beyond the named ones (`store_options`) must be an option of the chosen row optimizer."""
     if not optim_kwargs:
         return
     own = optimizer_options(optimizer) if optimizer is not None else LAYER_OPTIM_OPTIONS
@@ -87,7 +87,7 @@ def check_unknown_keywords(optim_kwargs: Mapping[str, Any], optimizer: str | Non
         "row optimizer options need optimizer=..."
     raise UnknownArgumentError(
         f"add_embedding_store() got an unknown argument {key}={optim_kwargs[key]!r}"
-        f"{suggestion(key, (*STORE_OPTIONS, *own))}; store options are {', '.join(STORE_OPTIONS)}; {what}"
+        f"{suggestion(key, (*store_options, *own))}; store options are {', '.join(store_options)}; {what}"
     )
 
 

@@ -18,7 +18,7 @@ from lightning_embcache.distributed.integration import (
 )
 from lightning_embcache.lightning.auto_lookahead import AutoLookahead
 from lightning_embcache.lightning.arguments import (
-    check_choice, check_hot_bytes, check_optimizer, check_unknown_keywords,
+    check_choice, check_hot_bytes, check_optimizer, check_unknown_keywords, named_options,
 )
 from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
 from lightning_embcache.lightning.handle import IF_EXISTS, EmbeddingStoreHandle
@@ -150,7 +150,7 @@ class EmbeddingStoreMixin:
             raise InvalidArgumentError(
                 f"Invalid value for device_bytes={device_bytes!r}. Must be None or an int >= 0 (bytes)")
         check_optimizer(optimizer)
-        check_unknown_keywords(optim_kwargs, optimizer)
+        check_unknown_keywords(optim_kwargs, optimizer, named_options(EmbeddingStoreMixin.add_embedding_store))
         create_options: dict[str, Any] = dict(
             dtype=dtype, chunk_rows=chunk_rows, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
             compression=compression, init=init, seed=seed, init_std=init_std, check_finite=check_finite,
