@@ -87,6 +87,16 @@ def test_the_fence_convention_is_used_consistently():
             assert info in ("", "no-run"), f"{page.name}:{line}: unknown {lang} fence info {info!r}"
 
 
+# pages a new user follows step by step: every python block runs (no fragments)
+GUIDES = ("getting-started.md", "lightning.md", "troubleshooting.md")
+
+
+def test_the_guides_have_no_python_fragments():
+    for name in GUIDES:
+        fragments = [line for line, info, _ in blocks(ROOT / "docs" / name) if info == "no-run"]
+        assert not fragments, f"docs/{name}: python blocks fenced no-run at lines {fragments}; make them run"
+
+
 def _page_params():
     for p in PAGES:
         if [b for b in all_blocks(p) if b[2] != "no-run"]:
