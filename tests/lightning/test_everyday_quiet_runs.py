@@ -82,3 +82,12 @@ def test_a_trainer_fitted_twice_trains_the_rows_at_every_step_of_the_second_fit(
     model = tiny_model(tmp_path / "latents")
     lifecycle.setup(tiny_trainer(tmp_path), model, "fit")
     assert lifecycle._stepped == {}
+
+
+def test_the_batch_transfer_remembers_the_host_ids_of_a_batch_moved_off_the_cpu(tmp_path):
+    # "meta" stands in for a GPU here: what matters is that the ids left the host
+    model = Codes(tmp_path / "codes")
+    ids, y = torch.arange(16), torch.randn(16, 4)
+    moved_ids, moved_y = model._apply_batch_transfer_handler((ids, y), torch.device("meta"))
+    assert moved_ids.device.type == "meta"
+    assert model._embcache_host_copy(moved_ids) is ids  # a get of these ids reads the host copy: no device sync
