@@ -807,6 +807,15 @@ class EmbeddingStore(TieredRows, Versioning):
 
     def _after_fork_in_child(self) -> None:
         # Threads do not survive fork and a lock may have been held: start clean in the child.
+        if self._lock_fd is not None:
+            # The child's copy of the writer lock's descriptor would hold the flock after the
+            # parent died (a DataLoader worker outliving a killed trainer): close it, without
+            # unlocking (the open file is the parent's too), so the lock lives as long as the parent.
+            try:
+                os.close(self._lock_fd)
+            except OSError:
+                pass
+            self._lock_fd = None
         self._lock = threading.RLock()
         self._flush_lock = threading.RLock()
         self._round_thread, self._round_done = None, threading.Event()
