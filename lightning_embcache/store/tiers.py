@@ -7,6 +7,7 @@ method says so.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -1090,9 +1091,41 @@ class TieredRows:
         with self._lock:
             self._check_open()
             hot = self._hot
-            for c in np.flatnonzero(~hot.loaded).tolist():
+            todo = np.flatnonzero(~hot.loaded)
+            fresh = todo if self._disk is None else todo[self._cmap[todo] == 0]
+            if (self._rows is not None and len(self._rows)) or hot.row_ok is not None \
+                    or not self._init_in_place():
+                fresh = fresh[:0]  # rows exist below or in the pool: each chunk the usual way
+            for c in np.setdiff1d(todo, fresh, assume_unique=True).tolist():
                 self._load_chunk_resident(c)
+            if len(fresh):
+                # Never-written chunks of a new table: their initial values straight into the
+                # pool, chunks split over the CPUs (numpy lets the GIL go while it computes).
+                workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+                spans = [fresh[i::workers] for i in range(workers)]
+                with ThreadPoolExecutor(workers, thread_name_prefix="embcache-materialize") as pool:
+                    list(pool.map(self._init_chunks_in_place, spans))
+                hot.loaded[fresh] = True
             hot.all_loaded = True
+
+    def _init_in_place(self) -> bool:
+        """Whether initial values can be written straight into a fresh (zeroed) pool, from any
+        thread: zeros, or the per-row seeded normals, in float32."""
+        if self._init_kind == "zeros":
+            return True
+        return (self._init_kind == "normal" and self._meta.get("init_version", 1) >= 2
+                and self.dtype == torch.float32)
+
+    def _init_chunks_in_place(self, chunks: np.ndarray) -> None:
+        weight = self._np_views["weight"]
+        fills = [(self._np_views[f.name], f.fill) for f in self._schema.fields.values()
+                 if f.name != "weight" and f.fill]
+        for c in chunks.tolist():
+            lo, hi = self._hot.chunk_range(c)
+            if self._init_kind == "normal":
+                normal_rows(np.arange(lo, hi), self.dim, self._seed, self._init_std, out=weight[lo:hi])
+            for view, value in fills:
+                view[lo:hi] = value
 
     def _below(self, chunk: int) -> np.ndarray:
         """A chunk's records as stored below the hot tier: warm copy, else base + deltas."""

@@ -66,14 +66,18 @@ def test_a_first_touch_makes_the_rows_read_not_their_chunks(tmp_path, on_disk):
         assert (s.record_view(rec, "m") == 0).all() and s.stats().hot_bytes == 10 * s.row_bytes
 
 
-def test_materialize_makes_every_row_up_front_with_the_same_values(tmp_path):
+@pytest.mark.parametrize("init", ["normal", "zeros", "callable"])
+def test_materialize_makes_every_row_up_front_with_the_same_values(tmp_path, init):
     n = 20 * CHUNK + 5
-    with EmbeddingStore.create(tmp_path / "m", n, 6, chunk_rows=CHUNK, init="normal", seed=2, fields=FIELDS,
+    fields = dict(FIELDS, acc=(torch.float32, 2, 0.25))  # a field with a fill value
+    kind = (lambda ids: ids[:, None].float().expand(-1, 6) * 0.5) if init == "callable" else init
+    with EmbeddingStore.create(tmp_path / "m", n, 6, chunk_rows=CHUNK, init=kind, seed=2, fields=fields,
                                materialize=True) as s:
         assert s.stats().hot_bytes == n * s.row_bytes
         made = s.read_records(torch.arange(n))
-    with EmbeddingStore.create(None, n, 6, chunk_rows=CHUNK, init="normal", seed=2, fields=FIELDS) as lazy:
+    with EmbeddingStore.create(None, n, 6, chunk_rows=CHUNK, init=kind, seed=2, fields=fields) as lazy:
         assert torch.equal(lazy.read_records(torch.arange(n)), made)
+        assert (lazy.record_view(made, "acc") == 0.25).all()
 
 
 def test_materialize_in_disk_mode_is_refused_by_name_and_creates_nothing(tmp_path):
