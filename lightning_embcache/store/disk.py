@@ -437,14 +437,29 @@ class Disk:
         where = self._root_fd if self._root_fd is not None else self.root  # after close(): by path
         return sorted(int(m.group(1)) for p in fileio.listdir(where) if (m := MANIFEST_RE.match(p)))
 
-    def read_manifest(self, version: int) -> Manifest:
+    def _manifest_bytes(self, version: int) -> tuple[Path, bytes]:
+        """The bytes of ``version``'s manifest, read once: a manifest that retention drops at
+        this moment is a VersionNotFoundError, never a half-checked file or a raw OSError."""
         path = self.manifest_path(version)
-        if not path.exists():
-            have = self.list_versions()
-            raise VersionNotFoundError(
-                f"version={version} of store {self.root} is not retained; retained versions: {have}"
-            )
-        obj = _json(path, self._read_file(path, b"manifest"))
+        try:
+            where = (path.name, self._root_fd) if self._root_fd is not None else (str(path), None)  # after close()
+            fd = os.open(where[0], os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=where[1])
+        except FileNotFoundError:
+            raise VersionNotFoundError(f"version={version} of store {self.root} is not retained; retained versions: "
+                                       f"{self.list_versions()}") from None
+        except OSError as exc:
+            raise io_error(exc, "reading", path) from exc
+        try:
+            with os.fdopen(fd, "rb", closefd=True) as f:
+                return path, f.read()
+        except OSError as exc:
+            raise io_error(exc, "reading", path) from exc
+
+    def read_manifest(self, version: int) -> Manifest:
+        return self._parse_manifest(version, *self._manifest_bytes(version))
+
+    def _parse_manifest(self, version: int, path: Path, data: bytes) -> Manifest:
+        obj = _json(path, fileio.check_file(path, data, b"manifest", self.uid, unbound=self.unbound))
         if not isinstance(obj, dict):
             raise CorruptStoreError(path, "is not a manifest")
         v, cm, segs, parent = obj.get("version"), obj.get("chunkmap"), obj.get("segments"), obj.get("parent", 0)
@@ -461,12 +476,9 @@ class Disk:
     def manifest_checksum(self, version: int) -> str:
         """Identity of ``version`` as its flush wrote it (a checkpoint records it to detect a store
         recreated at the same path): the checksum of that manifest, kept by compaction rewrites."""
-        path = self.manifest_path(version)
-        head = path.read_bytes()[:HEADER_SIZE] if path.exists() else b""
-        if not head:
-            raise VersionNotFoundError(f"version={version} of store {self.root} is not retained")
-        _, pcrc = parse_header(path, head, b"manifest", self.uid, unbound=self.unbound)
-        ident = self.read_manifest(version).ident
+        path, data = self._manifest_bytes(version)  # one read: header and identity of the same file
+        ident = self._parse_manifest(version, path, data).ident
+        _, pcrc = parse_header(path, data, b"manifest", self.uid, unbound=self.unbound)
         return ident or f"{pcrc:08x}"
 
     def lock_version_alone(self, version: int) -> int | None:

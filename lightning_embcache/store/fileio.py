@@ -131,6 +131,12 @@ def read_file(path: Path, kind: bytes, uid: bytes | None = ANY_STORE, *, name: s
     """Read and verify a whole store file (bound to ``name``, default its own); raise
     CorruptStoreError naming it on any damage."""
     data = read_raw(path, what="missing (the store directory is incomplete)")
+    return check_file(path, data, kind, uid, name=name, unbound=unbound)
+
+
+def check_file(path: object, data: bytes, kind: bytes, uid: bytes | None = ANY_STORE, *, name: str | None = None,
+               unbound: bool = True) -> bytes:
+    """The verified payload of a whole store file's bytes ``data`` (see `read_file`)."""
     length, pcrc = parse_header(path, data, kind, uid, name=name, unbound=unbound)
     payload = memoryview(data)[HEADER_SIZE:]
     if len(payload) != length:

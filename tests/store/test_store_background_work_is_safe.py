@@ -74,16 +74,16 @@ def test_garbage_collection_tolerates_versions_dropped_while_it_runs(shm_path, m
     until two more flushes have dropped it."""
     from lightning_embcache.store import disk as disk_module
 
-    original = disk_module.read_file
+    original = disk_module.Disk._manifest_bytes
     held, release = threading.Event(), threading.Event()
 
-    def read_file(path, kind, *uid, **kw):
-        if kind == b"manifest" and threading.current_thread() is not threading.main_thread() and not release.is_set():
+    def manifest_bytes(self, version):
+        if threading.current_thread() is not threading.main_thread() and not release.is_set():
             held.set()
             release.wait(1)  # GC holds the writer lock now: flushes wait for it, so keep the hold short
-        return original(path, kind, *uid, **kw)
+        return original(self, version)
 
-    monkeypatch.setattr(disk_module, "read_file", read_file)
+    monkeypatch.setattr(disk_module.Disk, "_manifest_bytes", manifest_bytes)
     path = shm_path / "store"
     store = EmbeddingStore.create(path, 4096, DIM, chunk_rows=256)  # small flushes: no compaction
     rng = np.random.default_rng(5)
