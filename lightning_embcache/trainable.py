@@ -25,7 +25,8 @@ from torch import Tensor
 
 from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.optim.base import RowOptimizer
-from lightning_embcache.optim.clip import clip_rows_by_norm_
+from lightning_embcache.optim.clip import check_max_norm, clip_rows_by_norm_, renorm_rows
+from lightning_embcache.optim.rounding import ROUNDED_DTYPES
 from lightning_embcache.optim.coalesce import RowGradBuffer
 from lightning_embcache.optim.fused import fused_adam_step_rows
 from lightning_embcache.pinned import PinnedRing
@@ -63,10 +64,21 @@ class TrainableRows:
           (by then the copy has normally finished), so the training step never waits for the host.
         * `max_grad_norm` clips each row's summed gradient (per-row clipping); Lightning's
           `gradient_clip_val` covers only `model.parameters()`, which never include these rows.
+        * `max_norm` bounds the rows themselves, as ``nn.Embedding(max_norm=...)`` does: `lookup`
+          first rescales, in the store, every looked-up row whose `norm_type`-norm exceeds it (by
+          ``max_norm / (norm + 1e-7)``), then returns the rows.
+        * `stochastic_rounding` (16-bit rows; None: on for bfloat16/float16 rows): the optimizer
+          computes in float32 and writes the rows back with unbiased stochastic rounding, keyed
+          by ``(seed, step, id)`` (`seed`: the store's), so small updates still move them.
+
+    Raises:
+        InvalidArgumentError: ``max_norm <= 0``, a ``norm_type`` that is not > 0,
+            ``stochastic_rounding=True`` on 32/64-bit rows, a store without the optimizer's fields.
     """
 
     def __init__(self, store: EmbeddingStore, optimizer: RowOptimizer, *, max_grad_norm: float | None = None,
-                 device_tier: DeviceTier | None = None) -> None:
+                 device_tier: DeviceTier | None = None, max_norm: float | None = None,
+                 norm_type: float = 2.0, stochastic_rounding: bool | None = None) -> None:
         if not isinstance(optimizer, RowOptimizer):
             raise InvalidArgumentError(f"optimizer must be a RowOptimizer (make_row_optimizer(...)); got {optimizer!r}")
         need = trainable_fields(optimizer, store.dim, store.dtype)
@@ -80,6 +92,9 @@ class TrainableRows:
             raise InvalidArgumentError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}")
         if device_tier is not None and device_tier.store is not store:
             raise InvalidArgumentError("device_tier must hold the rows of this store (DeviceTier(store, ...))")
+        self.max_norm, self.norm_type = check_max_norm(max_norm, norm_type)
+        self.stochastic_rounding = check_stochastic_rounding(stochastic_rounding, store.dtype)
+        self._rounding_seed = int(getattr(store, "_seed", 0))
         self.store = store
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
@@ -99,6 +114,8 @@ class TrainableRows:
         # device path: per lookup (host slots per position, device slots, leaf)
         self._dev_leaves: list[tuple[np.ndarray, Tensor, Tensor]] = []
         self._dev_grads: list[tuple[np.ndarray, Tensor, Tensor]] = []
+        self._dev_ids: list[np.ndarray] = []  # the ids of _dev_leaves then _dev_grads (rounding keys)
+        self._dev_grad_ids: list[np.ndarray] = []
 
     # ---- forward -------------------------------------------------------------------------------
     def lookup(self, ids: Any, device: torch.device | str | None = None, *,
@@ -114,12 +131,25 @@ class TrainableRows:
         self.settle()
         idx = torch.from_numpy(as_ids(ids, self.store.num_rows))  # as_ids returns our own copy
         rows = self.store.get(idx)
+        if self.max_norm is not None:
+            rows = self._renorm_in_store(idx, rows)
         if device is not None and torch.device(device).type == "cuda":
             rows = self._to_cuda(rows, torch.device(device))
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._leaves.append((idx, rows))
         return rows
+
+    def _renorm_in_store(self, idx: Tensor, rows: Tensor) -> Tensor:
+        """Rows over `max_norm` rescaled, written back to the store (only those rows)."""
+        assert self.max_norm is not None
+        new, over = renorm_rows(rows, self.max_norm, self.norm_type)
+        if bool(over.any()):  # host tensors: no device sync
+            sel = over.nonzero().squeeze(1)
+            with self._host_lock:
+                # duplicates of an id carry equal rows, so whichever write wins is the same
+                self.store.update_fields(idx[sel], {"weight": new[sel]})
+        return new
 
     def _to_cuda(self, rows: Tensor, device: torch.device) -> Tensor:
         if self._up_ring is None:
@@ -137,10 +167,19 @@ class TrainableRows:
         else:
             pos = self._device_slots(idx)
             pos_d = tier.to_device(pos)
-        rows = tier.view("weight").index_select(0, pos_d)
+        weight = tier.view("weight")
+        rows = weight.index_select(0, pos_d)
+        if self.max_norm is not None:
+            # On the device without waiting for it: every looked-up row is written back, scaled
+            # or (under the limit) with its exact bits.
+            rows, _ = renorm_rows(rows, self.max_norm, self.norm_type)
+            with tier.step_lock:
+                weight.index_copy_(0, pos_d, rows)
+                tier.mark_dirty(pos)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._dev_leaves.append((pos, pos_d, rows))
+            self._dev_ids.append(idx)
         return rows
 
     def _device_slots(self, idx: np.ndarray) -> np.ndarray:
@@ -165,11 +204,13 @@ class TrainableRows:
     def collect(self) -> int:
         """Move the gradients of this micro-batch's lookups into the buffer; returns rows taken."""
         taken = 0
-        for pos, pos_d, leaf in self._dev_leaves:
+        for (pos, pos_d, leaf), ids in zip(self._dev_leaves, self._dev_ids):
             if leaf.grad is not None:
                 self._dev_grads.append((pos, pos_d, leaf.grad))
+                self._dev_grad_ids.append(ids)
                 taken += len(pos)
         self._dev_leaves.clear()
+        self._dev_ids.clear()
         if not self._leaves:
             return taken
         with self._host_lock:
@@ -250,7 +291,8 @@ class TrainableRows:
         store = self.store
         rec = store.read_records(ids)
         state = {n: store.record_view(rec, n) for n in self._state_names}
-        self.optimizer.step(store.record_view(rec, "weight"), state, grads, step=step, lr=lr)
+        self.optimizer.step(store.record_view(rec, "weight"), state, grads, step=step, lr=lr, ids=ids,
+                            stochastic_rounding=self.stochastic_rounding, seed=self._rounding_seed)
         store.record_view(rec, "last_step").fill_(step)
         store.record_view(rec, "updates").add_(1)
         store.write_records(ids, rec)
@@ -261,6 +303,7 @@ class TrainableRows:
         tier = self.device_tier
         assert tier is not None
         parts, self._dev_grads = self._dev_grads, []
+        part_ids, self._dev_grad_ids = self._dev_grad_ids, []
         pos = np.concatenate([p for p, _, _ in parts])
         pos_d = torch.cat([p for _, p, _ in parts]) if len(parts) > 1 else parts[0][1]
         grads = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2]
@@ -277,7 +320,7 @@ class TrainableRows:
             done = self.max_grad_norm is None and fused_adam_step_rows(
                 self.optimizer, weight, state, pos_d, grads, step=step, lr=lr_now)
             if not done:
-                uniq, inv = np.unique(pos, return_inverse=True)
+                uniq, first, inv = np.unique(pos, return_index=True, return_inverse=True)
                 u_d, inv_d = tier.to_device(uniq), tier.to_device(inv)
                 g = torch.zeros((len(uniq), grads.shape[1]), dtype=torch.float32, device=grads.device)
                 g.index_add_(0, inv_d, grads.float())
@@ -285,7 +328,11 @@ class TrainableRows:
                     clip_rows_by_norm_(g, self.max_grad_norm)
                 w = weight.index_select(0, u_d)
                 st = {n: v.index_select(0, u_d) for n, v in state.items()}
-                self.optimizer.step(w, st, g, step=step, lr=lr)
+                keys = None
+                if self.stochastic_rounding:  # the rounding is keyed by id, not by slot
+                    keys = tier.to_device(np.concatenate(part_ids)[first])
+                self.optimizer.step(w, st, g, step=step, lr=lr, ids=keys,
+                                    stochastic_rounding=self.stochastic_rounding, seed=self._rounding_seed)
                 weight.index_copy_(0, u_d, w)
                 for n, v in state.items():
                     v.index_copy_(0, u_d, st[n])
@@ -305,6 +352,8 @@ class TrainableRows:
             self._leaves.clear()
             self._dev_leaves.clear()
             self._dev_grads.clear()
+            self._dev_ids.clear()
+            self._dev_grad_ids.clear()
             self._pending = None
             self._grad_k = 0
             if len(self._grads):
@@ -320,3 +369,16 @@ class TrainableRows:
         self.settle()
         got = self.store.get_fields(ids, ("last_step", "updates"))
         return {k: v[:, 0] for k, v in got.items()}
+
+
+def check_stochastic_rounding(value: bool | None, dtype: torch.dtype) -> bool:
+    """``stochastic_rounding`` for rows of `dtype`: None means on for 16-bit rows, off otherwise."""
+    if value is None:
+        return dtype in ROUNDED_DTYPES
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"stochastic_rounding must be None, True or False; got {value!r}")
+    if value and dtype not in ROUNDED_DTYPES:
+        raise InvalidArgumentError(
+            f"stochastic_rounding=True applies to bfloat16/float16 rows; these rows are {dtype}: "
+            "pass stochastic_rounding=None or False (32-bit rows are written back exactly)")
+    return value

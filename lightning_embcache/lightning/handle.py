@@ -18,6 +18,7 @@ from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store.validate import as_ids
 from lightning_embcache.optim.base import RowOptimizer
+from lightning_embcache.optim.clip import renorm_rows
 from lightning_embcache.trainable import TrainableRows
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ class EmbeddingStoreHandle:
         self.optim_config = optim_config
         self._row_optimizer: RowOptimizer | None = None  # set by add_embedding_store(optimizer=...)
         self._max_grad_norm: float | None = None
+        self._row_options: dict[str, Any] = {}  # max_norm, norm_type, stochastic_rounding
         self._trainable: TrainableRows | None = None
         self._manual_steps = 0
         self._create_options = create_options
@@ -294,7 +296,11 @@ class EmbeddingStoreHandle:
         Under ``torch.no_grad()`` or inference mode (validation, test, predict) it is ``get``.
         """
         if not torch.is_grad_enabled():
-            return self.get(ids)
+            rows = self.get(ids)
+            max_norm = self._row_options.get("max_norm")
+            if max_norm is not None:  # what a training lookup would return (the store is not written)
+                rows, _ = renorm_rows(rows, max_norm, self._row_options.get("norm_type", 2.0))
+            return rows
         rows = self._trainable_rows("lookup")
         # GPU ids untouched since Lightning moved them (version 0) equal their host copy: a tier
         # holding the whole table gathers with them directly
@@ -339,13 +345,17 @@ class EmbeddingStoreHandle:
             )
         store = self._ensure_open(writable=True)
         if getattr(store, "sharded", False):  # rows of a row-sharded store train at their owners (distributed/)
+            if self._row_options.get("max_norm") is not None or self._row_options.get("stochastic_rounding"):
+                raise _store_errors().InvalidArgumentError(
+                    f"embedding store {self.name!r}: max_norm and stochastic_rounding=True are not available for "
+                    "row-sharded stores yet; pass max_norm=None and stochastic_rounding=None or False")
             if self._trainable is None or self._trainable.store is not store:
                 self._trainable = store.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm)
             return self._trainable
         tier = self._tier(store)
         if self._trainable is None or self._trainable.store is not store or self._trainable.device_tier is not tier:
             self._trainable = TrainableRows(store, self._row_optimizer, max_grad_norm=self._max_grad_norm,
-                                            device_tier=tier)
+                                            device_tier=tier, **self._row_options)
         return self._trainable
 
     # ------------------------------------------------------------------ the device tier

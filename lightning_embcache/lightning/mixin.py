@@ -23,8 +23,9 @@ from lightning_embcache.lightning.arguments import (
 from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
 from lightning_embcache.lightning.handle import IF_EXISTS, EmbeddingStoreHandle
 from lightning_embcache.optim import make_row_optimizer
+from lightning_embcache.optim.clip import check_max_norm
+from lightning_embcache.trainable import check_stochastic_rounding, trainable_fields
 from lightning_embcache.store.errors import InvalidArgumentError
-from lightning_embcache.trainable import trainable_fields
 
 log = logging.getLogger(__name__)
 warning_cache = WarningCache()
@@ -109,6 +110,9 @@ class EmbeddingStoreMixin:
         optimizer: str | None = None,
         lr: float | None = None,
         if_exists: str = "error",
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        stochastic_rounding: bool | None = None,
         **optim_kwargs: Any,
     ) -> EmbeddingStoreHandle:
         """Declare a table of `num_rows` x `dim` rows; returns its handle (the store opens at setup).
@@ -134,6 +138,14 @@ class EmbeddingStoreMixin:
                 handle did not create and that no checkpoint being resumed names: ``"error"``
                 (default) stops with a message, ``"resume"`` continues its rows (and moments),
                 ``"overwrite"`` deletes it and starts from ``init``. Reads never need it.
+            max_norm, norm_type: bound the rows as ``nn.Embedding(max_norm=...)`` does: ``lookup``
+                first rescales every looked-up row whose ``norm_type``-norm exceeds ``max_norm``
+                (by ``max_norm / (norm + 1e-7)``), in the store, then returns the rows.
+            stochastic_rounding: 16-bit rows (``dtype=torch.bfloat16`` or ``float16``) with an
+                optimizer: the update is computed in float32 (moments are float32) and written back
+                with unbiased stochastic rounding, deterministic in ``(seed, step, id)``. ``None``
+                (default): on for 16-bit rows; ``False``: round to nearest; ``True`` on 32-bit
+                rows is refused.
         """
         _check_base_order(type(self))
         stores = self._embcache_stores()
@@ -157,6 +169,10 @@ class EmbeddingStoreMixin:
         )
         row_optimizer = None
         max_grad_norm = optim_kwargs.pop("max_grad_norm", None)
+        # checked here, where the mistake is made, not at the first lookup
+        max_norm, norm_type = check_max_norm(max_norm, norm_type)
+        if isinstance(dtype, torch.dtype):  # (a bad dtype is named by the store)
+            check_stochastic_rounding(stochastic_rounding, dtype)
         if optimizer is not None:
             row_optimizer = make_row_optimizer(optimizer, **optim_kwargs, **({} if lr is None else {"lr": lr}))
             # optimizer moments and per-row metadata live beside each row, flushed with it
@@ -178,6 +194,7 @@ class EmbeddingStoreMixin:
             device_bytes=device_bytes,
         )
         handle._row_optimizer, handle._max_grad_norm = row_optimizer, max_grad_norm
+        handle._row_options = dict(max_norm=max_norm, norm_type=norm_type, stochastic_rounding=stochastic_rounding)
         stores[name] = handle
         return handle
 

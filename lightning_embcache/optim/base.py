@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_embcache.optim._checks import check_bool, check_number
+from lightning_embcache.optim.rounding import ROUNDED_DTYPES, stochastic_round, uniform_noise
 from lightning_embcache.store.errors import InvalidArgumentError, InvalidTypeError
 
 StateFields = dict[str, tuple[torch.dtype, int]]
@@ -52,7 +53,7 @@ class RowOptimizer:
         * `lr` is a plain attribute read at every `step`; a scheduler can drive it through
           `as_torch_optimizer()`, or `follow()` another optimizer's param group.
         * Rows may be float16/bfloat16: the update is computed in the state dtype (float32) and
-          rounded back into the rows once.
+          rounded back into the rows once, to nearest or (``stochastic_rounding=True``) stochastically.
 
     Args:
         lr: learning rate, >= 0.
@@ -163,7 +164,8 @@ class RowOptimizer:
     # -- the update ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, weights: Tensor, state: dict[str, Tensor], grads: Tensor, *,
-             step: int, lr: float | None = None) -> None:
+             step: int, lr: float | None = None, ids: Tensor | None = None,
+             stochastic_rounding: bool = False, seed: int = 0) -> None:
         """Update `weights` (Tensor[B, dim]) and every `state[name]` (Tensor[B, cols]) in place.
 
         Args:
@@ -173,6 +175,12 @@ class RowOptimizer:
             step: the global step count including this step (>= 1); ignored with
                 `per_row_step=True`.
             lr: overrides `self.lr` for this call only.
+            ids: the B rows' ids; they key the random numbers of stochastic rounding (default:
+                the positions 0..B-1).
+            stochastic_rounding: write 16-bit rows back with unbiased stochastic rounding
+                (`lightning_embcache.optim.rounding`) instead of round-to-nearest; deterministic
+                in ``(seed, step, id)``. Ignored for 32/64-bit rows.
+            seed: the rounding's seed.
         """
         if lr is None:
             lr = self.lr
@@ -191,7 +199,12 @@ class RowOptimizer:
         else:  # low-precision rows: one upcast, one rounding
             w = weights.to(compute)
             self._update(w, state, grads.to(compute), step=row_step, lr=lr)
-            weights.copy_(w)
+            if stochastic_rounding and weights.dtype in ROUNDED_DTYPES:
+                keys = ids if ids is not None else torch.arange(len(w), device=w.device)
+                noise = uniform_noise(keys.to(w.device), w.shape[1], step=step, seed=seed)
+                weights.copy_(stochastic_round(w, weights.dtype, noise))
+            else:
+                weights.copy_(w)
 
     # -- for subclasses ------------------------------------------------------------------------
     def _state_columns(self, dim: int, dtype: torch.dtype) -> StateFields:

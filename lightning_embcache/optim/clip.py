@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_embcache.optim._checks import check_number
+from lightning_embcache.store.errors import InvalidArgumentError
 
 
 @torch.no_grad()
@@ -75,3 +76,33 @@ def clip_grad_norm_with_rows_(parameters: Iterable[Tensor] | Tensor, row_grads: 
     for g in grads:
         g.mul_(scale.to(g.device, g.dtype))
     return total
+
+
+# ---- max_norm on the rows themselves (nn.Embedding's rule) -------------------------------------
+def check_max_norm(max_norm: object, norm_type: object) -> tuple[float | None, float]:
+    """Validate ``max_norm`` (None or a finite number > 0) and ``norm_type`` (a number > 0, inf allowed)."""
+    if max_norm is not None:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < float(max_norm) < float("inf"):
+            raise InvalidArgumentError(f"max_norm must be None or a finite number > 0; got {max_norm!r}")
+        max_norm = float(max_norm)
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not float(norm_type) > 0:
+        raise InvalidArgumentError(f"norm_type must be a number > 0 (2.0: Euclidean, float('inf'): max); "
+                                   f"got {norm_type!r}")
+    return max_norm, float(norm_type)
+
+
+@torch.no_grad()
+def renorm_rows(rows: Tensor, max_norm: float, norm_type: float = 2.0) -> tuple[Tensor, Tensor]:
+    """`nn.Embedding`'s max_norm rule on rows (Tensor[B, dim]): each row whose `norm_type`-norm
+    exceeds `max_norm` is scaled by ``max_norm / (norm + 1e-7)``. Returns (new rows, Tensor[B]
+    bool: which rows were scaled); rows under the limit keep their exact bits.
+
+    The arithmetic is `torch.embedding_renorm_`'s: the norm in the rows' compute dtype, the scale
+    in double, the product in float32 (rounded once into 16-bit rows).
+    """
+    compute = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    r = rows.to(compute)
+    norms = torch.linalg.vector_norm(r, ord=norm_type, dim=1)
+    over = norms > max_norm
+    scale = torch.where(over, max_norm / (norms.double() + 1e-7), torch.ones_like(norms, dtype=torch.float64))
+    return (r * scale.to(compute)[:, None]).to(rows.dtype), over

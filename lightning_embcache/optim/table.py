@@ -31,7 +31,7 @@ CPU_CHUNK_ROWS = 512
 def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor], ids: Tensor,
               grads: Tensor, *, step: int, lr: float | None = None,
               coalesced: bool = False, chunk_rows: int | None = None,
-              fused: bool | None = None) -> None:
+              fused: bool | None = None, stochastic_rounding: bool = False, seed: int = 0) -> None:
     """Update rows `ids` of `weight` (Tensor[N, dim]) and of each `state[name]` (Tensor[N, cols]).
 
     Args:
@@ -46,6 +46,8 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
             compiled loop of `lightning_embcache.optim.fused_cpu`, built on first `fused=True`.
             None (default): CUDA kernels where they apply, the CPU loop only once loaded; False
             never; True requires it (raises where it does not apply).
+        stochastic_rounding, seed: 16-bit tables: write rows back with unbiased stochastic
+            rounding keyed by ``(seed, step, id)`` (see `RowOptimizer.step`).
     """
     check_rows(ids, grads)              # before any kernel reads them
     lr_now = optimizer.lr if lr is None else lr
@@ -67,7 +69,8 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
         part = ids[start:start + chunk_rows]
         w = weight.index_select(0, part)
         rows = {name: t.index_select(0, part) for name, t in state.items()}
-        optimizer.step(w, rows, grads[start:start + chunk_rows], step=step, lr=lr)
+        optimizer.step(w, rows, grads[start:start + chunk_rows], step=step, lr=lr, ids=part,
+                       stochastic_rounding=stochastic_rounding, seed=seed)
         weight.index_copy_(0, part, w)
         for name, t in state.items():
             t.index_copy_(0, part, rows[name])

@@ -1,0 +1,85 @@
+"""bf16/fp16 rows that keep learning: float32 arithmetic, unbiased stochastic rounding back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_embcache import EmbeddingStore
+from lightning_embcache.optim import make_row_optimizer, step_rows
+from lightning_embcache.optim.rounding import stochastic_round, uniform_noise
+from lightning_embcache.trainable import TrainableRows, trainable_fields
+
+ROWS, DIM = 32, 16
+
+
+def _climb(dtype: torch.dtype, rounding: bool | None, steps: int = 2000, seed: int = 0) -> torch.Tensor:
+    """`steps` SGD updates of +1e-4 each to rows starting at 1.0, through a store."""
+    opt = make_row_optimizer("sgd", lr=1e-4)
+    store = EmbeddingStore.create(None, ROWS, DIM, dtype=dtype, init=lambda ids: torch.ones(len(ids), DIM),
+                                  seed=seed, fields=trainable_fields(opt, DIM, dtype))
+    rows = TrainableRows(store, opt, stochastic_rounding=rounding)
+    ids = torch.arange(ROWS)
+    for step in range(1, steps + 1):
+        (-rows.lookup(ids).float().sum()).backward()    # gradient -1: each update adds lr = 1e-4
+        rows.apply(step=step)
+    out = store.get(ids).float()
+    store.close()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_small_updates_accumulate_with_stochastic_rounding(dtype):
+    on = _climb(dtype, None)          # default: on for 16-bit rows
+    assert abs(on.mean().item() - 1.2) < 0.02 * 1.2
+    off = _climb(dtype, False)
+    assert torch.equal(off, torch.ones_like(off))   # 1e-4 is below half a bf16 (and fp16) step at 1.0
+
+
+def test_bf16_rounding_is_deterministic_under_a_seed():
+    a = _climb(torch.bfloat16, True, steps=50, seed=3)
+    b = _climb(torch.bfloat16, True, steps=50, seed=3)
+    c = _climb(torch.bfloat16, True, steps=50, seed=4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_moments_stay_float32_for_16bit_rows():
+    opt = make_row_optimizer("adam")
+    fields = trainable_fields(opt, DIM, torch.bfloat16)
+    assert fields["exp_avg"] == (torch.float32, DIM) and fields["exp_avg_sq"] == (torch.float32, DIM)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_round_is_unbiased_and_picks_a_neighbour(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, generator=g) * torch.logspace(-6, 3, 64)
+    reps = 4000
+    values = x.repeat(reps, 1)
+    noise = uniform_noise(torch.arange(reps), 64, step=1, seed=0)
+    out = stochastic_round(values, dtype, noise).float()
+    near = x.to(dtype).float()
+    other = torch.where(near > x, torch.nextafter(x.to(dtype), torch.tensor(-float("inf"), dtype=dtype)).float(),
+                        torch.nextafter(x.to(dtype), torch.tensor(float("inf"), dtype=dtype)).float())
+    assert ((out == near) | (out == other)).all()               # always one of the two neighbours
+    gap = (near - other).abs()
+    err = (out.mean(0) - x).abs() / gap                          # bias in units of the spacing
+    assert err.max() < 0.05, err.max()
+    exact = torch.tensor([1.0, -2.5, 0.0], dtype=torch.float32)
+    assert torch.equal(stochastic_round(exact, dtype, torch.rand(3)), exact.to(dtype))
+
+
+def test_noise_does_not_depend_on_the_batch_it_is_in():
+    ids = torch.tensor([5, 9, 1000, 3])
+    full = uniform_noise(ids, 8, step=7, seed=2)
+    assert torch.equal(full[2:3], uniform_noise(ids[2:3], 8, step=7, seed=2))
+    assert not torch.equal(full, uniform_noise(ids, 8, step=8, seed=2))
+    assert (full >= 0).all() and (full < 1).all()
+
+
+def test_step_rows_on_a_bf16_table_rounds_stochastically():
+    opt = make_row_optimizer("sgd", lr=1e-4)
+    w = torch.ones(8, 4, dtype=torch.bfloat16)
+    ids = torch.arange(8)
+    for step in range(1, 2001):
+        step_rows(opt, w, {}, ids, -torch.ones(8, 4), step=step, stochastic_rounding=True)
+    assert abs(w.float().mean().item() - 1.2) < 0.02 * 1.2
