@@ -6,6 +6,7 @@
     embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
+    embcache export PATH OUT.npy [--field F] [--version V]  rows in id order into a .npy file
     embcache reshard --checkpoint CKPT --world-size N    a checkpoint's stores for another process count
 
 Every verb has `--help`. Verbs that delegate (demo, bench) pass their other options to the module
@@ -117,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
                                "last published version.")
     compact.add_argument("path", metavar="PATH", help="store directory")
     compact.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    export = verbs.add_parser("export", help="write a field of every row, in id order, to a .npy file",
+                              description="Stream a field of every row (a row-sharded table: in global id "
+                              "order, from its shard folders) into a .npy file with bounded memory; read it with "
+                              "numpy.load(OUT, mmap_mode='r'). Opens the store read-only, so training may be "
+                              "running. bfloat16 rows are written as float32.")
+    export.add_argument("path", metavar="PATH", help="store directory (or a sharded table's directory)")
+    export.add_argument("out", metavar="OUT.npy", help="the file to write (its folder must exist)")
+    export.add_argument("--field", default="weight", help="the per-row field (default: weight)")
+    export.add_argument("--version", type=int, default=None, help="a retained version (default: the latest)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    export.add_argument("--init", choices=["normal"], default=None,
+                        help="a sharded table created with init='normal' (its shards record it as a callable)")
     return parser
 
 
@@ -136,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments for {args.verb}: {' '.join(rest)}")
     try:
-        return {"inspect": _inspect, "verify": _verify, "compact": _compact}[args.verb](args)
+        return {"inspect": _inspect, "verify": _verify, "compact": _compact, "export": _export}[args.verb](args)
     except KeyboardInterrupt:
         print(f"\nembcache {args.verb}: interrupted; the store is at its last published version", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -214,6 +228,21 @@ def _compact(args: argparse.Namespace) -> int:
               f"{result['versions']} (pinned {result['pinned'] or 'none'}), on disk "
               f"{tools.human_bytes(result['bytes_before'])} -> {tools.human_bytes(result['bytes_after'])} "
               f"in {result['seconds']:.1f} s")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import time
+
+    import numpy as np
+
+    from lightning_embcache.store.export import export_path
+
+    t0 = time.perf_counter()
+    out = export_path(args.path, args.out, field=args.field, version=args.version, overwrite=args.overwrite,
+                      init=args.init)
+    arr = np.load(out, mmap_mode="r")
+    print(f"{out}: {arr.shape[0]:,} x {arr.shape[1]} {arr.dtype} ({args.field}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -601,6 +601,38 @@ class EmbeddingStore(TieredRows, Versioning):
         self._waited(t0)
         return True
 
+    def export(self, out: str | os.PathLike, field: str = "weight", version: int | None = None, *,
+               overwrite: bool = False) -> Path:
+        """Write field ``field`` of every row, in id order, to the ``.npy`` file ``out``; returns its path.
+
+        Streams a block of rows at a time (memory: the store's budgets plus a few MiB), so a
+        table larger than RAM exports; ``np.load(out, mmap_mode="r")`` then reads it without
+        loading it. ``version=None``: the rows as they are now, unflushed updates included; a
+        retained version number: that flush's rows. bfloat16 fields are written as float32.
+        The file appears whole or not at all.
+
+        Raises:
+            InvalidArgumentError: ``out`` exists (pass ``overwrite=True``) or its folder does not;
+                an unknown ``field``.
+            VersionNotFoundError: ``version`` is not retained.
+        """
+        from . import export
+
+        self._check_usable()
+        path = export.check_out(out, overwrite)
+        self._check_names((field,))
+        if version is not None:
+            version = version_arg(version, "version")
+            if self._root is None or self._ephemeral:
+                raise InvalidArgumentError(f"version={version}: an in-memory store keeps no versions; "
+                                           "pass version=None to export its rows as they are")
+            with EmbeddingStore.open(self._root, version=version, readonly=True, hot_bytes=export.EXPORT_BLOCK_BYTES,
+                                     init=self._init_fn) as old:
+                return old.export(path, field, overwrite=overwrite)
+        dtype, cols = self.field_spec(field)
+        return export.write_npy(path, (self._num_rows, cols), export.numpy_dtype(dtype),
+                                export.store_blocks(self, field))
+
     def prefetch(self, ids: Any) -> None:
         """Hint: bring these rows into the hot tier in the background; returns at once."""
         self._check_usable()
