@@ -2,7 +2,7 @@
 
     embcache --version
     embcache demo [--root runs/demo] [--samples N] ...   train the demo auto-decoder, print a report
-    embcache bench {store,disk,optim,profiler,sync,tuning,train,distributed,flush,shuffle,first-touch} [--out FILE] [...]
+    embcache bench {store,disk,optim,profiler,sync,tuning,train,distributed,flush,shuffle,first-touch,rows16} [--out FILE] [...]
     embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "flush": "lightning_embcache.bench.flush",
     "shuffle": "lightning_embcache.bench.shuffle",
     "first-touch": "lightning_embcache.bench.first_touch",
+    "rows16": "lightning_embcache.bench.rows16",
 }
 # the module's own name for its output file flag, where it is not --out
 OUTPUT_FLAG = {"store": "--json", "disk": "--json", "optim": "--json", "sync": "--json", "shuffle": "--json"}
@@ -49,6 +50,7 @@ BENCHMARK_HELP = {
     "distributed": "auto-decoder with row-sharded trainable rows at 1, 2, 4 processes",
     "flush": "a large flush against a sequential write of the same bytes",
     "shuffle": "the randomness ChunkShuffleSampler trades, on data stored class by class",
+    "rows16": "auto-decoder loss, speed and bytes with bf16 rows (stochastic rounding on/off) vs float32",
 }
 
 EXIT_DAMAGED = 1
