@@ -35,11 +35,16 @@ def _shr(z: Tensor, k: int) -> Tensor:
     return (z >> k) & ((1 << (64 - k)) - 1)
 
 
+def noise_offset(step: int, seed: int) -> int:
+    """The hash input's offset for ``(step, seed)``, as an int64 (the compiled CPU step uses it too)."""
+    return _signed((int(step) * _GOLDEN + int(seed) * _SEED_MUL) % (1 << 64))
+
+
 def uniform_noise(ids: Tensor, dim: int, *, step: int, seed: int) -> Tensor:
     """Float32 values in [0, 1) for every (row ``ids[i]``, column ``j``), from a splitmix64 hash."""
     cols = torch.arange(dim, dtype=torch.int64, device=ids.device)
     z = ids.to(torch.int64)[:, None] * dim + cols[None, :]
-    z = z + _signed((int(step) * _GOLDEN + int(seed) * _SEED_MUL) % (1 << 64))  # tensor int64 wraps
+    z = z + noise_offset(step, seed)  # tensor int64 arithmetic wraps, as splitmix64's uint64 does
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     z = z ^ _shr(z, 31)

@@ -55,12 +55,13 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
         if fused_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
             return
     if weight.device.type == "cpu" and (fused or (fused is None and fused_cpu.loaded())):
-        if fused_cpu.fused_cpu_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
+        if fused_cpu.fused_cpu_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now,
+                                              stochastic_rounding=stochastic_rounding, seed=seed):
             return
     if fused:
         raise InvalidArgumentError(
             "fused=True needs Adam/AdamW without per_row_step on float32 tables with contiguous rows "
-            f"(CUDA: and Triton); got {type(optimizer).__name__} on {weight.device} {weight.dtype}")
+            f"(CPU: bfloat16 rows too; CUDA: and Triton); got {type(optimizer).__name__} on {weight.device} {weight.dtype}")
     if not coalesced:
         ids, grads = coalesce(ids, grads)
     if chunk_rows is None:

@@ -83,3 +83,40 @@ def test_step_rows_on_a_bf16_table_rounds_stochastically():
     for step in range(1, 2001):
         step_rows(opt, w, {}, ids, -torch.ones(8, 4), step=step, stochastic_rounding=True)
     assert abs(w.float().mean().item() - 1.2) < 0.02 * 1.2
+
+
+@pytest.mark.slow
+def test_compiled_cpu_step_rounds_bf16_rows_as_the_torch_path():
+    # Builds the C++ extension (30-90 s the first time on a machine), hence slow.
+    from lightning_embcache.optim import fused_cpu
+
+    opt = make_row_optimizer("adam", lr=1e-4)
+    ids = torch.arange(16)
+    for fused in (True, False):   # 2,000 steps of +1e-4 (Adam on a constant gradient)
+        w, s = torch.ones(16, 8, dtype=torch.bfloat16), opt.init_state(16, 8)
+        for step in range(1, 2001):
+            step_rows(opt, w, s, ids, -torch.ones(16, 8), step=step, fused=fused, stochastic_rounding=True, seed=1)
+        assert abs(w.float().mean().item() - 1.2) < 0.02 * 1.2, fused
+    assert fused_cpu.loaded()
+    # one step from the same state: the same rows as the torch path (an element may round the other
+    # way where the two float32 computations differ in the last bit, then by one bf16 step)
+    opt = make_row_optimizer("adamw", lr=0.01, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    s0 = {k: torch.rand(300, 64, generator=g) for k in opt.init_state(300, 64)}
+    ids, grads = torch.randint(0, 300, (512,), generator=g), torch.randn(512, 64, generator=g)
+    out = {}
+    for fused in (True, False):
+        w, s = w0.clone(), {k: v.clone() for k, v in s0.items()}
+        step_rows(opt, w, s, ids, grads, step=3, fused=fused, stochastic_rounding=True, seed=5)
+        out[fused] = (w.float(), s)
+    differ = out[True][0] != out[False][0]
+    assert differ.float().mean() < 0.01
+    ulp = (out[False][0].abs() * 2 ** -7).clamp(min=1e-30)
+    assert ((out[True][0] - out[False][0]).abs()[differ] <= ulp[differ] * 1.01).all()
+    torch.testing.assert_close(out[True][1]["exp_avg_sq"], out[False][1]["exp_avg_sq"], rtol=1e-5, atol=1e-6)
+    # round to nearest: bit for bit where the float32 results agree
+    w1, w2 = w0.clone(), w0.clone()
+    step_rows(opt, w1, {k: v.clone() for k, v in s0.items()}, ids, grads, step=3, fused=True)
+    step_rows(opt, w2, {k: v.clone() for k, v in s0.items()}, ids, grads, step=3, fused=False)
+    assert (w1 != w2).float().mean() < 0.01
