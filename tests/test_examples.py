@@ -71,3 +71,11 @@ def test_the_notebook_runs_headless_at_a_small_size(tmp_path):
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "resumed from epoch=0-step=3.ckpt" in text and "val_loss" in text
     assert (tmp_path / "phases.png").stat().st_size > 1000
+
+
+def test_fit_new_samples_fits_only_the_new_codes(tmp_path):
+    result = load("fit_new_samples").main(["--samples", "600", "--new", "60", "--epochs", "4", "--fit-epochs", "15",
+                                           "--root", str(tmp_path)])
+    assert result["untouched"] == 1.0 and result["frozen"] == 1.0      # old rows and decoder, bit for bit
+    assert result["after"] < 0.75 * result["before"], result          # the new codes learned
+    assert result["exported_rows"] == 660
