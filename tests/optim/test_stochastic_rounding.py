@@ -120,3 +120,31 @@ def test_compiled_cpu_step_rounds_bf16_rows_as_the_torch_path():
     step_rows(opt, w1, {k: v.clone() for k, v in s0.items()}, ids, grads, step=3, fused=True)
     step_rows(opt, w2, {k: v.clone() for k, v in s0.items()}, ids, grads, step=3, fused=False)
     assert (w1 != w2).float().mean() < 0.01
+
+
+def test_a_resumed_run_rounds_as_the_uninterrupted_one(tmp_path):
+    opt = make_row_optimizer("adam", lr=1e-3)
+    fields = trainable_fields(opt, DIM, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, ROWS, (24,), generator=g) for _ in range(40)]
+
+    def run(store, rows, steps):
+        for step in steps:
+            z = rows.lookup(batches[step - 1])
+            (z.float() - 0.5).pow(2).sum().backward()
+            rows.apply(step=step)
+
+    straight = EmbeddingStore.create(tmp_path / "a", ROWS, DIM, dtype=torch.bfloat16, init="normal", seed=9,
+                                     fields=fields)
+    run(straight, TrainableRows(straight, opt), range(1, 41))
+    want = straight.get(torch.arange(ROWS))
+    straight.close()
+    first = EmbeddingStore.create(tmp_path / "b", ROWS, DIM, dtype=torch.bfloat16, init="normal", seed=9,
+                                  fields=fields)
+    run(first, TrainableRows(first, opt), range(1, 21))
+    first.flush()
+    first.close()
+    resumed = EmbeddingStore.open(tmp_path / "b")
+    run(resumed, TrainableRows(resumed, opt), range(21, 41))
+    assert torch.equal(resumed.get(torch.arange(ROWS)), want)
+    resumed.close()
