@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from lightning_embcache.store.store import StridedNormal
+
 SHARD_DIR = re.compile(r"^rank-(\d{5})-of-(\d{5})$")
 
 
@@ -65,21 +67,18 @@ class RowSharding:
         return max(0, (self.num_rows - rank + self.world_size - 1) // self.world_size)
 
 
-class GlobalNormalInit:
+class GlobalNormalInit(StridedNormal):
     """``init="normal"`` of a single-process store, evaluated at the global ids of one shard.
 
     The store draws row `i` from a generator keyed by ``(seed, i)`` alone, so a shard computes the
-    rows the whole table would have by passing the global ids of its local rows.
+    rows the whole table would have by passing the global ids of its local rows (local *
+    world_size + rank). The shard's META records that, so the store, and `embcache verify`,
+    `inspect`, `compact` and `export`, rebuild this init from the shard folder alone.
     """
 
     def __init__(self, sharding: RowSharding, rank: int, dim: int, seed: int, std: float) -> None:
-        self.sharding, self.rank, self.dim, self.seed, self.std = sharding, rank, dim, seed, std
-
-    def __call__(self, local_ids: Tensor) -> Tensor:
-        from lightning_embcache.store.initrows import normal_rows
-
-        ids = self.sharding.global_ids(self.rank, local_ids.to(torch.int64))
-        return torch.from_numpy(normal_rows(ids.numpy(), self.dim, self.seed, self.std))
+        super().__init__(sharding.world_size, rank, dim, seed, std)
+        self.sharding, self.rank = sharding, rank
 
 
 class GlobalCallableInit:

@@ -197,6 +197,9 @@ def _read_meta(folder: Path) -> dict[str, Any]:
 
 
 def _init_kind(folder: Path) -> str:
+    """The shard's init kind; "normal" for a shard of init="normal" that records it (`StridedNormal`)."""
     from .disk import Disk
+    from .store import strided_normal_spec
 
-    return str(Disk.read_meta(folder).get("init"))
+    meta = Disk.read_meta(folder)
+    return "normal" if strided_normal_spec(meta.get("init_spec")) is not None else str(meta.get("init"))

@@ -38,6 +38,7 @@ from .errors import (
 from . import rowcopy
 from .holes import DeadRecords
 from .hot import SLOT_OVERHEAD, HotTier
+from .initrows import normal_rows
 from .schema import DTYPES, Schema
 from .stats import StoreStats
 from .tiers import ServedWarm, TieredRows, TooLarge, to_np
@@ -57,6 +58,32 @@ _LIVE: "weakref.WeakSet[EmbeddingStore]" = weakref.WeakSet()
 
 # Disk mode serves get/update calls larger than this in slices: bounded temporaries per call.
 SLICE_ROWS = 8192
+
+
+def strided_normal_spec(spec: Any) -> dict | None:
+    """``spec`` if it describes a strided normal init (see `StridedNormal`), else None."""
+    if not isinstance(spec, dict) or spec.get("kind") != "strided_normal":
+        return None
+    stride, offset = spec.get("stride"), spec.get("offset")
+    if type(stride) is not int or type(offset) is not int or not 0 <= offset < stride:
+        return None
+    return {"kind": "strided_normal", "stride": stride, "offset": offset}
+
+
+class StridedNormal:
+    """``init="normal"`` of a whole table evaluated at rows ``local * stride + offset``: the rows a
+    row-sharded table's shard holds (its META records it, so tools reopen the shard alone)."""
+
+    def __init__(self, stride: int, offset: int, dim: int, seed: int, std: float) -> None:
+        self.stride, self.offset, self.dim, self.seed, self.std = stride, offset, dim, seed, std
+
+    @property
+    def init_spec(self) -> dict:
+        return {"kind": "strided_normal", "stride": self.stride, "offset": self.offset}
+
+    def __call__(self, local_ids: torch.Tensor) -> torch.Tensor:
+        ids = local_ids.to(torch.int64).numpy() * self.stride + self.offset
+        return torch.from_numpy(normal_rows(ids, self.dim, self.seed, self.std))
 
 
 class EmbeddingStore(TieredRows, Versioning):
@@ -149,6 +176,9 @@ class EmbeddingStore(TieredRows, Versioning):
             "init_version": 2,  # init="normal" per row from (seed, id); absent = per chunk (older stores)
             "names_bound": True,  # every file is bound to its name (format 3); absent: files of 0.1 may be read
         }
+        spec = strided_normal_spec(getattr(init, "init_spec", None)) if callable(init) else None
+        if spec is not None:  # a callable the store can rebuild itself (a shard of init="normal")
+            meta["init_spec"] = spec
         ephemeral = path is None
         if ephemeral and hot_bytes is None:
             root = None
@@ -214,9 +244,13 @@ class EmbeddingStore(TieredRows, Versioning):
         meta = Disk.read_meta(root)
         check_meta(meta, root / "META")
         if meta["init"] == "callable" and init is None:
-            raise InvalidArgumentError(
-                f"the store at {str(root)!r} was created with a callable init; pass the same function as init="
-            )
+            spec = strided_normal_spec(meta.get("init_spec"))
+            if spec is None:
+                raise InvalidArgumentError(
+                    f"the store at {str(root)!r} was created with a callable init; pass the same function as init= "
+                    "(from Python: the embcache commands cannot rebuild a function)")
+            init = StridedNormal(spec["stride"], spec["offset"], Schema.from_json(meta["schema"]).dim,
+                                 int(meta["seed"]), float(meta["init_std"]))
         return cls(root, meta, version, readonly=readonly, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
                    check_finite=check_finite, init_fn=init, ephemeral=False, create=False)
 
