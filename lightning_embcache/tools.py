@@ -219,11 +219,16 @@ def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
         with EmbeddingStore.open(root, readonly=True) as store:
             versions = store.versions()
             num_rows = store.num_rows
+            needed = _versions_needed(root, set(store.pinned()))
     except CorruptStoreError as exc:
         report.problems.append(f"{exc.path}: {exc.reason}")
         return report
-    if latest_only:
-        versions = versions[-1:]
+    for v, why in sorted(needed.items()):
+        if v not in versions:
+            report.problems.append(f"{root / f'manifest-{v:012d}'}: version {v} is {why}, but its manifest is gone: "
+                                   "a resume from it will fail")
+    if latest_only:  # the newest, and every version something still needs
+        versions = sorted(set(versions[-1:]) | (set(needed) & set(versions)))
     previous = None
     for version in versions:
         check = VersionCheck(version, ok=True)
@@ -242,6 +247,19 @@ def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
         previous = version
         report.versions.append(check)
     return report
+
+
+def _versions_needed(root: Path, pinned: set[int]) -> dict[int, str]:
+    """Versions something outside the manifests still names: PINS, and the checkpoint registry
+    beside the store (a Lightning checkpoint resumes from them). version -> who names it."""
+    from lightning_embcache.lightning.checkpoint_pins import CheckpointPins, registry_path
+
+    needed = {v: "pinned (PINS)" for v in pinned}
+    if registry_path(root).exists():
+        for v, files in CheckpointPins(root).versions.items():
+            named = f"named by checkpoint {files[0]}" if files else "in the checkpoint registry"
+            needed[v] = f"{needed[v]} and {named}" if v in needed else named
+    return needed
 
 
 def _read_every_row(root: Path, version: int, num_rows: int, check: VersionCheck, progress: Progress) -> None:
