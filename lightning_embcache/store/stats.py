@@ -53,6 +53,7 @@ class StoreStats:
     warm_bytes_written: int = 0
     table_bytes: int = 0
     chunks_read_ahead: int = 0  # announced chunks read whole into the warm tier by kernel threads
+    damaged: int = 0  # 1 once a damaged file was met: background work on the folder stopped (fail-stop)
 
     _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions", "superseded_segments", "flush_seconds", "compaction_seconds",
                  "compaction_process_chunks", "compaction_process_failures",

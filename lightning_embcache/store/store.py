@@ -677,7 +677,7 @@ class EmbeddingStore(TieredRows, Versioning):
             self._check_open()
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
-            self._prefetcher.submit(self._prefetch, idx)
+            self._prefetcher.submit(_prefetch_weakly, weakref.ref(self), idx)
 
     def _read_rows(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Fields of ``idx``, filling misses; caller holds the lock."""
@@ -729,6 +729,7 @@ class EmbeddingStore(TieredRows, Versioning):
             s.warm_hits, s.warm_misses = self._warm.hits, self._warm.misses
             s.warm_bytes_read, s.warm_bytes_written = self._warm.bytes_read, self._warm.bytes_written
             s.table_bytes = self._num_rows * self._row_bytes
+            s.damaged = int(self._damage is not None)
             s.dirty_rows = int(np.count_nonzero(self._hot.dirty)) if not self._closed else 0
             s.compression_ratio = self._warm.compression_ratio
             s.bytes_read = self._disk.total_bytes_read if self._disk else 0
@@ -889,6 +890,13 @@ class EmbeddingStore(TieredRows, Versioning):
         self._bg = None
         self._prefetcher = None
         self._bg_futures = {}
+
+
+def _prefetch_weakly(ref: "weakref.ReferenceType[EmbeddingStore]", idx: np.ndarray) -> None:
+    """A queued prefetch holds its store weakly: a store dropped meanwhile is collected, not kept."""
+    store = ref()
+    if store is not None and not store._closed:
+        store._prefetch(idx)
 
 
 def _reinit_after_fork() -> None:

@@ -218,6 +218,14 @@ class TieredRows:
         For a write covering every field (``load=False``) missing rows are not read from below.
         Returns None when a write was too large for the hot tier and went straight to disk.
         """
+        try:
+            return self._resolve_rows(idx, load=load, for_write=for_write, values=values)
+        except CorruptStoreError as exc:
+            self._saw_damage(exc)  # fail-stop (Versioning._saw_damage)
+            raise
+
+    def _resolve_rows(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
+                      values: dict[str, torch.Tensor] | None = None) -> np.ndarray | None:
         hot = self._hot
         slots = hot.lookup(idx)
         if hot.resident:

@@ -24,8 +24,10 @@ go of it (`Segment.__del__`); `close()` closes the rest after every thread stopp
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -63,11 +65,37 @@ PUNCH_FROM = 0.3
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
+def _run_bg_weakly(ref: "weakref.ReferenceType[Versioning]", name: str) -> None:
+    """A background job of the store ``ref`` names. The compaction pass goes a round at a time,
+    holding the store only during a round: a store dropped without close() is collected between
+    two rounds (its finalizer closes it), instead of living on as long as its background work."""
+    store = ref()
+    if store is None or store._closed or store._damage is not None:
+        return
+    if name != "_compact":
+        store._run_bg(getattr(store, name))
+        return
+    try:
+        state = store._compact_step(None)
+        while state is not None:
+            del store
+            store = ref()
+            if store is None or store._closed or store._damage is not None:
+                return
+            state = store._compact_step(state)
+    except BaseException as exc:  # surfaced on the next flush()
+        if store is not None:
+            store._bg_error = exc
+            if isinstance(exc, CorruptStoreError):
+                store._saw_damage(exc)
+
+
 class Versioning:
     """Flush, versions, pins, compaction, garbage collection (private base of EmbeddingStore)."""
 
     _disk: Any
     _row_thread: int  # the thread of the latest get/update (EmbeddingStore._waited)
+    _damage: CorruptStoreError | None = None  # the first damaged file met: background work stops (fail-stop)
 
     # ------------------------------------------------------------------ flush and versions
     def flush(self) -> int:
@@ -344,17 +372,31 @@ class Versioning:
                 return
             if self._bg is None:
                 self._bg = ThreadPoolExecutor(1, thread_name_prefix="embcache-bg")
+            if self._damage is not None:
+                return  # fail-stop: a store that met a damaged file writes nothing more in its folder
             key = fn.__name__
             fut = self._bg_futures.get(key)
             if fut is not None and not fut.done():
                 return
-            self._bg_futures[key] = self._bg.submit(self._run_bg, fn)
+            self._bg_futures[key] = self._bg.submit(_run_bg_weakly, weakref.ref(self), key)
 
     def _run_bg(self, fn: Callable[[], None]) -> None:
         try:
             fn()
         except BaseException as exc:  # surfaced on the next flush()
             self._bg_error = exc
+            if isinstance(exc, CorruptStoreError):
+                self._saw_damage(exc)
+
+    def _saw_damage(self, exc: CorruptStoreError) -> None:
+        """Fail-stop: from the first damaged file met, no background work writes in this folder
+        (compaction, write-back, garbage collection); `stats().damaged` says so. The handle still
+        serves what it can read, and flushes (which only append) still run if asked."""
+        if self._damage is None:
+            self._damage = exc
+            if self._fold_proc is not None and self._pid == os.getpid():
+                self._fold_proc.close()
+                self._fold_proc = None
 
     def _raise_bg_error(self) -> None:
         exc, self._bg_error = self._bg_error, None
@@ -365,6 +407,13 @@ class Versioning:
         """Fold every committed delta segment into base chunks now (normally automatic, in the
         background, a bounded round at a time). Each round is published at once (the version's
         manifest names the new layout of the same rows), so reopening and disk use follow."""
+        try:
+            self._compact_now()
+        except CorruptStoreError as exc:
+            self._saw_damage(exc)
+            raise
+
+    def _compact_now(self) -> None:
         self._check_usable(write=True)
         self._require_disk("compact")
         self._wait_bg()
@@ -388,32 +437,45 @@ class Versioning:
         (queued behind the pass, it would wait for all of it: evictions would write dirty rows on
         the training thread, and segments that flushes left out would stay on disk).
         """
-        self._await_fold_process()
-        target = -1  # the newest segment when the sweep began: it is round once none is left
-        superseded = self._stats.superseded_segments
-        while not self._closed:
-            while self._flush_waiting and not self._closed:
-                time.sleep(0.0005)  # a flush asked for the writer lock: it goes first
-            if self._clean_due:
-                self._clean()
-            with self._flush_lock:
-                if self._collect_due:
-                    self._collect_due = False
-                    self._collect_garbage_locked(self._disk, at_open=False)
-                if not self._committed or self._committed[0].seq > target:
-                    # Round once: sweep again while segments are over the threshold, or over half
-                    # of it while flushes add rows that stay (none of their segments left out).
-                    hot_set = self._stats.superseded_segments != superseded
-                    if not (self._needs_compaction() or (not hot_set and self._needs_compaction(
-                            COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2))):
-                        # The pass is over: the files kept for the next round's reuse go, and
-                        # disk use drops to what the versions hold.
-                        self._disk.pool.drain()
-                        return
-                    target, superseded = self._committed[-1].seq, self._stats.superseded_segments
-                if not self._compact_round(unlocked=True):
+        state = self._compact_step(None)
+        while state is not None and not self._closed and self._damage is None:
+            state = self._compact_step(state)
+
+    def _compact_step(self, state: tuple[int, int] | None) -> tuple[int, int] | None:
+        """One round of a background compaction pass; returns the pass's state for the next round
+        (the newest segment when the sweep began, the superseded count then), or None when the
+        pass is over. ``state=None`` begins a pass. The background runner calls it one round at a
+        time through a weak reference, so a store dropped without close() is released between two
+        rounds (`_run_bg_weakly`)."""
+        if state is None:
+            self._await_fold_process()
+            state = (-1, self._stats.superseded_segments)
+        target, superseded = state
+        while self._flush_waiting and not self._closed:
+            time.sleep(0.0005)  # a flush asked for the writer lock: it goes first
+        if self._closed or self._damage is not None:
+            return None
+        if self._clean_due:
+            self._clean()
+        with self._flush_lock:
+            if self._collect_due:
+                self._collect_due = False
+                self._collect_garbage_locked(self._disk, at_open=False)
+            if not self._committed or self._committed[0].seq > target:
+                # Round once: sweep again while segments are over the threshold, or over half
+                # of it while flushes add rows that stay (none of their segments left out).
+                hot_set = self._stats.superseded_segments != superseded
+                if not (self._needs_compaction() or (not hot_set and self._needs_compaction(
+                        COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2))):
+                    # The pass is over: the files kept for the next round's reuse go, and
+                    # disk use drops to what the versions hold.
                     self._disk.pool.drain()
-                    return
+                    return None
+                target, superseded = self._committed[-1].seq, self._stats.superseded_segments
+            if not self._compact_round(unlocked=True):
+                self._disk.pool.drain()
+                return None
+        return target, superseded
 
     def _await_fold_process(self) -> None:
         """Let a compaction process that is starting come up before a background pass (at most
