@@ -39,7 +39,8 @@ from torch.utils.data import DataLoader
 
 from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
-from lightning_embcache.profiling.forecast import Forecast, epoch_level, level_variation, save_estimate_s, slow_share
+from lightning_embcache.profiling.forecast import (EPOCH_DRIFT_BLOCKS, Forecast, epoch_level, level_drift,
+                                                   level_variation, save_estimate_s, slow_share)
 from lightning_embcache.profiling.store_fill import StoreFill, StoreRates, store_fill_save_s
 
 try:
@@ -319,7 +320,7 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
                  save_guess_s: Optional[float] = None, earlier_save_s: Optional[float] = None,
                  device: bool = False, rate_s: Optional[float] = None,
                  store_fill: Optional[StoreFill] = None, slow: Optional[float] = None, level_cv: float = 0.0,
-                 previous: Optional[tuple[float, float]] = None) -> Optional[dict]:
+                 previous: Optional[tuple[float, float]] = None, drift: Optional[float] = None) -> Optional[dict]:
     """The prediction the current :class:`Forecast` makes after ``fraction`` of a saved epoch's
     batches (``trace`` as kept by the benchmark), against ``actual_s``. Validation still to come is
     charged at the mean of the epoch's own runs (the benchmark's sanity check is not in the trace);
@@ -328,8 +329,9 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
     the rate is this instead of the estimator's (an oracle); ``store_fill``: a hot tier's fill, as
     the profiler projected it; ``slow``: the previous epoch's share of slow steps; ``level_cv``:
     the largest level variation of the earlier epochs; ``previous``: the previous epoch's
-    :func:`~lightning_embcache.profiling.forecast.epoch_level` (each as the profiler carries them
-    over)."""
+    :func:`~lightning_embcache.profiling.forecast.epoch_level`; ``drift``: the largest
+    :func:`~lightning_embcache.profiling.forecast.level_drift` of the earlier epochs, None in a
+    fit's first (each as the profiler carries them over)."""
     wall, store = trace["wall"], trace["store"]
     n = len(wall)
     k = max(9, math.ceil(fraction * n))
@@ -355,13 +357,14 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
         at = [b for b in range(k, n) if every_n and (g0 + b) % every_n == 0] if store_fill is not None else []
         p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, level_cv, save_guess_s,
-                       store_fill=store_fill, save_batches=at, previous=previous,
+                       store_fill=store_fill, save_batches=at, previous=previous, drift=drift,
                        **({"slow_share": slow} if slow is not None else {}))
         if p is None:
             k += 1
     if p is None:
         return None
-    return {"predicted_s": p["seconds"], "std_s": p["std"], "at_batch": k, "actual_s": actual_s,
+    return {"predicted_s": p["seconds"], "std_s": p["std"], "low_s": p["low"], "high_s": p["high"],
+            "at_batch": k, "actual_s": actual_s,
             "error_pct": 100 * (p["seconds"] / actual_s - 1), "unmeasured_saves": p["unmeasured_saves"]}
 
 
@@ -370,9 +373,63 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
 DEMO_HOT_BYTES = 1_000_000 * 64 * 4 // 4
 
 
+def _carried_drift(earlier: list[dict]) -> Optional[float]:
+    """The largest level drift of the earlier epochs' traces, as the profiler carries it over
+    (None before a whole epoch)."""
+    return max((level_drift(t["wall"], EPOCH_DRIFT_BLOCKS) for t in earlier), default=None)
+
+
 def _steps_mean(wall: list[float], saves: set[int], lo: int, hi: int) -> Optional[float]:
     x = [wall[i] for i in range(max(1, lo), hi) if i not in saves]
     return sum(x) / len(x) if x else None
+
+
+def load_runs(paths: list[str]) -> list[dict]:
+    """The runs saved in ``paths`` (a benchmark JSON or its .jsonl, either gzipped) that kept
+    their per-batch traces."""
+    runs: list[dict] = []
+    for path in paths:
+        # large raw results are kept gzipped (``.json.gz``, ``.jsonl.gz``)
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            text = f.read()
+        name = path.removesuffix(".gz")
+        mine = ([json.loads(line) for line in text.splitlines() if line.strip()] if name.endswith(".jsonl")
+                else json.loads(text)["prediction"]["runs"])
+        for r in mine:
+            if (r.get("model") in MODELS or r.get("model") == "demo") and "traces" in r:
+                r["path"] = os.path.basename(path)
+                runs.append(r)
+    return runs
+
+
+def _epoch_setup(r: dict, e: dict, trace: dict) -> tuple[int, dict]:
+    """What the profiler would have carried into this epoch of a saved run and how the run was
+    set up: ``(every_n checkpoint steps, replay_epoch's keyword arguments)``."""
+    model = r.get("model")
+    n = len(trace["wall"])
+    every = n // 4 if r.get("extras", False) else 0
+    earlier = None
+    if e["epoch"] > 0 and r.get("extras", False):  # the saves of epoch 0, as the profiler carries them over
+        t0 = r["traces"][0]
+        med = statistics.median(t0["wall"][1:])
+        extra = [t0["wall"][i] - med for i in t0["saves"] if i > 0]
+        earlier = max(0.0, sum(extra) / len(extra)) if extra else None
+    guess = save_estimate_s(model_bytes(model)) if model in MODELS else None
+    fill = trace.get("store_fill")
+    if model == "demo":
+        every = 250  # the demo's ModelCheckpoint(every_n_train_steps=250)
+        if fill is None and e.get("store_fill_batch"):
+            fill = (e["store_fill_batch"], DEMO_HOT_BYTES / e["store_fill_batch"])
+    if fill is not None:  # runs saved before the projection kept the budget: the demo's
+        fill = StoreFill(int(fill[0]), float(fill[1]), float(fill[2]) if len(fill) > 2 else DEMO_HOT_BYTES)
+    # the previous epoch's share of slow steps, level and drift, as the profiler carries them over
+    prev = r["traces"][e["epoch"] - 1] if 0 < e["epoch"] <= len(r["traces"]) - 1 else None
+    kw = {"save_guess_s": guess, "earlier_save_s": earlier, "device": bool(trace.get("device_index")),
+          "store_fill": fill, "slow": slow_share(prev["wall"], prev["saves"]) if prev is not None else None,
+          "previous": epoch_level(prev["wall"], prev["saves"]) if prev is not None else None,
+          "level_cv": max((level_variation(t["wall"]) for t in r["traces"][:e["epoch"]]), default=0.0),
+          "drift": _carried_drift(r["traces"][:e["epoch"]])}
+    return every, kw
 
 
 def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
@@ -383,49 +440,18 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
     validation and save charges' error), ``first_rate`` knows the first ``fraction`` perfectly and
     takes its mean step time as the rest's (what it misses, no estimator that sees only those
     steps can foresee: the host's and the workload's change after them)."""
-    runs: list[dict] = []
-    for path in paths:
-        # large raw results are kept gzipped (``.json.gz``, ``.jsonl.gz``)
-        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-            text = f.read()
-        path = path.removesuffix(".gz")
-        if path.endswith(".jsonl"):
-            runs += [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            runs += json.loads(text)["prediction"]["runs"]
+    runs = load_runs(paths)
     out = []
     for r in runs:
-        model = r.get("model")
-        if (model not in MODELS and model != "demo") or "traces" not in r:
-            continue
-        extras = r.get("extras", False)
         for e, trace in zip(r["epochs"], r["traces"]):
             n = len(trace["wall"])
             k = max(9, math.ceil(fraction * n))
-            every = n // 4 if extras else 0
             saves = set(trace["saves"])
-            device = bool(trace.get("device_index"))
-            earlier = None
-            if e["epoch"] > 0 and extras:  # the saves of epoch 0, as the profiler carries them over
-                t0 = r["traces"][0]
-                med = statistics.median(t0["wall"][1:])
-                extra = [t0["wall"][i] - med for i in t0["saves"] if i > 0]
-                earlier = max(0.0, sum(extra) / len(extra)) if extra else None
-            guess = save_estimate_s(model_bytes(model)) if model in MODELS else None
-            fill = trace.get("store_fill")
-            if model == "demo":
-                every = 250  # the demo's ModelCheckpoint(every_n_train_steps=250)
-                if fill is None and e.get("store_fill_batch"):
-                    fill = (e["store_fill_batch"], DEMO_HOT_BYTES / e["store_fill_batch"])
-            if fill is not None:  # runs saved before the projection kept the budget: the demo's
-                fill = StoreFill(int(fill[0]), float(fill[1]), float(fill[2]) if len(fill) > 2 else DEMO_HOT_BYTES)
+            every, kw = _epoch_setup(r, e, trace)
+            guess, earlier, device, fill = kw["save_guess_s"], kw["earlier_save_s"], kw["device"], kw["store_fill"]
+            carried = {x: kw[x] for x in ("slow", "previous", "level_cv", "drift")}
             row = {"run": r["run"], "epoch": e["epoch"], "recorded_error_pct": e["error_pct"], "tail": tail(trace, k)}
             args = (e["actual_s"], fraction, every, e["epoch"])
-            # the previous epoch's share of slow steps, as the profiler carries it over
-            prev = r["traces"][e["epoch"] - 1] if 0 < e["epoch"] <= len(r["traces"]) - 1 else None
-            slow = slow_share(prev["wall"], prev["saves"]) if prev is not None else None
-            carried = {"slow": slow, "previous": epoch_level(prev["wall"], prev["saves"]) if prev is not None else None,
-                       "level_cv": max((level_variation(t["wall"]) for t in r["traces"][:e["epoch"]]), default=0.0)}
             row["free"] = replay_epoch(trace, *args, None, earlier, device, **carried)
             row["estimate"] = replay_epoch(trace, *args, guess, earlier, device, store_fill=fill, **carried)
             # the same without the previous epoch's level in a device-timed rate
@@ -475,6 +501,55 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
                   f"collection {med('gc_pct'):.3f}% of the epoch (nan: not recorded)", flush=True)
     store_rates(runs)
     return out
+
+
+def host_kind(run: dict) -> str:
+    """The kind of host a saved run ran on, from its model and file name: ``gpu`` (an H100 or
+    H200 and its host), ``cpu-16`` (the CPU of a GPU host, 16 cores), ``devbox`` (the shared
+    2-vCPU development host)."""
+    if str(run.get("model", "")).startswith("gpu"):
+        return "gpu"
+    return "cpu-16" if "h100host" in run.get("path", "") else "devbox"
+
+
+def coverage(paths: list[str], fractions: tuple[float, ...] = (0.05, 0.10)) -> list[dict]:
+    """How often the prediction's 90% interval holds the actual epoch, per host kind, in a fit's
+    first epoch and in later ones, after each of ``fractions`` of the epoch: every saved epoch
+    replayed with the current estimator (as :func:`replay`). Prints per group the epochs, the
+    share inside ``low .. high``, the median half-width (% of the prediction), the median |error|
+    and the share within two standard deviations (the interval before it counted drift); the
+    demo's epochs (a cold store, its hot tier filling) again on their own."""
+    runs = load_runs(paths)
+    rows = []
+    for r in runs:
+        for e, trace in zip(r["epochs"], r["traces"]):
+            every, kw = _epoch_setup(r, e, trace)
+            for f in fractions:
+                p = replay_epoch(trace, e["actual_s"], f, every, e["epoch"], **kw)
+                if p is None:
+                    continue
+                rows.append({"kind": host_kind(r), "run": r["run"], "path": r["path"], "epoch": e["epoch"],
+                             "fraction": f, **p,
+                             "inside": p["low_s"] <= e["actual_s"] <= p["high_s"],
+                             "inside_2std": abs(p["predicted_s"] - e["actual_s"]) <= 2 * p["std_s"],
+                             "half_width_pct": 50 * (p["high_s"] - p["low_s"]) / p["predicted_s"]})
+    print(f"{'host':<8}{'after':>6} {'epochs':<7}{'n':>5}{'in 90%':>9}{'width':>8}{'|error|':>9}{'in 2 sd':>9}")
+    for r in rows:
+        if r["run"].startswith("demo"):  # a cold store's hot tier filling in the epoch
+            rows.append(dict(r, kind="demo"))
+    for kind in ("devbox", "cpu-16", "gpu", "demo"):
+        for f in fractions:
+            for label, pick in (("first", lambda x: x["epoch"] == 0), ("later", lambda x: x["epoch"] > 0),
+                                ("all", lambda x: True)):
+                mine = [x for x in rows if x["kind"] == kind and x["fraction"] == f and pick(x)]
+                if not mine:
+                    continue
+                inside = sum(x["inside"] for x in mine)
+                print(f"{kind:<8}{100 * f:>5.0f}% {label:<7}{len(mine):>5}{100 * inside / len(mine):>8.0f}%"
+                      f"{statistics.median(x['half_width_pct'] for x in mine):>7.1f}%"
+                      f"{statistics.median(abs(x['error_pct']) for x in mine):>8.1f}%"
+                      f"{100 * sum(x['inside_2std'] for x in mine) / len(mine):>8.0f}%", flush=True)
+    return rows
 
 
 def store_rates(runs: list[dict]) -> list[dict]:
@@ -546,4 +621,7 @@ def tail(trace: dict, k: int) -> dict:
 if __name__ == "__main__":
     import sys
 
-    replay(sys.argv[1:])
+    if sys.argv[1:2] == ["--coverage"]:
+        coverage(sys.argv[2:])
+    else:
+        replay(sys.argv[1:])

@@ -178,9 +178,11 @@ class StepProfiler(Callback):
         return [dict(s) for s in self._ledger.summaries]
 
     def predict(self, epoch_batches: Optional[int] = None) -> Optional[dict[str, Optional[float]]]:
-        """The current prediction: ``{"epoch_s", "epoch_std_s", "fit_s", "fit_std_s",
-        "at_batch", "epoch_batches", "store_fill_batch", ...}`` (wall seconds, validation inside
-        the epoch included; ``fit_s`` None without ``max_epochs``/``max_steps``;
+        """The current prediction: ``{"epoch_s", "epoch_low_s", "epoch_high_s", "epoch_std_s",
+        "fit_s", "fit_std_s", "at_batch", "epoch_batches", "store_fill_batch", ...}`` (wall
+        seconds, validation inside the epoch included; ``epoch_low_s`` .. ``epoch_high_s`` a 90%
+        interval that counts the host's drift, ``epoch_std_s`` the estimator's own standard
+        deviation; ``fit_s`` None without ``max_epochs``/``max_steps``;
         ``store_fill_batch`` the batch at which the embedding stores' hot tiers will be full, if
         within the epoch), or None before enough steps of the running epoch or after the fit
         (docs/profiler.md: how to read it). Reads the stores' ``stats()``.

@@ -66,6 +66,17 @@ are slow together count as one observation), times the batches to go, combined w
 step-to-step spread over those batches, and half the size of any trend correction; and the
 variation of the host's speed between blocks of steps, as earlier epochs showed it and at least
 as this epoch's steps so far show it (:func:`level_variation_so_far`).
+
+The interval (``low`` .. ``high``, meant to hold the actual epoch 9 times in 10) is not that
+standard deviation times 1.645: a host whose speed moves 10-40% within an epoch moves the rest of
+the epoch off the rate by far more than the rate's own spread says, and the replays of recorded
+runs found two standard deviations missing the actual epoch one time in four to one in two. So
+the interval also counts the rest of the epoch running off the rate by the drift of the host's
+speed seen so far (:func:`level_drift`: the largest departure of a block of steps' typical time
+from the typical block), in this epoch's steps and in every earlier epoch of the fit; in a fit's
+first epoch timed on the host clock, where nothing yet says how far the host drifts,
+by at least ``FIRST_EPOCH_DRIFT`` (what the replays of CPU hosts showed), or ``FIRST_EPOCH_DEVICE_DRIFT``
+for a device-timed rate (a step the GPU sets holds its speed).
 """
 
 from __future__ import annotations
@@ -108,6 +119,19 @@ DEVICE_RATE_CV = 0.005
 # a measured save's extra time against the saves still to come: one model's saves varied by 10%
 # between epochs on one host (805 MB from an H100's memory: 2.3-2.7 s)
 SAVE_MEASURED_CV = 0.1
+
+INTERVAL_Z = 1.645  # a two-sided 90% interval of a normal error
+# how far the rest of a host-timed first epoch may run off the rate of its first steps before any
+# whole epoch has shown the host's drift: in the replays of recorded CPU-host epochs 90% of the
+# first epochs' errors after 5% lay within 25% (the 2-vCPU host) and 53% (a 16-core host)
+FIRST_EPOCH_DRIFT = 0.4
+HOST_SETS_STEP = 0.9  # a host step this close to the device's (or longer) sets the step
+# ... and of a device-timed one: a step the GPU sets held within 0.5% over an epoch on the GPU
+# hosts replayed, a step its host sets did not; 5% is the smallest floor that held 90% of the
+# replayed GPU epochs
+FIRST_EPOCH_DEVICE_DRIFT = 0.05
+DRIFT_BLOCKS = 16  # blocks (of at least 4 steps) of the running epoch's steps for level_drift
+EPOCH_DRIFT_BLOCKS = 20  # ... and of a finished epoch's
 
 SLOW_STEP = 3.0  # a step over this many times the median step is a slow step
 PREVIOUS_MAX_T = 3.0  # a rate this many standard deviations from the previous epoch's is not combined with it
@@ -203,6 +227,23 @@ def level_variation_so_far(wall: "array | list[float]") -> float:
     med = np.median(w.reshape(m, size), axis=1)
     mean = float(med.mean())
     return float(med.std(ddof=1)) / mean if mean > 0 else 0.0
+
+
+def level_drift(wall: "array | list[float] | np.ndarray", blocks: int = DRIFT_BLOCKS, min_size: int = 4) -> float:
+    """How far the host's speed drifted in these steps: the largest departure of one block's median
+    step time from the median of the blocks' medians, as a fraction of it (``blocks`` blocks of at
+    least ``min_size`` steps; the first step, the loader's start-up, left out). A level shift of 30% shows as
+    about 0.3 whichever side of the median it falls; single slow steps move a median little. 0 for
+    fewer than 3 blocks."""
+    n = len(wall) - 1
+    size = max(min_size, n // blocks)
+    m = n // size
+    if m < 3:
+        return 0.0
+    w = np.asarray(wall, dtype=np.float64)[1:1 + m * size]
+    med = np.median(w.reshape(m, size), axis=1)
+    mid = float(np.median(med))
+    return float(np.abs(med / mid - 1.0).max()) if mid > 0 else 0.0
 
 
 def level_variation(wall: "array | list[float]") -> float:
@@ -434,7 +475,8 @@ class Forecast:
                 save_guess_s: Optional[float] = None,
                 store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = (),
                 slow_share: Optional[float] = None,
-                previous: Optional[tuple[float, float]] = None) -> Optional[dict]:
+                previous: Optional[tuple[float, float]] = None,
+                drift: Optional[float] = None) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
         measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:
@@ -452,7 +494,11 @@ class Forecast:
         ``slow_share``: the previous epoch's :func:`slow_share`, which replaces the window's in
         the rate (host-timed rates only). ``previous``: the previous whole epoch's
         :func:`epoch_level`, combined with a device-timed rate (:func:`with_previous_epoch`)
-        unless the window follows a level shift or a store trend, or a hot tier fills."""
+        unless the window follows a level shift or a store trend, or a hot tier fills.
+        ``drift``: the largest :func:`level_drift` of the fit's earlier whole epochs (None: none
+        yet), which widens the 90% interval (``low``, ``high``) with the rest of the epoch's
+        time on the rate; at least what this epoch's steps so far show, and for a host-timed rate
+        with no earlier epoch at least ``FIRST_EPOCH_DRIFT``."""
         r = self.rate()
         if r is None:
             return None
@@ -518,10 +564,27 @@ class Forecast:
         level_std = left * r["mean"] * level_cv / math.sqrt(max(1.0, blocks_left))
         std = math.sqrt(rate_std ** 2 + left * r["std"] ** 2 + (0.5 * trend) ** 2 + level_std ** 2 + guess_std ** 2
                         + fill_std ** 2)
+        # the 90% interval: the estimator's spread, and the rest of the epoch running off the rate by
+        # as much as the host's speed has drifted so far (this epoch, earlier ones)
+        # (device-timed: the device's steps, and the host's over the rate's window where they take as
+        # long as the device's; early in an epoch a host runs ahead of the device and its steps vary
+        # with the launch queue, not with the step)
+        if r["device"]:
+            drift_now = level_drift(self._device_steps())
+            if r["median"] >= HOST_SETS_STEP * r["mean"]:
+                drift_now = max(drift_now, level_drift(self.wall[r["window_start"] - 1:]))
+        else:
+            drift_now = level_drift(self.wall)
+        drift_now = max(drift_now, drift or 0.0)
+        if drift is None:
+            drift_now = max(drift_now, FIRST_EPOCH_DEVICE_DRIFT if r["device"] else FIRST_EPOCH_DRIFT)
+        half = math.hypot(INTERVAL_Z * std, max(0.0, steps_s + trend) * drift_now)
+        low = max(self.start_seconds + self.elapsed + math.fsum(self.val_runs), total - half)
         # the rate at the end of this epoch (later epochs run at it), the trend levelled off
         end_rate = r["mean"] + (self.trend_seconds(r, total_batches, 1) if r["slope"] and store_fill is None else 0.0)
         end_rate += fill_step
-        return {"seconds": total, "std": std, "at_batch": done, "rate_s": r["mean"], "rate": r,
+        return {"seconds": total, "std": std, "low": low, "high": total + half, "drift": drift_now,
+                "at_batch": done, "rate_s": r["mean"], "rate": r,
                 "end_rate_s": end_rate, "trend_s": trend, "unmeasured_saves": 0 if measured else saves_left,
                 "store_fill_s": fill_s,
                 "val_known": val_run_s is not None or val_runs_left == 0}

@@ -53,6 +53,8 @@ class IntervalLog:
         if pred is not None:
             metrics["profile/predicted_epoch_s"] = pred["epoch_s"]
             metrics["profile/predicted_epoch_std_s"] = pred["epoch_std_s"]
+            metrics["profile/predicted_epoch_low_s"] = pred["epoch_low_s"]
+            metrics["profile/predicted_epoch_high_s"] = pred["epoch_high_s"]
             if pred["fit_s"] is not None:
                 metrics["profile/predicted_fit_s"] = pred["fit_s"]
                 metrics["profile/predicted_fit_std_s"] = pred["fit_std_s"]

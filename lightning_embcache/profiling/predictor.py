@@ -13,7 +13,8 @@ import time
 from typing import Any, Callable, Optional
 
 from lightning_embcache.profiling import schedule
-from lightning_embcache.profiling.forecast import Forecast, epoch_level, level_variation, save_estimate_s, slow_share
+from lightning_embcache.profiling.forecast import (EPOCH_DRIFT_BLOCKS, Forecast, epoch_level, level_drift, level_variation,
+                                                   save_estimate_s, slow_share)
 from lightning_embcache.profiling.schedule import save_batches
 from lightning_embcache.profiling.store_fill import StoreFill, measured_rates
 from lightning_embcache.profiling.stores import HotTiers
@@ -48,6 +49,7 @@ class EpochPredictor:
         self._level_cv = 0.0  # the largest level variation of a finished epoch of this fit
         self._slow_share: Optional[float] = None  # the latest whole epoch's share of slow steps
         self._previous: Optional[tuple[float, float]] = None  # the latest whole epoch's epoch_level
+        self._drift: Optional[float] = None  # the largest level_drift of a whole epoch of this fit
         # the embedding stores' hot tiers: () -> HotTiers (hot bytes, hot budget bytes and the
         # write work measured, summed over the stores with a budget; a plain (hot, budget) pair
         # is taken too) or None. Read twice an epoch (half-way to the kept prediction, and at it)
@@ -177,6 +179,7 @@ class EpochPredictor:
             self._level_cv = max(self._level_cv, level_variation(self.forecast.wall))
             self._slow_share = slow_share(self.forecast.wall, self.forecast.saves)
             self._previous = epoch_level(self.forecast.wall, self.forecast.saves)
+            self._drift = max(self._drift or 0.0, level_drift(self.forecast.wall, EPOCH_DRIFT_BLOCKS))
         if self.forecast is not None and self.forecast.saves:
             extra = self.forecast.save_extra()
             if extra is not None:
@@ -315,10 +318,11 @@ class EpochPredictor:
         # hot tiers filling in this epoch: the saves to come cost more after the fill
         at = save_batches(trainer, g_now, g_end, done, acc) if self._fill is not None else ()
         p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, self._fill, at,
-                       self._slow_share, self._previous)
+                       self._slow_share, self._previous, self._drift)
         if p is None:
             return None
-        out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "at_batch": done, "epoch_batches": target,
+        out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "epoch_low_s": p["low"], "epoch_high_s": p["high"],
+               "at_batch": done, "epoch_batches": target,
                "fit_s": None, "fit_std_s": None, "unmeasured_saves": p["unmeasured_saves"],
                "validation_measured": p["val_known"], "store_fill_batch": fill_batch,
                "store_fill_s": p["store_fill_s"]}

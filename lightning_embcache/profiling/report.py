@@ -61,9 +61,10 @@ def format_table(epochs: list[dict], rank_rows: Optional[list[list[float]]] = No
         lines.append(f"throughput (last epoch): {last['samples_per_sec']:.1f} samples/s")
     lines.extend(_prediction_lines(epochs))
     if last.get("projected_epoch_seconds") is not None and last["epoch_batches"] > last["batches"]:
-        full = last.get("predicted_full_epoch_seconds")
+        full, low = last.get("predicted_full_epoch_seconds"), last.get("predicted_full_epoch_low_seconds")
         predicted = "" if full is None else (
-            f"predicted {full:.1f} +/- {last['predicted_full_epoch_std_seconds']:.1f} s; ")
+            f"predicted {full:.1f} s (90% interval {low:.1f}-{last['predicted_full_epoch_high_seconds']:.1f} s); "
+            if low is not None else f"predicted {full:.1f} +/- {last['predicted_full_epoch_std_seconds']:.1f} s; ")
         lines.append(f"a full epoch ({last['epoch_batches']} batches): {predicted}at the last epoch's rate "
                      f"{last['projected_epoch_seconds']:.1f} s")
     if tot["world_size"] > 1:
@@ -79,17 +80,23 @@ def _prediction_lines(epochs: list[dict]) -> list[str]:
     rows = [e for e in epochs if e.get("predicted_epoch_seconds") is not None]
     if not rows:
         return []
-    lines = [f"{'epoch':<7}{'batches':>9}{'actual s':>11}{'predicted s':>13}{'+/- s':>9}{'at batch':>10}{'error':>9}"]
+    lines = [f"{'epoch':<7}{'batches':>9}{'actual s':>11}{'predicted s':>13}{'90% interval s':>17}{'at batch':>10}"
+             f"{'error':>9}  inside"]
     for e in epochs:
         pred = e.get("predicted_epoch_seconds")
         actual = e.get("epoch_wall_seconds", e["epoch_seconds"] + e.get("val_seconds", 0.0))
         if pred is None:
-            lines.append(f"{e['epoch']:<7}{e['batches']:>9}{actual:>11.2f}{'-':>13}{'':>9}{'':>10}{'':>9}")
+            lines.append(f"{e['epoch']:<7}{e['batches']:>9}{actual:>11.2f}{'-':>13}{'':>17}{'':>10}{'':>9}")
             continue
         err = e.get("prediction_error_pct")
         err_s = f"{err:+.1f}%" if err is not None else "n/a"
+        low, high = e.get("predicted_epoch_low_seconds"), e.get("predicted_epoch_high_seconds")
+        if low is None:  # a summary from a version without the interval: one standard deviation
+            low = pred - e["predicted_epoch_std_seconds"]
+            high = pred + e["predicted_epoch_std_seconds"]
+        inside = "" if err is None else ("yes" if low <= actual <= high else "NO")
         lines.append(f"{e['epoch']:<7}{e['batches']:>9}{actual:>11.2f}{pred:>13.2f}"
-                     f"{e['predicted_epoch_std_seconds']:>9.2f}{e['predicted_at_batch']:>10}{err_s:>9}")
+                     f"{f'{low:.2f}-{high:.2f}':>17}{e['predicted_at_batch']:>10}{err_s:>9}  {inside}")
     fills = [(e["epoch"], e["predicted_store_fill_batch"]) for e in rows if e.get("predicted_store_fill_batch")]
     for epoch, batch in fills:
         lines.append(f"(epoch {epoch}: the prediction came before the stores' hot tiers fill up, at about batch "

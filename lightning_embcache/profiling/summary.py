@@ -75,9 +75,10 @@ def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoc
     if epoch_batches is not None and batches:
         rate_ms = steady_ms if steady_ms is not None else 1e3 * wall_s / batches
         projected = wall_s + 1e-3 * rate_ms * max(0, epoch_batches - batches)
-    predicted = predicted_std = at = error = fit = fit_std = None
+    predicted = predicted_std = at = error = fit = fit_std = low = high = None
     if prediction is not None:
         predicted, predicted_std, at = prediction["epoch_s"], prediction["epoch_std_s"], prediction["at_batch"]
+        low, high = prediction.get("epoch_low_s"), prediction.get("epoch_high_s")
         fit, fit_std = prediction["fit_s"], prediction["fit_std_s"]
         if prediction["epoch_batches"] == batches and wall_s + val_s > 0:
             error = 100.0 * (predicted / (wall_s + val_s) - 1.0)
@@ -94,8 +95,12 @@ def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoc
         "projected_epoch_seconds": projected,
         "predicted_full_epoch_seconds": full_prediction["epoch_s"] if full_prediction else None,
         "predicted_full_epoch_std_seconds": full_prediction["epoch_std_s"] if full_prediction else None,
+        "predicted_full_epoch_low_seconds": full_prediction.get("epoch_low_s") if full_prediction else None,
+        "predicted_full_epoch_high_seconds": full_prediction.get("epoch_high_s") if full_prediction else None,
         "predicted_epoch_seconds": predicted,
         "predicted_epoch_std_seconds": predicted_std,
+        "predicted_epoch_low_seconds": low,
+        "predicted_epoch_high_seconds": high,
         "predicted_at_batch": at,
         "prediction_error_pct": error,
         "predicted_unmeasured_saves": prediction["unmeasured_saves"] if prediction is not None else None,

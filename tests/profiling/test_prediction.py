@@ -18,7 +18,8 @@ from lightning_embcache.profiling.forecast import Forecast
 
 DATA, FWD, BWD, OPT, OTHER = 2 * MS, 5 * MS, 7 * MS, 4 * MS, 1 * MS
 STEP = DATA + FWD + BWD + OPT + OTHER  # 19 ms
-PRED_KEYS = {"profile/predicted_epoch_s", "profile/predicted_epoch_std_s"}
+PRED_KEYS = {"profile/predicted_epoch_s", "profile/predicted_epoch_std_s", "profile/predicted_epoch_low_s",
+             "profile/predicted_epoch_high_s"}
 FIT_KEYS = {"profile/predicted_fit_s", "profile/predicted_fit_std_s"}
 INTERVAL_KEYS = {f"profile/{p}_ms" for p in PHASES} | {
     "profile/step_ms", "profile/step_max_ms", "profile/slowest_rank", "profile/rank_spread_pct",
@@ -172,7 +173,10 @@ def test_a_run_stopped_early_predicts_the_full_epoch_it_did_not_run(tmp_path):
     e = sp.summary()[0]
     assert e["batches"] == 150 and _close(e["predicted_full_epoch_seconds"], probe.full["epoch_s"])
     assert e["predicted_full_epoch_std_seconds"] is not None
-    assert f"a full epoch (400 batches): predicted {probe.full['epoch_s']:.1f} +/- " in sp.report_table()
+    assert (f"a full epoch (400 batches): predicted {probe.full['epoch_s']:.1f} s (90% interval "
+            f"{e['predicted_full_epoch_low_seconds']:.1f}-{e['predicted_full_epoch_high_seconds']:.1f} s)"
+            ) in sp.report_table()
+    assert e["predicted_full_epoch_low_seconds"] <= whole.epochs[0] <= e["predicted_full_epoch_high_seconds"]
 
 
 def test_validation_runs_are_predicted_from_the_sanity_check():

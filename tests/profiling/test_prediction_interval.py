@@ -1,0 +1,93 @@
+"""The prediction's 90% interval counts the drift of the host's speed, not only the estimator's
+own spread: synthetic step-time series whose level moves after the prediction is made."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_embcache.profiling import forecast
+from lightning_embcache.profiling.forecast import Forecast, level_drift
+
+MS = 1e-3
+
+
+def _feed(walls: list[float], device: bool = False) -> Forecast:
+    fc = Forecast()
+    for i, w in enumerate(walls):
+        fc.add_step(w, 0.0)
+        if device and i % 8 == 0:
+            fc.add_device_step(i, w)
+    return fc
+
+
+def _old_interval(p: dict) -> tuple[float, float]:
+    """The interval before drift counted: the estimator's standard deviation, two either side."""
+    return p["seconds"] - 2 * p["std"], p["seconds"] + 2 * p["std"]
+
+
+def test_a_level_shift_after_5_percent_of_a_first_epoch_lies_inside_the_interval():
+    # 2,000 steps: 10 ms for the first 5%, then the host gets 30% slower for the rest
+    n, k = 2000, 100
+    walls = [10 * MS] * k + [13 * MS] * (n - k)
+    actual = math.fsum(walls)
+    fc = _feed(walls[:k])
+    p = fc.predict(n, 0, None, 0)  # a fit's first epoch: no earlier epoch's drift (drift=None)
+    assert math.isclose(p["seconds"], n * 10 * MS)  # the point cannot know what comes after 5%
+    assert p["low"] <= actual <= p["high"], (p["low"], actual, p["high"])
+    # the estimator's own spread says nothing of it: every step so far took the same time
+    lo, hi = _old_interval(p)
+    assert not lo <= actual <= hi
+    # the interval is the point's, 90% of it the host-timed first epoch's floor on the drift
+    assert math.isclose(p["high"] - p["seconds"], forecast.FIRST_EPOCH_DRIFT * (n - k) * 10 * MS, rel_tol=1e-9)
+
+
+def test_the_drift_seen_so_far_in_the_epoch_widens_the_interval():
+    # the host wanders between 10 and 14 ms in runs of 25 steps; the rest runs at 11.5 ms
+    n, k = 4000, 200
+    walls = [(10 if (i // 25) % 2 == 0 else 14) * MS for i in range(k)] + [11.5 * MS] * (n - k)
+    actual = math.fsum(walls)
+    seen = level_drift(walls[:k])
+    assert seen > 0.1
+    fc = _feed(walls[:k])
+    fc.shift_detection = False
+    p = fc.predict(n, 0, None, 0, drift=0.0)  # a later epoch of a fit whose earlier epochs held steady
+    assert p["drift"] == pytest.approx(seen)
+    assert p["low"] <= actual <= p["high"], (p["low"], actual, p["high"])
+
+
+def test_an_earlier_epochs_drift_widens_a_steady_windows_interval():
+    # the previous epoch ran 10 ms for half, 12 ms for the other half: its blocks moved 9% from
+    # their median; this epoch's first 5% is steady at 10 ms, its rest runs at 11 ms
+    previous = [10 * MS] * 1000 + [12 * MS] * 1000
+    carried = level_drift(previous, forecast.EPOCH_DRIFT_BLOCKS)
+    assert carried == pytest.approx(1 / 11, rel=1e-6)
+    n, k = 2000, 100
+    walls = [10 * MS] * k + [10.9 * MS] * (n - k)
+    actual = math.fsum(walls)
+    p = _feed(walls[:k]).predict(n, 0, None, 0, drift=carried)
+    assert p["low"] <= actual <= p["high"]
+    assert not _old_interval(p)[0] <= actual <= _old_interval(p)[1]
+    # a steady fit (earlier epochs drifted by nothing) keeps it narrow: the steps alike, no spread
+    q = _feed(walls[:k]).predict(n, 0, None, 0, drift=0.0)
+    assert q["high"] - q["low"] < 1e-9
+
+
+def test_a_device_timed_first_epoch_gets_the_small_floor():
+    # a step the GPU sets holds its speed: 5% of the rest, not 40%
+    n, k = 2000, 100
+    fc = _feed([14 * MS] * k, device=True)
+    fc.needs_device = True
+    p = fc.predict(n, 0, None, 0)
+    assert p["rate"]["device"]
+    rest = (n - k) * 14 * MS
+    # the floor, and the device-timed rate's own spread against the host's steps (0.5%) beside it
+    want = math.hypot(forecast.FIRST_EPOCH_DEVICE_DRIFT * rest, forecast.INTERVAL_Z * forecast.DEVICE_RATE_CV * rest)
+    assert p["high"] - p["seconds"] == pytest.approx(want, rel=1e-6)
+
+
+def test_the_low_end_is_never_below_the_time_already_run():
+    n, k = 200, 20
+    p = _feed([10 * MS] * k).predict(n, 0, None, 0)
+    assert p["low"] >= k * 10 * MS
