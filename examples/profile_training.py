@@ -85,11 +85,14 @@ def main() -> None:
         print(f"  {phase:<10} {ms:7.3f} ms")
     for e in profiler.summary():
         if e["predicted_epoch_seconds"] is not None:
-            print(f"epoch {e['epoch']}: predicted {e['predicted_epoch_seconds']:.2f} "
-                  f"+/- {e['predicted_epoch_std_seconds']:.2f} s after {e['predicted_at_batch']} batches, "
-                  f"took {e['epoch_wall_seconds']:.2f} s ({e['prediction_error_pct']:+.1f}%)")
-    dominant = max(last["phases_ms"], key=last["phases_ms"].get)
-    print(f"dominant: {dominant}; try --workers 2 when it is data_wait (docs/profiler.md)")
+            print(f"epoch {e['epoch']}: predicted {e['predicted_epoch_seconds']:.2f} s (90% interval "
+                  f"{e['predicted_epoch_low_seconds']:.2f}-{e['predicted_epoch_high_seconds']:.2f} s) after "
+                  f"{e['predicted_at_batch']} batches, took {e['epoch_wall_seconds']:.2f} s "
+                  f"({e['prediction_error_pct']:+.1f}%)")
+    # the same phase the end-of-fit table names: the last epoch's
+    print(f"dominant: {last['dominant_phase']}; try --workers 2 when it is data_wait (docs/profiler.md)")
+    if last["slow_steps"] is not None:
+        print(f"last epoch's slow steps: {last['slow_steps']['reason']}")
 
 
 if __name__ == "__main__":

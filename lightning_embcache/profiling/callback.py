@@ -565,6 +565,8 @@ class StepProfiler(Callback):
         if epoch_batches is None and math.isfinite(trainer.num_training_batches):
             epoch_batches = int(trainer.num_training_batches)
         full = self._predictor.predict_cut(trainer, epoch_batches)
+        segments = self._predictor.phase_segments()
         kept = self._predictor.finish_epoch()
         timeline = "cuda-events" if self._timeline is not None and self._timeline._cuda else "host-clock"
-        self._ledger.finish(totals, epoch, self._device, self._samples_known, epoch_batches, timeline, kept, full)
+        self._ledger.finish(totals, epoch, self._device, self._samples_known, epoch_batches, timeline, kept, full,
+                            segments)

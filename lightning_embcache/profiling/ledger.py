@@ -88,7 +88,7 @@ class EpochLedger:
 
     def finish(self, totals: Totals, epoch: int, device: Optional[torch.device], samples_known: bool,
                epoch_batches: Optional[int], timeline: str, prediction: Optional[dict],
-               full_prediction: Optional[dict] = None) -> None:
+               full_prediction: Optional[dict] = None, segments: Optional[list[list[float]]] = None) -> None:
         """Closes ``epoch``: its sums gathered over ranks (every rank joins) into a summary."""
         self.fold()
         if totals is self.open:
@@ -97,7 +97,7 @@ class EpochLedger:
         rows = ranks.gather_rows(summaries.epoch_row(totals), device)
         self.rank_rows[epoch] = summaries.rank_phase_rows(rows)
         self.summaries.append(summaries.epoch_summary(epoch, rows, samples_known, epoch_batches, timeline,
-                                                      prediction, full_prediction))
+                                                      prediction, full_prediction, segments))
 
     def fit_rank_rows(self) -> list[list[float]]:
         """Per rank, phase seconds and batches summed over the epochs (ranks as in the last epoch)."""

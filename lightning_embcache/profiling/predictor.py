@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import chain
 from typing import Any, Callable, Optional
+
+import numpy as np
 
 from lightning_embcache.profiling import schedule
 from lightning_embcache.profiling.forecast import (EPOCH_DRIFT_BLOCKS, Forecast, epoch_level, level_drift, level_variation,
                                                    save_estimate_s, slow_share)
 from lightning_embcache.profiling.schedule import save_batches
+from lightning_embcache.profiling.slow_steps import PhaseBlocks
 from lightning_embcache.profiling.store_fill import StoreFill, measured_rates
 from lightning_embcache.profiling.stores import HotTiers
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
@@ -68,6 +72,7 @@ class EpochPredictor:
         # forecast takes them whenever it is read), and the batch count at which add_step has
         # something to do (the store reading, the kept prediction)
         self._hosts: list[list[float]] = []
+        self._phases = PhaseBlocks()  # the epoch's phases in blocks of steps: which phase moved
         self._fed = 0
         self._next_check = 0
         self._hosts_due = math.inf  # pending steps at which add_step has something to do
@@ -89,6 +94,7 @@ class EpochPredictor:
         self._store_first = None
         self._fill = None
         self._hosts = []
+        self._phases = PhaseBlocks(skip_first=step_in_epoch == 0)
         self._fed = step_in_epoch
         self._next_check = 0
         self._hosts_due = -step_in_epoch  # the first step checks
@@ -106,8 +112,13 @@ class EpochPredictor:
         hosts, fc = self._hosts, self.forecast
         if not hosts or fc is None:
             return
-        fc.add_steps([h[DATA] + h[FORWARD] + h[BACKWARD] + h[OPTIMIZER] + h[STORE] + h[OTHER] for h in hosts],
-                     [h[STORE] for h in hosts])
+        # one array of the steps' phases (the timeline's order, validation last) for the forecast and
+        # the phase blocks; the wall sums the phases left to right, the same float as Totals.add
+        width = len(hosts[0])
+        a = np.fromiter(chain.from_iterable(hosts), dtype=np.float64, count=width * len(hosts)).reshape(-1, width)
+        wall = a[:, DATA] + a[:, FORWARD] + a[:, BACKWARD] + a[:, OPTIMIZER] + a[:, STORE] + a[:, OTHER]
+        fc.add_steps(wall.tolist(), a[:, STORE].tolist())
+        self._phases.add(a)
         self._fed += len(hosts)
         self._hosts_due = self._next_check - self._fed
         hosts.clear()
@@ -171,6 +182,11 @@ class EpochPredictor:
         # its first batch also pays one-time set-up (the loader's start, the first eval kernels),
         # which made a whole run's estimate several times too long
         self._sanity_batch_s = time.perf_counter() - self._sanity_t0
+
+    def phase_segments(self) -> list[list[float]]:
+        """The running epoch's mean ms per step of each phase over its twentieths (host clock)."""
+        self._sync()
+        return self._phases.segments()
 
     def finish_epoch(self) -> Optional[dict]:
         """The epoch ended: returns its kept prediction; a save's measured cost carries over."""

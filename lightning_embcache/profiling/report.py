@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Optional, Union
 
+from lightning_embcache.profiling.slow_steps import attribute, describe
+from lightning_embcache.profiling.summary import dominant_phase
 from lightning_embcache.profiling.timeline import PHASES
 
 log = logging.getLogger(__name__)
@@ -70,8 +72,15 @@ def format_table(epochs: list[dict], rank_rows: Optional[list[list[float]]] = No
     if tot["world_size"] > 1:
         lines.append(f"slowest rank (last epoch): {tot['slowest_rank']}; "
                      f"spread of batch time across ranks: {tot['rank_spread_pct']:.1f}%")
-    dominant = max(PHASES, key=lambda p: tot["phases_ms"][p])
-    lines.append(f"dominant phase: {dominant} (see docs/profiler.md for what to do about it)")
+    slow = attribute([s for e in epochs for s in e.get("phase_segments_ms") or ()])
+    if slow is not None:
+        lines.append(describe(slow))
+    # the last epoch's, as its summary says (the first epoch's warm-up and one-off costs, such as
+    # an optimizer creating its state, can make another phase dominate the fit's mean)
+    dominant = last.get("dominant_phase") or dominant_phase(last["phases_ms"])
+    whole = dominant_phase(tot["phases_ms"])
+    fit = "" if whole == dominant or len(epochs) == 1 else f"; over the whole fit: {whole}"
+    lines.append(f"dominant phase: {dominant} (last epoch{fit}; see docs/profiler.md for what to do about it)")
     return "\n".join(lines)
 
 

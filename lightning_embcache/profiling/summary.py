@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_embcache.profiling import ranks
+from lightning_embcache.profiling import ranks, slow_steps
 from lightning_embcache.profiling.timeline import BACKWARD, NUM_PHASES, PHASES, Totals
 
 # interval row: phase seconds..., wall, batches, samples
@@ -43,18 +43,27 @@ def epoch_row(t: Totals) -> list[float]:
             float(t.steady_batches), t.val_s]
 
 
+def dominant_phase(phases_ms: dict[str, float]) -> str:
+    """The phase with the most time per step: what docs/profiler.md says what to do about. The
+    end-of-fit table names the last epoch's, as the summary's ``dominant_phase`` does."""
+    return max(PHASES, key=lambda p: phases_ms[p])
+
+
 def rank_phase_rows(rows: list[list[float]]) -> list[list[float]]:
     """Per rank: reported phase seconds..., batches (for the fit-end table's per-rank maximum)."""
     return [[*r[:NUM_PHASES], r[_E_BATCHES]] for r in rows]
 
 
 def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoch_batches: Optional[int],
-                  timeline: str, prediction: Optional[dict] = None, full_prediction: Optional[dict] = None) -> dict:
+                  timeline: str, prediction: Optional[dict] = None, full_prediction: Optional[dict] = None,
+                  segments: Optional[list[list[float]]] = None) -> dict:
     """One epoch's dict of ``StepProfiler.summary()`` (keys documented in docs/profiler.md).
 
     ``prediction``: what the profiler predicted for this epoch early on (``StepProfiler.predict()``
     at ``predict_at`` of the epoch), compared here with the epoch's actual wall time;
-    ``full_prediction``: for an epoch cut short, its prediction at ``epoch_batches`` made at its end."""
+    ``full_prediction``: for an epoch cut short, its prediction at ``epoch_batches`` made at its end;
+    ``segments``: this rank's mean ms per step of each phase over the epoch's twentieths
+    (:mod:`~lightning_embcache.profiling.slow_steps`), for which phase moved when the step did."""
     n = len(rows)
     wall_s = sum(r[_E_WALL] for r in rows) / n
     batches = round(sum(r[_E_BATCHES] for r in rows) / n)
@@ -110,7 +119,10 @@ def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoc
         "predicted_fit_std_seconds": fit_std,
         "samples": int(samples) if samples_known else None,
         "samples_per_sec": samples / wall_s if samples_known and wall_s > 0 else None,
-        "phases_ms": {p: mean_ms(i) for i, p in enumerate(PHASES)},
+        "phases_ms": (phases := {p: mean_ms(i) for i, p in enumerate(PHASES)}),
+        "dominant_phase": dominant_phase(phases),
+        "phase_segments_ms": [list(s) for s in segments or []],
+        "slow_steps": slow_steps.attribute(segments) if segments else None,
         "phases_max_ms": {p: max_ms(i) for i, p in enumerate(PHASES)},
         "host_phases_ms": {p: mean_ms(NUM_PHASES + i) for i, p in enumerate(PHASES)},
         "slowest_rank": slowest,
