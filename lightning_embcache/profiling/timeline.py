@@ -12,13 +12,46 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from typing import Callable, Optional
+from enum import IntEnum
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-PHASES = ("data_wait", "forward", "backward", "optimizer", "store_io", "other")
-DATA, FORWARD, BACKWARD, OPTIMIZER, STORE, OTHER, VALIDATION = range(7)
+
+
+class Phase(IntEnum):
+    """Where a moment of a training epoch goes; the value indexes a step's list of phase seconds
+    (the first ``NUM_PHASES`` are a step's; validation is kept apart)."""
+
+    DATA = 0
+    FORWARD = 1
+    BACKWARD = 2
+    OPTIMIZER = 3
+    STORE = 4
+    OTHER = 5
+    VALIDATION = 6
+
+
+PHASES = ("data_wait", "forward", "backward", "optimizer", "store_io", "other")  # user-facing names, in order
+# plain ints for the per-step paths: an IntEnum member costs ~30 ns more as a list index or in a
+# comparison, several times a step
+DATA, FORWARD, BACKWARD, OPTIMIZER, STORE, OTHER, VALIDATION = (int(p) for p in Phase)
 NUM_PHASES = len(PHASES)
+
+
+class PendingStep(NamedTuple):
+    """A step timed on the device whose CUDA events have not all been read back yet."""
+
+    epoch: int
+    batches: int  # 1, or 0 for the tail of an epoch after its last step
+    host: list  # host-clock seconds per phase
+    samples: int
+    steady: bool
+    events: list  # CUDA events at the step's phase boundaries, in order
+    seg_phase: list  # the phase of each segment between two events
+    seg_store: list  # store seconds inside each segment
+    forced: bool  # timed because it opened the epoch, not drawn at random
+    index: int  # the step's index in the epoch (steps closed before it)
 
 
 class Totals:
@@ -327,8 +360,8 @@ class StepTimeline:
             return host
         self._mark(next_phase)
         forced, self._forced = self._forced, False
-        self._pending.append((epoch, 1, host, samples, steady, self._events, self._seg_phase,
-                              self._seg_store, forced, index))
+        self._pending.append(PendingStep(epoch, 1, host, samples, steady, self._events, self._seg_phase,
+                                         self._seg_store, forced, index))
         if self._countdown > 0:
             self._countdown -= 1
             self._recording = False
@@ -380,8 +413,8 @@ class StepTimeline:
             self._sink(epoch, batches, host, None, samples, steady, False)
             return
         forced, self._forced = self._forced, False
-        self._pending.append((epoch, batches, host, samples, steady, self._events, self._seg_phase,
-                              self._seg_store, forced, index))
+        self._pending.append(PendingStep(epoch, batches, host, samples, steady, self._events, self._seg_phase,
+                                         self._seg_store, forced, index))
 
     def _record(self):
         ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
@@ -400,7 +433,7 @@ class StepTimeline:
         the oldest sampled step still in flight to now (0 when none is)."""
         if not self._pending:
             return 0
-        return max(0, self.steps_closed - self._pending[0][9])
+        return max(0, self.steps_closed - self._pending[0].index)
 
     def drain(self, block: bool = False) -> int:
         """Hand finished sampled steps to the sink, oldest first; returns how many.
@@ -411,16 +444,17 @@ class StepTimeline:
         n = 0
         pending = self._pending
         if block and pending:
-            pending[-1][5][-1].synchronize()
+            pending[-1].events[-1].synchronize()
         while pending:
-            epoch, batches, host, samples, steady, events, seg_phase, seg_store, forced, index = pending[0]
+            step = pending[0]
+            events = step.events
             if not events[-1].query():
                 break
             pending.popleft()
             dev = [0.0] * 7
-            for j, ph in enumerate(seg_phase):
+            for j, ph in enumerate(step.seg_phase):
                 d = events[j].elapsed_time(events[j + 1]) * 1e-3
-                s = seg_store[j]
+                s = step.seg_store[j]
                 if s > 0.0:
                     s = min(s, d)
                     dev[STORE] += s
@@ -429,10 +463,10 @@ class StepTimeline:
             # the last event may open the next sampled step's chain; the others can be recorded again
             self._pool.extend(events[:-1])
             last = events[-1]
-            if not (pending and pending[0][5][0] is last) and not (self._events and self._events[0] is last):
+            if not (pending and pending[0].events[0] is last) and not (self._events and self._events[0] is last):
                 self._pool.append(last)
-            self._sink(epoch, batches, host, dev, samples, steady, forced)
-            if self.on_device_step is not None and batches and not forced:
-                self.on_device_step(index, sum(dev[:NUM_PHASES]))  # validation inside it left out
+            self._sink(step.epoch, step.batches, step.host, dev, step.samples, step.steady, step.forced)
+            if self.on_device_step is not None and step.batches and not step.forced:
+                self.on_device_step(step.index, sum(dev[:NUM_PHASES]))  # validation inside it left out
             n += 1
         return n
