@@ -306,9 +306,9 @@ class _KnownRate(Forecast):
         r = super().rate()
         return None if r is None else dict(r, mean=self.rate_s, slope=0.0)
 
-    def predict(self, *args: Any, store_fill: Optional[StoreFill] = None, save_batches: Any = (),
+    def estimate(self, *args: Any, store_fill: Optional[StoreFill] = None, save_batches: Any = (),
                 **kwargs: Any) -> Optional[dict]:
-        p = super().predict(*args, **kwargs)
+        p = super().estimate(*args, **kwargs)
         if p is not None and store_fill is not None:
             extra = math.fsum(store_fill_save_s(store_fill, b) for b in save_batches if b >= self.batches)
             p["seconds"] += extra
@@ -356,7 +356,7 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         g0 = epoch * n
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
         at = [b for b in range(k, n) if every_n and (g0 + b) % every_n == 0] if store_fill is not None else []
-        p = fc.predict(n, len(runs), val_s, saves_left, earlier_save_s, level_cv, save_guess_s,
+        p = fc.estimate(n, len(runs), val_s, saves_left, earlier_save_s, level_cv, save_guess_s,
                        store_fill=store_fill, save_batches=at, previous=previous, drift=drift,
                        **({"slow_share": slow} if slow is not None else {}))
         if p is None:
@@ -575,7 +575,7 @@ def store_rates(runs: list[dict]) -> list[dict]:
                             fc.mark_save()
                         fc.add_step(trace["wall"][i], trace["store"][i])
                     at = [b for b in range(k, n) if b % 250 == 0]  # the demo's checkpoint every 250 steps
-                    p = fc.predict(n, 0, None, len(at), None, 0.0, None, store_fill=sf, save_batches=at)
+                    p = fc.estimate(n, 0, None, len(at), None, 0.0, None, store_fill=sf, save_batches=at)
                     row[name] = None if p is None else 100 * (p["seconds"] / actual - 1)
                 out.append(row)
     if out:

@@ -1,7 +1,10 @@
-"""Predicting an epoch's (and a fit's) wall time from its first steps.
+"""The arithmetic behind an epoch's predicted wall time: what its steps so far say.
 
-Pure arithmetic on the host-clock wall time of each finished step; the callback feeds it and
-tells it what the Trainer will still run (batches, validation runs, checkpoint saves).
+Pure arithmetic on the host-clock wall time of each finished step. The one entry point of the
+prediction is :meth:`~lightning_embcache.profiling.predictor.EpochPredictor.predict` (behind
+``StepProfiler.predict()``), which feeds a :class:`Forecast` and tells its
+:meth:`Forecast.estimate` what the Trainer will still run (batches, validation runs, checkpoint
+saves) and what earlier epochs showed.
 
 What makes early steps unrepresentative, and how each is handled:
 
@@ -293,7 +296,8 @@ def level_shift(w: np.ndarray) -> Optional[int]:
 
 
 class Forecast:
-    """One epoch's steps so far, and what follows from them."""
+    """One epoch's steps so far, and what follows from them (:meth:`estimate`); fed and read by
+    :class:`~lightning_embcache.profiling.predictor.EpochPredictor`."""
 
     def __init__(self, start_batches: int = 0, start_seconds: float = 0.0) -> None:
         # a resumed epoch: batches and training seconds of the earlier run, not in the steps below
@@ -470,7 +474,7 @@ class Forecast:
         r = self.rate()
         return None if r is None else r["save_s"]
 
-    def predict(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
+    def estimate(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
                 saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
                 save_guess_s: Optional[float] = None,
                 store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = (),

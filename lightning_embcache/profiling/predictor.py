@@ -333,7 +333,7 @@ class EpochPredictor:
         fill_batch = self.store_fill_batch(done, target) if with_store else None
         # hot tiers filling in this epoch: the saves to come cost more after the fill
         at = save_batches(trainer, g_now, g_end, done, acc) if self._fill is not None else ()
-        p = fc.predict(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, self._fill, at,
+        p = fc.estimate(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, self._fill, at,
                        self._slow_share, self._previous, self._drift)
         if p is None:
             return None

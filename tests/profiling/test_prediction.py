@@ -292,7 +292,7 @@ def test_forecast_spread_gives_the_uncertainty():
     f.add_step(0.5, 0.0)  # the loader's start-up
     for i in range(99):
         f.add_step(0.010 if i % 2 else 0.012, 0.0)
-    p = f.predict(1000, 0, None, 0)
+    p = f.estimate(1000, 0, None, 0)
     assert _close(p["rate_s"], 0.011, rel=1e-3)
     assert _close(p["seconds"], f.elapsed + 900 * p["rate_s"])
     # 900 steps to go, each +/-1 ms around the rate: sqrt(900) * 1 ms plus the rate's standard error
@@ -300,9 +300,9 @@ def test_forecast_spread_gives_the_uncertainty():
     assert p["unmeasured_saves"] == 0
     f.mark_save()
     f.add_step(0.2, 0.0)
-    p = f.predict(1000, 0, None, 3)
+    p = f.estimate(1000, 0, None, 3)
     assert p["unmeasured_saves"] == 0 and p["rate"]["save_s"] > 0.18
-    assert Forecast().predict(100, 0, None, 0) is None
+    assert Forecast().estimate(100, 0, None, 0) is None
 
 
 @pytest.mark.parametrize("level", ["WARNING", "ERROR"])
@@ -331,7 +331,7 @@ def test_on_a_gpu_the_device_rate_and_backlog_are_used():
         f.add_device_step(i, 0.010)
     f.backlog = 30  # steps 70..99 launched, not yet run
     f.needs_device = True
-    p = f.predict(1000, 0, None, 0)
+    p = f.estimate(1000, 0, None, 0)
     assert p["rate"]["device"] and _close(p["rate_s"], 0.010)
     assert _close(p["seconds"], 0.1 + (900 + 30) * 0.010)
 
@@ -343,9 +343,9 @@ def test_on_a_gpu_no_prediction_before_the_device_has_timed_a_few_steps():
         f.add_step(0.001, 0.0)
     f.add_device_step(3, 0.010)
     f.add_device_step(9, 0.010)
-    assert f.predict(1000, 0, None, 0) is None  # the host's 1 ms steps only say how fast it queues
+    assert f.estimate(1000, 0, None, 0) is None  # the host's 1 ms steps only say how fast it queues
     f.add_device_step(17, 0.010)
-    assert f.predict(1000, 0, None, 0) is not None
+    assert f.estimate(1000, 0, None, 0) is not None
 
 
 def _device_bound_epoch_start(f: Forecast, steps: int = 100) -> None:
@@ -362,7 +362,7 @@ def _device_bound_epoch_start(f: Forecast, steps: int = 100) -> None:
 def test_on_a_gpu_the_uncertainty_comes_from_the_device_not_the_host_running_ahead():
     f = Forecast()
     _device_bound_epoch_start(f)
-    p = f.predict(2000, 0, None, 0)
+    p = f.estimate(2000, 0, None, 0)
     assert p["rate"]["device"] and _close(p["rate_s"], 0.014, rel=1e-3)
     # the host's steps so far vary by ~20% (run-ahead), which said nothing of the epoch to come:
     # the +/- is the device's spread plus how far a device-timed rate is from the host's steps
@@ -375,8 +375,8 @@ def test_a_measured_save_still_to_come_carries_its_spread():
     f = Forecast()
     for i in range(100):
         f.add_step(0.010, 0.0)
-    with_saves = f.predict(1000, 0, None, 4, save_s=2.0)
-    without = f.predict(1000, 0, None, 0)
+    with_saves = f.estimate(1000, 0, None, 4, save_s=2.0)
+    without = f.estimate(1000, 0, None, 0)
     assert _close(with_saves["seconds"] - without["seconds"], 8.0)
     assert _close(with_saves["std"] ** 2 - without["std"] ** 2, (forecast.SAVE_MEASURED_CV * 8.0) ** 2, rel=1e-6)
 
@@ -438,7 +438,7 @@ def test_a_level_shift_mid_epoch_sets_the_rate_once_it_has_lasted_three_blocks()
         f.add_step(0.010, 0.0)
     for _ in range(100):  # a store's hot tier is full from here on: every step evicts
         f.add_step(0.030, 0.030)
-    p = f.predict(1000, 0, None, 0)
+    p = f.estimate(1000, 0, None, 0)
     assert p["rate"]["shifted"] and p["rate"]["window_start"] >= 400
     assert _close(p["rate_s"], 0.030)
     assert _close(p["seconds"], 0.5 + 399 * 0.010 + 600 * 0.030)

@@ -33,7 +33,7 @@ def test_a_level_shift_after_5_percent_of_a_first_epoch_lies_inside_the_interval
     walls = [10 * MS] * k + [13 * MS] * (n - k)
     actual = math.fsum(walls)
     fc = _feed(walls[:k])
-    p = fc.predict(n, 0, None, 0)  # a fit's first epoch: no earlier epoch's drift (drift=None)
+    p = fc.estimate(n, 0, None, 0)  # a fit's first epoch: no earlier epoch's drift (drift=None)
     assert math.isclose(p["seconds"], n * 10 * MS)  # the point cannot know what comes after 5%
     assert p["low"] <= actual <= p["high"], (p["low"], actual, p["high"])
     # the estimator's own spread says nothing of it: every step so far took the same time
@@ -52,7 +52,7 @@ def test_the_drift_seen_so_far_in_the_epoch_widens_the_interval():
     assert seen > 0.1
     fc = _feed(walls[:k])
     fc.shift_detection = False
-    p = fc.predict(n, 0, None, 0, drift=0.0)  # a later epoch of a fit whose earlier epochs held steady
+    p = fc.estimate(n, 0, None, 0, drift=0.0)  # a later epoch of a fit whose earlier epochs held steady
     assert p["drift"] == pytest.approx(seen)
     assert p["low"] <= actual <= p["high"], (p["low"], actual, p["high"])
 
@@ -66,11 +66,11 @@ def test_an_earlier_epochs_drift_widens_a_steady_windows_interval():
     n, k = 2000, 100
     walls = [10 * MS] * k + [10.9 * MS] * (n - k)
     actual = math.fsum(walls)
-    p = _feed(walls[:k]).predict(n, 0, None, 0, drift=carried)
+    p = _feed(walls[:k]).estimate(n, 0, None, 0, drift=carried)
     assert p["low"] <= actual <= p["high"]
     assert not _old_interval(p)[0] <= actual <= _old_interval(p)[1]
     # a steady fit (earlier epochs drifted by nothing) keeps it narrow: the steps alike, no spread
-    q = _feed(walls[:k]).predict(n, 0, None, 0, drift=0.0)
+    q = _feed(walls[:k]).estimate(n, 0, None, 0, drift=0.0)
     assert q["high"] - q["low"] < 1e-9
 
 
@@ -79,7 +79,7 @@ def test_a_device_timed_first_epoch_gets_the_small_floor():
     n, k = 2000, 100
     fc = _feed([14 * MS] * k, device=True)
     fc.needs_device = True
-    p = fc.predict(n, 0, None, 0)
+    p = fc.estimate(n, 0, None, 0)
     assert p["rate"]["device"]
     rest = (n - k) * 14 * MS
     # the floor, and the device-timed rate's own spread against the host's steps (0.5%) beside it
@@ -89,5 +89,5 @@ def test_a_device_timed_first_epoch_gets_the_small_floor():
 
 def test_the_low_end_is_never_below_the_time_already_run():
     n, k = 200, 20
-    p = _feed([10 * MS] * k).predict(n, 0, None, 0)
+    p = _feed([10 * MS] * k).estimate(n, 0, None, 0)
     assert p["low"] >= k * 10 * MS

@@ -65,10 +65,10 @@ def test_a_device_timed_rate_is_combined_with_the_previous_epochs_level():
     previous, cv = epoch_level(EPOCH0), level_variation(EPOCH0)
     assert math.isclose(previous[0], 0.002, rel_tol=1e-3) and abs(previous[1]) < 1e-3 and cv > 0.2
     fc = _forecast(EPOCH1, N // 20)
-    alone = fc.predict(N, 0, None, 0, level_cv=cv)
+    alone = fc.estimate(N, 0, None, 0, level_cv=cv)
     assert math.isclose(alone["rate_s"], LOW)
     assert _error(alone, EPOCH1) < -0.20  # the window's level: 25% short
-    p = fc.predict(N, 0, None, 0, level_cv=cv, previous=previous)
+    p = fc.estimate(N, 0, None, 0, level_cv=cv, previous=previous)
     # the window spans one twentieth of the epoch, the previous epoch twenty: weight 20/21 for it
     w = p["rate"]["previous_weight"]
     assert math.isclose(w, 20 / 21, rel_tol=1e-3)
@@ -82,8 +82,8 @@ def test_a_host_timed_rate_is_not_combined():
     # on the shared CPU hosts the level moved between epochs as much as within one
     fc = _forecast(EPOCH1, N // 20, device=False)
     cv = level_variation(EPOCH0)
-    alone = fc.predict(N, 0, None, 0, level_cv=cv)
-    p = fc.predict(N, 0, None, 0, level_cv=cv, previous=epoch_level(EPOCH0))
+    alone = fc.estimate(N, 0, None, 0, level_cv=cv)
+    p = fc.estimate(N, 0, None, 0, level_cv=cv, previous=epoch_level(EPOCH0))
     assert p["seconds"] == alone["seconds"] and p["rate"]["previous_weight"] == 0.0
 
 
@@ -102,7 +102,7 @@ def test_a_workload_that_changed_between_epochs_keeps_its_own_rate():
     # a steady host (1% level variation) whose steps got 50% longer: not the host's speed
     cv = 0.01
     fc = _forecast([0.003] * N, N // 20)
-    p = fc.predict(N, 0, None, 0, level_cv=cv, previous=(0.002, 0.0))
+    p = fc.estimate(N, 0, None, 0, level_cv=cv, previous=(0.002, 0.0))
     assert p["rate"]["previous_weight"] == 0.0 and math.isclose(p["rate_s"], 0.003)
     assert with_previous_epoch(0.003, 0.0, BLOCK // 2, N, cv, (0.002, 0.0)) is None
 

@@ -30,12 +30,12 @@ def test_the_window_share_is_replaced_by_the_previous_epochs():
     fc.shift_detection = False
     for _ in range(40):
         fc.add_step(0.010, 0.0)
-    p = fc.predict(400, 0, None, 0, slow_share=0.5)  # half a median step more per step, on average
+    p = fc.estimate(400, 0, None, 0, slow_share=0.5)  # half a median step more per step, on average
     assert math.isclose(p["rate_s"], 0.015) and math.isclose(p["seconds"], 0.4 + 360 * 0.015)
     # a window with a stall of its own: it counts at the epoch's share, not the window's
     fc.add_step(0.110, 0.0)
     r = fc.rate()
-    p = fc.predict(400, 0, None, 0, slow_share=0.0)
+    p = fc.estimate(400, 0, None, 0, slow_share=0.0)
     assert math.isclose(p["rate_s"], r["mean"] - 0.100 / r["steps"])
 
 

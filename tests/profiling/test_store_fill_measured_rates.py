@@ -194,7 +194,7 @@ def test_saves_after_the_fill_are_charged_at_the_fold_rate_the_measured_ones_ran
         if i in (100, 200):
             fc.mark_save()
         fc.add_step(w, 0.0)
-    p = fc.predict(400, 0, None, 1, store_fill=fill, save_batches=[300])
+    p = fc.estimate(400, 0, None, 1, store_fill=fill, save_batches=[300])
     assert math.isclose(p["seconds"], math.fsum(walls), rel_tol=2e-3)
     # how: the save before the fill is the usual cost; the one after it sets the fold rate
     mean = fc.rate()["mean"]

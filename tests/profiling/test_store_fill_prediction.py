@@ -66,7 +66,7 @@ def test_the_forecast_charges_what_the_window_has_not_seen_and_no_store_trend():
         fc.shift_detection = False  # the window: the later half of the steps so far
         for w in walls[:k]:
             fc.add_step(w, w - 0.020)  # the extra is store time: a trend the model replaces
-        p = fc.predict(400, 0, None, 0, store_fill=StoreFill(*fill))
+        p = fc.estimate(400, 0, None, 0, store_fill=StoreFill(*fill))
         assert math.isclose(p["seconds"], math.fsum(walls), rel_tol=1e-9), k
         lo = k // 2
         window = math.fsum(walls[lo:k]) / (k - lo) - 0.020
@@ -80,7 +80,7 @@ def test_the_forecast_charges_what_the_window_has_not_seen_and_no_store_trend():
     fc.shift_detection = False
     for w in walls[:40]:
         fc.add_step(w, 0.0)
-    assert fc.predict(400, 0, None, 0)["seconds"] < 0.8 * math.fsum(walls)
+    assert fc.estimate(400, 0, None, 0)["seconds"] < 0.8 * math.fsum(walls)
 
 
 def test_saves_after_the_fill_are_charged_from_the_model_before_any_is_measured():
@@ -90,7 +90,7 @@ def test_saves_after_the_fill_are_charged_from_the_model_before_any_is_measured(
     fc.shift_detection = False
     for w in walls[:40]:
         fc.add_step(w, 0.0)
-    p = fc.predict(400, 0, None, 3, save_guess_s=0.050, store_fill=fill, save_batches=[100, 200, 300])
+    p = fc.estimate(400, 0, None, 3, save_guess_s=0.050, store_fill=fill, save_batches=[100, 200, 300])
     assert math.isclose(p["seconds"], math.fsum(walls), rel_tol=1e-9)
     # once saves after the fill are measured: test_store_fill_measured_rates.py
 
