@@ -150,6 +150,7 @@ def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = N
         epochs.append({"epoch": e["epoch"], "batches": e["batches"], "actual_s": actual,
                        "reference_s": ref - probe_s, "probe_s": probe_s, "predicted_s": pred,
                        "std_s": e["predicted_epoch_std_seconds"], "at_batch": e["predicted_at_batch"],
+                       "low_s": e.get("predicted_epoch_low_seconds"), "high_s": e.get("predicted_epoch_high_seconds"),
                        "error_pct": 100 * (pred / actual - 1) if pred else None,
                        "unmeasured_saves": e.get("predicted_unmeasured_saves"),
                        "store_fill_batch": e.get("predicted_store_fill_batch"),
@@ -273,6 +274,8 @@ def aggregate(runs: list[dict]) -> dict:
         fit = [r["fit_error_pct"] for r in mine if r["fit_error_pct"] is not None]
         within = [abs(e["predicted_s"] - e["actual_s"]) <= e["std_s"] * 2 for r in mine for e in r["epochs"]
                   if e["error_pct"] is not None]
+        inside = [e["low_s"] <= e["actual_s"] <= e["high_s"] for r in mine for e in r["epochs"]
+                  if e["error_pct"] is not None and e.get("low_s") is not None]
         out[label] = {
             "epoch_error_pct_median": statistics.median(epoch_errs) if epoch_errs else None,
             "epoch_abs_error_pct_median": statistics.median(abs(x) for x in epoch_errs) if epoch_errs else None,
@@ -280,6 +283,10 @@ def aggregate(runs: list[dict]) -> dict:
             "first_epoch_error_pct": first,
             "fit_error_pct": fit,
             "within_2_std_share": sum(within) / len(within) if within else None,
+            "within_90_interval_share": sum(inside) / len(inside) if inside else None,
+            "interval_half_width_pct_median": statistics.median(
+                50 * (e["high_s"] - e["low_s"]) / e["predicted_s"] for r in mine for e in r["epochs"]
+                if e["error_pct"] is not None and e.get("low_s") is not None) if inside else None,
             "actual_epoch_s_median": statistics.median(e["actual_s"] for r in mine for e in r["epochs"]),
             "runs": len(mine),
         }

@@ -336,8 +336,11 @@ def _print_prediction(agg: dict) -> None:
     print("\nprediction after 5% of each epoch vs the actual epoch:")
     for label, a in agg.items():
         fit = ", ".join(f"{x:+.2f}%" for x in a["fit_error_pct"]) or "n/a"
+        inside = a.get("within_90_interval_share")
+        interval = "" if inside is None else (f"; in the 90% interval {100 * inside:.0f}% "
+                                              f"(half-width {a['interval_half_width_pct_median']:.1f}%)")
         print(f"  {label:<28} |error| median {pct(a['epoch_abs_error_pct_median'])}, "
-              f"max {pct(a['epoch_abs_error_pct_max'])}; fit {fit}; epoch ~{a['actual_epoch_s_median']:.1f} s")
+              f"max {pct(a['epoch_abs_error_pct_max'])}; fit {fit}; epoch ~{a['actual_epoch_s_median']:.1f} s{interval}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

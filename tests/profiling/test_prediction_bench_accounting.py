@@ -25,6 +25,16 @@ def test_the_probes_own_predictions_are_left_out_of_the_actual_time():
     assert r["fit_actual_s"] == 20.0 and abs(r["fit_error_pct"]) < 1e-12
 
 
+def test_the_aggregate_counts_the_epochs_inside_the_90_percent_interval():
+    from lightning_embcache.bench.prediction import aggregate
+
+    epochs = [{"epoch": i, "predicted_s": 10.0, "actual_s": actual, "std_s": 0.1, "error_pct": 100 * (10 / actual - 1),
+               "low_s": 9.0, "high_s": 11.0} for i, actual in enumerate((10.5, 12.0, 9.5, 10.0))]
+    a = aggregate([{"run": "x", "epochs": epochs, "fit_error_pct": None}])["x"]
+    assert a["within_90_interval_share"] == 0.75 and a["within_2_std_share"] == 0.25
+    assert a["interval_half_width_pct_median"] == 10.0
+
+
 def test_tail_splits_the_rests_slow_steps_into_the_threads_cpu_and_waiting():
     # 100 steps of 1 ms; the first 10 are the first 5% (window: steps 5-9); in the rest, steps
     # 50 and 70 take 11 ms, of which the thread ran 3 ms on the CPU (1 ms is the usual)
