@@ -134,6 +134,7 @@ def test_the_table_and_the_last_epochs_summary_name_the_same_dominant_phase():
     assert epochs[-1]["dominant_phase"] == "data_wait"
 
 
+@pytest.mark.slow  # a subprocess importing Lightning and fitting twice: ~10 s on 2 cores
 def test_the_example_prints_the_same_dominant_phase_as_its_table():
     import re
     import subprocess
