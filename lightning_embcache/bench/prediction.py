@@ -364,8 +364,8 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
         at = [b for b in range(k, n) if every_n and (g0 + b) % every_n == 0] if store_fill is not None else []
         p = fc.estimate(n, len(runs), val_s, saves_left, earlier_save_s, level_cv, save_guess_s,
-                       store_fill=store_fill, save_batches=at, previous=previous, drift=drift,
-                       **({"slow_share": slow} if slow is not None else {}))
+                        store_fill=store_fill, save_batches=at, previous=previous, drift=drift,
+                        **({"slow_share": slow} if slow is not None else {}))
         if p is None:
             k += 1
     if p is None:

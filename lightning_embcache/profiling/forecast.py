@@ -128,11 +128,11 @@ INTERVAL_Z = 1.645  # a two-sided 90% interval of a normal error
 # whole epoch has shown the host's drift: in the replays of recorded CPU-host epochs 90% of the
 # first epochs' errors after 5% lay within 25% (the 2-vCPU host) and 53% (a 16-core host)
 FIRST_EPOCH_DRIFT = 0.4
-HOST_SETS_STEP = 0.9  # a host step this close to the device's (or longer) sets the step
 # ... and of a device-timed one: a step the GPU sets held within 0.5% over an epoch on the GPU
 # hosts replayed, a step its host sets did not; 5% is the smallest floor that held 90% of the
 # replayed GPU epochs
 FIRST_EPOCH_DEVICE_DRIFT = 0.05
+HOST_SETS_STEP = 0.9  # a host step this close to the device's (or longer) sets the step
 DRIFT_BLOCKS = 16  # blocks (of at least 4 steps) of the running epoch's steps for level_drift
 EPOCH_DRIFT_BLOCKS = 20  # ... and of a finished epoch's
 
@@ -235,9 +235,9 @@ def level_variation_so_far(wall: "array | list[float]") -> float:
 def level_drift(wall: "array | list[float] | np.ndarray", blocks: int = DRIFT_BLOCKS, min_size: int = 4) -> float:
     """How far the host's speed drifted in these steps: the largest departure of one block's median
     step time from the median of the blocks' medians, as a fraction of it (``blocks`` blocks of at
-    least ``min_size`` steps; the first step, the loader's start-up, left out). A level shift of 30% shows as
-    about 0.3 whichever side of the median it falls; single slow steps move a median little. 0 for
-    fewer than 3 blocks."""
+    least ``min_size`` steps; the first step, the loader's start-up, left out). A stretch 30% slower
+    than the rest shows as 0.3 while it holds a minority of the blocks, about half that once it
+    holds half of them; single slow steps move a median little. 0 for fewer than 3 blocks."""
     n = len(wall) - 1
     size = max(min_size, n // blocks)
     m = n // size
@@ -475,12 +475,12 @@ class Forecast:
         return None if r is None else r["save_s"]
 
     def estimate(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
-                saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
-                save_guess_s: Optional[float] = None,
-                store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = (),
-                slow_share: Optional[float] = None,
-                previous: Optional[tuple[float, float]] = None,
-                drift: Optional[float] = None) -> Optional[dict]:
+                 saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
+                 save_guess_s: Optional[float] = None,
+                 store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = (),
+                 slow_share: Optional[float] = None,
+                 previous: Optional[tuple[float, float]] = None,
+                 drift: Optional[float] = None) -> Optional[dict]:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
         measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:

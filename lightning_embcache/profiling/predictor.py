@@ -334,7 +334,7 @@ class EpochPredictor:
         # hot tiers filling in this epoch: the saves to come cost more after the fill
         at = save_batches(trainer, g_now, g_end, done, acc) if self._fill is not None else ()
         p = fc.estimate(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, self._fill, at,
-                       self._slow_share, self._previous, self._drift)
+                        self._slow_share, self._previous, self._drift)
         if p is None:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "epoch_low_s": p["low"], "epoch_high_s": p["high"],

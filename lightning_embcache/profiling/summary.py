@@ -44,7 +44,7 @@ def epoch_row(t: Totals) -> list[float]:
 
 
 def dominant_phase(phases_ms: dict[str, float]) -> str:
-    """The phase with the most time per step: what docs/profiler.md says what to do about. The
+    """The phase with the most time per step (docs/profiler.md says what to do about each). The
     end-of-fit table names the last epoch's, as the summary's ``dominant_phase`` does."""
     return max(PHASES, key=lambda p: phases_ms[p])
 
