@@ -510,6 +510,17 @@ class EmbeddingStore(TieredRows, Versioning):
         self._stats.updates += 1
         self._waited(t0)
 
+    def _resident_rows(self, idx: np.ndarray) -> bool:
+        """Memory mode: make sure rows ``idx`` (validated) are in the pool, whose slots are the
+        ids, making those not made yet; False in disk mode. Caller holds the lock. O(batch): a
+        table touched only in part keeps the one-gather paths."""
+        hot = self._hot
+        if not hot.resident:
+            return False
+        if not hot.all_loaded and hot.lookup(idx) is not idx:
+            self._resolve(idx, load=True)
+        return True
+
     def _note_dirty(self, n: int) -> None:
         """Keep evictions cheap for the training thread: once about half the hot slots may be
         dirty, write the cold ones back in the background (disk mode; caller holds the lock)."""
@@ -560,9 +571,10 @@ class EmbeddingStore(TieredRows, Versioning):
         if out is None:
             out = torch.empty(shape, dtype=torch.uint8)
         dest = out.numpy()
-        if self._hot.all_loaded:
+        if self._hot.resident:  # memory mode: the rows' pool slots are their ids, once made
             with self._lock:
                 self._check_open()
+                self._resident_rows(idx)
                 rowcopy.gather(self._hot.pool_np, idx, dest)
         else:  # rows to bring in first: whole records through the tiers, in slices (bounded memory)
             step = len(idx) if self._hot.resident else SLICE_ROWS
@@ -598,7 +610,7 @@ class EmbeddingStore(TieredRows, Versioning):
         else:
             with self._lock:
                 self._check_open()
-                if self._hot.all_loaded and self._cow is None:
+                if self._cow is None and self._resident_rows(idx):
                     rowcopy.scatter(self._hot.pool_np, idx, records.numpy())
                     self._hot.dirty[idx] = 1
                 else:  # whole records through the tiers: no field-by-field path
@@ -615,7 +627,7 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable()
         with self._lock:
-            if self._closed or not self._hot.all_loaded:
+            if self._closed or not self._resident_rows(idx.numpy()):
                 return False
             torch.index_select(self._hot.pool, 0, idx, out=out)  # bounds-checked, intra-op threads
         self._stats.gets += 1
@@ -626,9 +638,9 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable(write=True)
         with self._lock:
-            if self._closed or not (self._hot.all_loaded and self._cow is None):
-                return False
             i = idx.numpy()
+            if self._closed or self._cow is not None or not self._resident_rows(i):
+                return False
             self._hot.pool_np[i] = records.numpy()
             self._hot.dirty[i] = 1
         self._stats.updates += 1
