@@ -368,6 +368,8 @@ class EmbeddingStore(TieredRows, Versioning):
         _LIVE.add(self)
         if root is not None and not readonly:
             self._maybe_compact()  # many short runs must not pile up segments no flush compacts
+        if not readonly:
+            self._start_filling()
 
     # ------------------------------------------------------------------ properties
     path = property(lambda self: None if self._ephemeral else self._root, doc="Store directory (None if ephemeral).")
@@ -773,7 +775,7 @@ class EmbeddingStore(TieredRows, Versioning):
             self._closed = True  # from here every call (and every call waiting for the lock) refuses
         same_process = self._pid == os.getpid()
         me = threading.current_thread()
-        for ex in (self._prefetcher, self._bg):
+        for ex in (self._prefetcher, self._bg, self._filler):
             if ex is not None and same_process:
                 # The last reference may drop on one of these very threads (a prefetch finishing):
                 # it cannot join itself, and the rest of close() must still run.
@@ -901,6 +903,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._fold_proc = None  # the parent's; its handle refuses to serve another process anyway
         self._bg = None
         self._prefetcher = None
+        self._filler = None
         self._bg_futures = {}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -69,6 +70,27 @@ def to_np(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
+#: memory mode makes never-written chunks in a background thread (`TieredRows._start_filling`);
+#: tests that count first touches turn it off
+BACKGROUND_FILL = True
+FILL_BYTES = 4 << 20  # rows made per step of the background fill (the store lock is held to install them)
+
+
+def _fill_weakly(ref: Any) -> None:
+    """The background fill, holding its store only during a step (a dropped store is collected)."""
+    start = 0
+    while start is not None:
+        store = ref()
+        if store is None:
+            return
+        try:
+            start = store._fill_step(start)
+        except Exception:  # the fill is an optimisation: a first touch still makes any row
+            return
+        finally:
+            del store
+
+
 class TieredRows:
     """Hot/warm/cold row movement (private base of EmbeddingStore)."""
 
@@ -87,6 +109,7 @@ class TieredRows:
     _fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
     _fetch_cond: threading.Condition | None = None
     _loader: ChunkLoader | None = None  # announced chunks read whole into the warm slab (chunkload.py)
+    _filler: ThreadPoolExecutor | None = None  # memory mode's background fill (`_start_filling`)
     _loader_tried: bool = False
 
     def _field_np(self, name: str) -> np.ndarray:
@@ -1115,6 +1138,55 @@ class TieredRows:
                     list(pool.map(self._init_chunks_in_place, spans))
                 hot.loaded[fresh] = True
             hot.all_loaded = True
+
+    def _start_filling(self) -> None:
+        """Memory mode over never-written chunks: make them in a background thread, a few MiB
+        of rows at a time, so a table whose first batch made only its own rows reaches the
+        one-gather steady state soon (and faults its pages in off the training thread), instead
+        of after a whole epoch of first touches. Chunks with rows on disk load on demand."""
+        hot = self._hot
+        if not BACKGROUND_FILL or not hot.resident or hot.all_loaded or self._init_kind == "callable":
+            return
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="embcache-fill")
+        self._filler.submit(_fill_weakly, weakref.ref(self))
+
+    def _fill_step(self, start: int) -> int | None:
+        """Make the next few never-written, not yet loaded chunks from ``start``; returns where
+        to go on, or None when done. Records are made outside the lock; installed under it,
+        keeping rows made or changed meanwhile (`HotTier.fill_chunk`)."""
+        hot, cr = self._hot, self._chunk_rows
+        group = max(1, FILL_BYTES // (cr * self._row_bytes))
+        with self._lock:
+            if self._closed or hot.all_loaded:
+                return None
+            n = len(hot.loaded)
+            picked: list[int] = []
+            c = start
+            while c < n and len(picked) < group:
+                end = min(n, c + 4 * group)
+                for k in np.flatnonzero(~hot.loaded[c:end]).tolist():
+                    if len(picked) < group and self._fresh_chunk(c + k):
+                        picked.append(c + k)
+                c = end if len(picked) < group else picked[-1] + 1
+            if not picked:
+                hot.all_loaded = bool(hot.loaded.all())
+                return None
+        made = [(k, self._init_records(k, min(cr, self._num_rows - k * cr))) for k in picked]
+        with self._lock:
+            if self._closed:
+                return None
+            for k, recs in made:
+                if not hot.loaded[k] and self._fresh_chunk(k):
+                    hot.fill_chunk(k, recs)
+            if c >= n:
+                hot.all_loaded = bool(hot.loaded.all())
+        return c
+
+    def _fresh_chunk(self, chunk: int) -> bool:
+        """No row of ``chunk`` was ever written below the pool (no base file, no delta record)."""
+        if self._disk is not None and self._cmap[chunk] != 0:
+            return False
+        return self._rows is None or not len(self._rows) or self._layout_of(chunk) == (0, None)
 
     def _init_in_place(self) -> bool:
         """Whether initial values can be written straight into a fresh (zeroed) pool, from any

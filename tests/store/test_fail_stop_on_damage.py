@@ -33,16 +33,16 @@ class Recorder:
         pass
 
 
-def _store_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("embcache")]
+def _store_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("embcache")}
 
 
-def _threads_gone(before: set[str]) -> bool:
+def _threads_gone(before: set[threading.Thread]) -> bool:
     """After gc.collect(): a job running at that moment ends at its next round, then its thread
     goes (bounded wait on the event, not a timing)."""
     for _ in range(200):
         gc.collect()
-        if set(_store_threads()) <= before:
+        if _store_threads() <= before:
             return True
         time.sleep(0.05)
     return False
@@ -66,7 +66,7 @@ def test_a_store_that_met_damage_stops_its_background_work_and_is_released_when_
     _damaged_store(path)
     rec = Recorder()
     monkeypatch.setattr(fileio, "FAULTS", rec)
-    before = set(_store_threads())
+    before = _store_threads()
     s = EmbeddingStore.open(path, hot_bytes=HOT)
     for k in range(30):  # segments over many chunks: background compaction has work to do
         ids = torch.arange(k % 2 + 64, N, 37)
@@ -78,7 +78,7 @@ def test_a_store_that_met_damage_stops_its_background_work_and_is_released_when_
     assert st.damaged == 1
     rec.armed = True  # from the moment the damage was seen
     del s
-    assert _threads_gone(before), _store_threads()
+    assert _threads_gone(before), [t.name for t in _store_threads() - before]
     writes = [op for op in rec.ops if op[0] in ("write", "rename", "create", "unlink", "fsync")]
     assert not writes, writes[:5]
     with EmbeddingStore.open(path, hot_bytes=HOT):  # the writer lock was released
@@ -86,14 +86,14 @@ def test_a_store_that_met_damage_stops_its_background_work_and_is_released_when_
 
 
 def test_a_dropped_healthy_handle_is_released_by_the_garbage_collector(tmp_path):
-    before = set(_store_threads())
+    before = _store_threads()
     for i in range(5):
         s = EmbeddingStore.create(tmp_path / f"s{i}", N, DIM, chunk_rows=CHUNK, hot_bytes=HOT)
         s.update(torch.arange(N), torch.randn(N, DIM))
         s.flush()
         s.prefetch(torch.arange(100))
         del s
-    assert _threads_gone(before), _store_threads()
+    assert _threads_gone(before), [t.name for t in _store_threads() - before]
     for i in range(5):
         with EmbeddingStore.open(tmp_path / f"s{i}"):
             pass

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache import EmbeddingStore, InvalidArgumentError
+from lightning_embcache.store import tiers
 from lightning_embcache.store.initrows import normal_rows
 
 CHUNK = 64
@@ -54,7 +55,8 @@ def test_normal_rows_are_the_documented_formula_bit_for_bit(dim, seed, std, ids)
 
 
 @pytest.mark.parametrize("on_disk", [False, True], ids=["ephemeral", "path"])
-def test_a_first_touch_makes_the_rows_read_not_their_chunks(tmp_path, on_disk):
+def test_a_first_touch_makes_the_rows_read_not_their_chunks(tmp_path, on_disk, monkeypatch):
+    monkeypatch.setattr(tiers, "BACKGROUND_FILL", False)  # what the training thread makes, alone
     n = 100 * CHUNK
     with EmbeddingStore.create(tmp_path / "s" if on_disk else None, n, 8, chunk_rows=CHUNK, init="normal",
                                seed=5, fields=FIELDS) as s:
@@ -142,3 +144,30 @@ def test_whole_records_match_a_model_in_every_mode_without_a_field_by_field_path
             s.close()
         with EmbeddingStore.open(path / "s", readonly=True) as r:
             assert torch.equal(r.read_records(torch.arange(n)), model)
+
+
+@pytest.mark.parametrize("with_fields", [False, True])
+def test_the_background_fill_makes_every_row_and_keeps_rows_changed_meanwhile(tmp_path, with_fields):
+    """The fill runs beside updates and flushes of the same rows: at the end every row is either
+    its initial value or the value written last, and the table reaches the one-gather state."""
+    n = 40 * CHUNK + 3
+    fields = FIELDS if with_fields else None
+    s = EmbeddingStore.create(tmp_path / "s", n, 4, chunk_rows=CHUNK, init="normal", seed=11, fields=fields)
+    try:
+        want = torch.from_numpy(reference_normal(np.arange(n), 4, 11, 1.0))
+        g = torch.Generator().manual_seed(0)
+        for k in range(30):
+            ids = torch.unique(torch.randint(0, n, (50,), generator=g))
+            vals = torch.randn(len(ids), 4, generator=g)
+            s.update(ids, vals)
+            want[ids] = vals
+            if k % 10 == 9:
+                s.flush()
+        s._filler.shutdown(wait=True)  # the fill is done
+        assert s._hot.all_loaded
+        assert torch.equal(s.get(torch.arange(n)), want)
+        s.flush()
+    finally:
+        s.close()
+    with EmbeddingStore.open(tmp_path / "s", readonly=True) as r:
+        assert torch.equal(r.get(torch.arange(n)), want)
