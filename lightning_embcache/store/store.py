@@ -41,7 +41,7 @@ from .hot import SLOT_OVERHEAD, HotTier
 from .initrows import normal_rows
 from .schema import DTYPES, Schema
 from .stats import StoreStats
-from .tiers import ServedWarm, TieredRows, TooLarge, to_np
+from .tiers import SLICE_ROWS, ServedWarm, TieredRows, TooLarge, to_np
 from .validate import (MAX_CHUNK_ROWS, MAX_ROWS, as_ids, as_values, budget, check_meta, finite_float,
                        positive_int, version_arg)
 from . import foldproc
@@ -55,9 +55,6 @@ PathLike = Union[str, os.PathLike, None]
 
 
 _LIVE: "weakref.WeakSet[EmbeddingStore]" = weakref.WeakSet()
-
-# Disk mode serves get/update calls larger than this in slices: bounded temporaries per call.
-SLICE_ROWS = 8192
 
 
 def strided_normal_spec(spec: Any) -> dict | None:

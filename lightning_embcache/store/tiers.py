@@ -37,6 +37,9 @@ PREFETCH_WAIT_S = 1.0
 # One write-back or flush patches the warm copies of at most this many bytes of chunks (the rest
 # of the warm chunks it touches are dropped): in random order a write-back touches every chunk held.
 PATCH_BYTES = 32 << 20
+# Calls larger than this are resolved (and, in disk mode, served) in slices of this many rows, so
+# one call's temporaries stay bounded whatever its batch (docs/store.md, "Memory").
+SLICE_ROWS = 8192
 
 
 class TooLarge(Exception):
@@ -250,16 +253,22 @@ class TieredRows:
     def _resolve_rows(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
                       values: dict[str, torch.Tensor] | None = None) -> np.ndarray | None:
         hot = self._hot
-        slots = hot.lookup(idx)
-        if hot.resident:
-            if slots is idx:
-                return slots
-            miss = idx[slots < 0]
-            self._load_resident(miss)
+        if hot.resident:  # slots are the ids: resolving means loading missing rows, slice by slice
+            if hot.all_loaded:
+                return idx
+            n_miss = 0
+            for a in range(0, len(idx), SLICE_ROWS):
+                part = idx[a : a + SLICE_ROWS]
+                slots = hot.lookup(part)
+                if slots is not part:
+                    miss = part[slots < 0]
+                    self._load_resident(miss)
+                    n_miss += len(miss)
             hot.all_loaded = bool(hot.loaded.all())
-            self._stats.hot_misses += len(miss)
-            self._stats.hot_hits += len(idx) - len(miss)
+            self._stats.hot_misses += n_miss
+            self._stats.hot_hits += len(idx) - n_miss
             return idx
+        slots = hot.lookup(idx)
         missing = slots < 0
         asked = missing  # rows not hot when the call came (the hit statistics count these)
         if self._fetching is not None and not for_write and missing.any():
@@ -781,10 +790,7 @@ class TieredRows:
         therefore leaves no row of the call applied. Caller holds the lock.
         """
         hot = self._hot
-        rev = idx[::-1]
-        uniq, first_in_rev = np.unique(rev, return_index=True)  # of duplicate ids the last wins
-        pos = len(idx) - 1 - first_in_rev
-        cr = self._chunk_rows
+        uniq, pos = _last_of_each(idx)  # of duplicate ids the last wins
 
         def records(a: int, b: int) -> np.ndarray:
             ids = uniq[a:b]
@@ -805,16 +811,18 @@ class TieredRows:
         self._next_seq += 1
         # a write that fails raises here, with nothing applied
         self._add_pending(self._disk.write_segment(seq, uniq, records, durable=False))
-        # Resident copies take the write too (the hot tier is read first); they stay dirty.
-        slots = hot.lookup(idx)
-        res = slots >= 0
-        if res.any():
-            if self._cow is not None:
-                self._save_cow(slots[res])
-            at = torch.from_numpy(np.flatnonzero(res))
-            for n, v in values.items():
-                self._np_views[n][slots[res]] = to_np(v[at])
-            hot.dirty[slots[res]] = 1
+        # Resident copies take the write too (the hot tier is read first); they stay dirty. In
+        # call order, a slice at a time: of duplicate ids the last still wins, temporaries stay small.
+        for a in range(0, len(idx), SLICE_ROWS):
+            slots = hot.lookup(idx[a : a + SLICE_ROWS])
+            res = slots >= 0
+            if res.any():
+                if self._cow is not None:
+                    self._save_cow(slots[res])
+                at = torch.from_numpy(np.flatnonzero(res) + a)
+                for n, v in values.items():
+                    self._np_views[n][slots[res]] = to_np(v[at])
+                hot.dirty[slots[res]] = 1
 
     def _load_resident(self, miss: np.ndarray) -> None:
         """Bring rows ``miss`` of a memory-mode table into its pool. Rows of chunks never written
@@ -1457,3 +1465,21 @@ class TieredRows:
             else:
                 hot.grow_limit(slots)
             self._hot_budget = hot_bytes
+
+
+def _last_of_each(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct ids of ``idx`` and the position of each one's last occurrence.
+
+    A stable sort keeps equal ids in call order, so the last of each run is the last write. Peak
+    temporaries: about 20 bytes per id (`np.unique(..., return_index=True)` on the reversed ids,
+    which this replaces, took about 40)."""
+    if not len(idx):
+        return idx[:0].copy(), np.zeros(0, np.int64)
+    order = np.argsort(idx, kind="stable")
+    srt = idx[order]
+    last = np.empty(len(srt), bool)
+    last[-1] = True
+    np.not_equal(srt[1:], srt[:-1], out=last[:-1])
+    uniq = srt[last]
+    del srt
+    return uniq, order[last]
