@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flushes", type=int, default=40)
     p.add_argument("--flush-frac", type=float, default=0.1)
     p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
+    p.add_argument("--get-only", action="store_true",
+                   help="the warm, cold and epoch phases only read (evaluation, a frozen table): get, no update")
     p.add_argument("--phases", default="warm,cold,space", help="any of warm,cold,space,epoch,shuffle")
     p.add_argument("--store-rev", help="also run the store as committed at this git revision (system "
                    "'store@REV', extracted with git archive; no lookahead), e.g. the one before a change; "
@@ -252,12 +254,14 @@ def _loop(cfg: dict) -> dict:
             out["drop"] = drop_cache([wd / "store", wd / "table.npy"])
         else:
             warm_cache([wd / "store"])
+    get_only = bool(cfg.get("get_only"))
     if system == "memmap":
-        mm = np.load(wd / "table.npy", mmap_mode="r+")
+        mm = np.load(wd / "table.npy", mmap_mode="r" if get_only else "r+")
 
         def step(ids):
             x = torch.from_numpy(mm[ids])
-            mm[ids] = (x + 1).numpy()
+            if not get_only:
+                mm[ids] = (x + 1).numpy()
 
         flush, stats, close = mm.flush, (lambda: None), (lambda: None)
         order = batches
@@ -270,7 +274,8 @@ def _loop(cfg: dict) -> dict:
         def step(ids):
             t = torch.tensor(ids)
             x = store.get(t)
-            store.update(t, x + 1)
+            if not get_only:
+                store.update(t, x + 1)
 
         flush, stats, close = store.flush, store.stats, store.close
         if system == "store+lookahead":
@@ -517,7 +522,7 @@ def main(argv=None) -> int:
         "batches": args.batches or (60 if q else 300), "flush_every": args.flush_every,
         "table_factor": args.table_factor, "lookahead": args.lookahead or 8, "lookahead_k": args.lookahead or None,
         "flushes": args.flushes,
-        "step_ms": args.step_ms, "read_iops": args.read_iops, "mem_limit_mib": args.mem_limit_mib,
+        "step_ms": args.step_ms, "get_only": args.get_only, "read_iops": args.read_iops, "mem_limit_mib": args.mem_limit_mib,
         "flush_frac": args.flush_frac, "space_rows": args.space_rows or (30_000 if q else 200_000), "seed": 0,
     }
     reps = args.reps or (1 if q else 3)
