@@ -516,8 +516,11 @@ class EmbeddingStore(TieredRows, Versioning):
         hot = self._hot
         if not hot.resident:
             return False
-        if not hot.all_loaded and hot.lookup(idx) is not idx:
-            self._resolve(idx, load=True)
+        if not hot.all_loaded:  # checked a slice at a time: a huge batch's temporaries stay bounded
+            for a in range(0, len(idx), SLICE_ROWS):
+                part = idx[a : a + SLICE_ROWS]
+                if hot.lookup(part) is not part:
+                    self._resolve(part, load=True)
         return True
 
     def _note_dirty(self, n: int) -> None:
