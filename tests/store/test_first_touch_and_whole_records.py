@@ -57,6 +57,7 @@ def test_normal_rows_are_the_documented_formula_bit_for_bit(dim, seed, std, ids)
 @pytest.mark.parametrize("on_disk", [False, True], ids=["ephemeral", "path"])
 def test_a_first_touch_makes_the_rows_read_not_their_chunks(tmp_path, on_disk, monkeypatch):
     monkeypatch.setattr(tiers, "BACKGROUND_FILL", False)  # what the training thread makes, alone
+    monkeypatch.setattr(tiers, "ROWS_ON_FIRST_TOUCH", True)
     n = 100 * CHUNK
     with EmbeddingStore.create(tmp_path / "s" if on_disk else None, n, 8, chunk_rows=CHUNK, init="normal",
                                seed=5, fields=FIELDS) as s:
