@@ -20,7 +20,8 @@ Each fit runs two epochs of ``--steps`` batches: the first warms up (tiers fille
 compiled), the second is timed, by the wall clock (device drained at both ends) and by
 `StepProfiler`, whose phases for that epoch are reported beside steps/s and the ratio to the anchor
 (> 1: faster than the anchor). Every batch draws fresh ids. Variants run one after another in
-this process, ``--reps`` times round-robin; figures are medians over repetitions.
+this process, ``--reps`` times in a rotating order; "vs anchor" is the median of per-repetition
+paired ratios (anchor's ms over the variant's; > 1: faster), with their range.
 
     embcache bench train [--device cpu|cuda] [--rows N] [--dim D] [--batch B] [--hidden H]
                          [--steps S] [--variants a,b] [--reps R] [--out PATH]
@@ -43,6 +44,8 @@ from typing import Any, Sequence
 
 import torch
 
+from lightning_embcache.bench.harness import paired_ratios, rotating_order
+
 VARIANTS = ("anchor", "memory", "disk", "device", "device_4x", "memory_small")
 CUDA_ONLY = ("device", "device_4x")
 
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw ids from [0, N) only (default: the whole table); needed by memory_small")
     p.add_argument("--steps", type=int, default=60, help="batches per epoch (one warm-up epoch, one timed)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--reps", type=int, default=1, help="round-robin repetitions (median reported)")
+    p.add_argument("--reps", type=int, default=1, help="repetitions, variants in a rotating order (paired ratios reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     return p
@@ -236,13 +239,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {v: [] for v in names}
     with tempfile.TemporaryDirectory(prefix="embcache-bench-train-") as tmp:
         for rep in range(args.reps):
-            for v in names:
+            for v in rotating_order(names, rep):  # no variant always first (after the last one's teardown)
                 r = run_variant(v, args, Path(tmp) / f"rep{rep}")
                 runs[v].append(r)
                 print(f"  rep {rep} {v:10s} {r['wall_batch_ms']:8.2f} ms/step (profiler steady "
                       f"{r['steady_batch_ms'] or float('nan'):.2f})", flush=True)
     med = {v: statistics.median(r["wall_batch_ms"] for r in rs) for v, rs in runs.items()}
     anchor = med.get("anchor")
+    times = {v: [r["wall_batch_ms"] for r in rs] for v, rs in runs.items()}
+    paired = {v: paired_ratios(times, "anchor", v) for v in names} if anchor else {}
     device_name = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
     print(f"\nembcache bench train: {args.rows:,} rows x {args.dim}, batch {args.batch}, MLP "
           f"{args.dim}-{args.hidden}-{args.hidden}-{args.out_dim}, {args.steps} steps after as many warm-up steps, "
@@ -252,12 +257,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         last = runs[v][-1]["phases_ms"] or {}
         ph = " ".join(f"{last.get(k, 0):.2f}" for k in ("data_wait", "forward", "backward", "optimizer", "store_io",
                                                           "other"))
-        ratio = f"{anchor / med[v]:.2f}x" if anchor else "-"
-        print(f"{v:10s} {med[v]:9.2f} {1e3 / med[v]:8.1f} {ratio:>9s}  {ph}")
+        ratio = f"{paired[v].median:.2f}x" if anchor else "-"
+        spread = f" ({paired[v].low:.2f}-{paired[v].high:.2f})" if anchor and len(runs[v]) > 1 else ""
+        print(f"{v:10s} {med[v]:9.2f} {1e3 / med[v]:8.1f} {ratio:>9s}  {ph}{spread}")
     result = {"benchmark": "train", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "device": args.device, "device_name": device_name, "torch": torch.__version__,
               "args": vars(args), "median_ms": med,
-              "ratio_vs_anchor": {v: anchor / m for v, m in med.items()} if anchor else None, "runs": runs}
+              "paired_vs_anchor": {v: p.as_dict() for v, p in paired.items()} if anchor else None, "runs": runs}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
