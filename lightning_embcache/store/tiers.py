@@ -268,7 +268,8 @@ class TieredRows:
                     miss = part[slots < 0]
                     self._load_resident(miss)
                     n_miss += len(miss)
-            hot.all_loaded = bool(hot.loaded.all())
+            if n_miss:  # a scan of the chunk flags only on a step that loaded chunks, never per step
+                hot.all_loaded = bool(hot.loaded.all())
             self._stats.hot_misses += n_miss
             self._stats.hot_hits += len(idx) - n_miss
             return idx
