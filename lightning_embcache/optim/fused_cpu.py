@@ -26,6 +26,25 @@ _SOURCE = r"""
 #include <cstring>
 #include <vector>
 
+// The gradient of the run of equal ids starting at `i` (rows of G in `order`): the row itself, or
+// the sum of the run's rows in `acc`; `i` moves past the run.
+static inline const float* run_gradient(const int64_t* id, const int64_t* pos, const float* g0, int64_t sg,
+                                        int64_t n, int64_t d, int64_t& i, float* acc) {
+  const int64_t r = id[i];
+  const float* g = g0 + pos[i] * sg;
+  int64_t j = i + 1;
+  if (j < n && id[j] == r) {  // duplicates: sum the run
+    for (int64_t k = 0; k < d; ++k) acc[k] = g[k];
+    for (; j < n && id[j] == r; ++j) {
+      const float* h = g0 + pos[j] * sg;
+      for (int64_t k = 0; k < d; ++k) acc[k] += h[k];
+    }
+    g = acc;
+  }
+  i = j;
+  return g;
+}
+
 // sorted: ids ascending; order: their positions in G. Each run of equal ids is summed (in sorted,
 // i.e. stable position, order), then the row gets one pass: coupled L2 (l2), decoupled decay
 // (decay), SparseAdam's moments and update. Ids outside [0, rows) are skipped.
@@ -56,17 +75,7 @@ void adam_rows_(torch::Tensor W, torch::Tensor M, torch::Tensor V, torch::Tensor
       }
     }
     const int64_t r = id[i];
-    const float* g = g0 + pos[i] * sg;
-    int64_t j = i + 1;
-    if (j < n && id[j] == r) {  // duplicates: sum the run
-      for (int64_t k = 0; k < d; ++k) acc[k] = g[k];
-      for (; j < n && id[j] == r; ++j) {
-        const float* h = g0 + pos[j] * sg;
-        for (int64_t k = 0; k < d; ++k) acc[k] += h[k];
-      }
-      g = acc.data();
-    }
-    i = j;
+    const float* g = run_gradient(id, pos, g0, sg, n, d, i, acc.data());
     if (r < 0 || r >= rows) continue;
     float* __restrict w = w0 + r * sw;
     float* __restrict m = m0 + r * sm;
@@ -131,17 +140,7 @@ void adam_rows_bf16_(torch::Tensor W, torch::Tensor M, torch::Tensor V, torch::T
   int64_t i = 0;
   while (i < n) {
     const int64_t r = id[i];
-    const float* g = g0 + pos[i] * sg;
-    int64_t j = i + 1;
-    if (j < n && id[j] == r) {
-      for (int64_t k = 0; k < d; ++k) acc[k] = g[k];
-      for (; j < n && id[j] == r; ++j) {
-        const float* h = g0 + pos[j] * sg;
-        for (int64_t k = 0; k < d; ++k) acc[k] += h[k];
-      }
-      g = acc.data();
-    }
-    i = j;
+    const float* g = run_gradient(id, pos, g0, sg, n, d, i, acc.data());
     if (r < 0 || r >= rows) continue;
     uint16_t* w = w0 + r * sw;
     float* m = m0 + r * sm;
