@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test test-slow bench notebooks docs-api clean
+.PHONY: setup demo test test-slow test-bench bench notebooks docs-api clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m slow --timeout=3600
+
+# The benchmarks' smoke tests (each runs a benchmark end to end at a small size).
+test-bench: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m bench
 
 bench: setup
 	$(VENV)/bin/embcache bench store

@@ -23,18 +23,18 @@ from typing import Any, Sequence
 
 # benchmark -> module with main(argv)
 BENCHMARKS: dict[str, str] = {
-    "store": "lightning_embcache.bench.store",
-    "disk": "lightning_embcache.bench.disk",
-    "optim": "lightning_embcache.bench.optim",
-    "profiler": "lightning_embcache.bench.profiler",
-    "sync": "lightning_embcache.bench.sync",
-    "tuning": "lightning_embcache.bench.tuning",
-    "train": "lightning_embcache.bench.train",
-    "distributed": "lightning_embcache.bench.distributed",
-    "flush": "lightning_embcache.bench.flush",
-    "shuffle": "lightning_embcache.bench.shuffle",
-    "first-touch": "lightning_embcache.bench.first_touch",
-    "rows16": "lightning_embcache.bench.rows16",
+    "store": "benchmarks.store",
+    "disk": "benchmarks.disk",
+    "optim": "benchmarks.optim",
+    "profiler": "benchmarks.profiler",
+    "sync": "benchmarks.sync",
+    "tuning": "benchmarks.tuning",
+    "train": "benchmarks.train",
+    "distributed": "benchmarks.distributed",
+    "flush": "benchmarks.flush",
+    "shuffle": "benchmarks.shuffle",
+    "first-touch": "benchmarks.first_touch",
+    "rows16": "benchmarks.rows16",
 }
 # the module's own name for its output file flag, where it is not --out
 OUTPUT_FLAG = {"store": "--json", "disk": "--json", "optim": "--json", "sync": "--json", "shuffle": "--json"}
@@ -169,16 +169,35 @@ def _run_module(module: str, argv: list[str]) -> int:
     return int(importlib.import_module(module).main(argv) or 0)
 
 
+def _benchmarks_checkout() -> str | None:
+    """The source checkout whose ``benchmarks/`` folder holds the benchmarks, or None.
+
+    The benchmarks are not installed with the package (they start processes, use cgroups and
+    ``git archive``); they run from a clone installed with ``pip install -e .``."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return str(root) if (root / "benchmarks" / "__init__.py").is_file() else None
+
+
 def _bench(args: argparse.Namespace, rest: list[str], parser: argparse.ArgumentParser) -> int:
     if args.benchmark is None:
         parser.parse_args(["bench", "--help"])  # prints the benchmarks and exits
     module, out_flag = BENCHMARKS[args.benchmark], OUTPUT_FLAG.get(args.benchmark, "--out")
+    root = _benchmarks_checkout()
+    if root is None:
+        print(f"embcache bench {args.benchmark}: the benchmarks are not part of an installed package; run them "
+              "from a source checkout of lightning_embcache (git clone, then `pip install -e .` and "
+              f"`embcache bench {args.benchmark}` there; the code is in its benchmarks/ folder)", file=sys.stderr)
+        return EXIT_USAGE
+    if root not in sys.path:
+        sys.path.insert(0, root)
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name != module:
             raise
-        print(f"embcache bench {args.benchmark}: this installation has no {module} "
+        print(f"embcache bench {args.benchmark}: this checkout has no {module} "
               f"(the '{args.benchmark}' benchmark is not part of version {_version()})", file=sys.stderr)
         return EXIT_USAGE
     if args.out is not None:

@@ -45,7 +45,7 @@ TRANSFER_ROWS = 16_384
 #: the store's threshold for copies split over its copy threads. The training and exchange threads
 #: keep the GIL busy, and every hand-off to and from those threads waits for it: under a contended
 #: GIL one 4,100-row call took 30-57 ms where two or three calls below the threshold took 0.5-18 ms
-#: (`python -m lightning_embcache.bench.owner_host`). The store's lock is free between calls.
+#: (`python -m benchmarks.owner_host`). The store's lock is free between calls.
 STORE_CALL_ROWS = rowcopy.PARALLEL_MIN_ROWS - 1
 
 

@@ -60,9 +60,23 @@ def test_unknown_verbs_and_benchmarks_get_a_message(capsys):
 
 
 def test_a_benchmark_module_that_is_not_installed_is_named(monkeypatch, capsys):
-    monkeypatch.setitem(cli.BENCHMARKS, "train", "lightning_embcache.bench.not_here")
+    monkeypatch.setitem(cli.BENCHMARKS, "train", "benchmarks.not_here")
     code, _, err = run(["bench", "train"], capsys)
-    assert code == 2 and "has no lightning_embcache.bench.not_here" in err
+    assert code == 2 and "has no benchmarks.not_here" in err
+
+
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_benchmarks_checkout", lambda: None)
+    code, _, err = run(["bench", "train"], capsys)
+    assert code == 2 and "source checkout" in err and "benchmarks/" in err
+
+
+def test_the_installed_package_holds_no_benchmark_code():
+    import lightning_embcache
+
+    pkg = Path(lightning_embcache.__file__).parent
+    assert not (pkg / "bench").exists()
+    assert not [f for f in pkg.rglob("*.py") if "import benchmarks" in f.read_text() or "from benchmarks" in f.read_text()]
 
 
 def test_bench_passes_out_under_each_modules_own_flag(monkeypatch, tmp_path):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import numpy as np
 
 from lightning_embcache import cli
-from lightning_embcache.bench.disk import _rows
+from benchmarks.disk import _rows
 
 
+@pytest.mark.bench
 def test_get_only_phases_leave_the_shared_table_as_set_up(tmp_path):
     """memmap's warm runs use the shared file itself: a run that updated would leave it changed
     (+1 per row read); the get-only run leaves every row as set up, and each system reports."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
-from lightning_embcache.bench import flush
+from benchmarks import flush
 
 
+@pytest.mark.bench
 def test_bench_flush_quick_run_reports_both_throughputs(tmp_path):
     out = tmp_path / "flush.json"
     assert flush.main(["--rows", "4000", "--dim", "16", "--reps", "2", "--dir", str(tmp_path / "w"),

@@ -1,8 +1,11 @@
 """`embcache bench rows16` runs end to end and reports what docs/benchmarks.md quotes."""
 
-from lightning_embcache.bench.rows16 import main
+import pytest
+
+from benchmarks.rows16 import main
 
 
+@pytest.mark.bench
 def test_rows16_bench_reports_loss_speed_and_bytes(tmp_path):
     res = main(["--samples", "256", "--steps", "30", "--batch", "32", "--reps", "2", "--out", str(tmp_path / "r.json")])
     s = res["summary"]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lightning_embcache import cli
 
 
+@pytest.mark.bench
 def test_chunked_orders_trade_randomness_as_measured(tmp_path):
     """On data stored class by class, batches of a narrow window see fewer classes and their
     gradients spread wider than a uniform shuffle's; store ids given in a random order make the

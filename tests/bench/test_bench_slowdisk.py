@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lightning_embcache.bench import slowdisk
+from benchmarks import slowdisk
 
 
 def test_a_v1_blkio_hierarchy_gets_a_group_capping_reads_of_the_paths_disk(tmp_path, monkeypatch):

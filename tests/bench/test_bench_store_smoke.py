@@ -7,12 +7,13 @@ import json
 
 import pytest
 
-from lightning_embcache.bench import store as bench_store
-from lightning_embcache.bench.store_systems import ALL_SYSTEMS
+from benchmarks import store as bench_store
+from benchmarks.store_systems import ALL_SYSTEMS
 
 PHASES = ("get", "update", "get_update")
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(240)
 def test_quick_run_reports_every_system_and_workload(tmp_path):
     out = tmp_path / "store.json"
@@ -51,5 +52,5 @@ def test_quick_run_reports_every_system_and_workload(tmp_path):
 def test_cli_dispatches_to_store_benchmark():
     from lightning_embcache import cli
 
-    assert cli.BENCHMARKS["store"] == "lightning_embcache.bench.store"
+    assert cli.BENCHMARKS["store"] == "benchmarks.store"
     assert callable(bench_store.main)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("lightning")
-from lightning_embcache.bench.profiler_gpu import device_spans  # noqa: E402
+from benchmarks.profiler_gpu import device_spans  # noqa: E402
 
 
 def test_a_device_bound_phase_spans_until_its_last_kernel_ends():

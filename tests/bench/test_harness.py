@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_embcache.bench.harness import paired_ratios, rotating_order, run_interleaved
+from benchmarks.harness import paired_ratios, rotating_order, run_interleaved
 
 
 def test_every_variant_runs_once_in_each_place_over_as_many_repetitions():

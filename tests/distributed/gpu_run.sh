@@ -34,10 +34,10 @@ if [[ $what == matrix || $what == all ]]; then
   for l in /tmp/m/*.log; do echo "=== $l"; tail -c 3000 $l; done >> $LOG
 fi
 if [[ $what == scaling || $what == all ]]; then
-  timeout ${SCALING_S:-240} python3 -m lightning_embcache.bench.distributed --world-sizes ${WORLDS:-1 2 4} --rows ${ROWS:-10000000} \
+  timeout ${SCALING_S:-240} python3 -m benchmarks.distributed --world-sizes ${WORLDS:-1 2 4} --rows ${ROWS:-10000000} \
     --dim 64 --batch ${BATCH:-8192} --steps ${STEPS:-100} --warmup 10 --device-fraction 0.5 --threads 4 \
     --variants ${VARIANTS:-default store=checked+prepare=lookup} --repeat ${REPEAT:-5} --out $OUT/scaling.json >> $LOG 2>&1
-  timeout ${OWNER_S:-120} python3 -m lightning_embcache.bench.owner_host --rows 2500000 --busy 0 1 --busy-writes 1 \
+  timeout ${OWNER_S:-120} python3 -m benchmarks.owner_host --rows 2500000 --busy 0 1 --busy-writes 1 \
     --reps 20 --json $OUT/owner-host.json >> $LOG 2>&1
 fi
 if [[ $what == tests || $what == all ]]; then

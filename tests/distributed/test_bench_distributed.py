@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from lightning_embcache.bench import distributed as bench
+from benchmarks import distributed as bench
 
 
+@pytest.mark.bench
 def test_each_variant_runs_at_each_world_size_and_is_compared_with_itself(tmp_path):
     out = tmp_path / "scaling.json"
     bench.main(["--world-sizes", "1", "2", "--rows", "2000", "--batch", "64", "--steps", "2", "--warmup", "1",

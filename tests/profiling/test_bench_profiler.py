@@ -7,6 +7,7 @@ import pytest
 from lightning_embcache.cli import main as cli_main
 
 
+@pytest.mark.bench
 def test_bench_profiler_quick_run_writes_json(tmp_path, capsys):
     out = tmp_path / "p.json"
     rc = cli_main(["bench", "profiler", "--reps", "1", "--models", "small", "--workers", "0",
@@ -22,6 +23,7 @@ def test_bench_profiler_quick_run_writes_json(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.bench
 def test_bench_profiler_prediction_quick_run(tmp_path, capsys):
     out = tmp_path / "pred.json"
     rc = cli_main(["bench", "profiler", "--prediction", "--reps", "1", "--models", "small", "--workers", "0",
@@ -40,6 +42,7 @@ def test_bench_profiler_prediction_quick_run(tmp_path, capsys):
     assert "prediction after 5% of each epoch" in capsys.readouterr().out
 
 
+@pytest.mark.bench
 def test_bench_profiler_paired_blocks_quick_run(tmp_path, capsys):
     out = tmp_path / "paired.json"
     rc = cli_main(["bench", "profiler", "--paired", "--reps", "1", "--models", "small", "--batches", "300",
@@ -57,7 +60,7 @@ def test_bench_profiler_paired_blocks_quick_run(tmp_path, capsys):
 def test_paired_switch_routes_each_action_to_the_active_configuration_and_back():
     from lightning.pytorch.profilers import SimpleProfiler
 
-    from lightning_embcache.bench.profiler_paired import _order, _Switch, PAIRED_CONFIGS
+    from benchmarks.profiler_paired import _order, _Switch, PAIRED_CONFIGS
 
     order = _order(8)
     # every cycle runs each configuration once; over 4 cycles each comes first once
@@ -85,8 +88,8 @@ def test_paired_switch_routes_each_action_to_the_active_configuration_and_back()
 def test_prediction_replay_gives_the_forecasts_prediction_on_saved_batches():
     import torch
 
-    from lightning_embcache.bench.prediction import model_bytes, replay_epoch
-    from lightning_embcache.bench.profiler import MLP, MODELS
+    from benchmarks.prediction import model_bytes, replay_epoch
+    from benchmarks.profiler import MLP, MODELS
     from lightning_embcache.profiling.forecast import save_estimate_s
 
     for name, (width, depth, *_rest) in MODELS.items():  # what a checkpoint of the model writes
@@ -110,7 +113,7 @@ def test_prediction_replay_gives_the_forecasts_prediction_on_saved_batches():
 
 
 def test_level_diagnostics_tell_the_fit_from_the_host(tmp_path, capsys):
-    from lightning_embcache.bench import profiler_levels
+    from benchmarks import profiler_levels
 
     out = tmp_path / "levels.json"
     assert profiler_levels.main(["--steps", "300", "--warmup", "20", "--plain-steps", "300",
@@ -129,7 +132,7 @@ def test_level_diagnostics_tell_the_fit_from_the_host(tmp_path, capsys):
 
 
 def test_prediction_replay_oracles_split_the_estimators_error_from_the_hosts(tmp_path, capsys):
-    from lightning_embcache.bench.prediction import replay
+    from benchmarks.prediction import replay
 
     # 400 batches: 10 ms for the first 100, then the host runs at 15 ms; the store fills at 200
     wall = [0.01] * 100 + [0.015] * 300
@@ -152,7 +155,7 @@ def test_prediction_replay_oracles_split_the_estimators_error_from_the_hosts(tmp
     rest = (80 * 0.01 + 300 * 0.015) / 380
     assert abs(small["rest_rate"]["predicted_s"] - (0.2 + 380 * rest)) < 1e-9
     # the demo's fill at 200 (90 kB a batch into the demo's hot tier) is charged as the model says
-    from lightning_embcache.bench.prediction import DEMO_HOT_BYTES
+    from benchmarks.prediction import DEMO_HOT_BYTES
     from lightning_embcache.profiling.store_fill import StoreFill, store_fill_save_s, store_fill_step_s
 
     fill = StoreFill(200, 90_000, DEMO_HOT_BYTES)
@@ -165,7 +168,7 @@ def test_prediction_replay_oracles_split_the_estimators_error_from_the_hosts(tmp
 
 @pytest.mark.parametrize("plain_callback", [False, True])
 def test_own_step_cost_drives_every_boundary(plain_callback):
-    from lightning_embcache.bench.profiler_own_step import measure
+    from benchmarks.profiler_own_step import measure
 
     # measure() itself asserts that the profiler closed every step and charged each phase; which
     # configuration is faster is a benchmark's question (50 steps on a shared host cannot tell)

@@ -15,7 +15,7 @@ def _needs_cuda():
 
 
 def test_cuda_phases_with_sync_debug_error_around_steady_steps():
-    from lightning_embcache.bench.profiler_gpu import _gpu_fit, _ListLogger, _SyncGuard
+    from benchmarks.profiler_gpu import _gpu_fit, _ListLogger, _SyncGuard
 
     guard = _SyncGuard(10, 50)  # any synchronization in batches 10..51 raises
     sp = StepProfiler(log_every_n_steps=5, report=False, warmup_steps=10)
@@ -32,7 +32,7 @@ def test_cuda_phases_with_sync_debug_error_around_steady_steps():
 
 
 def test_cuda_forward_is_device_time_not_launch_time():
-    from lightning_embcache.bench.profiler_gpu import _gpu_fit
+    from benchmarks.profiler_gpu import _gpu_fit
 
     sp = StepProfiler(report=False, sample_every_n_steps=1)  # every step timed on the device
     _gpu_fit("gpu_large", [sp], batches=12)
@@ -45,7 +45,7 @@ def test_cuda_forward_is_device_time_not_launch_time():
 def test_sampled_events_no_syncs_and_a_prediction():
     """~1 step in 8 timed on the device: few events, none waited for inside steps, phases that
     still add up to the wall, and an epoch prediction within reach of the actual epoch."""
-    from lightning_embcache.bench.profiler_gpu import _gpu_fit, _ListLogger, _SyncGuard
+    from benchmarks.profiler_gpu import _gpu_fit, _ListLogger, _SyncGuard
 
     guard = _SyncGuard(10, 390)
     sp = StepProfiler(log_every_n_steps=50, report=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from lightning_embcache.bench.prediction import _result, tail
+from benchmarks.prediction import _result, tail
 
 
 def test_the_probes_own_predictions_are_left_out_of_the_actual_time():
@@ -26,7 +26,7 @@ def test_the_probes_own_predictions_are_left_out_of_the_actual_time():
 
 
 def test_the_aggregate_counts_the_epochs_inside_the_90_percent_interval():
-    from lightning_embcache.bench.prediction import aggregate
+    from benchmarks.prediction import aggregate
 
     epochs = [{"epoch": i, "predicted_s": 10.0, "actual_s": actual, "std_s": 0.1, "error_pct": 100 * (10 / actual - 1),
                "low_s": 9.0, "high_s": 11.0} for i, actual in enumerate((10.5, 12.0, 9.5, 10.0))]

@@ -86,7 +86,7 @@ class _Batches:
 
 
 def run_naive(workdir: Path, args: argparse.Namespace, batches: list[torch.Tensor]) -> dict[str, Any]:
-    from lightning_embcache.bench.store_systems import Batch, NaiveChunkStore, create_naive_files, random_block
+    from benchmarks.store_systems import Batch, NaiveChunkStore, create_naive_files, random_block
 
     root = workdir / "naive"
     block = random_block(args.dim, seed=1)

@@ -8,7 +8,7 @@ profiler actions of one automatic-optimization step in the order Lightning 2.6 o
 per-step callback hook called where callable, as Lightning's ``_call_callback_hooks`` does (an
 action named after ``state_key`` around the call). Best of 5 loops of ``steps`` steps.
 
-    python -m lightning_embcache.bench.profiler_own_step [--steps 4000] [--plain-callback]
+    python -m benchmarks.profiler_own_step [--steps 4000] [--plain-callback]
 
 Prints microseconds per step: ``passthrough_us`` (Lightning's default profiler, no
 StepProfiler), ``empty_tap_us`` (a tap with no hooks), ``with_sp_us``; ``own_us`` is

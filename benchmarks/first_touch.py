@@ -26,8 +26,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from lightning_embcache.bench.harness import paired_ratios, run_interleaved
-from lightning_embcache.bench.results import write_json
+from benchmarks.harness import paired_ratios, run_interleaved
+from benchmarks.results import write_json
 
 
 def _worker(cfg: dict) -> dict:
@@ -78,7 +78,7 @@ def _worker(cfg: dict) -> dict:
 
 
 def _spawn(cfg: dict) -> dict:
-    r = subprocess.run([sys.executable, "-m", "lightning_embcache.bench.first_touch", "--worker", json.dumps(cfg)],
+    r = subprocess.run([sys.executable, "-m", "benchmarks.first_touch", "--worker", json.dumps(cfg)],
                        capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -1,6 +1,6 @@
 """Scaling of an auto-decoder whose per-sample codes are trainable rows of a row-sharded store.
 
-    python -m lightning_embcache.bench.distributed --world-sizes 1 2 4 --rows 10000000 --dim 64 \\
+    python -m benchmarks.distributed --world-sizes 1 2 4 --rows 10000000 --dim 64 \\
         --batch 8192 --steps 100 --device-fraction 0.5 --threads 4 --repeat 5 --out bench-results/distributed-scaling.json
 
 Each world size runs in fresh processes (one per GPU; NCCL for the decoder's DDP). Per step and
@@ -372,7 +372,7 @@ def _summary(world: int, cfg: dict[str, Any], got: list[dict[str, Any]]) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lightning_embcache.bench.distributed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.distributed", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=64)

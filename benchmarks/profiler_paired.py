@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler, SimpleProfiler
 from torch.utils.data import DataLoader
 
-from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
+from benchmarks.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
 
 PAIRED_CONFIGS = ("none", "simple", "throughput", "step")

@@ -14,9 +14,9 @@ the epoch's wall time and each batch's start and end. Reported per (model, worke
 - StepProfiler's data_wait against the loader's own measured time and against the whole gap
   between batches (what a profiler that calls the gap "data" would report).
 
-``--device cuda`` adds the GPU checks (`lightning_embcache/bench/profiler_gpu.py`); ``--paired``
+``--device cuda`` adds the GPU checks (`benchmarks/profiler_gpu.py`); ``--paired``
 interleaves the configurations in blocks of steps inside each fit instead
-(`lightning_embcache/bench/profiler_paired.py`).
+(`benchmarks/profiler_paired.py`).
 """
 
 from __future__ import annotations
@@ -218,8 +218,8 @@ def own_cost_us(steps: int = 20000, device: str = "cpu") -> dict:
     CUDA events, read at log intervals as in a fit)."""
     from lightning.pytorch.profilers import PassThroughProfiler
 
-    from lightning_embcache.bench.profiler_own_step import best_of_5_us as per_call_us
-    from lightning_embcache.bench.profiler_own_step import lightning_step
+    from benchmarks.profiler_own_step import best_of_5_us as per_call_us
+    from benchmarks.profiler_own_step import lightning_step
     from lightning_embcache.profiling import boundaries
     from lightning_embcache.profiling.callback import _PER_STEP_HOOKS
     from lightning_embcache.profiling.tap import ProfilerTap
@@ -390,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     t_start = time.perf_counter()
     if args.prediction:
-        from lightning_embcache.bench import prediction
+        from benchmarks import prediction
 
         # --models and --workers as given; by default every CPU model (or both GPU models);
         # --models demo: the demo alone
@@ -401,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             partial=f"{args.out}.partial.jsonl" if args.out else None, batches=args.batches)
         _print_prediction(result["prediction"]["aggregate"])
     elif args.paired and args.device == "cpu":
-        from lightning_embcache.bench.profiler_paired import paired_fit, print_paired
+        from benchmarks.profiler_paired import paired_fit, print_paired
 
         result["paired"] = []
         for model in models:
@@ -434,7 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{oc['actions_per_step']:.1f} actions per step, so the tap saves {saved:.2f} us/step: "
               f"net {oc['net_us_per_step']:+.2f} us/step")
     else:
-        from lightning_embcache.bench.profiler_gpu import gpu_checks
+        from benchmarks.profiler_gpu import gpu_checks
 
         gpu_checks(result, reps=args.reps, batches=args.batches or 200, paired=args.paired, block=args.block)
         result["gpu"]["own_cost"] = own_cost_us(steps=5000, device="cuda")

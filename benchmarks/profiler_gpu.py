@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
-from lightning_embcache.bench.profiler import _aggregate, MLP, MODELS, run_one, SleepyBatches
+from benchmarks.profiler import _aggregate, MLP, MODELS, run_one, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
 
 
@@ -249,7 +249,7 @@ def gpu_checks(out: dict, reps: int = 3, batches: int = 200, paired: bool = Fals
           "against the device span:", {k: round(v["diff_span_pct"], 2) for k, v in out["gpu"]["trace"]["phases"].items()
                                         if v["diff_span_pct"] is not None}, flush=True)
     if paired:
-        from lightning_embcache.bench.profiler_paired import paired_fit, print_paired
+        from benchmarks.profiler_paired import paired_fit, print_paired
 
         out["gpu"]["paired"] = []
         for rep in range(reps):

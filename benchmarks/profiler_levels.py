@@ -1,5 +1,5 @@
 """Where the level shifts of a CPU training loop's step time come from:
-``python -m lightning_embcache.bench.profiler_levels --out L.json``.
+``python -m benchmarks.profiler_levels --out L.json``.
 
 On some hosts the typical (median) step time of a CPU-bound loop switches between two levels for
 a second or more at a time, which no early epoch-time prediction can foresee. This runs the same
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
+from benchmarks.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
 
 try:
@@ -239,7 +239,7 @@ def _canary_summary(can: "_Canary", rec: _Recorder, warmup: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lightning_embcache.bench.profiler_levels",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profiler_levels",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=8000)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_embcache.bench.results import write_json
+from benchmarks.results import write_json
 from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.optim import make_row_optimizer
 from lightning_embcache.store import EmbeddingStore

@@ -54,7 +54,7 @@ WORKLOADS = ("epoch", "zipf")
 MODES = ("ram", "disk")
 PHASES = ("get", "update", "get_update")
 DISK_SYSTEMS = ("memmap", "naive", "store")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------------------------

@@ -494,7 +494,7 @@ def _spawn(cfg: dict, tree: Path | None = None, cgroups: tuple[Path, ...] = ()) 
     if tree is not None:  # the package of another revision, with this benchmark module in it
         # first on the path; other entries stay (where dependencies were installed with --target),
         # except the one holding this package (the revision under test would be shadowed)
-        here = Path(__file__).resolve().parents[2]
+        here = Path(__file__).resolve().parents[1]
         keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != here]
         env["PYTHONPATH"] = os.pathsep.join([str(tree), *keep])
     enter = None
@@ -503,7 +503,7 @@ def _spawn(cfg: dict, tree: Path | None = None, cgroups: tuple[Path, ...] = ()) 
 
         def enter() -> None:
             enter_cgroups(*cgroups)
-    r = subprocess.run([sys.executable, "-m", "lightning_embcache.bench.disk", "--worker", json.dumps(cfg)],
+    r = subprocess.run([sys.executable, "-m", "benchmarks.disk", "--worker", json.dumps(cfg)],
                        capture_output=True, text=True, env=env, timeout=900, cwd=str(tree) if tree else None,
                        preexec_fn=enter)
     if r.returncode != 0:
@@ -554,14 +554,14 @@ def main(argv=None) -> int:
                 shutil.copytree(given / "lightning_embcache", tree / "lightning_embcache", dirs_exist_ok=True)
             else:
                 rev = subprocess.run(["git", "rev-parse", "--short", args.store_rev], capture_output=True, text=True,
-                                     check=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+                                     check=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
                 tree = wd / f"rev-{rev}"
                 tree.mkdir(exist_ok=True)
                 archive = subprocess.run(["git", "archive", rev, "lightning_embcache"], capture_output=True, check=True,
-                                         cwd=Path(__file__).resolve().parents[2]).stdout
+                                         cwd=Path(__file__).resolve().parents[1]).stdout
                 subprocess.run(["tar", "x", "-C", str(tree)], input=archive, check=True)
-            for name in ("disk.py", "results.py"):  # this benchmark's code, whatever that revision had
-                shutil.copy(Path(__file__).with_name(name), tree / "lightning_embcache" / "bench" / name)
+            # this benchmark's code, whatever that revision had
+            shutil.copytree(Path(__file__).parent, tree / "benchmarks", dirs_exist_ok=True)
             trees[f"store@{rev}"] = tree
             systems.append(f"store@{rev}")
             # that revision writes (and reads) its own format: its own copy of the table

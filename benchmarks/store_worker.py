@@ -1,7 +1,7 @@
 """One system, one table mode, in its own process (so peak RSS is that system's alone).
 
-    python lightning_embcache/bench/store_worker.py run CONFIG.json OUT.json
-    python lightning_embcache/bench/store_worker.py setup CONFIG.json OUT.json
+    python benchmarks/store_worker.py run CONFIG.json OUT.json
+    python benchmarks/store_worker.py setup CONFIG.json OUT.json
 
 Run as a script, it registers a bare ``lightning_embcache`` package (no ``__init__``), so a
 worker imports only what it measures: torch/numpy, and for the store only
@@ -11,7 +11,7 @@ imports. The facade's own import cost is measured separately (``import-cost``).
 ``setup`` creates the on-disk files a system needs (memmap file, naive chunk files, a populated
 store); ``run`` opens the system, runs every workload in ``config["workloads"]`` order and writes
 per-batch medians, flush figures, I/O counters and RSS to OUT.json. The orchestrator is
-:mod:`lightning_embcache.bench.store`.
+:mod:`benchmarks.store`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 MiB = 1 << 20
-_PKG_DIR = Path(__file__).resolve().parents[1]
+_PKG_DIR = Path(__file__).resolve().parents[1] / "lightning_embcache"
 
 
 def _bare_package(pkg_dir: Path = _PKG_DIR) -> None:
@@ -135,7 +135,7 @@ class EpochIds:
         self.wraps = 0
 
     def next(self):
-        from lightning_embcache.bench.store_systems import Batch
+        from benchmarks.store_systems import Batch
 
         if self.pos + self.batch > self.n:
             self.perm = self.torch.randperm(self.n, generator=self.g, dtype=self.torch.int32)
@@ -169,7 +169,7 @@ class ZipfIds:
     def next(self):
         import torch
 
-        from lightning_embcache.bench.store_systems import Batch
+        from benchmarks.store_systems import Batch
 
         ranks = self.np.searchsorted(self.cdf, self.rng.random(self.batch), side="right")
         ranks = self.np.minimum(ranks, self.n - 1).astype(self.np.int64)
@@ -209,7 +209,7 @@ def setup(cfg: dict) -> dict:
 
 
 def _setup_one(cfg: dict) -> dict:
-    from lightning_embcache.bench import store_systems as S
+    from benchmarks import store_systems as S
 
     system, n, dim = cfg["system"], cfg["num_rows"], cfg["dim"]
     block = S.random_block(dim, cfg["data_seed"])
@@ -233,7 +233,7 @@ def _setup_one(cfg: dict) -> dict:
 # run
 # --------------------------------------------------------------------------------------------
 def _open(cfg: dict, block):
-    from lightning_embcache.bench import store_systems as S
+    from benchmarks import store_systems as S
 
     system, n, dim = cfg["system"], cfg["num_rows"], cfg["dim"]
     if system == "torch":
@@ -454,7 +454,7 @@ def _full_pass(sys_obj, cfg: dict) -> dict:
     t0 = time.perf_counter()
     done = 0
     errors: list = []
-    from lightning_embcache.bench.store_systems import Batch
+    from benchmarks.store_systems import Batch
 
     for start in range(0, n, step):
         b = Batch.of(torch.arange(start, min(n, start + step)))
@@ -488,7 +488,7 @@ def run(cfg: dict) -> dict:
     import numpy as np
     import torch
 
-    from lightning_embcache.bench import store_systems as S
+    from benchmarks import store_systems as S
 
     res: dict = {"system": cfg["system"], "mode": cfg["mode"], "workloads": {}, "rss_isolated": True}
     res["rss_after_import_mib"] = _rss_now() / MiB

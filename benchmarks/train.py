@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_embcache.bench.harness import paired_ratios, rotating_order
+from benchmarks.harness import paired_ratios, rotating_order
 
 VARIANTS = ("anchor", "memory", "disk", "device", "device_4x", "memory_small")
 CUDA_ONLY = ("device", "device_4x")

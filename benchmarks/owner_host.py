@@ -9,7 +9,7 @@ do), and compares the tier's trusted copies (one call per row set that releases 
 write-back's NaN/Inf sum included) with the checked calls split as the tier split them before
 (`device_tier.store_spans`), one checked call per row set, and 1,024-row slices::
 
-    python -m lightning_embcache.bench.owner_host --rows 2500000 --dim 64 --miss-rows 4100 --busy 0 1 2
+    python -m benchmarks.owner_host --rows 2500000 --dim 64 --miss-rows 4100 --busy 0 1 2
 
 ``--busy-writes N ...`` also times the calls beside N threads that write other records into the
 same store in the tier's spans without pause (the write-back thread at its busiest: they take the

@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_embcache.bench.profiler import MLP, MODELS, SleepyBatches
+from benchmarks.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
 from lightning_embcache.profiling.forecast import (EPOCH_DRIFT_BLOCKS, Forecast, epoch_level, level_drift,
                                                    level_variation, save_estimate_s, slow_share)
