@@ -3,8 +3,10 @@
 Rows that live on the GPU train where the model trains: `lookup` is one gather on the device, the
 sparse row-wise optimizer updates rows and moments in place there (the fused Triton kernel for
 Adam/AdamW), and nothing crosses PCIe in the steady state. A table larger than the budget keeps
-the rows it used last (CLOCK): missing rows come up from the host tiers through reused pinned
-buffers with ``non_blocking`` copies, and dirty rows pushed out go down the same way.
+the rows it used last (CLOCK). Over a memory-mode table the host table is mapped into the device
+(`mapped_host`): missing rows are gathered from it by one kernel and evicted dirty rows scattered
+back by another, with no host copy. Otherwise missing rows come up from the host tiers through
+reused pinned buffers with ``non_blocking`` copies, and dirty rows pushed out go down the same way.
 
 Every decision (which slot holds which id, what is dirty, what to evict) is made on the host from
 the batch's host ids, so the device never has to answer a question: no step waits for the GPU.
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_embcache.mapped_host import MappedHost, store_table
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, StoreError, rowcopy
 from lightning_embcache.store import idsets
@@ -152,6 +155,10 @@ class DeviceTier:
         self.loaded_rows = 0
         self.evicted_rows = 0
         self.written_down_rows = 0
+        self.up_bytes = 0    # records host -> device (loads), the whole run
+        self.down_bytes = 0  # records device -> host (evictions and write-downs)
+        self._mapped: MappedHost | None = None
+        self._nonfinite: Tensor | None = None  # device flag: a mapped write-down met NaN/Inf
         #: the tier's own store calls go through the store's trusted record copies (one GIL release
         #: each; NaN/Inf checked by one sum); False: the checked public calls in `store_spans`
         #: (the distributed benchmark's ``store=checked``)
@@ -178,6 +185,9 @@ class DeviceTier:
             self._stamp = private_zeros(capacity, np.int64)  # == _stamp_id: kept by the current call
             self._down_seq = private_zeros(n, np.int32)  # seq of the newest `_Down` holding the id; 0 = none
             self._stamp_id = 0
+            self._mapped = MappedHost.try_register(store_table(store), device)
+            if self._mapped is not None:
+                self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
 
     @contextmanager
     def _io(self) -> Iterator[None]:
@@ -357,19 +367,22 @@ class DeviceTier:
                     f"needs {kept + k} at once (the batch plus rows whose gradients are not applied "
                     f"yet); raise device_bytes to at least "
                     f"{(kept + k) * (self.store.row_bytes + SLOT_OVERHEAD)} or use a smaller batch")
-            win = (self._hand + np.arange(min(cap, max(4 * need, 1024)))) % cap
-            ok = (self.id_of[win] >= 0) & (self._stamp[win] != self._stamp_id)
-            cold = np.flatnonzero(ok & (self.ref[win] == 0))
+            # a window of slots from the hand up to the end of the pool: slices, no index arrays
+            lo = self._hand
+            hi = min(cap, lo + max(4 * need, 4096))
+            ok = (self.id_of[lo:hi] >= 0) & (self._stamp[lo:hi] != self._stamp_id)
+            cold = np.flatnonzero(ok & (self.ref[lo:hi] == 0))
             if len(cold) >= need:
                 end = int(cold[need - 1]) + 1
                 cold = cold[:need]
             else:
-                end = len(win)
-            self.ref[win[:end]] = 0  # the hand passed them: their second chance is used
-            self._stamp[win[cold]] = self._stamp_id  # chosen: a later window must not pick them again
-            victims.append(win[cold])
+                end = hi - lo
+            self.ref[lo : lo + end] = 0  # the hand passed them: their second chance is used
+            cold += lo
+            self._stamp[cold] = self._stamp_id  # chosen: a later window must not pick them again
+            victims.append(cold)
             need -= len(cold)
-            self._hand = int(self._hand + end) % cap
+            self._hand = (lo + end) % cap
             swept += end
         self._drop(np.concatenate(victims))
 
@@ -407,14 +420,49 @@ class DeviceTier:
                         from_store[mine] = False
         if not from_store.all():
             ids, slots = ids[from_store], slots[from_store]
-        if len(ids):
+        if len(ids) and not self._up_mapped(ids, slots):
             staged = self._stage_up(ids).to(self.device, non_blocking=True)
             self._up.done(self._up_slot, self._stream)
             self.pool.index_copy_(0, self.to_device(slots), staged)
+        self.up_bytes += len(ids) * self.pool.shape[1]
         self.id_of[slots_all] = ids_all
         self.slot_of[ids_all] = (slots_all + 1).astype(np.int32)
         self.ref[slots_all] = 1
         self.loaded_rows += len(ids_all)
+
+    def _up_mapped(self, ids: np.ndarray, slots: np.ndarray) -> bool:
+        """Gather rows ``ids`` from the mapped host table into ``slots`` with one kernel (queued
+        after every write-down of the same stream); False where the table is not mapped."""
+        if self._mapped is None or not self._timed_store(self.store._device_read, ids):
+            return False
+        both = self.to_device(np.concatenate([slots, ids]))  # one transfer for both index arrays
+        self._mapped.gather_into(self.pool, both[: len(slots)], both[len(slots):])
+        return True
+
+    def _down_mapped(self, ids: np.ndarray, slots: np.ndarray) -> bool:
+        """Scatter the records of ``slots`` into the mapped host table at ``ids`` with one
+        kernel; False (nothing done) where the table is not mapped, rows of an earlier write-down
+        are still on their way (they must land first), or a flush is copying the table."""
+        if self._mapped is None or self._down:
+            return False
+        mapped, nonfinite = self._mapped, self._nonfinite
+        check = getattr(self.store, "_check_finite", True)
+
+        def enqueue() -> torch.cuda.Event:
+            both = self.to_device(np.concatenate([slots, ids]))
+            rows = self.pool.index_select(0, both[: len(slots)])
+            if check and nonfinite is not None:  # read at the next drain: no wait here
+                nonfinite.logical_or_(~torch.isfinite(self.store.record_view(rows, "weight")).all())
+            mapped.scatter_from(rows, both[len(slots):])
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            return done
+
+        if not self._timed_store(self.store._device_write, ids, enqueue):
+            return False
+        self.dirty[slots] = False
+        self.written_down_rows += len(ids)
+        return True
 
     def _stage_up(self, ids: np.ndarray) -> Tensor:
         """Records of ``ids`` read from the store straight into the next pinned buffer."""
@@ -453,6 +501,9 @@ class DeviceTier:
     def _send_down(self, slots: np.ndarray, *, evicted: bool) -> None:
         """Queue a device->host copy of ``slots``' records; applied to the store in order."""
         ids = slots if self.resident else self.id_of[slots]
+        self.down_bytes += len(ids) * self.pool.shape[1]
+        if self._down_mapped(ids, slots):
+            return
         order = np.argsort(ids)
         ids, slots = ids[order], slots[order]  # sorted: a later upload finds its rows by bisection
         rb = self.pool.shape[1]
@@ -514,7 +565,19 @@ class DeviceTier:
             while self._down:
                 self._raise_writer_error()
                 self._down_cv.wait()
+            self._await_mapped()
             return self.written_down_rows - before
+
+    def _await_mapped(self) -> None:
+        """Wait for the mapped write-downs queued so far; refuse NaN/Inf weights they carried."""
+        if self._mapped is None:
+            return
+        self.store._await_device_writes()
+        if self._nonfinite is not None and bool(self._nonfinite):
+            raise StoreError(
+                "NaN or Inf weights were trained on the device and reached the host table; the store "
+                "refuses to flush them (lower the learning rate or clip gradients, then resume from the "
+                "last checkpoint)")
 
     def write_down(self) -> int:
         """Bring every dirty row down into the host store (before a flush); returns rows written."""
@@ -533,7 +596,8 @@ class DeviceTier:
         used = self.capacity if self.resident else self.capacity - self._nfree
         return {"device_rows": used, "device_capacity_rows": self.capacity, "device_bytes": self.nbytes,
                 "device_dirty_rows": int(np.count_nonzero(self.dirty)), "device_loaded_rows": self.loaded_rows,
-                "device_evicted_rows": self.evicted_rows}
+                "device_evicted_rows": self.evicted_rows, "device_mapped_host": self._mapped is not None,
+                "host_to_device_bytes": self.up_bytes, "device_to_host_bytes": self.down_bytes}
 
     def close(self) -> None:
         """Free the device memory (after `write_down()`: unwritten rows are discarded)."""
@@ -547,5 +611,12 @@ class DeviceTier:
         self._prefetcher = self._writer = None
         with self._lock, self._down_cv:
             self._down.clear()
+            if self._mapped is not None:
+                if not self.store.closed:
+                    self.store._await_device_writes()
+                else:
+                    torch.cuda.current_stream(self.device).synchronize()
+                self._mapped.close()
+                self._mapped = None
             self.pool = torch.empty(0, dtype=torch.uint8)
             self._views = {}

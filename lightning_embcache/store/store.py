@@ -304,6 +304,9 @@ class EmbeddingStore(TieredRows, Versioning):
         self._dead: DeadRecords | None = None  # a writer's punching of dead delta records (holes.py)
         self._manifests_seen: dict[int, Manifest] = {}  # other versions' manifests (they never change)
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
+        # the newest device write into the table still running (`_device_write`): anything with
+        # `synchronize()`; host reads of the table wait for it first
+        self._device_pending: Any = None
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
         self._clean_due = False  # a background clean was asked for (a running compaction runs it between rounds)
         self._collect_due = False  # a garbage collection was asked for (likewise)
@@ -649,6 +652,48 @@ class EmbeddingStore(TieredRows, Versioning):
         self._waited(t0)
         return True
 
+    # ------------------------------------------------------------------ a device writing the table
+    def _resident_table(self) -> torch.Tensor | None:
+        """Memory mode: the ``(num_rows, row_bytes)`` host tensor holding every record at its id,
+        which a device may read and write in place (`mapped_host`); None in disk mode."""
+        if self._closed or self._readonly or not self._hot.resident:
+            return None
+        return self._hot.pool
+
+    def _device_write(self, idx: np.ndarray, enqueue: Callable[[], Any]) -> bool:
+        """Let a device write the records of validated ``idx`` into `_resident_table` in place.
+
+        Under the lock: refuses (False, nothing done) while a flush is copying rows out (its
+        snapshot must not change under it) or in disk mode; else makes the rows if needed, marks
+        them dirty and calls ``enqueue()``, which queues the device's write and returns an object
+        whose ``synchronize()`` waits for it. Host reads of the table wait for it first
+        (`_await_device_writes`), so no reader sees a row half written.
+        """
+        self._check_state(write=True)  # no wait: the device orders its own writes
+        with self._lock:
+            if self._closed or self._cow is not None or not self._resident_rows(idx):
+                return False
+            self._device_pending = enqueue()
+            self._hot.dirty[idx] = 1
+        self._stats.updates += 1
+        return True
+
+    def _device_read(self, idx: np.ndarray) -> bool:
+        """Whether a device may read the records of validated ``idx`` from `_resident_table` now
+        (memory mode; rows not made yet are made first). The device orders its reads after its
+        own writes; the host writes nothing to these rows meanwhile but `update` calls."""
+        self._check_state()
+        with self._lock:
+            return not self._closed and self._resident_rows(idx)
+
+    def _await_device_writes(self) -> None:
+        """Wait for the device writes queued into the table so far (`_device_write`)."""
+        pending = self._device_pending
+        if pending is not None:
+            pending.synchronize()
+            if self._device_pending is pending:
+                self._device_pending = None
+
     def export(self, out: str | os.PathLike, field: str = "weight", version: int | None = None, *,
                overwrite: bool = False) -> Path:
         """Write field ``field`` of every row, in id order, to the ``.npy`` file ``out``; returns its path.
@@ -774,6 +819,8 @@ class EmbeddingStore(TieredRows, Versioning):
                 return
             self._closed = True  # from here every call (and every call waiting for the lock) refuses
         same_process = self._pid == os.getpid()
+        if same_process:
+            self._await_device_writes()  # a device still writing the table finishes before it is freed
         me = threading.current_thread()
         for ex in (self._prefetcher, self._bg, self._filler):
             if ex is not None and same_process:
@@ -834,6 +881,11 @@ class EmbeddingStore(TieredRows, Versioning):
                                    "open it again with EmbeddingStore.open(path)")
 
     def _check_usable(self, write: bool = False) -> None:
+        if self._device_pending is not None:  # every public call sees the device's writes whole
+            self._await_device_writes()
+        self._check_state(write)
+
+    def _check_state(self, write: bool = False) -> None:
         if self._closed:
             raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
         if write and self._readonly:

@@ -211,6 +211,7 @@ class TieredRows:
         row, yet writes one consistent moment: a row updated while the flush is writing first
         saves its old record here.
         """
+        self._await_device_writes()  # rows a device is still writing are read whole
         self._cow = {}
 
         def read(a: int, b: int) -> np.ndarray:

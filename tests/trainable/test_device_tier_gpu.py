@@ -41,11 +41,15 @@ def _reference(name, w0):
 
 
 @pytest.mark.parametrize("name", ["adam", "adagrad", "sgd"])
-@pytest.mark.parametrize("fraction", [1.0, 0.25], ids=["inside-budget", "4x-over-budget"])
-def test_device_tier_trains_like_nn_embedding_on_the_gpu(tmp_path, name, fraction):
-    opt, store = _store(tmp_path, name, hot_bytes=None if fraction == 1.0 else 400 * 200)
+@pytest.mark.parametrize("fraction, hot_bytes", [(1.0, None), (0.25, 400 * 200), (0.25, None)],
+                         ids=["inside-budget", "4x-over-budget-staged", "4x-over-budget-mapped"])
+def test_device_tier_trains_like_nn_embedding_on_the_gpu(tmp_path, name, fraction, hot_bytes):
+    """Staged: a disk-mode table (rows through pinned buffers). Mapped: a memory-mode table the
+    device reads and writes in place (`mapped_host`)."""
+    opt, store = _store(tmp_path, name, hot_bytes=hot_bytes)
     tier = DeviceTier(store, "cuda", _budget(store, fraction))
     assert tier.resident == (fraction == 1.0)
+    assert tier.stats()["device_mapped_host"] == (fraction < 1.0 and hot_bytes is None)
     rows = TrainableRows(store, opt, device_tier=tier)
     emb, ref = _reference(name, store.get(torch.arange(N)).cuda())
     g = torch.Generator().manual_seed(0)
@@ -66,6 +70,10 @@ def test_device_tier_trains_like_nn_embedding_on_the_gpu(tmp_path, name, fractio
             store.flush()
     got = tier.gather(np.arange(N))
     torch.testing.assert_close(got, emb.weight.detach(), rtol=1e-5, atol=1e-5)
+    if fraction < 1.0:  # rows went both ways, and the tier counted their bytes
+        st = tier.stats()
+        assert st["host_to_device_bytes"] >= st["device_loaded_rows"] * store.row_bytes > 0
+        assert st["device_to_host_bytes"] > 0
     # the store holds the same after a write-down and a flush, and so does a reopened store
     rows.write_down()
     version = store.flush()
@@ -137,6 +145,27 @@ def test_row_sets_larger_than_one_store_call_round_trip_through_the_store(tmp_pa
     assert tier.evicted_rows > 2 * 4096 and tier.written_down_rows > 2 * 4096
     tier.write_down()
     torch.testing.assert_close(store.get(torch.arange(n)), ref)
+    tier.close()
+    store.close()
+
+
+def test_a_nan_trained_on_the_device_is_refused_at_the_write_down_and_never_flushed(tmp_path):
+    """Over a mapped memory-mode table evicted rows reach the host by a kernel, unchecked on the
+    way (a check would wait for the GPU); the write-down before a flush refuses them by name."""
+    opt, store = _store(tmp_path, "sgd", hot_bytes=None)
+    version = store.flush()
+    tier = DeviceTier(store, "cuda", _budget(store, 0.25))
+    assert tier.stats()["device_mapped_host"]
+    rows = TrainableRows(store, opt, device_tier=tier)
+    z = rows.lookup(torch.arange(10))
+    (z * float("nan")).sum().backward()
+    rows.apply(step=1)
+    for k, a in enumerate(range(10, N - 500, 500)):  # push the NaN rows out of the tier
+        (rows.lookup(torch.arange(a, a + 500)) * 0).sum().backward()
+        rows.apply(step=2 + k)
+    with pytest.raises(StoreError, match="NaN or Inf"):
+        rows.write_down()
+    assert store.versions()[-1] == version
     tier.close()
     store.close()
 
