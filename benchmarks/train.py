@@ -12,6 +12,9 @@ for the MLP and a sparse Adam for the codes, in a real ``lightning.Trainer.fit``
 * ``device`` (CUDA): the device tier holding the whole table on the GPU (``device_bytes=None``).
 * ``device_4x`` (CUDA): a device tier of a quarter of the table, the rest in host RAM, the next
   batch's ids prefetched (``handle.prefetch``) after each lookup.
+* ``device_4x_lookahead`` (CUDA): the same tier, the batches' ids announced ``--lookahead``
+  batches ahead by a ``LookaheadSampler`` over the loader's batch sampler (the ids are the
+  dataset's indices, fetched a batch at a time), no prefetch call in the step.
 * ``memory_small``: ``memory`` with a table of only ``--id-range`` rows: with ``--id-range``,
   ``memory`` against ``memory_small`` shows whether a step's cost grows with the table (the same
   ids, a table 50x larger).
@@ -46,8 +49,8 @@ import torch
 
 from benchmarks.harness import paired_ratios, rotating_order
 
-VARIANTS = ("anchor", "memory", "disk", "device", "device_4x", "memory_small")
-CUDA_ONLY = ("device", "device_4x")
+VARIANTS = ("anchor", "memory", "disk", "device", "device_4x", "device_4x_lookahead", "memory_small")
+CUDA_ONLY = ("device", "device_4x", "device_4x_lookahead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60, help="batches per epoch (one warm-up epoch, one timed)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--reps", type=int, default=1, help="repetitions, variants in a rotating order (paired ratios reported)")
+    p.add_argument("--lookahead", type=int, default=4, help="batches announced ahead in device_4x_lookahead")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     return p
@@ -90,6 +94,32 @@ def _model_classes():
         def __getitem__(self, i: int):
             self.calls += 1
             return self.ids(self.calls), self.ids(self.calls + 1)
+
+    class _RandomIdBatches(torch.utils.data.Sampler):
+        """The same ids as `_Data`, as a batch sampler of dataset indices (what LookaheadSampler wraps)."""
+
+        def __init__(self, data: "_Data") -> None:
+            self.data = data
+
+        def __len__(self) -> int:
+            return self.data.steps
+
+        def __iter__(self):
+            for i in range(self.data.steps):
+                self.data.calls += 1
+                yield self.data.ids(self.data.calls)
+
+    class _Ids(torch.utils.data.Dataset):
+        """Index i is sample i's id; a whole batch is fetched at once (``__getitems__``)."""
+
+        def __init__(self, rows: int) -> None:
+            self.rows = rows
+
+        def __len__(self) -> int:
+            return self.rows
+
+        def __getitems__(self, idx):
+            return (torch.as_tensor(idx), None)
 
     def decoder(dim: int, hidden: int, out: int) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
@@ -142,7 +172,7 @@ def _model_classes():
         def configure_optimizers(self):
             return torch.optim.Adam(self.net.parameters(), lr=1e-3)
 
-    return L, _Data, Anchor, Store
+    return L, _Data, Anchor, Store, _RandomIdBatches, _Ids
 
 
 class _WallClock:
@@ -174,7 +204,7 @@ class _WallClock:
 
 
 def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    L, Data, Anchor, Store = _model_classes()
+    L, Data, Anchor, Store, RandomIdBatches, Ids = _model_classes()
     from lightning_embcache import StepProfiler
 
     dim, steps = args.dim, args.steps
@@ -189,15 +219,24 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         fields = trainable_fields(make_row_optimizer("adam", lr=1e-2), dim, torch.float32)
         table = rows * Schema(dim, torch.float32, fields).row_bytes
         hot = table // 4 if name == "disk" else None
-        device_bytes = {"device": None, "device_4x": table // 4}.get(name, 0)
+        device_bytes = {"device": None, "device_4x": table // 4, "device_4x_lookahead": table // 4}.get(name, 0)
         model = Store(rows, dim, args.hidden, args.out_dim, path=str(workdir / name), hot_bytes=hot,
                       device_bytes=device_bytes, prefetch_next=name == "device_4x")
+        model.announce_upcoming = False  # each variant says how it announces ids
     prof = StepProfiler(report=False, log_every_n_steps=10_000)
     clock = _WallClock(args.device)
     trainer = L.Trainer(max_epochs=2, accelerator=args.device, devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[prof, clock.callback()])
-    data = torch.utils.data.DataLoader(Data(id_range, args.batch, steps), batch_size=None, shuffle=False,
-                                       pin_memory=args.device == "cuda")
+    if name == "device_4x_lookahead":
+        from lightning_embcache import LookaheadSampler
+
+        batches = LookaheadSampler(RandomIdBatches(Data(id_range, args.batch, steps)), model.codes,
+                                   lookahead=args.lookahead)
+        data = torch.utils.data.DataLoader(Ids(id_range), batch_sampler=batches, collate_fn=lambda b: b,
+                                           pin_memory=True)
+    else:
+        data = torch.utils.data.DataLoader(Data(id_range, args.batch, steps), batch_size=None, shuffle=False,
+                                           pin_memory=args.device == "cuda")
     t = time.perf_counter()
     trainer.fit(model, data)
     fit_s = time.perf_counter() - t

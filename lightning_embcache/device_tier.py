@@ -20,9 +20,11 @@ No Lightning imports; `TrainableRows` and the Lightning handle drive it.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_embcache.device_slots import SlotMap, TooFewSlots
 from lightning_embcache.mapped_host import MappedHost, store_table
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, StoreError, rowcopy
@@ -76,11 +79,11 @@ def _entry(method: Any) -> Any:
     """A tier call of the training thread: its wall time (waits for the prefetch thread, misses
     served from the store) counts as the thread's store I/O (`DeviceTier.io_seconds`)."""
 
+    @functools.wraps(method)
     def call(self: "DeviceTier", *args: Any, **kwargs: Any) -> Any:
         with self._io():
             return method(self, *args, **kwargs)
 
-    call.__name__, call.__doc__ = method.__name__, method.__doc__
     return call
 
 
@@ -172,19 +175,9 @@ class DeviceTier:
         if self.resident:
             self._load_all()
         else:
-            # Host-side maps, written every step: private (not shared with forked DataLoader
-            # workers, where each page written after a fork would be copied and kept twice)
-            self.slot_of = private_zeros(n, np.int32)      # slot + 1; 0 = not on the device
-            self.id_of = private_zeros(capacity, np.int64)
-            self.id_of[:] = -1
-            self.ref = private_zeros(capacity, np.uint8)
-            self._free = private_zeros(capacity, np.int64)
-            self._free[:] = np.arange(capacity - 1, -1, -1, dtype=np.int64)
-            self._nfree = capacity
-            self._hand = 0
-            self._stamp = private_zeros(capacity, np.int64)  # == _stamp_id: kept by the current call
+            self._map = SlotMap(n, capacity)
             self._down_seq = private_zeros(n, np.int32)  # seq of the newest `_Down` holding the id; 0 = none
-            self._stamp_id = 0
+            self._window_warned = False
             self._mapped = MappedHost.try_register(store_table(store), device)
             if self._mapped is not None:
                 self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
@@ -243,6 +236,28 @@ class DeviceTier:
         # the rows of this step (protect) stay until the next lookup, which waits for this job
         self._prefetching = self._prefetcher.submit(self._prefetch_job, ids.copy(), keep)
 
+    @_entry
+    def upcoming(self, ids: np.ndarray, protect: np.ndarray | None = None) -> None:
+        """A coming batch reads validated ``ids`` (`LookaheadSampler`'s window): bring them up
+        in the background now and keep them until that batch is looked up; eviction meanwhile
+        takes rows no announced batch reads. A window of more rows than half the tier is not
+        announced past that point (a warning names both sizes); its rows load when looked up."""
+        if self.resident:
+            return
+        with self._lock:
+            u = idsets.unique(ids)
+            if self._map.window_rows + len(u) > self.capacity // 2:
+                if not self._window_warned:
+                    self._window_warned = True
+                    warnings.warn(
+                        f"the lookahead window holds {self._map.window_rows + len(u)} rows but the device tier "
+                        f"keeps at most {self.capacity // 2} of them ({self.capacity} slots, device_bytes="
+                        f"{self.budget_bytes}); batches past that load their rows when looked up: raise "
+                        f"device_bytes or lower the lookahead", stacklevel=3)
+                return
+            self._map.announce(u)
+        self.prefetch(u, protect)
+
     def _prefetch_job(self, ids: np.ndarray, keep: np.ndarray | None) -> None:
         ids = idsets.unique(ids)
         if len(ids) > self.capacity // 2:
@@ -267,12 +282,15 @@ class DeviceTier:
             return ids
         self._join()
         with self._lock:
-            s = self.slot_of[ids].astype(np.int64) - 1
+            s = self._map.find(ids)
             if (s >= 0).all():  # every row already on the device (the prefetched case): no unique()
-                self.ref[s] = 1
+                self._map.consume(ids)
                 return s
         uniq, inv = np.unique(ids, return_inverse=True)
-        return self._slots(uniq, protect)[inv]
+        out = self._slots(uniq, protect)[inv]
+        with self._lock:
+            self._map.consume(uniq)
+        return out
 
     @_entry
     def gather(self, ids: np.ndarray, name: str = "weight", protect: np.ndarray | None = None) -> Tensor:
@@ -289,7 +307,7 @@ class DeviceTier:
         self._join()
         with self._lock:
             self.drain()
-            s = self.slot_of[uniq].astype(np.int64) - 1
+            s = self._map.slot_of[uniq].astype(np.int64) - 1
             on = np.flatnonzero(s >= 0)
             off = np.flatnonzero(s < 0)
             dtype, cols = self.store.field_spec(name)
@@ -326,9 +344,8 @@ class DeviceTier:
 
     def _slots(self, ids: np.ndarray, protect: np.ndarray | None) -> np.ndarray:
         with self._lock:
-            s = self.slot_of[ids].astype(np.int64) - 1
+            s = self._map.find(ids)
             miss = s < 0
-            self.ref[s[~miss]] = 1
             if not miss.any():
                 return s
             mids = ids[miss]
@@ -339,63 +356,29 @@ class DeviceTier:
             return s
 
     def _allocate(self, k: int, keep: np.ndarray) -> np.ndarray:
-        if k > self._nfree:
-            self._evict(k - self._nfree, keep)
-        got = self._free[self._nfree - k : self._nfree].copy()
-        self._nfree -= k
-        return got
+        if k > self._map.nfree:
+            self._evict(k - self._map.nfree, keep)
+        return self._map.take(k)
 
     def _evict(self, k: int, keep: np.ndarray) -> None:
-        """Free ``k`` slots by CLOCK over the occupied slots not in ``keep``; dirty ones go down.
-
-        The hand sweeps windows of a few times ``k`` slots, never the whole tier: a step's cost
-        follows the batch, not the table.
-        """
-        cap = self.capacity
-        self._stamp_id += 1
-        self._stamp[keep] = self._stamp_id  # duplicates welcome: no unique() of the batch
-        victims: list[np.ndarray] = []
-        need = k
-        swept = 0
-        while need:
-            if swept > 2 * cap:  # two full turns of the hand: fewer evictable rows than needed
-                for v in victims:  # undo the picks, nothing changed
-                    self._stamp[v] = 0
-                kept = len(idsets.unique(keep)) if len(keep) else 0
-                raise StoreError(
-                    f"the device tier holds {cap} rows (device_bytes={self.budget_bytes}) but this step "
-                    f"needs {kept + k} at once (the batch plus rows whose gradients are not applied "
-                    f"yet); raise device_bytes to at least "
-                    f"{(kept + k) * (self.store.row_bytes + SLOT_OVERHEAD)} or use a smaller batch")
-            # a window of slots from the hand up to the end of the pool: slices, no index arrays
-            lo = self._hand
-            hi = min(cap, lo + max(4 * need, 4096))
-            ok = (self.id_of[lo:hi] >= 0) & (self._stamp[lo:hi] != self._stamp_id)
-            cold = np.flatnonzero(ok & (self.ref[lo:hi] == 0))
-            if len(cold) >= need:
-                end = int(cold[need - 1]) + 1
-                cold = cold[:need]
-            else:
-                end = hi - lo
-            self.ref[lo : lo + end] = 0  # the hand passed them: their second chance is used
-            cold += lo
-            self._stamp[cold] = self._stamp_id  # chosen: a later window must not pick them again
-            victims.append(cold)
-            need -= len(cold)
-            self._hand = (lo + end) % cap
-            swept += end
-        self._drop(np.concatenate(victims))
+        """Free ``k`` slots not in ``keep`` (`SlotMap.victims`: the announced future first, then
+        CLOCK); dirty ones go down."""
+        try:
+            victims = self._map.victims(k, keep)
+        except TooFewSlots as exc:
+            raise StoreError(
+                f"the device tier holds {self.capacity} rows (device_bytes={self.budget_bytes}) but this step "
+                f"needs {exc.kept + k} at once (the batch plus rows whose gradients are not applied "
+                f"yet); raise device_bytes to at least "
+                f"{(exc.kept + k) * (self.store.row_bytes + SLOT_OVERHEAD)} or use a smaller batch") from None
+        self._drop(victims)
 
     def _drop(self, slots: np.ndarray) -> None:
         d = slots[self.dirty[slots]]
         if len(d):
             self._send_down(d, evicted=True)
-        self.slot_of[self.id_of[slots]] = 0
-        self.id_of[slots] = -1
-        self.ref[slots] = 0
+        self._map.release(slots)
         self.dirty[slots] = False
-        self._free[self._nfree : self._nfree + len(slots)] = slots
-        self._nfree += len(slots)
         self.evicted_rows += len(slots)
 
     def _upload(self, ids: np.ndarray, slots: np.ndarray) -> None:
@@ -425,9 +408,7 @@ class DeviceTier:
             self._up.done(self._up_slot, self._stream)
             self.pool.index_copy_(0, self.to_device(slots), staged)
         self.up_bytes += len(ids) * self.pool.shape[1]
-        self.id_of[slots_all] = ids_all
-        self.slot_of[ids_all] = (slots_all + 1).astype(np.int32)
-        self.ref[slots_all] = 1
+        self._map.assign(slots_all, ids_all)
         self.loaded_rows += len(ids_all)
 
     def _up_mapped(self, ids: np.ndarray, slots: np.ndarray) -> bool:
@@ -500,7 +481,7 @@ class DeviceTier:
 
     def _send_down(self, slots: np.ndarray, *, evicted: bool) -> None:
         """Queue a device->host copy of ``slots``' records; applied to the store in order."""
-        ids = slots if self.resident else self.id_of[slots]
+        ids = slots if self.resident else self._map.id_of[slots]
         self.down_bytes += len(ids) * self.pool.shape[1]
         if self._down_mapped(ids, slots):
             return
@@ -593,7 +574,7 @@ class DeviceTier:
 
     def stats(self) -> dict[str, Any]:
         """Rows held, capacity, bytes, dirty, loaded and evicted rows of the device tier."""
-        used = self.capacity if self.resident else self.capacity - self._nfree
+        used = self.capacity if self.resident else self._map.used
         return {"device_rows": used, "device_capacity_rows": self.capacity, "device_bytes": self.nbytes,
                 "device_dirty_rows": int(np.count_nonzero(self.dirty)), "device_loaded_rows": self.loaded_rows,
                 "device_evicted_rows": self.evicted_rows, "device_mapped_host": self._mapped is not None,

@@ -213,6 +213,19 @@ class EmbeddingStoreHandle:
         store.prefetch(self._host_ids(ids, note=False))
 
     @_store_call
+    def upcoming(self, ids: torch.Tensor) -> None:
+        """Non-blocking hint that a coming batch reads rows `ids` (`LookaheadSampler(sampler,
+        model.codes)` calls it for each batch entering its window). With a device tier the rows are
+        brought to the GPU now and kept there until that batch is looked up; otherwise it is the
+        store's ``upcoming``."""
+        store = self._ensure_open(writable=False)
+        tier = self._tier(store)
+        if tier is not None:
+            tier.upcoming(self._valid_ids(store, ids, note=False), self._held_slots())
+            return
+        store.upcoming(self._host_ids(ids, note=False))
+
+    @_store_call
     def flush(self) -> int:
         """Make all updates durable; returns the store version. Safe to call from another thread."""
         with self._lifecycle:

@@ -1,0 +1,170 @@
+"""Which device slot holds which row, and which slots to free next: the device tier's host
+bookkeeping, in numpy, with no device in sight (so it is tested on any machine).
+
+Eviction follows the announced future where there is one: rows a coming batch reads (announced
+by `LookaheadSampler` through `announce`) are never chosen while a row no announced batch reads
+can go. Among the rest every row's next use lies beyond the window, so all are equal to Belady's
+rule; CLOCK (a reference bit per slot, a hand sweeping slices of the slot arrays) breaks the tie in
+favour of rows used recently. Every operation costs the batch, never the table: the hand sweeps a
+window of a few times the rows it needs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from lightning_embcache.store import idsets
+from lightning_embcache.store.memory import private_zeros
+
+#: announced batches kept at most: a window whose batches are never looked up (ids mapped
+#: elsewhere by the step) stops protecting rows after this many
+MAX_WINDOW = 64
+
+
+class TooFewSlots(Exception):
+    """Fewer evictable slots than a call needs (every other slot is kept); nothing changed."""
+
+    def __init__(self, kept: int, needed: int) -> None:
+        super().__init__(f"{kept} slots kept, {needed} more needed")
+        self.kept, self.needed = kept, needed
+
+
+class SlotMap:
+    """``capacity`` device slots over ``num_rows`` ids. Host memory: 4 bytes per table row (where
+    each id sits) plus 4 more once a future is announced (its uses still to come), and 27 bytes
+    per slot."""
+
+    def __init__(self, num_rows: int, capacity: int) -> None:
+        self.num_rows, self.capacity = num_rows, capacity
+        # private: not shared with forked DataLoader workers (each page written after a fork
+        # would be copied and kept twice)
+        self.slot_of = private_zeros(num_rows, np.int32)  # slot + 1; 0 = not on the device
+        self.id_of = private_zeros(capacity, np.int64)
+        self.id_of[:] = -1
+        self.ref = private_zeros(capacity, np.uint8)
+        self._free = private_zeros(capacity, np.int64)
+        self._free[:] = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self.nfree = capacity
+        self._hand = 0
+        self._stamp = private_zeros(capacity, np.int64)  # == _stamp_id: kept by the current call
+        self._stamp_id = 0
+        self.want: np.ndarray | None = None  # per id: announced uses still to come
+        self._window: deque[np.ndarray] = deque()
+        self.window_rows = 0  # distinct rows of the announced batches (summed per batch)
+
+    # ------------------------------------------------------------------ where rows are
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """Slot of each of ``ids`` (int64), -1 where not on the device; hits get their reference bit."""
+        s = self.slot_of[ids].astype(np.int64) - 1
+        self.ref[s[s >= 0]] = 1
+        return s
+
+    def take(self, k: int) -> np.ndarray:
+        """``k`` free slots (the caller has made room: ``k <= nfree``)."""
+        got = self._free[self.nfree - k : self.nfree].copy()
+        self.nfree -= k
+        return got
+
+    def assign(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        self.id_of[slots] = ids
+        self.slot_of[ids] = (slots + 1).astype(np.int32)
+        self.ref[slots] = 1
+
+    def release(self, slots: np.ndarray) -> None:
+        """Give ``slots`` back (their rows leave the device)."""
+        self.slot_of[self.id_of[slots]] = 0
+        self.id_of[slots] = -1
+        self.ref[slots] = 0
+        self._free[self.nfree : self.nfree + len(slots)] = slots
+        self.nfree += len(slots)
+
+    @property
+    def used(self) -> int:
+        return self.capacity - self.nfree
+
+    # ------------------------------------------------------------------ the announced future
+    def announce(self, ids: np.ndarray) -> np.ndarray:
+        """A coming batch reads ``ids``: protect them until it is looked up (`consume`); returns
+        them unique and sorted."""
+        u = idsets.unique(ids)
+        if self.want is None:
+            self.want = private_zeros(self.num_rows, np.int32)
+        if len(self._window) == MAX_WINDOW:
+            self._forget()
+        self.want[u] += 1
+        self._window.append(u)
+        self.window_rows += len(u)
+        return u
+
+    def consume(self, ids: np.ndarray) -> bool:
+        """A batch was looked up: if it is the oldest announced one, its rows stop being protected."""
+        if not self._window:
+            return False
+        oldest = self._window[0]
+        if len(ids) < len(oldest) or not np.array_equal(idsets.unique(ids), oldest):
+            return False
+        self._forget()
+        return True
+
+    def _forget(self) -> None:
+        u = self._window.popleft()
+        assert self.want is not None
+        self.want[u] -= 1
+        self.window_rows -= len(u)
+
+    def clear_window(self) -> None:
+        while self._window:
+            self._forget()
+
+    # ------------------------------------------------------------------ eviction
+    def victims(self, k: int, keep: np.ndarray) -> np.ndarray:
+        """Choose ``k`` occupied slots to free, none in ``keep`` (slots in use by this step), and
+        none whose row an announced batch reads while another can go. Only the hand, reference
+        bits and stamps change; raises `TooFewSlots` (and changes nothing chosen) if fewer than
+        ``k`` slots may go."""
+        self._stamp_id += 1
+        self._stamp[keep] = self._stamp_id  # duplicates welcome: no unique() of the batch
+        picked: list[np.ndarray] = []
+        try:
+            if self.want is not None and self.window_rows:
+                need = self._sweep(k, picked, spare_wanted=True, limit=2 * self.capacity)
+            else:
+                need = k
+            if need:
+                self._sweep(need, picked, spare_wanted=False, limit=2 * self.capacity)
+        except TooFewSlots:
+            for v in picked:
+                self._stamp[v] = 0
+            raise TooFewSlots(len(idsets.unique(keep)) if len(keep) else 0, k) from None
+        return np.concatenate(picked) if picked else np.empty(0, np.int64)
+
+    def _sweep(self, need: int, picked: list[np.ndarray], *, spare_wanted: bool, limit: int) -> int:
+        """Move the hand until ``need`` slots are picked or ``limit`` slots were passed; returns
+        how many are still needed (raises `TooFewSlots` if any are, when not sparing wanted rows)."""
+        cap, swept = self.capacity, 0
+        while need and swept <= limit:
+            lo = self._hand
+            hi = min(cap, lo + max(4 * need, 4096))
+            ids = self.id_of[lo:hi]
+            ok = (ids >= 0) & (self._stamp[lo:hi] != self._stamp_id)
+            if spare_wanted:
+                assert self.want is not None
+                ok &= self.want[np.maximum(ids, 0)] == 0
+            cold = np.flatnonzero(ok & (self.ref[lo:hi] == 0))
+            if len(cold) >= need:
+                end = int(cold[need - 1]) + 1
+                cold = cold[:need]
+            else:
+                end = hi - lo
+            self.ref[lo : lo + end] = 0  # the hand passed them: their second chance is used
+            cold += lo
+            self._stamp[cold] = self._stamp_id  # chosen: a later window must not pick them again
+            picked.append(cold)
+            need -= len(cold)
+            self._hand = (lo + end) % cap
+            swept += end
+        if need and not spare_wanted:
+            raise TooFewSlots(0, need)
+        return need
