@@ -182,6 +182,7 @@ class _WallClock:
         self.device = device
         self.t0 = self.t1 = 0.0
         self.n = 0
+        self.tier_stats: dict[str, Any] | None = None
 
     def callback(self):
         import lightning as L
@@ -199,6 +200,8 @@ class _WallClock:
                     torch.cuda.synchronize()
                 outer.t1 = time.perf_counter()
                 outer.n = trainer.num_training_batches
+                tier = getattr(getattr(pl_module, "codes", None), "_device_tier", None)
+                outer.tier_stats = tier.stats() if tier is not None else None  # before teardown closes it
 
         return _CB()
 
@@ -245,7 +248,7 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     out = {"variant": name, "steady_batch_ms": summary.get("steady_batch_ms"), "wall_batch_ms": wall_ms,
            "steps_per_s": 1e3 / wall_ms, "phases_ms": summary.get("phases_ms"), "fit_seconds": fit_s}
     if name != "anchor":
-        out["store_stats"] = {"device": model.codes._device_tier.stats() if model.codes._device_tier else None}
+        out["store_stats"] = {"device": clock.tier_stats}  # both epochs: bytes moved, rows loaded
     del model, trainer, data
     gc.collect()
     if args.device == "cuda":

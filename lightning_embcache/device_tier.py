@@ -420,14 +420,23 @@ class DeviceTier:
         self._mapped.gather_into(self.pool, both[: len(slots)], both[len(slots):])
         return True
 
-    def _down_mapped(self, ids: np.ndarray, slots: np.ndarray) -> bool:
+    def _down_mapped(self, ids: np.ndarray, slots: np.ndarray, *, evicted: bool) -> bool:
         """Scatter the records of ``slots`` into the mapped host table at ``ids`` with one
         kernel; False (nothing done) where the table is not mapped, rows of an earlier write-down
-        are still on their way (they must land first), or a flush is copying the table."""
+        are still on their way (they must land first), or a flush is copying the table.
+
+        NaN/Inf: rows evicted during a step are checked by the kernels (a flag read at the next
+        drain, which refuses the flush); rows of a write-down (before a flush, where waiting is
+        fine) are checked first, and non-finite ones take the staged path, whose store call
+        refuses them and leaves the store as it was."""
         if self._mapped is None or self._down:
             return False
         mapped, nonfinite = self._mapped, self._nonfinite
         check = getattr(self.store, "_check_finite", True)
+        if check and not evicted:
+            weights = self.view("weight").index_select(0, self.to_device(slots))
+            if not bool(torch.isfinite(weights).all()):
+                return False
 
         def enqueue() -> torch.cuda.Event:
             both = self.to_device(np.concatenate([slots, ids]))
@@ -483,7 +492,7 @@ class DeviceTier:
         """Queue a device->host copy of ``slots``' records; applied to the store in order."""
         ids = slots if self.resident else self._map.id_of[slots]
         self.down_bytes += len(ids) * self.pool.shape[1]
-        if self._down_mapped(ids, slots):
+        if self._down_mapped(ids, slots, evicted=evicted):
             return
         order = np.argsort(ids)
         ids, slots = ids[order], slots[order]  # sorted: a later upload finds its rows by bisection
