@@ -144,7 +144,7 @@ class DeviceTier:
         self._stream = torch.cuda.current_stream(device)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetching: Future | None = None
-        self.pool = torch.empty((capacity, rb), dtype=torch.uint8, device=device)
+        self.pool = self._make_pool(capacity, rb)
         self._views = {name: store.record_view(self.pool, name) for name in store.field_names}
         self.dirty = np.zeros(capacity, np.bool_)
         self._up = PinnedRing()      # host -> device
@@ -181,6 +181,10 @@ class DeviceTier:
             self._mapped = MappedHost.try_register(store_table(store), device)
             if self._mapped is not None:
                 self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+
+    def _make_pool(self, capacity: int, row_bytes: int) -> Tensor:
+        """The device memory holding the tier's records (`HostMappedTier`: the host table)."""
+        return torch.empty((capacity, row_bytes), dtype=torch.uint8, device=self.device)
 
     @contextmanager
     def _io(self) -> Iterator[None]:
@@ -325,10 +329,9 @@ class DeviceTier:
         duplicate ids the last one wins, as in `EmbeddingStore.update`."""
         rev_uniq, first_in_rev = np.unique(ids[::-1], return_index=True)
         last = len(ids) - 1 - first_in_rev
-        with self._step_lock:
-            slots = self.slots(rev_uniq, protect)
+        slots = self.slots(rev_uniq, protect)
+        with self.writing(slots):
             self.view("weight").index_copy_(0, self.to_device(slots), values.index_select(0, self.to_device(last)))
-            self.dirty[slots] = True
 
     # ------------------------------------------------------------------ residency
     @_entry
@@ -482,6 +485,17 @@ class DeviceTier:
     def mark_dirty(self, slots: np.ndarray) -> None:
         """Rows a step changed (caller holds `step_lock`; a prefetch never evicts these slots)."""
         self.dirty[slots] = True
+
+    @contextmanager
+    def writing(self, slots: np.ndarray) -> Iterator[None]:
+        """Queue kernels that write the rows in ``slots`` inside this block: a background
+        `write_down` sees all of them or none, and the rows count as dirty after it."""
+        with self._step_lock:
+            yield
+            self.dirty[slots] = True
+
+    def ready(self, ids: np.ndarray) -> None:
+        """Before a kernel reads rows ``ids`` at slot == id (a tier holding the whole table)."""
 
     @property
     def step_lock(self) -> threading.Lock:

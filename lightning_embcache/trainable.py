@@ -160,6 +160,7 @@ class TrainableRows:
         tier = self.device_tier
         assert tier is not None
         if tier.resident:  # slot == id (idx is as_ids' own copy: the caller may refill its ids)
+            tier.ready(idx)
             pos = idx
             same = (device_ids is not None and device_ids.device == tier.device and device_ids.dim() == 1
                     and device_ids.dtype == torch.int64 and device_ids.numel() == len(idx))
@@ -173,9 +174,8 @@ class TrainableRows:
             # On the device without waiting for it: every looked-up row is written back, scaled
             # or (under the limit) with its exact bits.
             rows, _ = renorm_rows(rows, self.max_norm, self.norm_type)
-            with tier.step_lock:
+            with tier.writing(pos):
                 weight.index_copy_(0, pos_d, rows)
-                tier.mark_dirty(pos)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._dev_leaves.append((pos, pos_d, rows))
@@ -316,7 +316,7 @@ class TrainableRows:
         lr_now = self.optimizer.lr if lr is None else lr
         weight = tier.view("weight")
         state = {n: tier.view(n) for n in self._state_names}
-        with tier.step_lock:  # a background write_down sees the whole step or none of it
+        with tier.writing(pos):  # a background write_down sees the whole step or none of it
             done = self.max_grad_norm is None and fused_adam_step_rows(
                 self.optimizer, weight, state, pos_d, grads, step=step, lr=lr_now)
             if not done:
@@ -340,7 +340,6 @@ class TrainableRows:
             tier.view("last_step").index_fill_(0, pos_d, step)
             updates = tier.view("updates")
             updates[pos_d] = updates.index_select(0, pos_d) + 1
-            tier.mark_dirty(pos)
 
     def write_down(self) -> int:
         """Bring the device tier's updated rows into the store (before reading or flushing it)."""

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
+from lightning_embcache.host_mapped_tier import HostMappedTier
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store.validate import as_ids
 from lightning_embcache.optim.base import RowOptimizer
@@ -123,6 +124,7 @@ class EmbeddingStoreHandle:
         self.name = name
         self.device_bytes = device_bytes
         self._device_tier: DeviceTier | None = None
+        self._unmapped: EmbeddingStore | None = None  # a store whose table could not be mapped
         self.num_rows = num_rows
         self.dim = dim
         self.path = path
@@ -373,9 +375,13 @@ class EmbeddingStoreHandle:
 
     # ------------------------------------------------------------------ the device tier
     def _tier(self, store: EmbeddingStore) -> DeviceTier | None:
-        """The device tier of ``store`` on a CUDA module (None: the rows stay on the host)."""
+        """The device tier of ``store`` on a CUDA module (None: the rows stay on the host and
+        travel through pinned buffers). Over a memory-mode table, ``device_bytes=0``, and
+        ``device_bytes=None`` for a table beyond its auto budget, keep the rows in host RAM where
+        the GPU trains them in place (`HostMappedTier`), if CUDA can map the table; a disk-mode
+        table beyond the budget gets a cache of that budget on the GPU."""
         device = self._device()
-        if device.type != "cuda" or self.device_bytes == 0:
+        if device.type != "cuda":
             return None
         tier = self._device_tier
         if tier is not None and tier.store is store and tier.device.index == (device.index or 0):
@@ -383,7 +389,15 @@ class EmbeddingStoreHandle:
             return tier
         if tier is not None:
             tier.close()
+            self._device_tier = None
         budget = self.device_bytes if self.device_bytes is not None else self._auto_device_bytes(store, device)
+        whole = store.num_rows * (store.row_bytes + SLOT_OVERHEAD)
+        if self.device_bytes == 0 or (self.device_bytes is None and budget < whole):
+            if self._unmapped is not store:  # the rows train where they lie in host RAM, if it maps
+                self._device_tier = HostMappedTier.create(store, device)
+                self._unmapped = None if self._device_tier is not None else store
+            if self._device_tier is not None or self.device_bytes == 0:
+                return self._device_tier
         self._device_tier = DeviceTier(store, device, budget)
         return self._device_tier
 
@@ -665,12 +679,13 @@ class EmbeddingStoreHandle:
         # Pickled with its module (deepcopy, spawn): the open store, locks and buffers stay behind.
         state = self.__dict__.copy()
         state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None, _trainable=None,
-                     _stand_in=False, _in_fit=False, _device_tier=None, _noted=None)
+                     _stand_in=False, _in_fit=False, _device_tier=None, _unmapped=None, _noted=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update({"if_exists": "error", "_claimed": False, "_stand_in": False, "_in_fit": False,
-                              "_last_stats": None, "_earlier_counters": {}, "_noted": None, **state})
+                              "_last_stats": None, "_earlier_counters": {}, "_noted": None, "_unmapped": None,
+                              **state})
         self._lifecycle = threading.RLock()
         self._staging = PinnedRing(2)
         self._module_ref = lambda: None

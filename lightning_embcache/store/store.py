@@ -8,6 +8,7 @@ chunks. The store never imports Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -18,7 +19,7 @@ import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -677,6 +678,26 @@ class EmbeddingStore(TieredRows, Versioning):
             self._hot.dirty[idx] = 1
         self._stats.updates += 1
         return True
+
+    @contextlib.contextmanager
+    def _device_writing(self, idx: np.ndarray) -> Iterator[Callable[[Any], None]]:
+        """Queue device kernels that write the records of validated ``idx`` in `_resident_table`
+        inside this block; pass the object whose ``synchronize()`` waits for them to the callable
+        it yields. Under the lock: rows a flush is still copying out are saved first (its snapshot
+        stays one moment), the rows are dirty afterwards, and host reads wait for the kernels."""
+        self._check_state(write=True)
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
+            self._resident_rows(idx)  # made first: making them later would overwrite the device's rows
+            if self._cow is not None:
+                self._save_cow(idx)
+            queued: list[Any] = []
+            yield queued.append
+            if queued:
+                self._device_pending = queued[-1]
+            self._hot.dirty[idx] = 1
+        self._stats.updates += 1
 
     def _device_read(self, idx: np.ndarray) -> bool:
         """Whether a device may read the records of validated ``idx`` from `_resident_table` now

@@ -83,3 +83,36 @@ def test_without_cuda_nothing_is_registered():
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA")
     assert MappedHost.try_register(torch.zeros(4, 8, dtype=torch.uint8), torch.device("cuda")) is None
+
+
+def test_kernels_queued_in_a_writing_block_mark_rows_dirty_and_keep_a_flush_snapshot_whole(tmp_path):
+    """`_device_writing`: a device trains rows in the table in place. While a flush's snapshot is
+    open, rows it still has to copy are saved before the block, so the version it writes is the
+    table at its start, not a later step's."""
+    store = EmbeddingStore.create(tmp_path / "s", N, DIM, init="zeros", chunk_rows=64)
+    ids = np.array([2, 4, 6])
+    table = store._resident_table()
+
+    def device_step(value):
+        recs = table.numpy()[ids].copy()
+        store.record_view(torch.from_numpy(recs), "weight")[:] = value
+        late = _LateWrite(table, ids, recs)
+        with store._device_writing(ids) as queued:
+            queued(late)
+        return late
+
+    device_step(1.0)
+    with store._lock:  # a flush's snapshot opens (the flush thread holds the lock for it)
+        slots = np.flatnonzero(store._hot.dirty)
+        assert set(slots.tolist()) == {2, 4, 6}
+        store._hot.inflight[slots] = True
+        read = store._snapshot_reader(slots)
+    late = device_step(2.0)  # the next step, while the flush writes: its old rows are saved
+    late.synchronize()  # the device ran it
+    with store._lock:
+        snap = read(0, len(slots))
+        store._hot.inflight[slots] = False
+        store._cow = None
+    assert store.record_view(torch.from_numpy(snap), "weight").eq(1.0).all()
+    assert store.get(torch.from_numpy(ids)).eq(2.0).all()
+    store.close()

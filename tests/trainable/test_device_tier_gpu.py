@@ -84,6 +84,43 @@ def test_device_tier_trains_like_nn_embedding_on_the_gpu(tmp_path, name, fractio
     again.close()
 
 
+@pytest.mark.parametrize("name", ["adam", "adagrad", "sgd"])
+def test_rows_trained_in_place_in_host_ram_train_like_nn_embedding(tmp_path, name):
+    """`HostMappedTier` (``device_bytes=0`` over a memory-mode table): no row on the GPU, every
+    gather and update over the bus, flushes in between; the same rows as the reference."""
+    from lightning_embcache.host_mapped_tier import HostMappedTier
+
+    opt, store = _store(tmp_path, name)
+    tier = HostMappedTier.create(store, "cuda")
+    assert tier is not None and tier.nbytes == 0 and tier.stats()["device_mapped_host"]
+    rows = TrainableRows(store, opt, device_tier=tier)
+    emb, ref = _reference(name, store.get(torch.arange(N)).cuda())
+    g = torch.Generator().manual_seed(0)
+    versions = {}
+    for step in range(1, STEPS + 1):
+        ref.zero_grad()
+        ids = torch.randint(0, N, (96,), generator=g)
+        tgt = torch.randn(96, DIM, generator=g).cuda()
+        ((emb(ids.cuda()) - tgt) ** 2).sum().backward()
+        ((rows.lookup(ids) - tgt) ** 2).sum().backward()
+        rows.collect()
+        ref.step()
+        rows.apply(step=step)
+        if step % 50 == 0:
+            rows.write_down()
+            v = store.flush()
+            store.pin(v)
+            versions[v] = emb.weight.detach().clone()
+    torch.testing.assert_close(tier.gather(np.arange(N)), emb.weight.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(store.get(torch.arange(N)).cuda(), emb.weight.detach(), rtol=1e-5, atol=1e-5)
+    tier.close()
+    store.close()
+    for v, want in versions.items():  # every flushed version holds the rows of its moment
+        again = EmbeddingStore.open(tmp_path / "s", version=v, readonly=True)
+        torch.testing.assert_close(again.get(torch.arange(N)).cuda(), want, rtol=1e-5, atol=1e-5)
+        again.close()
+
+
 def test_device_tier_steps_make_no_device_sync(tmp_path):
     opt, store = _store(tmp_path, "adam", hot_bytes=None)
     for fraction in (1.0, 0.25):
@@ -103,6 +140,21 @@ def test_device_tier_steps_make_no_device_sync(tmp_path):
                 torch.cuda.set_sync_debug_mode("default")
         rows.write_down()
         tier.close()
+    from lightning_embcache.host_mapped_tier import HostMappedTier
+
+    tier = HostMappedTier.create(store, "cuda")
+    rows = TrainableRows(store, opt, device_tier=tier)
+    for step in range(1, 40):
+        ids = torch.randint(0, N, (256,), generator=g)
+        if step > 5:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            z = rows.lookup(ids)
+            (z * z).sum().backward()
+            rows.apply(step=step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    tier.close()
     store.close()
 
 
