@@ -44,7 +44,12 @@ class HostMappedTier(DeviceTier):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         mapped = MappedHost.try_register(store_table(store), device)
-        return None if mapped is None else cls(store, device, mapped)
+        if mapped is None:
+            return None
+        # a first batch makes its own rows, not their whole chunks (a 4096-id batch of a 20M-row
+        # table would make a fifth of it); the background fill makes the rest
+        store._rows_on_first_touch = True
+        return cls(store, device, mapped)
 
     def _make_pool(self, capacity: int, row_bytes: int) -> Tensor:
         return self._host.dev

@@ -11,13 +11,18 @@ buffers).
 
 from __future__ import annotations
 
+import ctypes
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 #: cudaHostRegisterMapped | cudaHostRegisterPortable
 _REGISTER_FLAGS = 2 | 1
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): back a range with writable pages, contents unchanged
+_MADV_POPULATE_WRITE = 23
+_POPULATE_PIECE = 64 << 20
 
 
 def enabled() -> bool:
@@ -45,6 +50,7 @@ class MappedHost:
         self.device = device
         self._ptr = host.data_ptr()
         self._nbytes = host.numel()
+        populate(self._ptr, self._nbytes)
         cudart = torch.cuda.cudart()
         with torch.cuda.device(device):
             err = cudart.cudaHostRegister(self._ptr, self._nbytes, _REGISTER_FLAGS)
@@ -94,6 +100,24 @@ class MappedHost:
 
     def __repr__(self) -> str:
         return f"MappedHost({self._nbytes} bytes on {self.device})"
+
+
+def populate(ptr: int, nbytes: int) -> None:
+    """Back ``[ptr, ptr + nbytes)`` with pages from all CPUs at once before it is registered:
+    registering faults in every page of a lazily zeroed table on one thread, a few GB/s. Contents
+    are unchanged (MADV_POPULATE_WRITE); where the kernel lacks it, registering faults them in."""
+    if nbytes < 2 * _POPULATE_PIECE or not hasattr(os, "sched_getaffinity"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = (ptr + page - 1) // page * page
+    end = (ptr + nbytes) // page * page
+
+    def one(a: int) -> None:  # ctypes releases the GIL for the call
+        libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(min(_POPULATE_PIECE, end - a)), _MADV_POPULATE_WRITE)
+
+    with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0))), thread_name_prefix="embcache-populate") as ex:
+        list(ex.map(one, range(start, end, _POPULATE_PIECE)))
 
 
 def wide(records: torch.Tensor) -> torch.Tensor:

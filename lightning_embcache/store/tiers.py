@@ -77,8 +77,9 @@ def to_np(t: torch.Tensor) -> np.ndarray:
 #: tests that count first touches turn it off
 BACKGROUND_FILL = True
 #: memory mode's first touch of a never-written chunk makes only the rows read (True) or the
-#: whole chunk (False, the default: the device tier over a host table in memory mode ran 3x
-#: slower with rows made one by one, its trusted copies meeting a table that stays partly made)
+#: whole chunk (False, the default: a cache-sized device tier over a host table ran 3x slower
+#: with rows made one by one, its record copies meeting a table that stays partly made). A store
+#: whose table the GPU trains in place sets its own ``_rows_on_first_touch`` (`HostMappedTier`).
 ROWS_ON_FIRST_TOUCH = False
 FILL_BYTES = 4 << 20  # rows made per step of the background fill (the store lock is held to install them)
 
@@ -839,7 +840,7 @@ class TieredRows:
         t0 = time.perf_counter()
         cr = self._chunk_rows
         chunks = idsets.unique(miss // cr)
-        if not ROWS_ON_FIRST_TOUCH:
+        if not getattr(self, "_rows_on_first_touch", ROWS_ON_FIRST_TOUCH):
             fresh = chunks[:0]
         elif self._rows is None or not len(self._rows):  # no delta records: only the chunk map decides
             fresh = chunks if self._disk is None else chunks[self._cmap[chunks] == 0]
