@@ -82,18 +82,17 @@ BACKGROUND_FILL = True
 #: whose table the GPU trains in place sets its own ``_rows_on_first_touch`` (`HostMappedTier`).
 ROWS_ON_FIRST_TOUCH = False
 FILL_BYTES = 4 << 20  # rows made per step of the background fill (the store lock is held to install them)
-FILL_THREADS = 8  # at most, and never more than the CPUs beyond two
 
 
-def _fill_weakly(ref: Any, start: int, end: int) -> None:
-    """The background fill of chunks ``[start, end)``, holding its store only during a step (a
-    dropped store is collected)."""
+def _fill_weakly(ref: Any) -> None:
+    """The background fill, holding its store only during a step (a dropped store is collected)."""
+    start = 0
     while start is not None:
         store = ref()
         if store is None:
             return
         try:
-            start = store._fill_step(start, end)
+            start = store._fill_step(start)
         except Exception:  # the fill is an optimisation: a first touch still makes any row
             return
         finally:
@@ -1165,25 +1164,19 @@ class TieredRows:
         hot = self._hot
         if not BACKGROUND_FILL or not hot.resident or hot.all_loaded or self._init_kind == "callable":
             return
-        # one thread per spare CPU (two kept for training), each over its own stretch of chunks:
-        # making rows is numpy work that lets the GIL go
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        workers = max(1, min(FILL_THREADS, cpus - 2))
-        n = len(hot.loaded)
-        self._filler = ThreadPoolExecutor(workers, thread_name_prefix="embcache-fill")
-        for i in range(workers):
-            self._filler.submit(_fill_weakly, weakref.ref(self), n * i // workers, n * (i + 1) // workers)
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="embcache-fill")
+        self._filler.submit(_fill_weakly, weakref.ref(self))
 
-    def _fill_step(self, start: int, end: int | None = None) -> int | None:
-        """Make the next few never-written, not yet loaded chunks of ``[start, end)``; returns
-        where to go on, or None when done. Records are made outside the lock; installed under it,
+    def _fill_step(self, start: int) -> int | None:
+        """Make the next few never-written, not yet loaded chunks from ``start``; returns where
+        to go on, or None when done. Records are made outside the lock; installed under it,
         keeping rows made or changed meanwhile (`HotTier.fill_chunk`)."""
         hot, cr = self._hot, self._chunk_rows
         group = max(1, FILL_BYTES // (cr * self._row_bytes))
         with self._lock:
             if self._closed or hot.all_loaded:
                 return None
-            n = len(hot.loaded) if end is None else end
+            n = len(hot.loaded)
             picked: list[int] = []
             c = start
             while c < n and len(picked) < group:
