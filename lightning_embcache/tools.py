@@ -252,7 +252,7 @@ def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
 def _versions_needed(root: Path, pinned: set[int]) -> dict[int, str]:
     """Versions something outside the manifests still names: PINS, and the checkpoint registry
     beside the store (a Lightning checkpoint resumes from them). version -> who names it."""
-    from lightning_embcache.lightning.checkpoint_pins import CheckpointPins, registry_path
+    from lightning_embcache.store.pins_registry import CheckpointPins, registry_path
 
     needed = {v: "pinned (PINS)" for v in pinned}
     if registry_path(root).exists():

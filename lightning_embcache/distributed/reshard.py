@@ -73,7 +73,7 @@ def load_checkpoint(path: Path) -> Any:
 
 
 def _reshard_store(name: str, ref: dict[str, Any], world_size: int, new_path: str | None, dst: Path) -> dict[str, Any]:
-    from lightning_embcache.lightning.checkpoint_pins import CheckpointPins
+    from lightning_embcache.store.pins_registry import CheckpointPins
 
     shards = ref.get("shards")
     old_world = 1 if shards is None else int(shards["world_size"])

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lightning_embcache.distributed.figures import reduce_figures, several_ranks
+from lightning_embcache.lightning.figures import reduce_figures, several_ranks
 from lightning_embcache.lightning.flush_worker import CoalescingWorker
 
 log = logging.getLogger(__name__)

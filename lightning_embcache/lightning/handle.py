@@ -225,7 +225,8 @@ class EmbeddingStoreHandle:
         if tier is not None:
             tier.upcoming(self._valid_ids(store, ids, note=False), self._held_slots())
             return
-        store.upcoming(self._host_ids(ids, note=False))
+        hint = getattr(store, "upcoming", None) or store.prefetch  # a row-sharded store prefetches
+        hint(self._host_ids(ids, note=False))
 
     @_store_call
     def flush(self) -> int:
@@ -586,7 +587,7 @@ class EmbeddingStoreHandle:
     def _remove_store_files(self) -> None:
         """Delete the store at `path` (and its checkpoint registry), refusing anything that is not a store."""
         assert self.path is not None
-        from lightning_embcache.lightning.checkpoint_pins import registry_path
+        from lightning_embcache.store.pins_registry import registry_path
 
         if not (self.path.is_dir() and (self.path / "META").is_file()):
             raise _store_errors().InvalidArgumentError(

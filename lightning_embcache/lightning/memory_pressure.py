@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lightning_embcache.distributed.figures import reduce_figures, several_ranks
+from lightning_embcache.lightning.figures import reduce_figures, several_ranks
 from lightning_embcache.lightning.memory_reading import MemoryReader, MemoryReading
 from lightning_embcache.store.errors import StoreError
 

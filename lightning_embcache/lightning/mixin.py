@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_embcache.distributed.integration import (
+from lightning_embcache.lightning.sharded import (
     follow_checkpoint_files, gather_shard_refs, local_ref, shard_handles,
 )
 from lightning_embcache.lightning.auto_lookahead import AutoLookahead

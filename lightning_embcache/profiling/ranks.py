@@ -9,61 +9,9 @@ doubles (a few KiB even for a thousand ranks) replaces a SUM and a MAX reduction
 
 from __future__ import annotations
 
-from typing import Optional
+from lightning_embcache.distributed.collectives import PendingRows, gather_rows, world
 
-import torch
-import torch.distributed as dist
-
-
-def world() -> tuple[int, int]:
-    """(rank, world_size) of the default process group; (0, 1) outside one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _collective_device(device: Optional[torch.device]) -> torch.device:
-    if device is not None and device.type == "cuda" and dist.get_backend() == "nccl":
-        return device
-    return torch.device("cpu")
-
-
-def gather_rows(values: list[float], device: Optional[torch.device] = None) -> list[list[float]]:
-    """Every rank's ``values`` (same length on all ranks), in rank order. Blocking; all ranks join."""
-    rank, size = world()
-    if size == 1:
-        return [list(values)]
-    k = len(values)
-    buf = torch.zeros(size * k, dtype=torch.float64)
-    buf[rank * k:(rank + 1) * k] = torch.tensor(values, dtype=torch.float64)
-    buf = buf.to(_collective_device(device))
-    dist.all_reduce(buf)
-    return buf.view(size, k).tolist()
-
-
-class PendingRows:
-    """A :func:`gather_rows` that never blocks the host on CUDA: pinned buffers, non-blocking
-    copies, an event; :meth:`result` is None until the event has completed."""
-
-    def __init__(self, values: list[float], device: torch.device) -> None:
-        rank, size = world()
-        k = len(values)
-        self._shape = (size, k)
-        host = torch.zeros(size * k, dtype=torch.float64, pin_memory=True)
-        host[rank * k:(rank + 1) * k] = torch.tensor(values, dtype=torch.float64)
-        dev = host.to(device, non_blocking=True)
-        dist.all_reduce(dev)
-        self._out = torch.empty(size * k, dtype=torch.float64, pin_memory=True)
-        self._out.copy_(dev, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(device))
-        self._keep = (host, dev)  # alive until the copies are done
-
-    def result(self) -> Optional[list[list[float]]]:
-        if not self._event.query():
-            return None
-        self._keep = None
-        return self._out.view(*self._shape).tolist()
+__all__ = ["PendingRows", "gather_rows", "spread", "world"]
 
 
 def spread(rows: list[list[float]], wall_col: int, batches_col: int, wait_col: int) -> tuple[float, int, float]:

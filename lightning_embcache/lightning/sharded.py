@@ -27,6 +27,7 @@ from lightning_embcache.distributed.exchange import sharding_active, store_group
 from lightning_embcache.distributed.sharding import shard_dir
 from lightning_embcache.distributed.store import RESHARD_HINT, ShardFactory, _check_layout
 from lightning_embcache.store import InvalidArgumentError
+from lightning_embcache.store.pins_registry import CHECKPOINT_KEY
 
 RULE = "id % world_size"
 
@@ -138,8 +139,6 @@ def follow_checkpoint_files(module: Any, trainer: Any) -> None:
 
 
 def _attach(module: Any, checkpoint: dict[str, Any], file: str) -> None:
-    from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY
-
     rank, _ = world()
     for name, ref in (checkpoint.get(CHECKPOINT_KEY) or {}).items():
         handle = module._embcache_stores().get(name)

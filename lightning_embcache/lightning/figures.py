@@ -3,13 +3,14 @@
 `DeferredSync` and `MemoryPressure` act on each rank's own shard and memory; what they log is
 the whole job: seconds and fractions are the maximum over ranks (the slowest flush, the fullest
 machine decide), row and byte counts the sum. The figures of all ranks travel in one
-``all_reduce`` of a ``world_size x k`` buffer (`lightning_embcache.profiling.ranks.gather_rows`).
+``all_reduce`` of a ``world_size x k`` buffer (`lightning_embcache.distributed.collectives.gather_rows`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+from lightning_embcache.distributed.collectives import gather_rows
 from lightning_embcache.distributed.exchange import world
 
 #: how each logged key combines across ranks
@@ -33,8 +34,6 @@ def reduce_figures(metrics: Mapping[str, float], trainer: Any = None, *, present
     `present=False`: this rank has nothing to report this time but joins the reduction; returns
     None when no rank had anything.
     """
-    from lightning_embcache.profiling.ranks import gather_rows
-
     keys = sorted(metrics)
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     rows = gather_rows([1.0 if present else 0.0, *(float(metrics[k]) if present else 0.0 for k in keys)], device)
