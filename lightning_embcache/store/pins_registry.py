@@ -36,6 +36,8 @@ class CheckpointPins:
         self.file = registry_path(store_path)
         self.versions: dict[int, list[str]] = {}
         self._fresh: set[int] = set()  # pinned by a save whose file is not written yet
+        # files attached before they existed (an asynchronous checkpoint writer): kept until seen
+        self._unseen: set[str] = set()
         if self.file.exists() or self.file.is_symlink():
             self.versions = self._parse(fileio.read_raw(self.file))
 
@@ -77,17 +79,23 @@ class CheckpointPins:
                 files.remove(file)
         self.versions.setdefault(version, []).append(file)
         self._fresh.discard(version)
+        if not os.path.exists(file):  # written in the background (AsyncCheckpointIO): not there yet
+            self._unseen.add(file)
 
     def detach(self, file: str) -> None:
         for files in self.versions.values():
             if file in files:
                 files.remove(file)
+        self._unseen.discard(file)
 
     def sweep(self, store: Any) -> list[int]:
-        """Unpin versions that no existing checkpoint file refers to; returns them."""
+        """Unpin versions that no existing checkpoint file refers to; returns them. A file attached
+        before it existed counts as existing until it was once seen (its writer is still at it)."""
         released = []
         for version, files in list(self.versions.items()):
-            files[:] = [f for f in files if os.path.exists(f)]
+            there = [f for f in files if os.path.exists(f)]
+            self._unseen.difference_update(there)  # written now: from here its absence means removed
+            files[:] = [f for f in files if f in self._unseen or f in there]
             if files or version in self._fresh:
                 continue
             try:
