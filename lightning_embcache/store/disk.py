@@ -874,6 +874,18 @@ class Disk:
         """Bytes read from every store file: chunks, manifests, maps and segments."""
         return self.bytes_read + self.segment_reads[0]
 
+    def sync_segments(self, segs: list[Segment]) -> None:
+        """Make segments written with ``durable=False`` durable before a manifest lists them: their
+        bytes (an fsync each) and their names (one fsync of ``segments/``; a flush that writes no
+        segment of its own would otherwise leave their renames in the page cache)."""
+        for seg in segs:
+            self.sync_segment(seg)
+        if segs:
+            try:
+                fileio.fsync(self._segments_fd, self.root / "segments")
+            except OSError as exc:
+                raise io_error(exc, "syncing", self.root / "segments") from exc
+
     def sync_segment(self, seg: Segment) -> None:
         try:
             fd = os.open(seg.path.name, os.O_RDONLY | _NOFOLLOW, dir_fd=self._segments_fd)

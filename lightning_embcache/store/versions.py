@@ -181,9 +181,8 @@ class Versioning:
             version = self._max_version + 1
             segs = [g.seq for g in kept]
         try:
-            for p in pending:
-                if p.seq not in gone:  # one no manifest will list need not be durable
-                    self._disk.sync_segment(p)
+            # one no manifest will list need not be durable
+            self._disk.sync_segments([p for p in pending if p.seq not in gone])
             new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
             m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
             self._parent = self._version

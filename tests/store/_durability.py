@@ -1,0 +1,110 @@
+"""A power-cut oracle: which bytes and names of a store folder would survive a power cut now.
+
+A process kill keeps the page cache, so kill -9 tests cannot see a missing fsync. This oracle
+listens to every file operation the store makes (`fileio.FAULTS` hooks, plus `sync_written`,
+which is a `syncfs` on Linux) and keeps, as a file system without a cache would:
+
+* data: a file's bytes are durable once fsynced (or synced by a `syncfs`) after its last write;
+* names: a rename, link or unlink is durable once its folder is fsynced (or by a `syncfs`).
+
+At every commit point - the rename of a manifest into place - it checks that every file the new
+manifest names (its segments, its chunk map, the chunk files that map names, META) has durable
+bytes *and* a durable name: otherwise a power cut right after the manifest's own name became
+durable would leave a version whose files are gone or empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from lightning_embcache.store import fileio
+
+HEADER = fileio.HEADER_SIZE
+
+
+class PowerCutOracle:
+    """Install with `fileio.FAULTS = oracle` and `oracle.patch(monkeypatch)`; read `violations`."""
+
+    def __init__(self, root: Path, num_chunks: int) -> None:
+        self.root = Path(root).resolve()
+        self.num_chunks = num_chunks
+        self.written: set[Path] = set()        # bytes written since their last sync
+        self.unsynced_names: set[Path] = set()  # renamed/linked/unlinked since their folder's sync
+        self.commits = 0
+        self.calls = 0  # file operations seen (the fault workload reports it)
+        self.violations: list[str] = []
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def patch(self, monkeypatch) -> None:
+        real = fileio.sync_written
+
+        def sync_written(dir_fd, names, path):
+            real(dir_fd, names, path)
+            self.syncfs()
+
+        monkeypatch.setattr(fileio, "sync_written", sync_written)
+
+    def syncfs(self) -> None:
+        self.written.clear()
+        self.unsynced_names.clear()
+
+    def _path(self, name: object) -> Path | None:
+        p = Path(str(name))
+        if not p.is_absolute():
+            return None  # a bare name (pool files, LATEST's link): not a file a manifest names
+        p = p.resolve() if p.parent.exists() else p
+        return p if self.root in (p, *p.parents) else None
+
+    def before(self, op: str, name: object) -> None:
+        self.calls += 1
+        p = self._path(name)
+        if p is None:
+            return
+        if op == "rename" and p.name.startswith("manifest-"):
+            self._check_commit(p)
+
+    def after(self, op: str, name: object) -> None:
+        p = self._path(name)
+        if p is None:
+            return
+        if op == "write":
+            self.written.add(p)
+        elif op == "fsync":
+            if p.is_dir():
+                self.unsynced_names = {n for n in self.unsynced_names if n.parent != p}
+            else:
+                self.written.discard(p)
+        elif op in ("rename", "link", "unlink"):
+            self.unsynced_names.add(p)
+
+    # ---- the check -----------------------------------------------------------------------------
+    def _check_commit(self, manifest: Path) -> None:
+        self.commits += 1
+        tmp = sorted(manifest.parent.glob(f".{manifest.name}.tmp*"), key=lambda q: q.stat().st_mtime)
+        if not tmp:
+            self.violations.append(f"commit {self.commits}: no temporary file for {manifest.name}")
+            return
+        m = json.loads(tmp[-1].read_bytes()[HEADER:])
+        needed = [self.root / "META"] + [self.root / "segments" / f"s{s:012d}" for s in m["segments"]]
+        if m["chunkmap"]:
+            cmap_path = self.root / f"chunkmap-{m['chunkmap']:08d}"
+            needed.append(cmap_path)
+            gens = np.frombuffer(cmap_path.read_bytes()[HEADER:], np.int32, self.num_chunks)
+            needed += [self.root / "chunks" / f"c{c:08d}-g{g:08d}" for c, g in enumerate(gens.tolist()) if g]
+        for f in needed:
+            if f in self.written:
+                self.violations.append(f"{manifest.name} (commit {self.commits}) names {f.name}, whose bytes "
+                                       "were not fsynced before the commit")
+            if f in self.unsynced_names:
+                self.violations.append(f"{manifest.name} (commit {self.commits}) names {f.name}, whose name "
+                                       "(rename) was not made durable by a folder fsync before the commit")
+            if not f.exists():
+                self.violations.append(f"{manifest.name} (commit {self.commits}) names {f.name}, which is missing")
+
+
+def names_in(root: Path) -> list[str]:
+    return sorted(os.listdir(root))
