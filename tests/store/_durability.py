@@ -11,6 +11,11 @@ At every commit point - the rename of a manifest into place - it checks that eve
 manifest names (its segments, its chunk map, the chunk files that map names, META) has durable
 bytes *and* a durable name: otherwise a power cut right after the manifest's own name became
 durable would leave a version whose files are gone or empty.
+
+It also keeps the durable state itself: at each folder fsync its names and, for files whose bytes
+were synced since their last write, those bytes (a name renamed over keeps the old file's bytes
+until the folder is synced again). `reconstruct(dst)` writes the folder a power cut would leave
+now: the durable names, each with its durable bytes, empty where they never reached the disk.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class PowerCutOracle:
         self.num_chunks = num_chunks
         self.written: set[Path] = set()        # bytes written since their last sync
         self.unsynced_names: set[Path] = set()  # renamed/linked/unlinked since their folder's sync
+        # folder -> name -> bytes (None: the name is durable, its bytes are not), as of its last fsync
+        self.durable: dict[Path, dict[str, bytes | None]] = {}
         self.commits = 0
         self.calls = 0  # file operations seen (the fault workload reports it)
         self.violations: list[str] = []
@@ -51,6 +58,38 @@ class PowerCutOracle:
     def syncfs(self) -> None:
         self.written.clear()
         self.unsynced_names.clear()
+        for folder in self._folders():
+            self._keep_folder(folder)
+
+    # ---- the durable state -----------------------------------------------------------------------
+    def _folders(self) -> list[Path]:
+        return [f for f in (self.root, self.root / "segments", self.root / "chunks") if f.is_dir()]
+
+    def _keep_folder(self, folder: Path) -> None:
+        """``folder`` was fsynced: its names now are durable, each with its bytes now if those
+        were synced since their last write, else torn (None)."""
+        names: dict[str, bytes | None] = {}
+        for name in os.listdir(folder):
+            f = folder / name
+            if ".tmp" in name or f.is_dir():
+                continue
+            names[name] = None if f in self.written else f.read_bytes()
+        self.durable[folder] = names
+
+    def _file_synced(self, f: Path) -> None:
+        names = self.durable.get(f.parent)
+        if names is not None and f.name in names and names[f.name] is None and f.exists():
+            names[f.name] = f.read_bytes()  # the durable name's bytes reached the disk too
+
+    def reconstruct(self, dst: Path) -> None:
+        """The folder a power cut would leave now, written at ``dst`` (a torn file: empty)."""
+        for folder, names in self.durable.items():
+            out = dst / folder.relative_to(self.root)
+            out.mkdir(parents=True, exist_ok=True)
+            for name, data in names.items():
+                (out / name).write_bytes(data or b"")
+        for sub in ("segments", "chunks"):
+            (dst / sub).mkdir(parents=True, exist_ok=True)
 
     def _path(self, name: object) -> Path | None:
         p = Path(str(name))
@@ -76,8 +115,11 @@ class PowerCutOracle:
         elif op == "fsync":
             if p.is_dir():
                 self.unsynced_names = {n for n in self.unsynced_names if n.parent != p}
+                if p in (self.root, self.root / "segments", self.root / "chunks"):
+                    self._keep_folder(p)
             else:
                 self.written.discard(p)
+                self._file_synced(p)
         elif op in ("rename", "link", "unlink"):
             self.unsynced_names.add(p)
 
