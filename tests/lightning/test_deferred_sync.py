@@ -20,8 +20,9 @@ from _lightning_helpers import tiny_model, tiny_trainer
 class FlushSpy:
     """Wraps a handle's flush: records the step and thread of every call, optionally slowly."""
 
-    def __init__(self, model, trainer_ref, delay=0.0):
+    def __init__(self, model, trainer_ref, delay=0.0, gate=None):
         self.handle = model.latents
+        self.gate = gate  # background calls wait for it: the test decides how long a flush takes
         self.real = type(self.handle).flush.__get__(self.handle)
         self.trainer_ref = trainer_ref
         self.delay = delay
@@ -38,6 +39,8 @@ class FlushSpy:
         try:
             if self.delay:
                 time.sleep(self.delay)
+            if self.gate is not None and threading.current_thread() is not threading.main_thread():
+                assert self.gate.wait(60), "the test never opened the gate"
             step = self.trainer_ref[0].global_step if self.trainer_ref else None
             self.calls.append((step, threading.current_thread() is threading.main_thread()))
             return self.real()
@@ -46,10 +49,10 @@ class FlushSpy:
                 self.active -= 1
 
 
-def _run(tmp_path, sync, steps, *extra, delay=0.0, **kw):
+def _run(tmp_path, sync, steps, *extra, delay=0.0, gate=None, **kw):
     model = tiny_model(tmp_path / "latents")
     ref = []
-    spy = FlushSpy(model, ref, delay)
+    spy = FlushSpy(model, ref, delay, gate)
     trainer = tiny_trainer(tmp_path, callbacks=[sync, *extra], max_steps=steps, **kw)
     ref.append(trainer)
     trainer.fit(model)
@@ -85,12 +88,24 @@ def test_background_flush_runs_off_the_training_thread(tmp_path):
     assert on_main[-1] is True  # the fit-end flush on the training thread
 
 
+class _OpenGateAt(Callback):
+    def __init__(self, gate: threading.Event, step: int) -> None:
+        self.gate, self.step = gate, step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            self.gate.set()
+
+
 def test_slow_flushes_are_coalesced_never_queued(tmp_path):
+    """The first background flush is held until step 12 (a gate, not a sleep): the requests of
+    steps 2-12 meanwhile leave one run pending and coalesce the rest, whatever the host's speed."""
+    gate = threading.Event()
     sync = DeferredSync(every_n_steps=1, every_n_epochs=None, background=True)
-    _, spy, _ = _run(tmp_path, sync, 16, delay=0.15)
+    _, spy, _ = _run(tmp_path, sync, 16, _OpenGateAt(gate, 12), gate=gate)
     assert spy.max_active == 1
     background = [c for c in spy.calls if not c[1]]
-    assert sync.coalesced > 0
+    assert sync.coalesced >= 12 - 2  # steps 2..12 found a run in flight and one already pending
     assert len(background) < 16
     assert len(background) + sync.coalesced <= 16
 

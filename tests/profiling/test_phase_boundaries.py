@@ -94,6 +94,7 @@ def test_accumulation_with_validation_inside_the_epoch():
     assert math.isclose(e["val_seconds"], 2 * 2 * 20 * MS), e
 
 
+@pytest.mark.slow  # wall-clock: the default suite checks the same boundaries under a fake clock
 @pytest.mark.parametrize("manual,accumulate", [(False, 1), (True, 1), (False, 2)])
 def test_real_sleeps_land_in_their_phases(manual, accumulate):
     """The real clock and real sleeps: each phase's shortest time over the steps holds its own
