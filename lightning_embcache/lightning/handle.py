@@ -285,6 +285,13 @@ class EmbeddingStoreHandle:
             return dataclasses.replace(self._last_stats)
         return self._with_earlier_counters(self._ensure_open(writable=False).stats())
 
+    def device_stats(self) -> dict[str, Any] | None:
+        """The GPU tier's figures while it is open (`DeviceTier.stats`: rows held, bytes moved
+        host->device and device->host, rows loaded and evicted, whether the rows stay in host RAM
+        and train in place), or None without one. Cheap: counters only."""
+        tier = self._device_tier
+        return tier.stats() if tier is not None else None
+
     def _with_earlier_counters(self, stats: StoreStats) -> StoreStats:
         earlier = self._earlier_counters
         if not earlier:

@@ -20,7 +20,7 @@ from lightning_embcache.profiling import boundaries, report, schedule
 from lightning_embcache.profiling.interval_log import IntervalLog
 from lightning_embcache.profiling.ledger import EpochLedger
 from lightning_embcache.profiling.predictor import EpochPredictor
-from lightning_embcache.profiling.stores import StoreReadings
+from lightning_embcache.profiling.stores import StoreReadings, device_tiers, per_step
 from lightning_embcache.profiling.tap import ProfilerTap
 from lightning_embcache.profiling.timeline import (
     BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, VALIDATION, StepTimeline, Totals,
@@ -162,6 +162,7 @@ class StepProfiler(Callback):
         self._interval_log = IntervalLog()
         self._manual = False
         self._stores: Optional[StoreReadings] = None
+        self._tiers_at_start: Any = None  # the GPU tiers' counters when the open epoch began
         self._data_resume = OTHER
         self._batch_ended = False
         self._next_log = self.log_every_n_steps
@@ -355,6 +356,7 @@ class StepProfiler(Callback):
         self._batch_ended = False
         ledger = self._ledger
         self._step_in_epoch, unfinished = ledger.open_epoch_at(epoch)
+        self._tiers_at_start = device_tiers(self._stores.stores) if self._stores else None
         if unfinished is not None:
             self._finish_epoch(trainer, *unfinished)
         self._predictor.begin_epoch(epoch, self._step_in_epoch, ledger.open.wall_s + ledger.open.val_s,
@@ -570,3 +572,8 @@ class StepProfiler(Callback):
         timeline = "cuda-events" if self._timeline is not None and self._timeline._cuda else "host-clock"
         self._ledger.finish(totals, epoch, self._device, self._samples_known, epoch_batches, timeline, kept, full,
                             segments)
+        if self._stores is not None and self._ledger.summaries and self._ledger.summaries[-1].get("epoch") == epoch:
+            last = self._ledger.summaries[-1]  # what the GPU tiers moved per step (counters: no sync)
+            moved = per_step(self._tiers_at_start, device_tiers(self._stores.stores), int(last.get("batches") or 0))
+            if moved is not None:
+                last["device_tier"] = moved

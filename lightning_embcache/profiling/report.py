@@ -69,6 +69,12 @@ def format_table(epochs: list[dict], rank_rows: Optional[list[list[float]]] = No
             if low is not None else f"predicted {full:.1f} +/- {last['predicted_full_epoch_std_seconds']:.1f} s; ")
         lines.append(f"a full epoch ({last['epoch_batches']} batches): {predicted}at the last epoch's rate "
                      f"{last['projected_epoch_seconds']:.1f} s")
+    tier = last.get("device_tier")
+    if tier is not None:
+        where = "rows in host RAM, trained in place by the GPU" if tier["rows_in_host_ram"] else "rows cached on the GPU"
+        lines.append(f"GPU tier (last epoch; {where}): {tier['host_to_device_bytes_per_step'] / 2**20:.2f} MiB/step "
+                     f"host->device, {tier['device_to_host_bytes_per_step'] / 2**20:.2f} MiB/step device->host, "
+                     f"{tier['rows_loaded_per_step']:.0f} rows loaded/step; waiting for them is store_io")
     if tot["world_size"] > 1:
         lines.append(f"slowest rank (last epoch): {tot['slowest_rank']}; "
                      f"spread of batch time across ranks: {tot['rank_spread_pct']:.1f}%")

@@ -53,6 +53,42 @@ class StoreReadings:
         return HotTiers(*total, row_bytes) if total[1] > 0 else None
 
 
+class DeviceTiers(NamedTuple):
+    """The GPU tiers of a module's stores, summed (cumulative counters since each tier opened)."""
+
+    host_to_device_bytes: float
+    device_to_host_bytes: float
+    loaded_rows: float
+    evicted_rows: float
+    in_host_ram: bool  # every tier keeps its rows in host RAM, trained in place over the bus
+
+
+def device_tiers(stores: dict[str, Any]) -> Optional[DeviceTiers]:
+    """`DeviceTiers` over the handles with a GPU tier open now (``device_stats()``), or None."""
+    seen = [h.device_stats() for h in stores.values() if hasattr(h, "device_stats")]
+    seen = [st for st in seen if st]
+    if not seen:
+        return None
+    return DeviceTiers(float(sum(st.get("host_to_device_bytes", 0) for st in seen)),
+                       float(sum(st.get("device_to_host_bytes", 0) for st in seen)),
+                       float(sum(st.get("device_loaded_rows", 0) for st in seen)),
+                       float(sum(st.get("device_evicted_rows", 0) for st in seen)),
+                       all(st.get("device_mapped_host") and not st.get("device_bytes") for st in seen))
+
+
+def per_step(before: Optional[DeviceTiers], after: Optional[DeviceTiers], steps: int) -> Optional[dict]:
+    """What the GPU tiers moved per step between two readings (an epoch), for its summary."""
+    if after is None or steps <= 0:
+        return None
+    if before is None or after.host_to_device_bytes < before.host_to_device_bytes:
+        before = DeviceTiers(0.0, 0.0, 0.0, 0.0, after.in_host_ram)  # opened during the epoch
+    return {"host_to_device_bytes_per_step": (after.host_to_device_bytes - before.host_to_device_bytes) / steps,
+            "device_to_host_bytes_per_step": (after.device_to_host_bytes - before.device_to_host_bytes) / steps,
+            "rows_loaded_per_step": (after.loaded_rows - before.loaded_rows) / steps,
+            "rows_evicted_per_step": (after.evicted_rows - before.evicted_rows) / steps,
+            "rows_in_host_ram": after.in_host_ram}
+
+
 def _row_bytes(h: Any, s: Any) -> float:
     """Bytes of one row of store ``h``: its own figure, else the table's bytes over its rows
     (a Lightning handle), else 0 (flushed bytes then count as unknown)."""

@@ -394,3 +394,52 @@ def test_torch_compile_keeps_the_phases():
     assert e["batches"] == 12
     assert abs(e["epoch_seconds"] / wall.epochs[0] - 1) < 0.01
     assert e["phases_ms"]["data_wait"] >= 2.0
+
+
+class _TierStore:
+    """A store whose GPU tier moved 3 MiB up, 1 MiB down and 2,000 rows in at every get."""
+
+    def __init__(self, in_host_ram: bool) -> None:
+        self.up = self.down = self.rows = 0
+        self.in_host_ram = in_host_ram
+
+    def get(self, ids):
+        self.up += 3 << 20
+        self.down += 1 << 20
+        self.rows += 2000
+        return torch.zeros(len(ids), 1)
+
+    def stats(self):
+        from _profiling_helpers import FakeStats
+
+        return FakeStats(0.0)
+
+    def device_stats(self):
+        return {"host_to_device_bytes": self.up, "device_to_host_bytes": self.down, "device_loaded_rows": self.rows,
+                "device_evicted_rows": self.rows, "device_mapped_host": self.in_host_ram,
+                "device_bytes": 0 if self.in_host_ram else 1 << 30}
+
+
+@pytest.mark.parametrize("in_host_ram", [True, False])
+def test_the_gpu_tiers_traffic_per_step_is_in_the_summary_and_the_table(in_host_ram):
+    """Per epoch, from the tiers' counters at its start and end (no sync): bytes each way and rows
+    loaded per step, and whether the rows stay in host RAM; the table names them."""
+    clock = FakeClock()
+    model = CostModel(Cost(clock), FWD, BWD, OPT, store_s=1 * MS)
+    model.embedding_stores = {"rows": _TierStore(in_host_ram)}
+    sp = StepProfiler(report=False)
+    _fit_fake(sp, batches=5, epochs=2, model=model, clock=clock)
+    for epoch in sp.summary():
+        tier = epoch["device_tier"]
+        assert tier["host_to_device_bytes_per_step"] == 3 << 20 and tier["device_to_host_bytes_per_step"] == 1 << 20
+        assert tier["rows_loaded_per_step"] == 2000 and tier["rows_in_host_ram"] is in_host_ram
+    line = next(ln for ln in sp.report_table().splitlines() if ln.startswith("GPU tier"))
+    assert "3.00 MiB/step host->device" in line and "1.00 MiB/step device->host" in line
+    assert ("in host RAM" in line) is in_host_ram
+
+
+def test_without_a_gpu_tier_the_summary_has_no_tier_figures():
+    p = StepProfiler(report=False)
+    _fit_fake(p, batches=3, store_s=1 * MS)
+    assert "device_tier" not in p.summary()[0]
+    assert "GPU tier" not in p.report_table()
