@@ -34,9 +34,9 @@ HEADER = fileio.HEADER_SIZE
 class PowerCutOracle:
     """Install with `fileio.FAULTS = oracle` and `oracle.patch(monkeypatch)`; read `violations`."""
 
-    def __init__(self, root: Path, num_chunks: int) -> None:
+    def __init__(self, root: Path, num_chunks: int = 0) -> None:
+        """``root``: the folder under which store folders are watched (one store, or several)."""
         self.root = Path(root).resolve()
-        self.num_chunks = num_chunks
         self.written: set[Path] = set()        # bytes written since their last sync
         self.unsynced_names: set[Path] = set()  # renamed/linked/unlinked since their folder's sync
         # folder -> name -> bytes (None: the name is durable, its bytes are not), as of its last fsync
@@ -126,17 +126,20 @@ class PowerCutOracle:
     # ---- the check -----------------------------------------------------------------------------
     def _check_commit(self, manifest: Path) -> None:
         self.commits += 1
-        tmp = sorted(manifest.parent.glob(f".{manifest.name}.tmp*"), key=lambda q: q.stat().st_mtime)
+        root = manifest.parent  # this store's folder (the oracle may watch several: a reshard)
+        tmp = sorted(root.glob(f".{manifest.name}.tmp*"), key=lambda q: q.stat().st_mtime)
         if not tmp:
             self.violations.append(f"commit {self.commits}: no temporary file for {manifest.name}")
             return
         m = json.loads(tmp[-1].read_bytes()[HEADER:])
-        needed = [self.root / "META"] + [self.root / "segments" / f"s{s:012d}" for s in m["segments"]]
+        needed = [root / "META"] + [root / "segments" / f"s{s:012d}" for s in m["segments"]]
         if m["chunkmap"]:
-            cmap_path = self.root / f"chunkmap-{m['chunkmap']:08d}"
+            meta = json.loads((root / "META").read_bytes()[HEADER:])
+            chunks = -(-int(meta["num_rows"]) // int(meta["chunk_rows"]))
+            cmap_path = root / f"chunkmap-{m['chunkmap']:08d}"
             needed.append(cmap_path)
-            gens = np.frombuffer(cmap_path.read_bytes()[HEADER:], np.int32, self.num_chunks)
-            needed += [self.root / "chunks" / f"c{c:08d}-g{g:08d}" for c, g in enumerate(gens.tolist()) if g]
+            gens = np.frombuffer(cmap_path.read_bytes()[HEADER:], np.int32, chunks)
+            needed += [root / "chunks" / f"c{c:08d}-g{g:08d}" for c, g in enumerate(gens.tolist()) if g]
         for f in needed:
             if f in self.written:
                 self.violations.append(f"{manifest.name} (commit {self.commits}) names {f.name}, whose bytes "

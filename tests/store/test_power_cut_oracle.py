@@ -129,3 +129,32 @@ def test_folders_left_by_power_cuts_reopen_to_the_last_durable_version(tmp_path,
             v = again.version
             assert v >= acked, f"{dst.name}: reopened version {v}, but {acked} was acknowledged"
             assert torch.equal(again.get(torch.arange(n)), models[v]), f"{dst.name}: version {v} has wrong rows"
+
+
+def test_checkpoint_pins_and_a_reshard_commit_only_durable_files(tmp_path, monkeypatch):
+    """The same check over a Lightning fit that keeps checkpoints (each pins its store version)
+    and over `reshard_checkpoint` writing a two-shard copy of the table (several store folders)."""
+    import sys
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lightning"))
+    from _lightning_helpers import tiny_model, tiny_trainer
+
+    from lightning_embcache.distributed.reshard import reshard_checkpoint
+
+    oracle = PowerCutOracle(tmp_path)
+    oracle.patch(monkeypatch)
+    fileio.FAULTS = oracle
+    try:
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+        tiny_trainer(tmp_path, callbacks=[ckpt], max_epochs=2, enable_checkpointing=True).fit(
+            tiny_model(tmp_path / "latents", hot_bytes=64 << 10))
+        fit_commits = oracle.commits
+        last = sorted((tmp_path / "ckpt").glob("*.ckpt"))[-1]
+        reshard_checkpoint(last, 2, paths={"latents": str(tmp_path / "sharded")})
+    finally:
+        fileio.FAULTS = None
+    assert fit_commits >= 5 and oracle.commits > fit_commits  # the fit's flushes and the shards'
+    assert oracle.violations == [], "\n".join(oracle.violations[:10])
