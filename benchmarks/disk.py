@@ -399,7 +399,6 @@ def _shuffle(cfg: dict) -> dict:
     """
     import numpy as np
     import torch
-
     from torch.utils.data import BatchSampler
 
     from lightning_embcache import ChunkShuffleSampler, EmbeddingStore, LookaheadSampler

@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     torch.set_num_threads(cfg["threads"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    n, dim, batch = cfg["rows"], cfg["dim"], cfg["batch"]
+    n, dim = cfg["rows"], cfg["dim"]
     opt = make_row_optimizer("adam", lr=1e-3)
     fields = trainable_fields(opt, dim, torch.float32)
     on_gpu = cuda and cfg["mode"] in ("gpu", "resident")

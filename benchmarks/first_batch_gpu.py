@@ -3,7 +3,11 @@
 
     python -m benchmarks.first_batch_gpu {store,anchor} ROWS
 """
-import sys, time, torch
+import sys
+import time
+
+import torch
+
 kind, rows = sys.argv[1], int(sys.argv[2])
 D, B = 128, 4096
 torch.manual_seed(0)
@@ -12,7 +16,10 @@ if kind == "anchor":
     emb = torch.nn.Embedding(rows, D, sparse=True, device="cuda")
     opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-2)
     def step(ids):
-        z = emb(ids.cuda()); (z * z).sum().backward(); opt.step(); opt.zero_grad()
+        z = emb(ids.cuda())
+        (z * z).sum().backward()
+        opt.step()
+        opt.zero_grad()
 else:
     from lightning_embcache import EmbeddingStore, TrainableRows, make_row_optimizer, trainable_fields
     from lightning_embcache.host_mapped_tier import HostMappedTier
@@ -24,7 +31,9 @@ else:
     print(f"  create {t1 - t0:.2f}s register {t2 - t1:.2f}s", flush=True)
     tr = TrainableRows(store, ro, device_tier=tier)
     def step(ids):
-        z = tr.lookup(ids); (z * z).sum().backward(); tr.apply(step=1)
+        z = tr.lookup(ids)
+        (z * z).sum().backward()
+        tr.apply(step=1)
 step(torch.randint(0, rows, (B,)))
 torch.cuda.synchronize()
 t3 = time.perf_counter()

@@ -24,7 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from benchmarks.harness import paired_ratios, run_interleaved
 from benchmarks.results import write_json

@@ -14,8 +14,9 @@ always running first (after the previous repetition's teardown) or last.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -39,8 +39,15 @@ from torch.utils.data import DataLoader
 
 from benchmarks.profiler import MLP, MODELS, SleepyBatches
 from lightning_embcache.profiling import StepProfiler
-from lightning_embcache.profiling.forecast import (EPOCH_DRIFT_BLOCKS, Forecast, epoch_level, level_drift,
-                                                   level_variation, save_estimate_s, slow_share)
+from lightning_embcache.profiling.forecast import (
+    EPOCH_DRIFT_BLOCKS,
+    Forecast,
+    epoch_level,
+    level_drift,
+    level_variation,
+    save_estimate_s,
+    slow_share,
+)
 from lightning_embcache.profiling.store_fill import StoreFill, StoreRates, store_fill_save_s
 
 try:
@@ -76,7 +83,7 @@ class _Probe(L.Callback):
     def __init__(self, sp: StepProfiler, epoch_batches: int) -> None:
         self.sp, self.n = sp, epoch_batches
         self.at = {max(1, round(f * epoch_batches)): f for f in self.FRACTIONS}
-        self.seen: dict[int, dict[float, Optional[float]]] = {}
+        self.seen: dict[int, dict[float, float | None]] = {}
         self._fills: dict[float, Any] = {}  # per fraction: the fill projection (and measured rates) it used
         self.own_s: dict[int, float] = {}  # per epoch: seconds of the probe's own predict() calls
         self.traces: list[dict] = []  # per epoch: each step's wall and store seconds (replayable)
@@ -136,8 +143,8 @@ class _ValMLP(MLP):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
 
-def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = None,
-            probe: Optional[_Probe] = None) -> dict:
+def _result(label: str, sp: StepProfiler, wall: _Wall, extra: dict | None = None,
+            probe: _Probe | None = None) -> dict:
     s = sp.summary()
     epochs = []
     own = probe.own_s if probe is not None else {}
@@ -169,7 +176,7 @@ def _result(label: str, sp: StepProfiler, wall: _Wall, extra: Optional[dict] = N
 
 
 def model_run(model_name: str, workers: int, extras: bool, device: str = "cpu", epochs: int = 2,
-              batches: Optional[int] = None) -> dict:
+              batches: int | None = None) -> dict:
     """One fit of a benchmark model; ``extras``: validation twice an epoch (10 batches, a sanity
     check of 2) and a checkpoint every quarter epoch."""
     width, depth, batch, _, load_ms = MODELS[model_name]
@@ -215,9 +222,9 @@ def demo_run(max_steps: int, samples: int = 1_000_000) -> dict:
     return _result(f"demo/max_steps={max_steps}", sp, wall, {"model": "demo", "max_steps": max_steps}, probe)
 
 
-def run(device: str = "cpu", reps: int = 3, models: Optional[list[str]] = None, demo: bool = True,
+def run(device: str = "cpu", reps: int = 3, models: list[str] | None = None, demo: bool = True,
         workers: tuple[int, ...] = (0, 2), demo_steps: tuple[int, ...] = (400, -1),
-        partial: Optional[str] = None, batches: Optional[int] = None) -> dict:
+        partial: str | None = None, batches: int | None = None) -> dict:
     """Every run; ``partial``: a JSON-lines file each run is appended to as it ends (a run cut
     short by a time limit keeps what it measured)."""
     runs: list[dict] = []
@@ -309,12 +316,12 @@ class _KnownRate(Forecast):
 
     rate_s = 0.0
 
-    def rate(self) -> Optional[dict]:
+    def rate(self) -> dict | None:
         r = super().rate()
         return None if r is None else dict(r, mean=self.rate_s, slope=0.0)
 
-    def estimate(self, *args: Any, store_fill: Optional[StoreFill] = None, save_batches: Any = (),
-                **kwargs: Any) -> Optional[dict]:
+    def estimate(self, *args: Any, store_fill: StoreFill | None = None, save_batches: Any = (),
+                **kwargs: Any) -> dict | None:
         p = super().estimate(*args, **kwargs)
         if p is not None and store_fill is not None:
             extra = math.fsum(store_fill_save_s(store_fill, b) for b in save_batches if b >= self.batches)
@@ -324,10 +331,10 @@ class _KnownRate(Forecast):
 
 
 def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: int = 0, epoch: int = 0,
-                 save_guess_s: Optional[float] = None, earlier_save_s: Optional[float] = None,
-                 device: bool = False, rate_s: Optional[float] = None,
-                 store_fill: Optional[StoreFill] = None, slow: Optional[float] = None, level_cv: float = 0.0,
-                 previous: Optional[tuple[float, float]] = None, drift: Optional[float] = None) -> Optional[dict]:
+                 save_guess_s: float | None = None, earlier_save_s: float | None = None,
+                 device: bool = False, rate_s: float | None = None,
+                 store_fill: StoreFill | None = None, slow: float | None = None, level_cv: float = 0.0,
+                 previous: tuple[float, float] | None = None, drift: float | None = None) -> dict | None:
     """The prediction the current :class:`Forecast` makes after ``fraction`` of a saved epoch's
     batches (``trace`` as kept by the benchmark), against ``actual_s``. Validation still to come is
     charged at the mean of the epoch's own runs (the benchmark's sanity check is not in the trace);
@@ -380,13 +387,13 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
 DEMO_HOT_BYTES = 1_000_000 * 64 * 4 // 4
 
 
-def _carried_drift(earlier: list[dict]) -> Optional[float]:
+def _carried_drift(earlier: list[dict]) -> float | None:
     """The largest level drift of the earlier epochs' traces, as the profiler carries it over
     (None before a whole epoch)."""
     return max((level_drift(t["wall"], EPOCH_DRIFT_BLOCKS) for t in earlier), default=None)
 
 
-def _steps_mean(wall: list[float], saves: set[int], lo: int, hi: int) -> Optional[float]:
+def _steps_mean(wall: list[float], saves: set[int], lo: int, hi: int) -> float | None:
     x = [wall[i] for i in range(max(1, lo), hi) if i not in saves]
     return sum(x) / len(x) if x else None
 

@@ -32,8 +32,9 @@ import tempfile
 import time
 import types
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import lightning as L
 import torch
@@ -136,7 +137,7 @@ def _profiler_and_callbacks(config: str, tmp: str, warmup: int, batch: int):
 
 
 def run_one(model_name: str, workers: int, config: str, warmup: int, device: str = "cpu",
-            batches: Optional[int] = None) -> dict:
+            batches: int | None = None) -> dict:
     width, depth, batch, n, load_ms = MODELS[model_name]
     n = batches or n
     torch.manual_seed(0)
@@ -330,7 +331,7 @@ def _print_table(agg: dict) -> None:
 
 
 def _print_prediction(agg: dict) -> None:
-    def pct(v: Optional[float]) -> str:
+    def pct(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.2f}%"
 
     print("\nprediction after 5% of each epoch vs the actual epoch:")
@@ -343,7 +344,7 @@ def _print_prediction(agg: dict) -> None:
               f"max {pct(a['epoch_abs_error_pct_max'])}; fit {fit}; epoch ~{a['actual_epoch_s_median']:.1f} s{interval}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="embcache bench profiler", description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     ap.add_argument("--models", default="small,large", help="comma list of: " + ",".join(MODELS))

@@ -12,14 +12,14 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
-from benchmarks.profiler import _aggregate, MLP, MODELS, run_one, SleepyBatches
+from benchmarks.profiler import MLP, MODELS, SleepyBatches, _aggregate, run_one
 from lightning_embcache.profiling import StepProfiler
 
 
@@ -41,7 +41,7 @@ class _ListLogger(Logger):
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         self.rows.append((step, dict(metrics)))
 
 
@@ -67,7 +67,7 @@ class _SyncGuard(L.Callback):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def _gpu_fit(model_name: str, callbacks: list, epochs: int = 1, batches: Optional[int] = None,
+def _gpu_fit(model_name: str, callbacks: list, epochs: int = 1, batches: int | None = None,
              logger: Any = False, profiler: Any = None) -> None:
     width, depth, batch, n, load_ms = MODELS[model_name]
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ class _Annotate(L.Callback):
     def __init__(self, prof) -> None:
         self.prof, self.open = prof, None
 
-    def _enter(self, name: Optional[str]) -> None:
+    def _enter(self, name: str | None) -> None:
         if self.open is not None:
             self.open.__exit__(None, None, None)
             self.open = None

@@ -37,7 +37,8 @@ import resource
 import sys
 import time
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -175,7 +176,7 @@ def plain_loop(model_name: str, steps: int, warmup: int) -> dict:
     return _summary("plain", rec, warmup)
 
 
-def lightning_fit(model_name: str, steps: int, warmup: int, pin: Optional[int], freeze: bool,
+def lightning_fit(model_name: str, steps: int, warmup: int, pin: int | None, freeze: bool,
                   canary: bool = False) -> dict:
     width, depth, batch, _, load_ms = MODELS[model_name]
     torch.manual_seed(0)
@@ -214,7 +215,7 @@ def lightning_fit(model_name: str, steps: int, warmup: int, pin: Optional[int], 
     return out
 
 
-def _canary_summary(can: "_Canary", rec: _Recorder, warmup: int) -> dict:
+def _canary_summary(can: _Canary, rec: _Recorder, warmup: int) -> dict:
     """The canary's CPU time per bare step against the fit's median step around it."""
     a = np.asarray(rec.rows, dtype=np.float64)
     step = np.diff(a[:, 1]) * 1e3  # thread CPU per step (canary steps included: left out below)
@@ -238,7 +239,7 @@ def _canary_summary(can: "_Canary", rec: _Recorder, warmup: int) -> dict:
             "canary_relative_slope": slope}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profiler_levels",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", choices=sorted(MODELS))

@@ -23,7 +23,8 @@ import argparse
 import json
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch

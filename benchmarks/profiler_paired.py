@@ -35,7 +35,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -95,10 +95,10 @@ class _Switch(Profiler):
     def describe(self) -> None:
         pass
 
-    def setup(self, stage: str, local_rank: Optional[int] = None, log_dir: Optional[str] = None) -> None:
+    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
         pass
 
-    def teardown(self, stage: Optional[str]) -> None:
+    def teardown(self, stage: str | None) -> None:
         pass
 
 

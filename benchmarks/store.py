@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes, one repetition (< ~1 minute)")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--reps", type=int, help="repetitions (default 3; quick 1)")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma list of %s" % ",".join(ALL_SYSTEMS))
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list of {','.join(ALL_SYSTEMS)}")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of ram,disk")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of epoch,zipf")
     p.add_argument("--ram-rows", type=int, help="rows of the in-RAM table (default 1M; quick 32K)")

@@ -44,7 +44,7 @@ class Batch:
     ids_np: np.ndarray  # a view of the same memory
 
     @classmethod
-    def of(cls, ids: torch.Tensor) -> "Batch":
+    def of(cls, ids: torch.Tensor) -> Batch:
         ids = ids.to(torch.int64).contiguous()
         return cls(ids, ids.numpy())
 

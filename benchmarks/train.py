@@ -36,14 +36,14 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -98,7 +98,7 @@ def _model_classes():
     class _RandomIdBatches(torch.utils.data.Sampler):
         """The same ids as `_Data`, as a batch sampler of dataset indices (what LookaheadSampler wraps)."""
 
-        def __init__(self, data: "_Data") -> None:
+        def __init__(self, data: _Data) -> None:
             self.data = data
 
         def __len__(self) -> int:

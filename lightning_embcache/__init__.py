@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning_embcache.data import ChunkShuffleSampler, LookaheadSampler, ResumableLoader
+from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.optim import RowOptimizer, make_row_optimizer
 from lightning_embcache.store import (
     CorruptStoreError,
@@ -27,9 +29,7 @@ from lightning_embcache.store import (
     StoreStats,
     VersionNotFoundError,
 )
-from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.trainable import TrainableRows, trainable_fields
-from lightning_embcache.data import ChunkShuffleSampler, LookaheadSampler, ResumableLoader
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
     embcache --version
     embcache demo [--root runs/demo] [--samples N] ...   train the demo auto-decoder, print a report
-    embcache bench {store,disk,optim,profiler,sync,tuning,train,distributed,flush,shuffle,first-touch,rows16} [--out FILE] [...]
+    embcache bench NAME [--out FILE] [...]                 a benchmark (from a source checkout; NAME below)
     embcache inspect PATH [--json]                       rows, dtype, fields, versions, bytes on disk
     embcache verify PATH [--latest] [--json]             every checksum and the manifest chain
     embcache compact PATH                                fold segments into chunks, reclaim versions
@@ -19,7 +19,8 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # benchmark -> module with main(argv)
 BENCHMARKS: dict[str, str] = {
@@ -78,61 +79,88 @@ def _docs_location() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="embcache", description="Trainable per-sample embedding rows for PyTorch Lightning: demo, "
-        "benchmarks and tools for a store on disk.", epilog=f"Documentation: {_docs_location()}")
+        prog="embcache",
+        description="Trainable per-sample embedding rows for PyTorch Lightning: demo, "
+        "benchmarks and tools for a store on disk.",
+        epilog=f"Documentation: {_docs_location()}",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
 
     # delegating verbs: their own options (and --help) belong to the module that runs them
-    verbs.add_parser("demo", add_help=False, help="train the demo auto-decoder and print a report "
-                     "(embcache demo --help for its options)")
+    verbs.add_parser(
+        "demo",
+        add_help=False,
+        help="train the demo auto-decoder and print a report (embcache demo --help for its options)",
+    )
 
-    verbs.add_parser("reshard", add_help=False, help="rewrite a checkpoint's stores for another number of "
-                     "processes (embcache reshard --help for its options)")
+    verbs.add_parser(
+        "reshard",
+        add_help=False,
+        help="rewrite a checkpoint's stores for another number of processes (embcache reshard --help for its options)",
+    )
 
-    bench = verbs.add_parser("bench", help="run a benchmark (embcache bench NAME --help for its options)",
-                             description="Run a benchmark. Results are printed; a JSON file is written only "
-                             "with --out FILE.")
+    bench = verbs.add_parser(
+        "bench",
+        help="run a benchmark (embcache bench NAME --help for its options)",
+        description="Run a benchmark. Results are printed; a JSON file is written only with --out FILE.",
+    )
     names = bench.add_subparsers(dest="benchmark", metavar="NAME", title="benchmarks")
     for name in BENCHMARKS:
         sub = names.add_parser(name, add_help=False, help=BENCHMARK_HELP[name])
         sub.add_argument("--out", metavar="FILE", default=None, help="write the JSON results to FILE")
 
-    inspect = verbs.add_parser("inspect", help="describe a store on disk",
-                               description="Rows, dim, dtype, per-row fields, versions and pins, bytes per "
-                               "tier on disk, compression ratio and the time of the last flush.")
+    inspect = verbs.add_parser(
+        "inspect",
+        help="describe a store on disk",
+        description="Rows, dim, dtype, per-row fields, versions and pins, bytes per "
+        "tier on disk, compression ratio and the time of the last flush.",
+    )
     inspect.add_argument("path", metavar="PATH", help="store directory")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    verify = verbs.add_parser("verify", help="check every checksum and the manifest chain",
-                              description="Read every row of every retained version (checking the checksum of "
-                              "every file and record read) and the manifest chain. Exit status 1 if anything is "
-                              "damaged, naming the file.")
+    verify = verbs.add_parser(
+        "verify",
+        help="check every checksum and the manifest chain",
+        description="Read every row of every retained version (checking the checksum of "
+        "every file and record read) and the manifest chain. Exit status 1 if anything is "
+        "damaged, naming the file.",
+    )
     verify.add_argument("path", metavar="PATH", help="store directory")
     verify.add_argument("--latest", action="store_true", help="check only the newest version")
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    compact = verbs.add_parser("compact", help="fold delta segments into chunks and reclaim unpinned versions",
-                               description="Fold the store's delta segments into base chunks, publish the "
-                               "result as a new version holding the same rows, and reclaim versions that are "
-                               "neither among the newest nor pinned by a checkpoint. Needs the writer lock (no "
-                               "training may have the store open). Safe to interrupt: the store stays at its "
-                               "last published version.")
+    compact = verbs.add_parser(
+        "compact",
+        help="fold delta segments into chunks and reclaim unpinned versions",
+        description="Fold the store's delta segments into base chunks, publish the "
+        "result as a new version holding the same rows, and reclaim versions that are "
+        "neither among the newest nor pinned by a checkpoint. Needs the writer lock (no "
+        "training may have the store open). Safe to interrupt: the store stays at its "
+        "last published version.",
+    )
     compact.add_argument("path", metavar="PATH", help="store directory")
     compact.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    export = verbs.add_parser("export", help="write a field of every row, in id order, to a .npy file",
-                              description="Stream a field of every row (a row-sharded table: in global id "
-                              "order, from its shard folders) into a .npy file with bounded memory; read it with "
-                              "numpy.load(OUT, mmap_mode='r'). Opens the store read-only, so training may be "
-                              "running. bfloat16 rows are written as float32.")
+    export = verbs.add_parser(
+        "export",
+        help="write a field of every row, in id order, to a .npy file",
+        description="Stream a field of every row (a row-sharded table: in global id "
+        "order, from its shard folders) into a .npy file with bounded memory; read it with "
+        "numpy.load(OUT, mmap_mode='r'). Opens the store read-only, so training may be "
+        "running. bfloat16 rows are written as float32.",
+    )
     export.add_argument("path", metavar="PATH", help="store directory (or a sharded table's directory)")
     export.add_argument("out", metavar="OUT.npy", help="the file to write (its folder must exist)")
     export.add_argument("--field", default="weight", help="the per-row field (default: weight)")
     export.add_argument("--version", type=int, default=None, help="a retained version (default: the latest)")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    export.add_argument("--init", choices=["normal"], default=None,
-                        help="a sharded table created with init='normal' (its shards record it as a callable)")
+    export.add_argument(
+        "--init",
+        choices=["normal"],
+        default=None,
+        help="a sharded table created with init='normal' (its shards record it as a callable)",
+    )
     return parser
 
 
@@ -186,9 +214,12 @@ def _bench(args: argparse.Namespace, rest: list[str], parser: argparse.ArgumentP
     module, out_flag = BENCHMARKS[args.benchmark], OUTPUT_FLAG.get(args.benchmark, "--out")
     root = _benchmarks_checkout()
     if root is None:
-        print(f"embcache bench {args.benchmark}: the benchmarks are not part of an installed package; run them "
-              "from a source checkout of lightning_embcache (git clone, then `pip install -e .` and "
-              f"`embcache bench {args.benchmark}` there; the code is in its benchmarks/ folder)", file=sys.stderr)
+        print(
+            f"embcache bench {args.benchmark}: the benchmarks are not part of an installed package; run them "
+            "from a source checkout of lightning_embcache (git clone, then `pip install -e .` and "
+            f"`embcache bench {args.benchmark}` there; the code is in its benchmarks/ folder)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -197,8 +228,11 @@ def _bench(args: argparse.Namespace, rest: list[str], parser: argparse.ArgumentP
     except ModuleNotFoundError as exc:
         if exc.name != module:
             raise
-        print(f"embcache bench {args.benchmark}: this checkout has no {module} "
-              f"(the '{args.benchmark}' benchmark is not part of version {_version()})", file=sys.stderr)
+        print(
+            f"embcache bench {args.benchmark}: this checkout has no {module} "
+            f"(the '{args.benchmark}' benchmark is not part of version {_version()})",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.out is not None:
         rest = [*rest, out_flag, args.out]
@@ -214,8 +248,12 @@ def _progress(what: str, done: int, total: int) -> None:
     width = 30
     filled = width * done // max(total, 1)
     end = "\n" if done >= total else ""
-    print(f"\r  {what:<28} [{'#' * filled}{'.' * (width - filled)}] {done:,}/{total:,}", end=end,
-          file=sys.stderr, flush=True)
+    print(
+        f"\r  {what:<28} [{'#' * filled}{'.' * (width - filled)}] {done:,}/{total:,}",
+        end=end,
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _print_json(obj: Any) -> None:
@@ -245,10 +283,12 @@ def _compact(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result)
     else:
-        print(f"{result['path']}: version {result['version']}, versions {result['versions_before']} -> "
-              f"{result['versions']} (pinned {result['pinned'] or 'none'}), on disk "
-              f"{tools.human_bytes(result['bytes_before'])} -> {tools.human_bytes(result['bytes_after'])} "
-              f"in {result['seconds']:.1f} s")
+        print(
+            f"{result['path']}: version {result['version']}, versions {result['versions_before']} -> "
+            f"{result['versions']} (pinned {result['pinned'] or 'none'}), on disk "
+            f"{tools.human_bytes(result['bytes_before'])} -> {tools.human_bytes(result['bytes_after'])} "
+            f"in {result['seconds']:.1f} s"
+        )
     return 0
 
 
@@ -260,8 +300,9 @@ def _export(args: argparse.Namespace) -> int:
     from lightning_embcache.store.export import export_path
 
     t0 = time.perf_counter()
-    out = export_path(args.path, args.out, field=args.field, version=args.version, overwrite=args.overwrite,
-                      init=args.init)
+    out = export_path(
+        args.path, args.out, field=args.field, version=args.version, overwrite=args.overwrite, init=args.init
+    )
     arr = np.load(out, mmap_mode="r")
     print(f"{out}: {arr.shape[0]:,} x {arr.shape[1]} {arr.dtype} ({args.field}) in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -19,8 +19,9 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import lightning as L
 import psutil
@@ -299,20 +300,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     L.seed_everything(args.seed, verbose=False)
     model = AutoDecoder(num_samples=args.samples, code_dim=args.dim, store_path=str(root / "latents"),
-                        hot_bytes=hot, chunk_rows=args.chunk_rows, prefetch=args.prefetch, batch_size=args.batch_size, num_workers=args.workers, seed=args.seed)
+                        hot_bytes=hot, chunk_rows=args.chunk_rows, prefetch=args.prefetch,
+                        batch_size=args.batch_size, num_workers=args.workers, seed=args.seed)
     clock = EpochClock()
     sync = DeferredSync(every_n_steps=args.sync_every, every_n_epochs=1)
     pressure = MemoryPressure(check_every_n_steps=50)
-    ckpt = ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=args.ckpt_every, save_top_k=2,
-                           monitor="step", mode="max", save_last=True)
+    ckpt = ModelCheckpoint(
+        dirpath=root / "checkpoints",
+        every_n_train_steps=args.ckpt_every,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last=True,
+    )
     profilers = _optional_profiler()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=args.epochs, max_steps=args.max_steps,
-        callbacks=[clock, sync, pressure, ckpt, *profilers], logger=False,
-        enable_progress_bar=args.progress, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        callbacks=[clock, sync, pressure, ckpt, *profilers],
+        logger=False,
+        enable_progress_bar=args.progress,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
-    print(f"embcache demo: {args.samples:,} samples x {args.dim}-dim codes = {table_bytes / MiB:.0f} MiB table, "
-          f"hot budget {hot / MiB:.0f} MiB, store at {root / 'latents'}", flush=True)
+    print(
+        f"embcache demo: {args.samples:,} samples x {args.dim}-dim codes = {table_bytes / MiB:.0f} MiB table, "
+        f"hot budget {hot / MiB:.0f} MiB, store at {root / 'latents'}",
+        flush=True,
+    )
     started = time.perf_counter()
     trainer.fit(model)
     total = time.perf_counter() - started
@@ -320,10 +337,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: DeferredSync,
-            pressure: MemoryPressure, ckpt: ModelCheckpoint, profilers: list[Callback], total: float) -> None:
-    print(f"\ntrained {trainer.global_step} steps in {total:.1f} s (setup, final flushes and closing the store "
-          "included)")
+def _report(
+    model: AutoDecoder,
+    trainer: L.Trainer,
+    clock: EpochClock,
+    sync: DeferredSync,
+    pressure: MemoryPressure,
+    ckpt: ModelCheckpoint,
+    profilers: list[Callback],
+    total: float,
+) -> None:
+    print(
+        f"\ntrained {trainer.global_step} steps in {total:.1f} s (setup, final flushes and closing the store included)"
+    )
     sp = next((p for p in profilers if isinstance(p, StepProfiler)), None)
     summaries = sp.summary() if sp is not None else []
     for i, e in enumerate(clock.epochs):
@@ -333,24 +359,34 @@ def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: Def
         # tier filling, the saves still to come), not the rate so far times the batches
         full = summaries[i].get("predicted_full_epoch_seconds") if i < len(summaries) else None
         if e["steps"] < e["epoch_steps"] and full is not None:
-            line += (f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: StepProfiler predicts a full "
-                     f"epoch at {full:.1f} +/- {summaries[i]['predicted_full_epoch_std_seconds']:.1f} s)")
+            line += (
+                f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: StepProfiler predicts a full "
+                f"epoch at {full:.1f} +/- {summaries[i]['predicted_full_epoch_std_seconds']:.1f} s)"
+            )
         elif e["steps"] < e["epoch_steps"] and rate:
-            line += (f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: a full epoch at this rate "
-                     f"takes about {e['epoch_steps'] / rate:.0f} s)")
+            line += (
+                f" (stopped at step {e['steps']} of {e['epoch_steps']:.0f}: a full epoch at this rate "
+                f"takes about {e['epoch_steps'] / rate:.0f} s)"
+            )
         print(line)
     store = model.latents._ensure_open(writable=False)  # read-only: no writer lock, no garbage collection
     s = clock.store_stats.get("latents") or model.latents.stats()
     print("store 'latents':")
     print(f"  version {store.version}, versions on disk {store.versions()}, pinned by checkpoints {store.pinned()}")
-    print(f"  hot tier {s.hot_bytes / MiB:.1f} of {s.hot_budget_bytes / MiB:.1f} MiB, hit rate {s.hot_hit_rate:.1%}, "
-          f"cold reads {s.cold_reads:,}; read {s.bytes_read / MiB:.1f} MiB, wrote {s.bytes_written / MiB:.1f} MiB; "
-          f"disk {s.disk_bytes / MiB:.1f} MiB; waited {s.io_wait_seconds:.1f} s in store calls")
+    print(
+        f"  hot tier {s.hot_bytes / MiB:.1f} of {s.hot_budget_bytes / MiB:.1f} MiB, hit rate {s.hot_hit_rate:.1%}, "
+        f"cold reads {s.cold_reads:,}; read {s.bytes_read / MiB:.1f} MiB, wrote {s.bytes_written / MiB:.1f} MiB; "
+        f"disk {s.disk_bytes / MiB:.1f} MiB; waited {s.io_wait_seconds:.1f} s in store calls"
+    )
     if model.hparams.prefetch:
-        print(f"  prefetch: {s.prefetched_rows:,} rows read ahead of their step, hit rate {s.prefetch_hit_rate:.1%}, "
-              f"gets waited {s.stall_seconds:.2f} s on reads")
-    print(f"  DeferredSync: {sync.syncs} flushes ({sync.coalesced} coalesced), "
-          f"last {sync.last_metrics.get('embcache/sync_seconds', 0.0) * 1e3:.1f} ms")
+        print(
+            f"  prefetch: {s.prefetched_rows:,} rows read ahead of their step, hit rate {s.prefetch_hit_rate:.1%}, "
+            f"gets waited {s.stall_seconds:.2f} s on reads"
+        )
+    print(
+        f"  DeferredSync: {sync.syncs} flushes ({sync.coalesced} coalesced), "
+        f"last {sync.last_metrics.get('embcache/sync_seconds', 0.0) * 1e3:.1f} ms"
+    )
     checkpoints = sorted(p.name for p in Path(ckpt.dirpath).glob("*.ckpt"))
     print(f"  checkpoints kept: {checkpoints}")
     r = pressure.last_reading
@@ -359,8 +395,10 @@ def _report(model: AutoDecoder, trainer: L.Trainer, clock: EpochClock, sync: Def
     print(f"  RSS now {rss / MiB:.0f} MiB, peak seen {clock.peak_rss / MiB:.0f} MiB")
     if r is not None:
         cg = f", cgroup limit {r.cgroup_limit / MiB:.0f} MiB" if r.cgroup_limit else ""
-        print(f"  used {r.used_fraction:.0%} of {r.limit_bytes / MiB:.0f} MiB{cg}; "
-              f"evicted under pressure: {pressure.evicted_bytes_total / MiB:.0f} MiB")
+        print(
+            f"  used {r.used_fraction:.0%} of {r.limit_bytes / MiB:.0f} MiB{cg}; "
+            f"evicted under pressure: {pressure.evicted_bytes_total / MiB:.0f} MiB"
+        )
     for epoch in summaries:
         phases = epoch.get("phases_ms", {})
         if phases:

@@ -25,9 +25,10 @@ import math
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,8 +37,7 @@ from torch import Tensor
 from lightning_embcache.device_slots import SlotMap, TooFewSlots
 from lightning_embcache.mapped_host import MappedHost, store_table
 from lightning_embcache.pinned import PinnedRing
-from lightning_embcache.store import EmbeddingStore, StoreError, rowcopy
-from lightning_embcache.store import idsets
+from lightning_embcache.store import EmbeddingStore, StoreError, idsets, rowcopy
 from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.store.memory import private_zeros
 
@@ -80,7 +80,7 @@ def _entry(method: Any) -> Any:
     served from the store) counts as the thread's store I/O (`DeviceTier.io_seconds`)."""
 
     @functools.wraps(method)
-    def call(self: "DeviceTier", *args: Any, **kwargs: Any) -> Any:
+    def call(self: DeviceTier, *args: Any, **kwargs: Any) -> Any:
         with self._io():
             return method(self, *args, **kwargs)
 

@@ -13,8 +13,9 @@ The store stays the truth: every kernel that writes rows is queued under the sto
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ class HostMappedTier(DeviceTier):
         super().__init__(store, device, store.num_rows * (store.row_bytes + 26))
 
     @classmethod
-    def create(cls, store: EmbeddingStore, device: torch.device | str) -> "HostMappedTier | None":
+    def create(cls, store: EmbeddingStore, device: torch.device | str) -> HostMappedTier | None:
         device = torch.device(device)
         if device.type != "cuda":
             return None

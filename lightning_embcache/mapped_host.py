@@ -73,7 +73,7 @@ class MappedHost:
         self.words.index_copy_(0, ids, wide(rows))
 
     @classmethod
-    def try_register(cls, host: torch.Tensor | None, device: torch.device) -> "MappedHost | None":
+    def try_register(cls, host: torch.Tensor | None, device: torch.device) -> MappedHost | None:
         """`MappedHost` of ``host``, or None where it cannot be registered (then rows are staged)."""
         if host is None or not enabled() or host.numel() == 0:
             return None

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-
 #: torch dtype of each numpy dtype (a view of the pinned uint8 buffer keeps it pinned for torch)
 _TORCH_DTYPE = {np.dtype(t): torch.from_numpy(np.zeros(1, t)).dtype
                 for t in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32,

@@ -10,9 +10,10 @@ import datetime as _dt
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -97,8 +98,10 @@ def inspect_store(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "dim": parts[0]["dim"], "dtype": parts[0]["dtype"], "disk": {"total_bytes": total}}
     root = Path(path)
     with EmbeddingStore.open(root, readonly=True) as store:
-        fields = {name: {"dtype": str(store.field_spec(name)[0]).replace("torch.", ""), "dim": store.field_spec(name)[1]}
-                  for name in store.field_names}
+        fields = {
+            name: {"dtype": str(store.field_spec(name)[0]).replace("torch.", ""), "dim": store.field_spec(name)[1]}
+            for name in store.field_names
+        }
         summary: dict[str, Any] = {
             "path": str(root.resolve()),
             "rows": store.num_rows,
@@ -137,8 +140,10 @@ def human_bytes(n: float) -> str:
 
 def format_inspection(s: dict[str, Any]) -> str:
     if "shards" in s:
-        head = (f"row-sharded store {s['path']}: {len(s['shards'])} shards, {s['rows']:,} rows x {s['dim']} "
-                f"{s['dtype']}, {human_bytes(s['disk']['total_bytes'])} on disk")
+        head = (
+            f"row-sharded store {s['path']}: {len(s['shards'])} shards, {s['rows']:,} rows x {s['dim']} "
+            f"{s['dtype']}, {human_bytes(s['disk']['total_bytes'])} on disk"
+        )
         return "\n\n".join([head, *(format_inspection(part) for part in s["shards"])])
     d = s["disk"]
     lines = [
@@ -183,8 +188,12 @@ class Verification:
         return not self.problems and all(v.ok for v in self.versions)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "ok": self.ok, "problems": self.problems,
-                "versions": [vars(v) for v in self.versions]}
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "problems": self.problems,
+            "versions": [vars(v) for v in self.versions],
+        }
 
 
 def _manifest_parent(path: Path, version: int) -> int | None:
@@ -198,8 +207,9 @@ def _manifest_parent(path: Path, version: int) -> int | None:
     return int(parent) if isinstance(parent, int) else None
 
 
-def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
-                 progress: Progress = _no_progress) -> Verification:
+def verify_store(
+    path: str | os.PathLike[str], *, latest_only: bool = False, progress: Progress = _no_progress
+) -> Verification:
     """Read every row of every retained version (each read checks the checksums of the chunk and
     segment records it touches) and the manifest chain; report each damaged file by name. A
     row-sharded store is verified shard by shard (problems name the shard's files)."""
@@ -225,8 +235,10 @@ def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
         return report
     for v, why in sorted(needed.items()):
         if v not in versions:
-            report.problems.append(f"{root / f'manifest-{v:012d}'}: version {v} is {why}, but its manifest is gone: "
-                                   "a resume from it will fail")
+            report.problems.append(
+                f"{root / f'manifest-{v:012d}'}: version {v} is {why}, but its manifest is gone: "
+                "a resume from it will fail"
+            )
     if latest_only:  # the newest, and every version something still needs
         versions = sorted(set(versions[-1:]) | (set(needed) & set(versions)))
     previous = None
@@ -235,8 +247,9 @@ def verify_store(path: str | os.PathLike[str], *, latest_only: bool = False,
         try:
             check.parent = _manifest_parent(root, version)
             if check.parent is not None and check.parent >= version:
-                check.fail(str(root / f"manifest-{version:012d}"),
-                           f"names parent version {check.parent}, not an earlier one")
+                check.fail(
+                    str(root / f"manifest-{version:012d}"), f"names parent version {check.parent}, not an earlier one"
+                )
             _read_every_row(root, version, num_rows, check, progress)
         except CorruptStoreError as exc:
             check.fail(exc.path, exc.reason)
@@ -302,12 +315,17 @@ def compact_store(path: str | os.PathLike[str], *, progress: Progress = _no_prog
     shards = shard_dirs(path)
     if shards:
         parts = [compact_store(p, progress=progress) for p in shards]
-        return {"path": str(Path(path).resolve()), "shards": parts,
-                "version": [p["version"] for p in parts], "versions_before": [p["versions_before"] for p in parts],
-                "versions": [p["versions"] for p in parts], "pinned": [p["pinned"] for p in parts],
-                "bytes_before": sum(p["bytes_before"] for p in parts),
-                "bytes_after": sum(p["bytes_after"] for p in parts),
-                "seconds": round(sum(p["seconds"] for p in parts), 3)}
+        return {
+            "path": str(Path(path).resolve()),
+            "shards": parts,
+            "version": [p["version"] for p in parts],
+            "versions_before": [p["versions_before"] for p in parts],
+            "versions": [p["versions"] for p in parts],
+            "pinned": [p["pinned"] for p in parts],
+            "bytes_before": sum(p["bytes_before"] for p in parts),
+            "bytes_after": sum(p["bytes_after"] for p in parts),
+            "seconds": round(sum(p["seconds"] for p in parts), 3),
+        }
     root = Path(path)
     before, _ = _dir_totals(root)
     started = time.perf_counter()
@@ -322,9 +340,16 @@ def compact_store(path: str | os.PathLike[str], *, progress: Progress = _no_prog
         versions, pinned = store.versions(), store.pinned()
     progress("done", 3, 3)
     after, _ = _dir_totals(root)
-    return {"path": str(root.resolve()), "version": version, "versions_before": old_versions, "versions": versions,
-            "pinned": pinned, "bytes_before": before, "bytes_after": after,
-            "seconds": round(time.perf_counter() - started, 3)}
+    return {
+        "path": str(root.resolve()),
+        "version": version,
+        "versions_before": old_versions,
+        "versions": versions,
+        "pinned": pinned,
+        "bytes_before": before,
+        "bytes_after": after,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
 
 
 def _dir_totals(root: Path) -> tuple[int, int]:

@@ -26,9 +26,9 @@ from torch import Tensor
 from lightning_embcache.device_tier import DeviceTier
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.optim.clip import check_max_norm, clip_rows_by_norm_, renorm_rows
-from lightning_embcache.optim.rounding import ROUNDED_DTYPES
 from lightning_embcache.optim.coalesce import RowGradBuffer
 from lightning_embcache.optim.fused import fused_adam_step_rows
+from lightning_embcache.optim.rounding import ROUNDED_DTYPES
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, InvalidArgumentError
 from lightning_embcache.store.validate import as_ids

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Sized
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import numpy as np
 import numpy.random  # noqa: F401  (imported here, not by the first epoch's iter(): ~14 ms)
@@ -58,7 +59,9 @@ class ChunkShuffleSampler(Sampler[int]):
         n = data_source if isinstance(data_source, (int, np.integer)) else None
         if n is None:
             if not hasattr(data_source, "__len__"):
-                raise InvalidTypeError(f"data_source must be an int or a sized dataset; got {type(data_source).__name__}")
+                raise InvalidTypeError(
+                    f"data_source must be an int or a sized dataset; got {type(data_source).__name__}"
+                )
             n = len(data_source)
         for name, v in (("num_samples", n), ("chunk_rows", chunk_rows), ("window", window)):
             if type(v) not in (int, np.int64) or v < 1:
@@ -71,8 +74,9 @@ class ChunkShuffleSampler(Sampler[int]):
         if store_ids is not None:
             store_ids = np.asarray(store_ids, np.int64).reshape(-1)
             if len(store_ids) != self.num_samples:
-                raise InvalidArgumentError(f"store_ids has {len(store_ids)} entries; expected one per sample "
-                                           f"({self.num_samples})")
+                raise InvalidArgumentError(
+                    f"store_ids has {len(store_ids)} entries; expected one per sample ({self.num_samples})"
+                )
         self.store_ids = store_ids
 
     def __len__(self) -> int:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, Sampler
@@ -95,13 +96,18 @@ class ResumableLoader(DataLoader):
     def __init__(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
                  sampler: Any = None, drop_last: bool = False, **kwargs: Any) -> None:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise InvalidTypeError(f"ResumableLoader needs a map-style dataset with __len__; got {type(dataset).__name__}")
+            raise InvalidTypeError(
+                f"ResumableLoader needs a map-style dataset with __len__; got {type(dataset).__name__}"
+            )
         if "batch_sampler" in kwargs:
-            raise InvalidArgumentError("ResumableLoader makes its own batches: pass batch_size= (and sampler= for "
-                                       "your own order), not batch_sampler=")
+            raise InvalidArgumentError(
+                "ResumableLoader makes its own batches: pass batch_size= (and sampler= for "
+                "your own order), not batch_sampler="
+            )
         if sampler is not None and shuffle:
-            raise InvalidArgumentError("Invalid value for shuffle=True with sampler=...: the sampler decides the "
-                                       "order; pass one or the other")
+            raise InvalidArgumentError(
+                "Invalid value for shuffle=True with sampler=...: the sampler decides the order; pass one or the other"
+            )
         if type(batch_size) is not int or batch_size < 1:
             raise InvalidArgumentError(f"Invalid value for batch_size={batch_size!r}. Must be an int >= 1")
         order = sampler if isinstance(sampler, EpochOrder) else EpochOrder(len(dataset), shuffle, seed, sampler)
@@ -136,8 +142,11 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """The next iteration of epoch ``state["epoch"]`` starts after its first ``state["batches"]`` batches."""
-        if not isinstance(state, dict) or not all(type(state.get(k)) is int and state[k] >= 0
-                                                  for k in ("epoch", "batches")):
-            raise InvalidArgumentError(f"state must be {{'epoch': int >= 0, 'batches': int >= 0}} as saved by "
-                                       f"ResumableLoader.state_dict(); got {state!r}")
+        if not isinstance(state, dict) or not all(
+            type(state.get(k)) is int and state[k] >= 0 for k in ("epoch", "batches")
+        ):
+            raise InvalidArgumentError(
+                f"state must be {{'epoch': int >= 0, 'batches': int >= 0}} as saved by "
+                f"ResumableLoader.state_dict(); got {state!r}"
+            )
         self._resume = {"epoch": state["epoch"], "batches": state["batches"]}

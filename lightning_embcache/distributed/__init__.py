@@ -12,4 +12,12 @@ from lightning_embcache.distributed.sharding import RowSharding, shard_dir
 from lightning_embcache.distributed.store import ShardedStore
 from lightning_embcache.distributed.trainable import ShardedTrainableRows
 
-__all__ = ["RowSharding", "ShardedDeviceRows", "ShardedStore", "ShardedTrainableRows", "shard_dir", "sharding_active", "world"]
+__all__ = [
+    "RowSharding",
+    "ShardedDeviceRows",
+    "ShardedStore",
+    "ShardedTrainableRows",
+    "shard_dir",
+    "sharding_active",
+    "world",
+]

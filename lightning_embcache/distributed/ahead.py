@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

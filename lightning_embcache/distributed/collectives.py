@@ -9,21 +9,19 @@ doubles (a few KiB even for a thousand ranks) replaces a SUM and a MAX reduction
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 from lightning_embcache.distributed.exchange import world
 
 
-def _collective_device(device: Optional[torch.device]) -> torch.device:
+def _collective_device(device: torch.device | None) -> torch.device:
     if device is not None and device.type == "cuda" and dist.get_backend() == "nccl":
         return device
     return torch.device("cpu")
 
 
-def gather_rows(values: list[float], device: Optional[torch.device] = None) -> list[list[float]]:
+def gather_rows(values: list[float], device: torch.device | None = None) -> list[list[float]]:
     """Every rank's ``values`` (same length on all ranks), in rank order. Blocking; all ranks join."""
     rank, size = world()
     if size == 1:
@@ -54,7 +52,7 @@ class PendingRows:
         self._event.record(torch.cuda.current_stream(device))
         self._keep = (host, dev)  # alive until the copies are done
 
-    def result(self) -> Optional[list[list[float]]]:
+    def result(self) -> list[list[float]] | None:
         if not self._event.query():
             return None
         self._keep = None

@@ -41,8 +41,7 @@ from torch import Tensor
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.distributed.exchange import Route
 from lightning_embcache.optim.base import RowOptimizer
-from lightning_embcache.store import EmbeddingStore, StoreError
-from lightning_embcache.store import idsets
+from lightning_embcache.store import EmbeddingStore, StoreError, idsets
 from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.trainable import TrainableRows
 
@@ -94,11 +93,15 @@ class ShardedDeviceRows:
 
     def __init__(self, store: Any, optimizer: RowOptimizer, device: torch.device, device_bytes: int | None, *,
                  max_grad_norm: float | None = None, switch_interval: float | None = None) -> None:
-        if switch_interval is not None and (isinstance(switch_interval, bool) or not isinstance(switch_interval, (int, float))
-                                            or not 0 < switch_interval <= 1):
+        if switch_interval is not None and (
+            isinstance(switch_interval, bool)
+            or not isinstance(switch_interval, (int, float))
+            or not 0 < switch_interval <= 1
+        ):
             raise InvalidArgumentError(
                 f"Invalid value for switch_interval={switch_interval!r}. Must be in (0, 1] seconds, or None to leave "
-                f"Python's setting ({sys.getswitchinterval()}) as it is")
+                f"Python's setting ({sys.getswitchinterval()}) as it is"
+            )
         device = torch.device(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -110,7 +113,7 @@ class ShardedDeviceRows:
         # the owner's optimizer: the tier's fused row step, metadata, dirty marks
         self.local = TrainableRows(store.local, optimizer, max_grad_norm=max_grad_norm, device_tier=self.tier)
         self.group = dist.group.WORLD  # NCCL: the training group (its order is every rank's program order)
-        self._lookups: list[_Lookup] = []   # since the last apply, in call order
+        self._lookups: list[_Lookup] = []  # since the last apply, in call order
         self._leaves: list[tuple[_Lookup, Tensor]] = []
         self._written = True  # the host store holds every update (nothing applied since write_down)
         self._stream = torch.cuda.current_stream(device)

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -180,7 +181,11 @@ def _pack(rows: Tensor | Mapping[str, Tensor]):
         t = rows.contiguous()
         cols, dtype = t.shape[1], t.dtype
         width = cols * t.element_size()
-        packed = t.view(torch.uint8).reshape(t.shape[0], width) if t.numel() else torch.empty((t.shape[0], width), dtype=torch.uint8)
+        if t.numel():
+            packed = t.view(torch.uint8).reshape(t.shape[0], width)
+        else:
+            packed = torch.empty((t.shape[0], width), dtype=torch.uint8)
+
         def unpack_one(b: Tensor) -> Tensor:
             if not b.numel():  # an empty slice may keep strides that no dtype view accepts
                 return torch.empty((b.shape[0], cols), dtype=dtype)
@@ -195,7 +200,7 @@ def _pack(rows: Tensor | Mapping[str, Tensor]):
     def unpack(b: Tensor) -> dict[str, Tensor]:
         out, at = {}, 0
         for name, (_, un), w in zip(names, parts, widths):
-            out[name] = un(b[:, at:at + w])
+            out[name] = un(b[:, at : at + w])
             at += w
         return out
 
@@ -213,7 +218,7 @@ class Clock:
         self._owner = threading.get_ident()
         self._t0 = 0.0
 
-    def __enter__(self) -> "Clock":
+    def __enter__(self) -> Clock:
         if threading.get_ident() == self._owner:
             self._t0 = time.perf_counter()
         return self

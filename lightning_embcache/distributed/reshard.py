@@ -19,8 +19,9 @@ import argparse
 import os
 import pickle
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -124,7 +125,7 @@ def _reshard_store(name: str, ref: dict[str, Any], world_size: int, new_path: st
                     if len(sel):
                         targets[q].update_fields(new.local(ids[sel]), {n: v[sel] for n, v in recs.items()})
         versions, sums = [], []
-        for q, store in enumerate(targets):
+        for store in targets:
             v = store.flush()
             store.pin(v)
             pins = CheckpointPins(Path(store.path))

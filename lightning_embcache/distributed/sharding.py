@@ -18,9 +18,9 @@ A table must look the same whatever the world size, so initial rows are computed
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor

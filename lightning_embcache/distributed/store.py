@@ -11,8 +11,9 @@ so a background flush never enters a collective.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,19 @@ from torch import Tensor
 from lightning_embcache.distributed.ahead import RunAhead
 from lightning_embcache.distributed.exchange import Clock, Route, ahead_group, store_group, world
 from lightning_embcache.distributed.sharding import (
-    GlobalCallableInit, GlobalNormalInit, RowSharding, shard_dir, shard_layouts,
+    GlobalCallableInit,
+    GlobalNormalInit,
+    RowSharding,
+    shard_dir,
+    shard_layouts,
 )
 from lightning_embcache.store import (
-    EmbeddingStore, InvalidArgumentError, InvalidTypeError, StoreError, StoreStats, VersionNotFoundError,
+    EmbeddingStore,
+    InvalidArgumentError,
+    InvalidTypeError,
+    StoreError,
+    StoreStats,
+    VersionNotFoundError,
 )
 from lightning_embcache.store.validate import as_ids
 
@@ -78,7 +88,7 @@ class ShardedStore:
     # ------------------------------------------------------------------ construction
     @classmethod
     def open_or_create(cls, path: str | os.PathLike | None, num_rows: int, dim: int, *, version: int | None = None,
-                       readonly: bool = False, **create_options: Any) -> "ShardedStore":
+                       readonly: bool = False, **create_options: Any) -> ShardedStore:
         """This rank's shard of the table at `path`: opened if it exists, else created.
 
         ``path=None`` keeps every shard in memory. `create_options` are those of

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
 from lightning_embcache.optim.factory import OPTIMIZERS
 from lightning_embcache.store.errors import InvalidArgumentError
+
 
 def named_options(fn: Any) -> tuple[str, ...]:
     """The keyword-only arguments `fn` names (``add_embedding_store``'s store options), in order."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset

@@ -13,7 +13,8 @@ process before it.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 

@@ -8,7 +8,8 @@ machine decide), row and byte counts the sum. The figures of all ranks travel in
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from lightning_embcache.distributed.collectives import gather_rows
 from lightning_embcache.distributed.exchange import world
@@ -28,7 +29,9 @@ def several_ranks() -> bool:
     return world()[1] > 1
 
 
-def reduce_figures(metrics: Mapping[str, float], trainer: Any = None, *, present: bool = True) -> dict[str, float] | None:
+def reduce_figures(
+    metrics: Mapping[str, float], trainer: Any = None, *, present: bool = True
+) -> dict[str, float] | None:
     """`metrics` of every rank combined by :data:`REDUCE` (a collective: every rank calls it).
 
     `present=False`: this rank has nothing to report this time but joins the reduction; returns

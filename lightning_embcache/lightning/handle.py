@@ -8,18 +8,19 @@ import logging
 import shutil
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.host_mapped_tier import HostMappedTier
-from lightning_embcache.pinned import PinnedRing
-from lightning_embcache.store.validate import as_ids
 from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.optim.clip import renorm_rows
+from lightning_embcache.pinned import PinnedRing
+from lightning_embcache.store.validate import as_ids
 from lightning_embcache.trainable import TrainableRows
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ _MORE_COUNTERS = ("io_wait_seconds", "bytes_read", "bytes_written", "write_back_
 IF_EXISTS = ("error", "resume", "overwrite")
 
 # path -> the handle of this process holding that store open for writing (one writer per path)
-_writers: dict[Path, Callable[[], "EmbeddingStoreHandle | None"]] = {}
+_writers: dict[Path, Callable[[], EmbeddingStoreHandle | None]] = {}
 
 
 def _store_call(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -456,7 +457,8 @@ class EmbeddingStoreHandle:
                 self._noted.append(ids)
             return ids
         module = self._module_ref()
-        host = module._embcache_host_copy(ids) if module is not None and hasattr(module, "_embcache_host_copy") else None
+        copier = getattr(module, "_embcache_host_copy", None) if module is not None else None
+        host = copier(ids) if copier is not None else None
         if host is not None:
             if self._noted is not None and note:
                 self._noted.append(host)
@@ -480,8 +482,7 @@ class EmbeddingStoreHandle:
         return self._store is not None and not self._store.closed
 
     def _usable(self, store: EmbeddingStore | None, writable: bool) -> bool:
-        return store is not None and not store.closed and (
-            not writable or not (store.readonly or self._stand_in))
+        return store is not None and not store.closed and (not writable or not (store.readonly or self._stand_in))
 
     def _ensure_open(self, *, writable: bool) -> EmbeddingStore:
         store = self._store
@@ -493,8 +494,9 @@ class EmbeddingStoreHandle:
                 return store  # type: ignore[return-value]
             return self._open(readonly=not writable)
 
-    def _open(self, *, readonly: bool, version: int | None = None, checksum: str | None = None,
-              checkpoint: str | None = None) -> EmbeddingStore:
+    def _open(
+        self, *, readonly: bool, version: int | None = None, checksum: str | None = None, checkpoint: str | None = None
+    ) -> EmbeddingStore:
         """(Re)open the store: at `version`, else at a version a loaded checkpoint named, else the latest.
 
         `checkpoint`: the file that named `version`, for the message if the store is not there.
@@ -552,13 +554,17 @@ class EmbeddingStoreHandle:
         """Nothing at `path` yet and no version to reopen: `fit` makes the store only once it knows
         that no checkpoint names one (a checkpoint restored after setup may name a folder that was
         deleted; making an empty store there first would hide that)."""
-        return (self.path is not None and self._target_version is None and not self._claimed
-                and getattr(self, "_shard_factory", None) is None and not store_exists(self.path))
+        return (
+            self.path is not None
+            and self._target_version is None
+            and not self._claimed
+            and getattr(self, "_shard_factory", None) is None
+            and not store_exists(self.path)
+        )
 
     def _needs_claim(self) -> bool:
         """A write would meet rows this handle did not create and if_exists='error' forbids it (so far)."""
-        return (self.path is not None and not self._claimed and self.if_exists == "error"
-                and store_exists(self.path))
+        return self.path is not None and not self._claimed and self.if_exists == "error" and store_exists(self.path)
 
     def _take_writer_lock(self) -> None:
         """Another handle of this process holding the store for writing after its fit ended (a
@@ -572,8 +578,11 @@ class EmbeddingStoreHandle:
                 f"embedding store {self.name!r} at {self.path} is open for writing by another module of this "
                 f"process that is fitting; one writer per path"
             )
-        log.info("Embedding store %r at %s: closing the writable handle of another module (flushed first)",
-                 self.name, self.path)
+        log.info(
+            "Embedding store %r at %s: closing the writable handle of another module (flushed first)",
+            self.name,
+            self.path,
+        )
         other.close()
 
     def _refuse_existing(self) -> None:
@@ -686,14 +695,34 @@ class EmbeddingStoreHandle:
     def __getstate__(self) -> dict[str, Any]:
         # Pickled with its module (deepcopy, spawn): the open store, locks and buffers stay behind.
         state = self.__dict__.copy()
-        state.update(_store=None, _lifecycle=None, _staging=None, _module_ref=None, _trainable=None,
-                     _stand_in=False, _in_fit=False, _device_tier=None, _unmapped=None, _noted=None)
+        state.update(
+            _store=None,
+            _lifecycle=None,
+            _staging=None,
+            _module_ref=None,
+            _trainable=None,
+            _stand_in=False,
+            _in_fit=False,
+            _device_tier=None,
+            _unmapped=None,
+            _noted=None,
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"if_exists": "error", "_claimed": False, "_stand_in": False, "_in_fit": False,
-                              "_last_stats": None, "_earlier_counters": {}, "_noted": None, "_unmapped": None,
-                              **state})
+        self.__dict__.update(
+            {
+                "if_exists": "error",
+                "_claimed": False,
+                "_stand_in": False,
+                "_in_fit": False,
+                "_last_stats": None,
+                "_earlier_counters": {},
+                "_noted": None,
+                "_unmapped": None,
+                **state,
+            }
+        )
         self._lifecycle = threading.RLock()
         self._staging = PinnedRing(2)
         self._module_ref = lambda: None

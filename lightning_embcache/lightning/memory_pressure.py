@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -125,7 +126,8 @@ class MemoryPressure(Callback):
 
     def _relieve(self, pl_module: LightningModule, reading: MemoryReading) -> int:
         need = int((reading.used_fraction - self.target) * reading.limit_bytes)
-        handles = [h for h in getattr(pl_module, "embedding_stores", {}).values() if h.path is not None and h._is_open()]
+        stores = getattr(pl_module, "embedding_stores", {}).values()
+        handles = [h for h in stores if h.path is not None and h._is_open()]
         if not handles or need <= 0:
             return 0
         resident = {h.name: max(self._resident(h), 0) for h in handles}
@@ -158,7 +160,8 @@ class MemoryPressure(Callback):
                 return freed
             self._warned = True
             rank_zero_warn(
-                f"MemoryPressure: memory at {reading.used_fraction:.0%} of {_mib(reading.limit_bytes)} (high={self.high}, "
+                f"MemoryPressure: memory at {reading.used_fraction:.0%} of {_mib(reading.limit_bytes)} "
+                f"(high={self.high}, "
                 f"target={self.target}); evicting freed {_mib(freed)} of the {_mib(need)} needed, so hot budgets "
                 f"were lowered: {', '.join(cuts)}. Training goes on with more cold reads; lower hot_bytes or "
                 "num_workers to avoid this."

@@ -87,7 +87,9 @@ def _read_stat(path: Path) -> dict[str, int]:
 class CgroupMemory:
     """Finds this process's memory cgroup once; each :meth:`read` then reads 2-3 small files per level."""
 
-    def __init__(self, root: str | os.PathLike[str] = "/sys/fs/cgroup", proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup") -> None:
+    def __init__(
+        self, root: str | os.PathLike[str] = "/sys/fs/cgroup", proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup"
+    ) -> None:
         self.root = Path(root)
         self.version: int | None = None
         self.dirs: list[Path] = []  # v2: leaf first, then ancestors; v1: the one memory dir

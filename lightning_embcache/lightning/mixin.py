@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback
@@ -13,19 +14,26 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_embcache.lightning.sharded import (
-    follow_checkpoint_files, gather_shard_refs, local_ref, shard_handles,
+from lightning_embcache.lightning.arguments import (
+    check_choice,
+    check_hot_bytes,
+    check_optimizer,
+    check_unknown_keywords,
+    named_options,
 )
 from lightning_embcache.lightning.auto_lookahead import AutoLookahead
-from lightning_embcache.lightning.arguments import (
-    check_choice, check_hot_bytes, check_optimizer, check_unknown_keywords, named_options,
-)
 from lightning_embcache.lightning.checkpoint_pins import CHECKPOINT_KEY, CheckpointPins, PinningCheckpointIO
 from lightning_embcache.lightning.handle import IF_EXISTS, EmbeddingStoreHandle
+from lightning_embcache.lightning.sharded import (
+    follow_checkpoint_files,
+    gather_shard_refs,
+    local_ref,
+    shard_handles,
+)
 from lightning_embcache.optim import make_row_optimizer
 from lightning_embcache.optim.clip import check_max_norm
-from lightning_embcache.trainable import check_stochastic_rounding, trainable_fields
 from lightning_embcache.store.errors import InvalidArgumentError
+from lightning_embcache.trainable import check_stochastic_rounding, trainable_fields
 
 log = logging.getLogger(__name__)
 warning_cache = WarningCache()

@@ -16,7 +16,7 @@ of the per-occurrence rows.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -82,12 +82,17 @@ def clip_grad_norm_with_rows_(parameters: Iterable[Tensor] | Tensor, row_grads: 
 def check_max_norm(max_norm: object, norm_type: object) -> tuple[float | None, float]:
     """Validate ``max_norm`` (None or a finite number > 0) and ``norm_type`` (a number > 0, inf allowed)."""
     if max_norm is not None:
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < float(max_norm) < float("inf"):
+        if (
+            isinstance(max_norm, bool)
+            or not isinstance(max_norm, (int, float))
+            or not 0 < float(max_norm) < float("inf")
+        ):
             raise InvalidArgumentError(f"max_norm must be None or a finite number > 0; got {max_norm!r}")
         max_norm = float(max_norm)
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not float(norm_type) > 0:
-        raise InvalidArgumentError(f"norm_type must be a number > 0 (2.0: Euclidean, float('inf'): max); "
-                                   f"got {norm_type!r}")
+        raise InvalidArgumentError(
+            f"norm_type must be a number > 0 (2.0: Euclidean, float('inf'): max); got {norm_type!r}"
+        )
     return max_norm, float(norm_type)
 
 

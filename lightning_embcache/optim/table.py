@@ -13,14 +13,12 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.optim import fused_cpu
+from lightning_embcache.optim.base import RowOptimizer
 from lightning_embcache.optim.coalesce import check_rows, coalesce
 from lightning_embcache.optim.fused import fused_adam_step_rows, fused_available
 from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.store.memory import HUGE_PAGE, PageBuffer
-
-
 
 #: rows per gather-update-scatter pass on CPU: the gathered rows, moments and temporaries of one
 #: pass (about 10 x chunk x dim x 4 bytes) stay in L2, and the scatter writes lines still cached
@@ -61,24 +59,33 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
     if fused:
         raise InvalidArgumentError(
             "fused=True needs Adam/AdamW without per_row_step on float32 tables with contiguous rows "
-            f"(CPU: bfloat16 rows too; CUDA: and Triton); got {type(optimizer).__name__} on {weight.device} {weight.dtype}")
+            f"(CPU: bfloat16 rows too; CUDA: and Triton); got {type(optimizer).__name__} on {weight.device} "
+            f"{weight.dtype}"
+        )
     if not coalesced:
         ids, grads = coalesce(ids, grads)
     if chunk_rows is None:
         chunk_rows = ids.numel() if ids.is_cuda else CPU_CHUNK_ROWS
     for start in range(0, ids.numel(), max(chunk_rows, 1)):
-        part = ids[start:start + chunk_rows]
+        part = ids[start : start + chunk_rows]
         w = weight.index_select(0, part)
         rows = {name: t.index_select(0, part) for name, t in state.items()}
-        optimizer.step(w, rows, grads[start:start + chunk_rows], step=step, lr=lr, ids=part,
-                       stochastic_rounding=stochastic_rounding, seed=seed)
+        optimizer.step(
+            w,
+            rows,
+            grads[start : start + chunk_rows],
+            step=step,
+            lr=lr,
+            ids=part,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+        )
         weight.index_copy_(0, part, w)
         for name, t in state.items():
             t.index_copy_(0, part, rows[name])
 
 
-def empty_hugepage(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
-                   *, fill: float | None = 0.0) -> Tensor:
+def empty_hugepage(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, fill: float | None = 0.0) -> Tensor:
     """A CPU tensor backed by an anonymous mapping advised `MADV_HUGEPAGE` (falls back silently).
 
     The mapping lives as long as the tensor. Transparent huge pages must be `always` or `madvise`
@@ -89,7 +96,7 @@ def empty_hugepage(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
     nbytes = max(math.prod(shape) * itemsize, 1)
     # the store's huge-page buffer (2 MiB-rounded anonymous mapping, MADV_HUGEPAGE, safe fallback)
     array = PageBuffer(-(-nbytes // HUGE_PAGE) * HUGE_PAGE).array[:nbytes]
-    tensor = torch.from_numpy(array).view(dtype).view(shape)   # keeps array (and its mapping) alive
+    tensor = torch.from_numpy(array).view(dtype).view(shape)  # keeps array (and its mapping) alive
     if fill is not None:
         tensor.fill_(fill)
     return tensor

@@ -4,7 +4,8 @@ optimizer step, and the batch size of a batch."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -13,7 +14,7 @@ Hook = Callable[[], None]
 
 
 def loop_actions(trainer: Any, *, fetch: tuple[Hook, Hook], transfer: tuple[Hook, Hook], batch: tuple[Hook, Hook],
-                 backward: Hook, after_backward: Optional[Hook], before_optimizer_step: Hook, auto_step_stop: Hook,
+                 backward: Hook, after_backward: Hook | None, before_optimizer_step: Hook, auto_step_stop: Hook,
                  manual_step: tuple[Hook, Hook]) -> tuple[dict[str, Hook], dict[str, Hook]]:
     """``(on_start, on_stop)``: action name -> hook, for a
     :class:`~lightning_embcache.profiling.tap.ProfilerTap` on ``trainer``'s profiler. Pairs are

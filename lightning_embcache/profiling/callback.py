@@ -6,8 +6,9 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -23,7 +24,14 @@ from lightning_embcache.profiling.predictor import EpochPredictor
 from lightning_embcache.profiling.stores import StoreReadings, device_tiers, per_step
 from lightning_embcache.profiling.tap import ProfilerTap
 from lightning_embcache.profiling.timeline import (
-    BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, VALIDATION, StepTimeline, Totals,
+    BACKWARD,
+    DATA,
+    FORWARD,
+    OPTIMIZER,
+    OTHER,
+    VALIDATION,
+    StepTimeline,
+    Totals,
 )
 
 log = logging.getLogger(__name__)
@@ -121,10 +129,10 @@ class StepProfiler(Callback):
             two callbacks with one ``state_key``.)
     """
 
-    def __init__(self, log_every_n_steps: Optional[int] = None, warmup_steps: int = 0, report: bool = True,
-                 plot: Optional[Union[str, Path]] = None, *,
-                 batch_size_fn: Optional[Callable[[Any], int]] = None,
-                 epoch_batches: Optional[int] = None, sample_every_n_steps: int = 8,
+    def __init__(self, log_every_n_steps: int | None = None, warmup_steps: int = 0, report: bool = True,
+                 plot: str | Path | None = None, *,
+                 batch_size_fn: Callable[[Any], int] | None = None,
+                 epoch_batches: int | None = None, sample_every_n_steps: int = 8,
                  predict_at: float = 0.05) -> None:
         super().__init__()
         if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
@@ -140,7 +148,7 @@ class StepProfiler(Callback):
             raise ValueError(f"Invalid value for epoch_batches={epoch_batches!r}. Must be None or an int >= 1")
         if batch_size_fn is not None and not callable(batch_size_fn):
             raise TypeError(f"batch_size_fn must be callable; got {type(batch_size_fn).__name__}")
-        self._state_key: Optional[str] = None
+        self._state_key: str | None = None
         self._log_every_arg = log_every_n_steps
         self.log_every_n_steps = log_every_n_steps or 50  # replaced by the Trainer's in setup
         self.warmup_steps = warmup_steps
@@ -156,17 +164,17 @@ class StepProfiler(Callback):
         self._batches_seen = 0
         self._samples_known = True
         self._samples = 0
-        self._timeline: Optional[StepTimeline] = None
-        self._tap: Optional[ProfilerTap] = None
-        self._device: Optional[torch.device] = None
+        self._timeline: StepTimeline | None = None
+        self._tap: ProfilerTap | None = None
+        self._device: torch.device | None = None
         self._interval_log = IntervalLog()
         self._manual = False
-        self._stores: Optional[StoreReadings] = None
+        self._stores: StoreReadings | None = None
         self._tiers_at_start: Any = None  # the GPU tiers' counters when the open epoch began
         self._data_resume = OTHER
         self._batch_ended = False
         self._next_log = self.log_every_n_steps
-        self._trainer: Optional[Trainer] = None
+        self._trainer: Trainer | None = None
         self._predictor = EpochPredictor(self.predict_at, sample_every_n_steps, epoch_batches)
         self._val_t0 = 0.0
         self._val_resume = OTHER
@@ -178,7 +186,7 @@ class StepProfiler(Callback):
         """One dict per finished training epoch (see docs/profiler.md for every key)."""
         return [dict(s) for s in self._ledger.summaries]
 
-    def predict(self, epoch_batches: Optional[int] = None) -> Optional[dict[str, Optional[float]]]:
+    def predict(self, epoch_batches: int | None = None) -> dict[str, float | None] | None:
         """The current prediction: ``{"epoch_s", "epoch_low_s", "epoch_high_s", "epoch_std_s",
         "fit_s", "fit_std_s", "at_batch", "epoch_batches", "store_fill_batch", ...}`` (wall
         seconds, validation inside the epoch included; ``epoch_low_s`` .. ``epoch_high_s`` a 90%
@@ -224,23 +232,23 @@ class StepProfiler(Callback):
         self._warmup_steps, self._state_key = value, None
 
     @property
-    def epoch_batches(self) -> Optional[int]:
+    def epoch_batches(self) -> int | None:
         """Batches of a whole epoch, for predictions of runs that stop inside one (None: the loader's length)."""
         return self._epoch_batches
 
     @epoch_batches.setter
-    def epoch_batches(self, value: Optional[int]) -> None:
+    def epoch_batches(self, value: int | None) -> None:
         self._epoch_batches, self._state_key = value, None
         if "_predictor" in self.__dict__:
             self._predictor.epoch_batches = value
 
     @property
-    def plot(self) -> Optional[Union[str, Path]]:
+    def plot(self) -> str | Path | None:
         """Where the end-of-fit chart is written (None: no chart)."""
         return self._plot
 
     @plot.setter
-    def plot(self, value: Optional[Union[str, Path]]) -> None:
+    def plot(self, value: str | Path | None) -> None:
         self._plot, self._state_key = value, None
 
     @override
@@ -269,8 +277,8 @@ class StepProfiler(Callback):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @override
-    def setup(self, trainer: Optional[Trainer] = None, pl_module: Optional[LightningModule] = None,
-              stage: Optional[str] = None, **profiler_kwargs: Any) -> None:
+    def setup(self, trainer: Trainer | None = None, pl_module: LightningModule | None = None,
+              stage: str | None = None, **profiler_kwargs: Any) -> None:
         if not isinstance(trainer, Trainer):
             # Trainer(profiler=StepProfiler()): Lightning calls profiler.setup(stage=, local_rank=, log_dir=)
             raise MisconfigurationException(_NOT_A_PROFILER)
@@ -442,7 +450,7 @@ class StepProfiler(Callback):
             warning_cache.warn(f"StepProfiler could not infer the batch size ({err}); samples_per_sec "
                                "will be None. Pass StepProfiler(batch_size_fn=...).")
 
-    def _close_step(self, trainer: Optional[Trainer], log: bool = True, next_phase: int = OTHER) -> None:
+    def _close_step(self, trainer: Trainer | None, log: bool = True, next_phase: int = OTHER) -> None:
         self._batch_ended = False
         step = self._step_in_epoch
         host = self._timeline.end_step(self._ledger.open_epoch, self._samples, step >= self._warmup_steps, next_phase)

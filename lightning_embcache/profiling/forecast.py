@@ -86,12 +86,18 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from lightning_embcache.profiling.store_fill import (STORE_CHARGE_CV, StoreFill, StoreRates, fold_bytes, store_fill_save_s,
-                                                     store_fill_step_s)
+from lightning_embcache.profiling.store_fill import (
+    STORE_CHARGE_CV,
+    StoreFill,
+    StoreRates,
+    fold_bytes,
+    store_fill_save_s,
+    store_fill_step_s,
+)
 
 MIN_STEPS = 8  # steps (after the first) before a prediction is made
 SHIFT_BLOCKS = 16  # blocks of steps the level-shift search compares
@@ -140,7 +146,7 @@ SLOW_STEP = 3.0  # a step over this many times the median step is a slow step
 PREVIOUS_MAX_T = 3.0  # a rate this many standard deviations from the previous epoch's is not combined with it
 
 
-def slow_share(wall: "array | list[float] | np.ndarray", skip: Sequence[int] = ()) -> float:
+def slow_share(wall: array | list[float] | np.ndarray, skip: Sequence[int] = ()) -> float:
     """The extra time of slow steps (over ``SLOW_STEP`` times the median) per step, as a fraction of
     the median step: how much of the steps' time rare stalls took. The first step (the loader's
     start-up) and the steps in ``skip`` (checkpoint saves) are left out; 0 for fewer than 8."""
@@ -162,8 +168,8 @@ def _slow_share(w: np.ndarray) -> float:
     return float((slow - med).sum()) / (w.size * med)
 
 
-def epoch_level(wall: "array | list[float] | np.ndarray",
-                skip: Sequence[int] = ()) -> Optional[tuple[float, float]]:
+def epoch_level(wall: array | list[float] | np.ndarray,
+                skip: Sequence[int] = ()) -> tuple[float, float] | None:
     """A whole epoch's mean step time and how much it moved within the epoch (its second half's
     mean over its first half's, less 1): the level the next epoch's steps are taken to be near,
     and how far that may have drifted by then. The first step (the loader's start-up) and the
@@ -184,7 +190,7 @@ def epoch_level(wall: "array | list[float] | np.ndarray",
 
 
 def with_previous_epoch(rate_s: float, se_s: float, window_steps: int, total_batches: int, level_cv: float,
-                        previous: tuple[float, float]) -> Optional[tuple[float, float, float]]:
+                        previous: tuple[float, float]) -> tuple[float, float, float] | None:
     """The rate combined with the previous epoch's mean step time (:func:`epoch_level`), each
     weighted by the inverse of its variance (relative to the rate): the window's, the level
     variation over the blocks of a twentieth of an epoch it spans (at least one) plus its standard
@@ -215,7 +221,7 @@ def _batch_means_se(w: np.ndarray) -> float:
     return float(means.std(ddof=1)) / math.sqrt(blocks)
 
 
-def level_variation_so_far(wall: "array | list[float]") -> float:
+def level_variation_so_far(wall: array | list[float]) -> float:
     """:func:`level_variation` of the running epoch's steps so far, over up to 16 blocks of at
     least 4 steps (0 for fewer than 4 blocks): how much the host's speed has varied already. Its
     blocks are shorter than a twentieth of the epoch, so it understates what the rest of the
@@ -232,7 +238,7 @@ def level_variation_so_far(wall: "array | list[float]") -> float:
     return float(med.std(ddof=1)) / mean if mean > 0 else 0.0
 
 
-def level_drift(wall: "array | list[float] | np.ndarray", blocks: int = DRIFT_BLOCKS, min_size: int = 4) -> float:
+def level_drift(wall: array | list[float] | np.ndarray, blocks: int = DRIFT_BLOCKS, min_size: int = 4) -> float:
     """How far the host's speed drifted in these steps: the largest departure of one block's median
     step time from the median of the blocks' medians, as a fraction of it (``blocks`` blocks of at
     least ``min_size`` steps; the first step, the loader's start-up, left out). A stretch 30% slower
@@ -249,7 +255,7 @@ def level_drift(wall: "array | list[float] | np.ndarray", blocks: int = DRIFT_BL
     return float(np.abs(med / mid - 1.0).max()) if mid > 0 else 0.0
 
 
-def level_variation(wall: "array | list[float]") -> float:
+def level_variation(wall: array | list[float]) -> float:
     """Coefficient of variation of the typical (median) step time over blocks of a twentieth of
     the epoch: how much the host's speed changed within it (single slow steps, such as a
     checkpoint save, move a median little). The first step, which holds the loader's start-up,
@@ -264,7 +270,7 @@ def level_variation(wall: "array | list[float]") -> float:
     return float(med.std(ddof=1)) / mean if mean > 0 else 0.0
 
 
-def level_shift(w: np.ndarray) -> Optional[int]:
+def level_shift(w: np.ndarray) -> int | None:
     """Index into ``w`` (step times in order) where the latest significant level shift starts,
     or None. The steps are cut into blocks; the boundary whose block medians before and after
     differ most (a t statistic over blocks, robust to single slow steps; at least 3 blocks either
@@ -365,10 +371,10 @@ class Forecast:
         return self.start_batches + len(self.wall)
 
     @property
-    def first_step_s(self) -> Optional[float]:
+    def first_step_s(self) -> float | None:
         return self.wall[0] if self.wall and not self.start_batches else None
 
-    def rate(self) -> Optional[dict]:
+    def rate(self) -> dict | None:
         """The steady rate and its spread; None before ``MIN_STEPS`` steps after the first.
         Vectorised: called at log intervals over up to an epoch of steps."""
         n = len(self.wall)
@@ -452,7 +458,7 @@ class Forecast:
         # store time per step cannot go below zero
         return max(extra, -r["store_level"] * count) if slope < 0 else extra
 
-    def _saves_around_fill(self, rate: float, fill: StoreFill) -> tuple[Optional[float], Optional[float]]:
+    def _saves_around_fill(self, rate: float, fill: StoreFill) -> tuple[float | None, float | None]:
         """The checkpoint saves of this epoch measured before the hot tiers' fill (their mean
         extra seconds: a save's usual cost; None if none) and the fold rate the saves after it ran
         at (the model's bytes over their extra seconds beyond the usual cost; None if none; inf
@@ -469,18 +475,18 @@ class Forecast:
         units = math.fsum(fold_bytes(fill, b) for b, _ in after)
         return usual, (units / waited if waited > 0.0 else math.inf)
 
-    def save_extra(self) -> Optional[float]:
+    def save_extra(self) -> float | None:
         """Mean extra seconds of the checkpoint saves seen in this epoch (None: none seen)."""
         r = self.rate()
         return None if r is None else r["save_s"]
 
-    def estimate(self, total_batches: int, val_runs_left: float, val_run_s: Optional[float],
-                 saves_left: int, save_s: Optional[float] = None, level_cv: float = 0.0,
-                 save_guess_s: Optional[float] = None,
-                 store_fill: Optional[StoreFill] = None, save_batches: Sequence[int] = (),
-                 slow_share: Optional[float] = None,
-                 previous: Optional[tuple[float, float]] = None,
-                 drift: Optional[float] = None) -> Optional[dict]:
+    def estimate(self, total_batches: int, val_runs_left: float, val_run_s: float | None,
+                 saves_left: int, save_s: float | None = None, level_cv: float = 0.0,
+                 save_guess_s: float | None = None,
+                 store_fill: StoreFill | None = None, save_batches: Sequence[int] = (),
+                 slow_share: float | None = None,
+                 previous: tuple[float, float] | None = None,
+                 drift: float | None = None) -> dict | None:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
         measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:

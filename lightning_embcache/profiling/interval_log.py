@@ -4,7 +4,7 @@ its result logged once it has arrived, so that logging never synchronizes inside
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -17,10 +17,10 @@ class IntervalLog:
     """Turns one interval's :class:`Totals` into logged metrics."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[int, ranks.PendingRows, Optional[dict]]] = []
+        self._pending: list[tuple[int, ranks.PendingRows, dict | None]] = []
 
-    def log(self, trainer: Any, interval: Totals, epoch_so_far: Optional[Totals], device: Optional[torch.device],
-            cuda: bool, samples_known: bool, prediction: Optional[dict]) -> None:
+    def log(self, trainer: Any, interval: Totals, epoch_so_far: Totals | None, device: torch.device | None,
+            cuda: bool, samples_known: bool, prediction: dict | None) -> None:
         """Every rank calls this at the same step (it joins a collective on several ranks)."""
         values = summaries.interval_row(interval, epoch_so_far)
         step = trainer.global_step
@@ -44,7 +44,7 @@ class IntervalLog:
 
     @staticmethod
     def _emit(trainer: Any, step: int, rows: list[list[float]], samples_known: bool,
-              pred: Optional[dict] = None) -> None:
+              pred: dict | None = None) -> None:
         if not trainer.is_global_zero or not trainer.loggers:
             return
         metrics = summaries.interval_metrics(rows, samples_known)

@@ -4,7 +4,7 @@ checkpoint keeps."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -24,16 +24,16 @@ class EpochLedger:
     def __init__(self) -> None:
         self.summaries: list[dict] = []
         self.raw: dict[int, Totals] = {}        # totals of finished epochs (for resume)
-        self.open: Optional[Totals] = None      # the running epoch
+        self.open: Totals | None = None      # the running epoch
         self.open_epoch = -1
         self.interval = Totals()
         self._steps: list[tuple] = []           # finished steps not yet folded
         self._steps_epoch = -1
-        self._resume: Optional[dict] = None     # the open epoch of the checkpoint resumed from
+        self._resume: dict | None = None     # the open epoch of the checkpoint resumed from
         # per epoch, per rank: [phase seconds..., batches]; a resumed epoch replaces its entry
         self.rank_rows: dict[int, list[list[float]]] = {}
 
-    def add_step(self, epoch: int, batches: int, host: list[float], device: Optional[list[float]],
+    def add_step(self, epoch: int, batches: int, host: list[float], device: list[float] | None,
                  samples: int, steady: bool, forced: bool) -> None:
         """The timeline's sink: one finished step (or an epoch's tail, ``batches`` 0)."""
         if epoch != self._steps_epoch:
@@ -61,7 +61,7 @@ class EpochLedger:
         interval, self.interval = self.interval, Totals()
         return interval
 
-    def open_epoch_at(self, epoch: int) -> tuple[int, Optional[tuple[int, Totals]]]:
+    def open_epoch_at(self, epoch: int) -> tuple[int, tuple[int, Totals] | None]:
         """Opens ``epoch``: ``(steps already run in it, (epoch, sums) of an unfinished earlier
         epoch to close first)``. A resumed epoch continues the sums of the run it resumes from."""
         self.open = Totals()
@@ -86,9 +86,9 @@ class EpochLedger:
         """Wall seconds (validation included) of the fit's epochs before ``epoch``."""
         return sum(e["epoch_seconds"] + e["val_seconds"] for e in self.summaries if e["epoch"] < epoch)
 
-    def finish(self, totals: Totals, epoch: int, device: Optional[torch.device], samples_known: bool,
-               epoch_batches: Optional[int], timeline: str, prediction: Optional[dict],
-               full_prediction: Optional[dict] = None, segments: Optional[list[list[float]]] = None) -> None:
+    def finish(self, totals: Totals, epoch: int, device: torch.device | None, samples_known: bool,
+               epoch_batches: int | None, timeline: str, prediction: dict | None,
+               full_prediction: dict | None = None, segments: list[list[float]] | None = None) -> None:
         """Closes ``epoch``: its sums gathered over ranks (every rank joins) into a summary."""
         self.fold()
         if totals is self.open:

@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from itertools import chain
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 
 from lightning_embcache.profiling import schedule
-from lightning_embcache.profiling.forecast import (EPOCH_DRIFT_BLOCKS, Forecast, epoch_level, level_drift, level_variation,
-                                                   save_estimate_s, slow_share)
+from lightning_embcache.profiling.forecast import (
+    EPOCH_DRIFT_BLOCKS,
+    Forecast,
+    epoch_level,
+    level_drift,
+    level_variation,
+    save_estimate_s,
+    slow_share,
+)
 from lightning_embcache.profiling.schedule import save_batches
 from lightning_embcache.profiling.slow_steps import PhaseBlocks
 from lightning_embcache.profiling.store_fill import StoreFill, measured_rates
 from lightning_embcache.profiling.stores import HotTiers
 from lightning_embcache.profiling.timeline import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, STORE
-
 
 SYNC_EVERY = 256  # steps at most between handing the pending steps to the forecast
 FULL = 0.99  # a hot tier this close to its budget is full (eviction keeps it a few rows under)
@@ -32,42 +39,42 @@ FULL = 0.99  # a hot tier this close to its budget is full (eviction keeps it a 
 class EpochPredictor:
     """One fit's predictions; :meth:`begin_epoch` opens each epoch's."""
 
-    def __init__(self, predict_at: float, sample_every: int, epoch_batches: Optional[int]) -> None:
+    def __init__(self, predict_at: float, sample_every: int, epoch_batches: int | None) -> None:
         self.predict_at = predict_at
         self.sample_every = sample_every
         self.epoch_batches = epoch_batches
-        self.forecast: Optional[Forecast] = None
-        self.kept: Optional[dict] = None        # the prediction made at predict_at of the epoch
-        self._last_logged: Optional[dict] = None
+        self.forecast: Forecast | None = None
+        self.kept: dict | None = None        # the prediction made at predict_at of the epoch
+        self._last_logged: dict | None = None
         self._timeline: Any = None
         self._epoch = -1
         self._start_total = 0        # batches of the fit before this epoch
         self._before_s = 0.0         # wall seconds of the fit's earlier epochs (validation included)
-        self._landmark: Optional[int] = None
+        self._landmark: int | None = None
         # what earlier epochs and validation runs of the fit measured
         self._val_run_s: list[float] = []
         self._sanity_t0 = 0.0
-        self._sanity_batch_s: Optional[float] = None
-        self._first_extra_s: Optional[float] = None
-        self._save_s: Optional[float] = None
+        self._sanity_batch_s: float | None = None
+        self._first_extra_s: float | None = None
+        self._save_s: float | None = None
         self._level_cv = 0.0  # the largest level variation of a finished epoch of this fit
-        self._slow_share: Optional[float] = None  # the latest whole epoch's share of slow steps
-        self._previous: Optional[tuple[float, float]] = None  # the latest whole epoch's epoch_level
-        self._drift: Optional[float] = None  # the largest level_drift of a whole epoch of this fit
+        self._slow_share: float | None = None  # the latest whole epoch's share of slow steps
+        self._previous: tuple[float, float] | None = None  # the latest whole epoch's epoch_level
+        self._drift: float | None = None  # the largest level_drift of a whole epoch of this fit
         # the embedding stores' hot tiers: () -> HotTiers (hot bytes, hot budget bytes and the
         # write work measured, summed over the stores with a budget; a plain (hot, budget) pair
         # is taken too) or None. Read twice an epoch (half-way to the kept prediction, and at it)
         # and by predict(): a stats() call can take milliseconds
-        self.store_reader: Optional[Callable[[], Optional[tuple[float, ...]]]] = None
+        self.store_reader: Callable[[], tuple[float, ...] | None] | None = None
         self._store_mark = -1
-        self._store_first: Optional[tuple[int, HotTiers]] = None
+        self._store_first: tuple[int, HotTiers] | None = None
         # the latest projection of the fill (batch of this epoch at which the hot tiers will be
         # full, bytes they take in per batch, their budget, the rates measured so far); kept for
         # the predictions that do not read stats()
-        self._fill: Optional[StoreFill] = None
+        self._fill: StoreFill | None = None
         # () -> bytes a checkpoint save writes (the module's and optimizers' tensors): a save's
         # cost until one has been measured. Read only when a prediction has saves to charge
-        self.save_bytes_reader: Optional[Callable[[], int]] = None
+        self.save_bytes_reader: Callable[[], int] | None = None
         # finished steps' host phases not yet handed to the forecast (one append per step; the
         # forecast takes them whenever it is read), and the batch count at which add_step has
         # something to do (the store reading, the kept prediction)
@@ -188,7 +195,7 @@ class EpochPredictor:
         self._sync()
         return self._phases.segments()
 
-    def finish_epoch(self) -> Optional[dict]:
+    def finish_epoch(self) -> dict | None:
         """The epoch ended: returns its kept prediction; a save's measured cost carries over."""
         self._sync()
         if self.forecast is not None and not self.forecast.start_batches:  # a whole epoch seen
@@ -205,7 +212,7 @@ class EpochPredictor:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def logged(self, trainer: Any) -> Optional[dict]:
+    def logged(self, trainer: Any) -> dict | None:
         """The prediction for a log interval. One costs O(batches so far) (~0.5 ms at 20,000);
         recomputed once the epoch has grown by 1/32 since the last one, it costs a step well
         under a microsecond."""
@@ -221,7 +228,7 @@ class EpochPredictor:
         self._last_logged = pred
         return pred
 
-    def predict_cut(self, trainer: Any, epoch_batches: Optional[int]) -> Optional[dict]:
+    def predict_cut(self, trainer: Any, epoch_batches: int | None) -> dict | None:
         """At the end of an epoch cut short (``max_steps``, or a trial run against
         ``epoch_batches=``): the prediction of a whole one of ``epoch_batches``, with the saves,
         validation and store fill its rest would have had; None for an epoch that ran whole."""
@@ -231,7 +238,7 @@ class EpochPredictor:
             return None
         return self.predict(trainer, with_store=True, epoch_batches=epoch_batches)
 
-    def epoch_target(self, trainer: Any) -> Optional[int]:
+    def epoch_target(self, trainer: Any) -> int | None:
         """Batches the running epoch will have when it ends (the predicted epoch)."""
         if self.epoch_batches is not None:
             return self.epoch_batches
@@ -243,7 +250,7 @@ class EpochPredictor:
         done = self.forecast.batches if self.forecast is not None else 0
         return n if budget is None else min(n, done + budget)
 
-    def _val_run_estimate(self, trainer: Any) -> Optional[float]:
+    def _val_run_estimate(self, trainer: Any) -> float | None:
         if self._val_run_s:
             return sum(self._val_run_s) / len(self._val_run_s)
         if self._sanity_batch_s is not None:
@@ -251,7 +258,7 @@ class EpochPredictor:
             return self._sanity_batch_s * val_batches
         return None
 
-    def _save_guess(self, trainer: Any) -> Optional[float]:
+    def _save_guess(self, trainer: Any) -> float | None:
         """A checkpoint save's estimated seconds from the bytes it writes; None if unknown."""
         try:
             nbytes = self.save_bytes_reader() if self.save_bytes_reader is not None else None
@@ -259,21 +266,21 @@ class EpochPredictor:
             return None
         return None if nbytes is None else save_estimate_s(nbytes)
 
-    def _read_store(self) -> Optional[HotTiers]:
+    def _read_store(self) -> HotTiers | None:
         try:
             reading = self.store_reader() if self.store_reader is not None else None
         except Exception:  # a store closed or failing: no fill projection, never a failed step
             return None
         return None if reading is None else HotTiers(*reading)
 
-    def store_fill_batch(self, done: int, target: int) -> Optional[int]:
+    def store_fill_batch(self, done: int, target: int) -> int | None:
         """The batch of this epoch at which the stores' hot tiers will be full, at the rate they
         filled since the first reading, if that comes before ``target``; else None (None too once
         they are full). After it every row brought in evicts one, and batches are slower."""
         fill = self._project_fill(done, target)
         return fill[0] if fill is not None and fill[0] > done else None
 
-    def _project_fill(self, done: int, target: int) -> Optional[StoreFill]:
+    def _project_fill(self, done: int, target: int) -> StoreFill | None:
         """Reads the stores and updates the projection of the fill if the hot tiers fill before
         ``target`` (or have filled as projected), else None; past the projected fill the reading
         only updates the rates measured so far."""
@@ -307,7 +314,7 @@ class EpochPredictor:
         self._fill = projected._replace(rates=measured_rates(now, projected, done))
         return self._fill
 
-    def predict(self, trainer: Any, with_store: bool = False, epoch_batches: Optional[int] = None) -> Optional[dict]:
+    def predict(self, trainer: Any, with_store: bool = False, epoch_batches: int | None = None) -> dict | None:
         """Predicted wall seconds of the running epoch and of the fit (docs/profiler.md);
         ``with_store``: also when the stores' hot tiers will fill up (reads their stats);
         ``epoch_batches``: the epoch predicted at this many batches instead of its own length."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional, Union
 
 from lightning_embcache.profiling.slow_steps import attribute, describe
 from lightning_embcache.profiling.summary import dominant_phase
@@ -15,7 +14,7 @@ log = logging.getLogger(__name__)
 PLOT_TITLE = "StepProfiler: where each step's time goes"
 
 
-def overall(epochs: list[dict], rank_rows: Optional[list[list[float]]] = None) -> Optional[dict]:
+def overall(epochs: list[dict], rank_rows: list[list[float]] | None = None) -> dict | None:
     """Batch-weighted means over all epochs of a summary (same keys as one epoch's dict).
 
     ``rank_rows``: per rank, ``[seconds of each phase..., batches]`` summed over the fit; gives the
@@ -39,7 +38,7 @@ def overall(epochs: list[dict], rank_rows: Optional[list[list[float]]] = None) -
             "rank_spread_pct": max(e["rank_spread_pct"] for e in epochs)}
 
 
-def format_table(epochs: list[dict], rank_rows: Optional[list[list[float]]] = None) -> str:
+def format_table(epochs: list[dict], rank_rows: list[list[float]] | None = None) -> str:
     """The table printed at fit end: phase, ms/step, % of step, per-rank max."""
     tot = overall(epochs, rank_rows)
     if tot is None:
@@ -71,13 +70,19 @@ def format_table(epochs: list[dict], rank_rows: Optional[list[list[float]]] = No
                      f"{last['projected_epoch_seconds']:.1f} s")
     tier = last.get("device_tier")
     if tier is not None:
-        where = "rows in host RAM, trained in place by the GPU" if tier["rows_in_host_ram"] else "rows cached on the GPU"
-        lines.append(f"GPU tier (last epoch; {where}): {tier['host_to_device_bytes_per_step'] / 2**20:.2f} MiB/step "
-                     f"host->device, {tier['device_to_host_bytes_per_step'] / 2**20:.2f} MiB/step device->host, "
-                     f"{tier['rows_loaded_per_step']:.0f} rows loaded/step; waiting for them is store_io")
+        where = (
+            "rows in host RAM, trained in place by the GPU" if tier["rows_in_host_ram"] else "rows cached on the GPU"
+        )
+        lines.append(
+            f"GPU tier (last epoch; {where}): {tier['host_to_device_bytes_per_step'] / 2**20:.2f} MiB/step "
+            f"host->device, {tier['device_to_host_bytes_per_step'] / 2**20:.2f} MiB/step device->host, "
+            f"{tier['rows_loaded_per_step']:.0f} rows loaded/step; waiting for them is store_io"
+        )
     if tot["world_size"] > 1:
-        lines.append(f"slowest rank (last epoch): {tot['slowest_rank']}; "
-                     f"spread of batch time across ranks: {tot['rank_spread_pct']:.1f}%")
+        lines.append(
+            f"slowest rank (last epoch): {tot['slowest_rank']}; "
+            f"spread of batch time across ranks: {tot['rank_spread_pct']:.1f}%"
+        )
     slow = attribute([s for e in epochs for s in e.get("phase_segments_ms") or ()])
     if slow is not None:
         lines.append(describe(slow))
@@ -95,8 +100,10 @@ def _prediction_lines(epochs: list[dict]) -> list[str]:
     rows = [e for e in epochs if e.get("predicted_epoch_seconds") is not None]
     if not rows:
         return []
-    lines = [f"{'epoch':<7}{'batches':>9}{'actual s':>11}{'predicted s':>13}{'90% interval s':>17}{'at batch':>10}"
-             f"{'error':>9}  inside"]
+    lines = [
+        f"{'epoch':<7}{'batches':>9}{'actual s':>11}{'predicted s':>13}{'90% interval s':>17}{'at batch':>10}"
+        f"{'error':>9}  inside"
+    ]
     for e in epochs:
         pred = e.get("predicted_epoch_seconds")
         actual = e.get("epoch_wall_seconds", e["epoch_seconds"] + e.get("val_seconds", 0.0))
@@ -110,21 +117,27 @@ def _prediction_lines(epochs: list[dict]) -> list[str]:
             low = pred - e["predicted_epoch_std_seconds"]
             high = pred + e["predicted_epoch_std_seconds"]
         inside = "" if err is None else ("yes" if low <= actual <= high else "NO")
-        lines.append(f"{e['epoch']:<7}{e['batches']:>9}{actual:>11.2f}{pred:>13.2f}"
-                     f"{f'{low:.2f}-{high:.2f}':>17}{e['predicted_at_batch']:>10}{err_s:>9}  {inside}")
+        lines.append(
+            f"{e['epoch']:<7}{e['batches']:>9}{actual:>11.2f}{pred:>13.2f}"
+            f"{f'{low:.2f}-{high:.2f}':>17}{e['predicted_at_batch']:>10}{err_s:>9}  {inside}"
+        )
     fills = [(e["epoch"], e["predicted_store_fill_batch"]) for e in rows if e.get("predicted_store_fill_batch")]
     for epoch, batch in fills:
-        lines.append(f"(epoch {epoch}: the prediction came before the stores' hot tiers fill up, at about batch "
-                     f"{batch}; batches after that, each evicting rows, were charged at an estimate "
-                     "from the bytes they bring in)")
+        lines.append(
+            f"(epoch {epoch}: the prediction came before the stores' hot tiers fill up, at about batch "
+            f"{batch}; batches after that, each evicting rows, were charged at an estimate "
+            "from the bytes they bring in)"
+        )
     unmeasured = max((e.get("predicted_unmeasured_saves") or 0) for e in rows)
     if unmeasured:
-        lines.append(f"(up to {unmeasured} checkpoint save(s) per epoch came before any was measured: "
-                     "a prediction charges those at an estimate from the bytes a save writes)")
+        lines.append(
+            f"(up to {unmeasured} checkpoint save(s) per epoch came before any was measured: "
+            "a prediction charges those at an estimate from the bytes a save writes)"
+        )
     return ["epoch wall time (validation inside the epoch included), predicted early in each epoch:", *lines]
 
 
-def save_plot(epochs: list[dict], path: Union[str, Path]) -> bool:
+def save_plot(epochs: list[dict], path: str | Path) -> bool:
     """Stacked bars of ms/step per phase, one bar per epoch. False (and a warning) without matplotlib."""
     try:
         import matplotlib
@@ -132,8 +145,11 @@ def save_plot(epochs: list[dict], path: Union[str, Path]) -> bool:
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("StepProfiler(plot=%r): matplotlib is not installed, so no chart was saved "
-                    "(pip install 'lightning_embcache[plot]').", str(path))
+        log.warning(
+            "StepProfiler(plot=%r): matplotlib is not installed, so no chart was saved "
+            "(pip install 'lightning_embcache[plot]').",
+            str(path),
+        )
         return False
     fig, ax = plt.subplots(figsize=(max(6.5, 0.6 * len(epochs) + 4.5), 4.0))
     xs = [str(e["epoch"]) for e in epochs]

@@ -4,12 +4,12 @@ validation runs, checkpoint saves. Used by the epoch-time prediction."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 
-def _finite_int(value: Any) -> Optional[int]:
+def _finite_int(value: Any) -> int | None:
     if value is None or isinstance(value, bool):
         return None
     try:
@@ -19,7 +19,7 @@ def _finite_int(value: Any) -> Optional[int]:
     return int(v) if math.isfinite(v) and v >= 0 else None
 
 
-def batch_budget(trainer: Any) -> Optional[int]:
+def batch_budget(trainer: Any) -> int | None:
     """Training batches the fit may still run under ``max_steps`` (None: no step limit)."""
     max_steps = _finite_int(getattr(trainer, "max_steps", -1))
     if max_steps is None or getattr(trainer, "max_steps", -1) == -1:
@@ -28,7 +28,7 @@ def batch_budget(trainer: Any) -> Optional[int]:
     return max(0, max_steps - int(trainer.global_step)) * acc
 
 
-def epochs_left(trainer: Any) -> Optional[int]:
+def epochs_left(trainer: Any) -> int | None:
     """Epochs after the current one under ``max_epochs`` (None: no epoch limit)."""
     max_epochs = getattr(trainer, "max_epochs", None)
     if max_epochs is None or max_epochs == -1:
@@ -36,7 +36,7 @@ def epochs_left(trainer: Any) -> Optional[int]:
     return max(0, int(max_epochs) - int(trainer.current_epoch) - 1)
 
 
-def val_runs(trainer: Any, epoch: int, first_batch: int, last_batch: int, total_before: int = 0) -> Optional[int]:
+def val_runs(trainer: Any, epoch: int, first_batch: int, last_batch: int, total_before: int = 0) -> int | None:
     """Validation runs Lightning starts after batches ``first_batch .. last_batch - 1`` of
     ``epoch`` (the rule of ``_TrainingEpochLoop._should_check_val_fx``); None when they follow
     wall-clock time (``val_check_interval`` as a duration) and cannot be counted ahead."""

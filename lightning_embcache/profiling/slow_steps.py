@@ -14,7 +14,7 @@ summed in blocks of ``BLOCK`` steps: a few bytes per step, O(steps) once per han
 from __future__ import annotations
 
 from array import array
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class PhaseBlocks:
         self._carry = np.empty((0, NUM_PHASES))
         self._skip = skip_first
 
-    def add(self, hosts: "np.ndarray | Sequence[Sequence[float]]") -> None:
+    def add(self, hosts: np.ndarray | Sequence[Sequence[float]]) -> None:
         """Finished steps' host phases, a row a step (timeline order; extra columns ignored)."""
         if len(hosts) == 0:
             return
@@ -76,7 +76,7 @@ class PhaseBlocks:
         return seg.tolist()
 
 
-def attribute(segments: Sequence[Sequence[float]]) -> Optional[dict]:
+def attribute(segments: Sequence[Sequence[float]]) -> dict | None:
     """The slowest stretch of steps against the typical one, phase by phase, and its cause.
 
     ``segments``: per stretch, mean ms per step of each phase (:meth:`PhaseBlocks.segments`,

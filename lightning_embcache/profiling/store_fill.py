@@ -13,7 +13,7 @@ checkpoint save after the fill has been timed, the fold rate it ran at replaces
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from lightning_embcache.profiling.stores import HotTiers
 
@@ -67,9 +67,9 @@ class StoreRates(NamedTuple):
     was evicted at, per second of write-back and compaction, over ``EVICTION_SHARE`` (the model's
     eviction term over the batches so far then sums to that share of the seconds measured)."""
 
-    filling_bytes_per_s: Optional[float] = None
-    eviction_bytes_per_s: Optional[float] = None
-    fold_bytes_per_s: Optional[float] = None  # from checkpoint saves after the fill (Forecast)
+    filling_bytes_per_s: float | None = None
+    eviction_bytes_per_s: float | None = None
+    fold_bytes_per_s: float | None = None  # from checkpoint saves after the fill (Forecast)
 
 
 class StoreFill(NamedTuple):
@@ -80,7 +80,7 @@ class StoreFill(NamedTuple):
     batch: int
     bytes_per_batch: float
     hot_bytes: float
-    rates: Optional[StoreRates] = None
+    rates: StoreRates | None = None
 
     def level(self, b: float) -> float:
         """Rows the stores hold at batch ``b`` of the epoch over what their hot tiers hold when
@@ -129,7 +129,7 @@ def _rates(fill: StoreFill) -> tuple[float, float, float]:
             r.fold_bytes_per_s or FOLD_BYTES_PER_S)
 
 
-def measured_rates(reading: HotTiers, fill: Optional[StoreFill], batch: int) -> Optional[StoreRates]:
+def measured_rates(reading: HotTiers, fill: StoreFill | None, batch: int) -> StoreRates | None:
     """The rates ``reading`` (cumulative since the stores were opened) measured, at ``batch`` of
     an epoch whose hot tiers fill as ``fill`` projects; a rate measured over fewer than
     ``MEASURED_MIN_BYTES`` is None (None for both: None). The eviction rate needs compaction to have run: before it

@@ -5,7 +5,7 @@ prediction: ``stats()`` can take milliseconds)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 
 class HotTiers(NamedTuple):
@@ -34,7 +34,7 @@ class StoreReadings:
         # O(1) on a handle; stats() scans dirty marks and the store folder
         return sum(_thread_wait(h) for h in self.stores.values())
 
-    def hot_tiers(self) -> Optional[HotTiers]:
+    def hot_tiers(self) -> HotTiers | None:
         """:class:`HotTiers` summed over the stores whose hot tier has a budget (one ``stats()``
         per store), or None if none has."""
         total = [0.0] * 7
@@ -63,7 +63,7 @@ class DeviceTiers(NamedTuple):
     in_host_ram: bool  # every tier keeps its rows in host RAM, trained in place over the bus
 
 
-def device_tiers(stores: dict[str, Any]) -> Optional[DeviceTiers]:
+def device_tiers(stores: dict[str, Any]) -> DeviceTiers | None:
     """`DeviceTiers` over the handles with a GPU tier open now (``device_stats()``), or None."""
     seen = [h.device_stats() for h in stores.values() if hasattr(h, "device_stats")]
     seen = [st for st in seen if st]
@@ -76,7 +76,7 @@ def device_tiers(stores: dict[str, Any]) -> Optional[DeviceTiers]:
                        all(st.get("device_mapped_host") and not st.get("device_bytes") for st in seen))
 
 
-def per_step(before: Optional[DeviceTiers], after: Optional[DeviceTiers], steps: int) -> Optional[dict]:
+def per_step(before: DeviceTiers | None, after: DeviceTiers | None, steps: int) -> dict | None:
     """What the GPU tiers moved per step between two readings (an epoch), for its summary."""
     if after is None or steps <= 0:
         return None

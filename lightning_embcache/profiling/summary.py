@@ -3,8 +3,6 @@ per-epoch summary dict. Pure functions of the rows, so every rank computes the s
 
 from __future__ import annotations
 
-from typing import Optional
-
 from lightning_embcache.profiling import ranks, slow_steps
 from lightning_embcache.profiling.timeline import BACKWARD, NUM_PHASES, PHASES, Totals
 
@@ -12,11 +10,11 @@ from lightning_embcache.profiling.timeline import BACKWARD, NUM_PHASES, PHASES, 
 _WALL, _BATCHES, _SAMPLES = NUM_PHASES, NUM_PHASES + 1, NUM_PHASES + 2
 
 
-def interval_row(t: Totals, fallback: Optional[Totals] = None) -> list[float]:
+def interval_row(t: Totals, fallback: Totals | None = None) -> list[float]:
     return [*t.phases(fallback), t.wall_s, float(t.batches), float(t.samples)]
 
 
-def interval_metrics(rows: list[list[float]], samples_known: bool) -> Optional[dict[str, float]]:
+def interval_metrics(rows: list[list[float]], samples_known: bool) -> dict[str, float] | None:
     """The ``profile/*`` dict for one log interval (None when no rank finished a step in it)."""
     batches = sum(r[_BATCHES] for r in rows)
     if batches <= 0:
@@ -54,9 +52,9 @@ def rank_phase_rows(rows: list[list[float]]) -> list[list[float]]:
     return [[*r[:NUM_PHASES], r[_E_BATCHES]] for r in rows]
 
 
-def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoch_batches: Optional[int],
-                  timeline: str, prediction: Optional[dict] = None, full_prediction: Optional[dict] = None,
-                  segments: Optional[list[list[float]]] = None) -> dict:
+def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoch_batches: int | None,
+                  timeline: str, prediction: dict | None = None, full_prediction: dict | None = None,
+                  segments: list[list[float]] | None = None) -> dict:
     """One epoch's dict of ``StepProfiler.summary()`` (keys documented in docs/profiler.md).
 
     ``prediction``: what the profiler predicted for this epoch early on (``StepProfiler.predict()``

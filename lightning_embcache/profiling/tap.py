@@ -12,8 +12,9 @@ profiler unchanged.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
@@ -40,7 +41,7 @@ class _Forwarded:
 
     __slots__ = ("tap", "name")
 
-    def __init__(self, tap: "ProfilerTap", name: str) -> None:
+    def __init__(self, tap: ProfilerTap, name: str) -> None:
         self.tap, self.name = tap, name
 
     def __enter__(self) -> str:
@@ -58,8 +59,8 @@ class _Action:
 
     __slots__ = ("name", "on_start", "on_stop")
 
-    def __init__(self, name: str, on_start: Optional[Callable[[], None]],
-                 on_stop: Optional[Callable[[], None]]) -> None:
+    def __init__(self, name: str, on_start: Callable[[], None] | None,
+                 on_stop: Callable[[], None] | None) -> None:
         self.name, self.on_start, self.on_stop = name, on_start, on_stop
 
     def __enter__(self) -> str:
@@ -119,8 +120,8 @@ class ProfilerTap(Profiler):
             for name in ("profile", "start", "stop"):
                 self.__dict__.pop(name, None)
 
-    def track(self, action_name: str, on_start: Optional[Callable[[], None]] = None,
-              on_stop: Optional[Callable[[], None]] = None) -> None:
+    def track(self, action_name: str, on_start: Callable[[], None] | None = None,
+              on_stop: Callable[[], None] | None = None) -> None:
         """Call ``on_start`` / ``on_stop`` at ``action_name`` from now on (in place: every bound
         fast path sees it)."""
         for hooks, hook in ((self._on_start, on_start), (self._on_stop, on_stop)):
@@ -130,7 +131,7 @@ class ProfilerTap(Profiler):
                                              self._on_stop.get(action_name))
 
     @staticmethod
-    def remove(top: Profiler, tap: "ProfilerTap") -> Profiler:
+    def remove(top: Profiler, tap: ProfilerTap) -> Profiler:
         """``top`` (a chain of taps over the user's profiler) without ``tap``: two StepProfilers
         tear down in any order and leave the Trainer its own profiler."""
         if top is tap:
@@ -190,10 +191,10 @@ class ProfilerTap(Profiler):
     def describe(self) -> None:
         self.inner.describe()
 
-    def setup(self, stage: str, local_rank: Optional[int] = None, log_dir: Optional[str] = None) -> None:
+    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
         self.inner.setup(stage, local_rank=local_rank, log_dir=log_dir)
 
-    def teardown(self, stage: Optional[str]) -> None:
+    def teardown(self, stage: str | None) -> None:
         self.inner.teardown(stage)
 
     def __getattr__(self, name: str) -> Any:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from enum import IntEnum
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
-
 
 
 class Phase(IntEnum):
@@ -83,7 +83,7 @@ class Totals:
         self.sampled_steps = 0
         self.untimed_steps = 0
 
-    def add(self, batches: int, host: list[float], device: Optional[list[float]], samples: int,
+    def add(self, batches: int, host: list[float], device: list[float] | None, samples: int,
             steady: bool, forced: bool = True) -> None:
         """One step (``batches`` 1; 0 for the tail of an epoch after its last step). ``device``:
         its device phases, None when it was timed on the host clock only; ``forced``: timed
@@ -148,7 +148,7 @@ class Totals:
                 self.steady_batches += b
                 self.steady_wall_s += h[DATA] + h[FORWARD] + h[BACKWARD] + h[OPTIMIZER] + h[STORE] + h[OTHER]
 
-    def merge(self, other: "Totals") -> None:
+    def merge(self, other: Totals) -> None:
         """Add ``other``'s sums to these."""
         self.batches += other.batches
         self.wall_s += other.wall_s
@@ -163,7 +163,7 @@ class Totals:
         self.sampled_steps += other.sampled_steps
         self.untimed_steps += other.untimed_steps
 
-    def phases(self, fallback: Optional["Totals"] = None) -> list[float]:
+    def phases(self, fallback: Totals | None = None) -> list[float]:
         """Seconds of each phase over the span, adding up to ``wall_s``.
 
         Every step timed (the host clock; CUDA with ``sample_every_n_steps=1``): the sums
@@ -197,7 +197,7 @@ class Totals:
         return {k: getattr(self, k) for k in self.__slots__}
 
     @classmethod
-    def from_dict(cls, state: dict) -> "Totals":
+    def from_dict(cls, state: dict) -> Totals:
         t = cls()
         for k in cls.__slots__:
             v = state.get(k, getattr(t, k))  # device_steps: absent from older checkpoints
@@ -222,9 +222,9 @@ class StepTimeline:
     ``store_io`` (never more than the segment lasted).
     """
 
-    def __init__(self, sink: Callable[[int, int, list[float], Optional[list[float]], int, bool, bool], None],
-                 device: Optional[torch.device] = None,
-                 store_io: Optional[Callable[[], float]] = None, sample_every: int = 1,
+    def __init__(self, sink: Callable[[int, int, list[float], list[float] | None, int, bool, bool], None],
+                 device: torch.device | None = None,
+                 store_io: Callable[[], float] | None = None, sample_every: int = 1,
                  seed: int = 0) -> None:
         self._sink = sink  # sink(epoch, batches, host_phases, device_phases or None, samples, steady, forced)
         self._cuda = device is not None and device.type == "cuda"
@@ -256,7 +256,7 @@ class StepTimeline:
         self.steps_closed = 0  # steps of this epoch closed so far
         # told (step index in the epoch, seconds) of each randomly sampled step once its events
         # are read: the device's own time per step, which the prediction prefers on a GPU
-        self.on_device_step: Optional[Callable[[int, float], None]] = None
+        self.on_device_step: Callable[[int, float], None] | None = None
 
     # -- recording (called from hooks; keep cheap) -------------------------------------------
 
@@ -376,7 +376,7 @@ class StepTimeline:
             self._dev_phase = next_phase
         return host
 
-    def end_epoch(self, epoch: int, last_step: Optional[tuple[int, bool]] = None) -> None:
+    def end_epoch(self, epoch: int, last_step: tuple[int, bool] | None = None) -> None:
         """Stop the chain at the epoch's end. ``last_step=(samples, steady)`` closes a still-open
         step with the time up to here; otherwise that time is kept as a 0-batch tail."""
         self.switch(OTHER, device=False)

@@ -2,6 +2,7 @@
 
 from .errors import (
     CorruptStoreError,
+    DiskFullError,
     ForkedWriterError,
     InvalidArgumentError,
     InvalidTypeError,
@@ -13,7 +14,6 @@ from .errors import (
     StoreLockedError,
     VersionNotFoundError,
 )
-from .errors import DiskFullError
 from .stats import StoreStats
 from .store import EmbeddingStore
 

@@ -130,7 +130,9 @@ class ChunkRows:
             try:
                 fd = os.open(_chunk_name(chunk, gen), _OPEN_FLAGS, dir_fd=disk._chunks_fd)
             except FileNotFoundError:
-                raise CorruptStoreError(disk.chunk_path(chunk, gen), "missing: the chunk map lists it but it is gone") from None
+                raise CorruptStoreError(
+                    disk.chunk_path(chunk, gen), "missing: the chunk map lists it but it is gone"
+                ) from None
             if _FADV_WILLNEED is not None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             with self._lock:
@@ -326,8 +328,9 @@ class ChunkRows:
             off = local * rb
             g0 = chunks * self.bpc + off // BLOCK
             g1 = chunks * self.bpc + (off + rb - 1) // BLOCK
-            ok = ((self._ok_gen[chunks] == gens) & (self._ok[g0] != 0) & (self._ok[g1] != 0)) \
-                | (gens >= self.trusted_from_gen)
+            ok = ((self._ok_gen[chunks] == gens) & (self._ok[g0] != 0) & (self._ok[g1] != 0)) | (
+                gens >= self.trusted_from_gen
+            )
             # the checksums of the generations held now (a later `_open` replaces, never mutates)
             crcs = {c: self._crcs[c] for c in idsets.unique(chunks[~ok & ~other]).tolist() if c in self._crcs}
         todo = ~other
@@ -352,8 +355,11 @@ class ChunkRows:
             ids = chunks[sel] * self.cr + local[sel]
             # a run is adjacent in the file and in ``out`` (in a sparse chunk rows the file does
             # not hold lie between rows adjacent in the file)
-            brk = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1] + 1) | (sel[1:] != sel[:-1] + 1)
-                                       | (fds[sel][1:] != fds[sel][:-1]), True])
+            brk = np.flatnonzero(
+                np.r_[
+                    True, (ids[1:] != ids[:-1] + 1) | (sel[1:] != sel[:-1] + 1) | (fds[sel][1:] != fds[sel][:-1]), True
+                ]
+            )
             starts = brk[:-1]
             at = sel[starts]
             lens = np.diff(brk) * rb
@@ -365,8 +371,9 @@ class ChunkRows:
             self.disk.bytes_read += len(sel) * rb
         return out
 
-    def _read_other(self, out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, local: np.ndarray,
-                    gens: np.ndarray) -> None:
+    def _read_other(
+        self, out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray
+    ) -> None:
         """Rows of a generation other than the one held open (a race with another thread's
         `_open` or `_trim`): verified block-wise through a descriptor of their own. Rare."""
         c, g = chunks[rows], gens[rows]
@@ -379,8 +386,9 @@ class ChunkRows:
                 got = self.disk.read_chunk(ch, gen)[local[sel]]
             out[sel] = got
 
-    def _verify_cached_chunks(self, out, rows, chunks, local, gens, fds, base, crcs, nbytes, *,
-                              wait: bool = False) -> np.ndarray:
+    def _verify_cached_chunks(
+        self, out, rows, chunks, local, gens, fds, base, crcs, nbytes, *, wait: bool = False
+    ) -> np.ndarray:
         """Chunks whose every page is in the page cache are read and verified whole, in one read
         and one pass of checksums (``RWF_NOWAIT`` fails rather than wait for the disk, so a cold
         chunk is never read whole for a few rows). ``wait``: read them whole even from the disk
@@ -403,8 +411,9 @@ class ChunkRows:
             cl = crcs[ch]
             bad = first_bad_block(buf, cl)  # one GIL-free pass over the chunk
             if bad >= 0:
-                raise CorruptStoreError(self.disk.chunk_path(ch, int(gens[rows[a]])),
-                                        f"block {bad} of chunk {ch} fails its checksum")
+                raise CorruptStoreError(
+                    self.disk.chunk_path(ch, int(gens[rows[a]])), f"block {bad} of chunk {ch} fails its checksum"
+                )
             recs = np.frombuffer(buf, np.uint8).reshape(-1, rb)
             out[rows[a:b]] = recs[local[rows[a:b]]]
             left[a:b] = False
@@ -438,8 +447,9 @@ class ChunkRows:
             dense = (blocks * DENSE_SHARE >= in_file) | (wanted * DENSE_ROWS >= file_bytes // self.rb)
             dense = np.repeat(dense & (blocks >= 2), wanted)
             if dense.any():
-                rest = self._verify_cached_chunks(out, rows[dense], chunks, local, gens, fds, base, crcs, nbytes,
-                                                  wait=True)
+                rest = self._verify_cached_chunks(
+                    out, rows[dense], chunks, local, gens, fds, base, crcs, nbytes, wait=True
+                )
                 rows = np.sort(np.concatenate([rows[~dense], rest]))
                 if not len(rows):
                     return
@@ -464,20 +474,34 @@ class ChunkRows:
         hi = np.minimum((b1 + 1) * BLOCK, raw_len)
         mv = memoryview(out.reshape(-1))
         nread = 0
-        for i, ch, fd, start, a, z, x0, x1, o in zip(rows.tolist(), c.tolist(), fds[rows].tolist(),
-                                                    base[rows].tolist(), lo.tolist(), hi.tolist(), b0.tolist(),
-                                                    b1.tolist(), off.tolist()):
+        for i, ch, fd, start, a, z, x0, x1, o in zip(
+            rows.tolist(),
+            c.tolist(),
+            fds[rows].tolist(),
+            base[rows].tolist(),
+            lo.tolist(),
+            hi.tolist(),
+            b0.tolist(),
+            b1.tolist(),
+            off.tolist(),
+        ):
             data = os.pread(fd, z - a, start + a)
             if len(data) != z - a:
-                raise CorruptStoreError(self.disk.chunk_path(ch, int(gens[i])), f"truncated: block {x0} of chunk {ch} is short")
+                raise CorruptStoreError(
+                    self.disk.chunk_path(ch, int(gens[i])), f"truncated: block {x0} of chunk {ch} is short"
+                )
             cl = crcs[ch]
             if x0 == x1:
                 if crc32(data) != cl[x0]:
-                    raise CorruptStoreError(self.disk.chunk_path(ch, int(gens[i])), f"block {x0} of chunk {ch} fails its checksum")
+                    raise CorruptStoreError(
+                        self.disk.chunk_path(ch, int(gens[i])), f"block {x0} of chunk {ch} fails its checksum"
+                    )
             else:
                 for b in range(x0, x1 + 1):
                     if crc32(data[(b - x0) * BLOCK : (b - x0 + 1) * BLOCK]) != cl[b]:
-                        raise CorruptStoreError(self.disk.chunk_path(ch, int(gens[i])), f"block {b} of chunk {ch} fails its checksum")
+                        raise CorruptStoreError(
+                            self.disk.chunk_path(ch, int(gens[i])), f"block {b} of chunk {ch} fails its checksum"
+                        )
             mv[i * rb : (i + 1) * rb] = data[o - a : o - a + rb]
             nread += z - a
         self.disk.bytes_read += nread

@@ -23,9 +23,9 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import lz4.block
 import numpy as np
@@ -683,15 +683,19 @@ class Disk:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
                 head = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 1)
-                self._write_chunk_file(chunk, gen, pack(b"chunk", head + packed, self.uid, self.chunk_path(chunk, gen).name), durable)
+                parts = pack(b"chunk", head + packed, self.uid, self.chunk_path(chunk, gen).name)
+                self._write_chunk_file(chunk, gen, parts, durable)
                 return
         # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
         crcs = _block_crcs(raw)
         directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
-        self._write_chunk_file(chunk, gen, pack(b"chunkraw", directory, self.uid, self.chunk_path(chunk, gen).name) + [raw], durable)
+        self._write_chunk_file(
+            chunk, gen, pack(b"chunkraw", directory, self.uid, self.chunk_path(chunk, gen).name) + [raw], durable
+        )
 
-    def _write_sparse_chunk(self, chunk: int, gen: int, present: np.ndarray, records: np.ndarray,
-                            durable: bool) -> None:
+    def _write_sparse_chunk(
+        self, chunk: int, gen: int, present: np.ndarray, records: np.ndarray, durable: bool
+    ) -> None:
         """``header | directory (chunk, rows, count, length; a bitmap of the rows held; a crc32 per
         4 KiB block of their records) | their records, packed in row order``: the file offset of a
         row held is its rank among the rows held, so a miss reads just its blocks, as in a raw chunk."""
@@ -700,15 +704,21 @@ class Disk:
         held[present] = True
         raw = memoryview(np.ascontiguousarray(records)).cast("B")
         crcs = _block_crcs(raw)
-        directory = (_SPARSE_HEAD.pack(chunk, rows, len(present), len(raw)) + np.packbits(held, bitorder="little").tobytes()
-                     + crcs.tobytes())
-        self._write_chunk_file(chunk, gen, pack(SPARSE_KIND, directory, self.uid, self.chunk_path(chunk, gen).name) + [raw], durable)
+        directory = (
+            _SPARSE_HEAD.pack(chunk, rows, len(present), len(raw))
+            + np.packbits(held, bitorder="little").tobytes()
+            + crcs.tobytes()
+        )
+        self._write_chunk_file(
+            chunk, gen, pack(SPARSE_KIND, directory, self.uid, self.chunk_path(chunk, gen).name) + [raw], durable
+        )
 
     def _write_chunk_file(self, chunk: int, gen: int, parts: list, durable: bool) -> None:
         """Create chunk file ``(chunk, gen)`` from ``parts``, overwriting a pooled replaced file
         where one may be reused (recycle.py)."""
-        self.bytes_written += write_parts(self.chunk_path(chunk, gen), parts, dir_fd=self._chunks_fd,
-                                          durable=durable, reuse=self.pool.take())
+        self.bytes_written += write_parts(
+            self.chunk_path(chunk, gen), parts, dir_fd=self._chunks_fd, durable=durable, reuse=self.pool.take()
+        )
 
     def sync_chunks(self, chunks: list[int], gen: int) -> None:
         """Make chunk files written with ``durable=False`` durable (before a manifest names them)."""
@@ -728,11 +738,19 @@ class Disk:
         path = self.chunk_path(chunk, gen)
         if len(head) != self.raw_chunk_data_offset(chunk):
             raise CorruptStoreError(path, "truncated: shorter than its header")
-        return self._raw_chunk_directory(path, chunk, head=bytes(head[:HEADER_SIZE]),
-                                         directory=bytes(head[HEADER_SIZE:]))[1]
+        return self._raw_chunk_directory(
+            path, chunk, head=bytes(head[:HEADER_SIZE]), directory=bytes(head[HEADER_SIZE:])
+        )[1]
 
-    def _raw_chunk_directory(self, path: Path, chunk: int, *, fd: int | None = None,
-                             head: bytes | None = None, directory: bytes | None = None) -> tuple[int, np.ndarray, int]:
+    def _raw_chunk_directory(
+        self,
+        path: Path,
+        chunk: int,
+        *,
+        fd: int | None = None,
+        head: bytes | None = None,
+        directory: bytes | None = None,
+    ) -> tuple[int, np.ndarray, int]:
         head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)
         length, pcrc = parse_header(path, head, b"chunkraw", self.uid, unbound=self.unbound)
         if length != _CHUNK_HEAD.size + 4 * -(-self.chunk_rows_of(chunk) * self.row_bytes // BLOCK):
@@ -748,8 +766,9 @@ class Disk:
             raise CorruptStoreError(path, "chunk directory has the wrong number of block checksums")
         return rows, crcs, HEADER_SIZE + length
 
-    def _sparse_chunk_directory(self, path: Path, chunk: int, *, fd: int | None = None,
-                                head: bytes | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    def _sparse_chunk_directory(
+        self, path: Path, chunk: int, *, fd: int | None = None, head: bytes | None = None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         """(sorted chunk-relative rows held, block checksums of their records, offset of the
         records) of a sparse chunk file, its directory checked: checksum, chunk, row count, a
         bitmap whose bits match the count, one checksum per block."""
@@ -757,16 +776,20 @@ class Disk:
         length, pcrc = parse_header(path, head, SPARSE_KIND, self.uid, unbound=self.unbound)
         rows = self.chunk_rows_of(chunk)
         bitmap = -(-rows // 64) * 8
-        if (length < _SPARSE_HEAD.size + bitmap or length > _SPARSE_HEAD.size + bitmap + 4 * -(-rows * self.row_bytes // BLOCK)
-                or (length - _SPARSE_HEAD.size - bitmap) % 4):
+        if (
+            length < _SPARSE_HEAD.size + bitmap
+            or length > _SPARSE_HEAD.size + bitmap + 4 * -(-rows * self.row_bytes // BLOCK)
+            or (length - _SPARSE_HEAD.size - bitmap) % 4
+        ):
             raise CorruptStoreError(path, f"sparse chunk directory of {length} bytes does not fit chunk {chunk}")
         directory = self._pread(path, HEADER_SIZE, length, fd=fd)
         if crc32(directory) != pcrc:
             raise CorruptStoreError(path, "chunk directory fails its checksum")
         c, r, count, data_len = _SPARSE_HEAD.unpack_from(directory)
         if c != chunk or r != rows or count > rows or data_len != count * self.row_bytes:
-            raise CorruptStoreError(path, f"describes chunk {c} with {count} of {r} rows; expected chunk {chunk} "
-                                    f"with at most {rows}")
+            raise CorruptStoreError(
+                path, f"describes chunk {c} with {count} of {r} rows; expected chunk {chunk} with at most {rows}"
+            )
         held = np.unpackbits(np.frombuffer(directory, np.uint8, bitmap, _SPARSE_HEAD.size), bitorder="little")
         present = np.flatnonzero(held)
         if len(present) != count or (count and present[-1] >= rows):
@@ -851,18 +874,34 @@ class Disk:
                 yield block
 
         def head() -> bytes:
-            directory = _SEG_HEAD.pack(n, rb, index.shape[1], self.chunk_rows) + ids.astype(np.int64).tobytes() + index.tobytes()
+            directory = (
+                _SEG_HEAD.pack(n, rb, index.shape[1], self.chunk_rows)
+                + ids.astype(np.int64).tobytes()
+                + index.tobytes()
+            )
             return b"".join(bytes(p) for p in pack(b"segment", directory, self.uid, self.segment_path(seq).name))
 
         path = self.segment_path(seq)
         t0 = time.perf_counter()
-        size = write_parts(path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size,
-                           dir_fd=self._segments_fd)
+        size = write_parts(
+            path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size, dir_fd=self._segments_fd
+        )
         if not durable:
             self.write_back_seconds += time.perf_counter() - t0
         self.bytes_written += size
-        return Segment(seq, path, ids.astype(np.int64), index[0], index[1], index[2], index[3],
-                       HEADER_SIZE + directory_size, rb, size, read_counter=self.segment_reads)
+        return Segment(
+            seq,
+            path,
+            ids.astype(np.int64),
+            index[0],
+            index[1],
+            index[2],
+            index[3],
+            HEADER_SIZE + directory_size,
+            rb,
+            size,
+            read_counter=self.segment_reads,
+        )
 
     def _remember_directory(self, key: tuple[int, int], crcs: np.ndarray | None) -> None:
         if len(self._directories) >= self._directories_max:
@@ -922,7 +961,9 @@ class Disk:
             raise CorruptStoreError(path, f"row size {rb}/chunk rows {chunk_rows} do not match the store")
         off = _SEG_HEAD.size
         if length != off + 8 * n + 32 * entries:
-            raise CorruptStoreError(path, f"directory of {length} bytes does not hold {n} ids and {entries} index entries")
+            raise CorruptStoreError(
+                path, f"directory of {length} bytes does not hold {n} ids and {entries} index entries"
+            )
         ids = np.frombuffer(directory, np.int64, n, off)
         index = np.frombuffer(directory, np.int64, 4 * entries, off + 8 * n).reshape(4, entries)
         records_offset = HEADER_SIZE + length
@@ -930,8 +971,19 @@ class Disk:
             raise CorruptStoreError(path, f"truncated: {size} bytes, expected {records_offset + n * rb}")
         self._check_segment_index(path, ids, index)
         self.bytes_read += records_offset
-        return Segment(seq, path, ids.copy(), index[0].copy(), index[1].copy(), index[2].copy(), index[3].copy(),
-                       records_offset, rb, size, read_counter=self.segment_reads)
+        return Segment(
+            seq,
+            path,
+            ids.copy(),
+            index[0].copy(),
+            index[1].copy(),
+            index[2].copy(),
+            index[3].copy(),
+            records_offset,
+            rb,
+            size,
+            read_counter=self.segment_reads,
+        )
 
     def _check_segment_index(self, path: Path, ids: np.ndarray, index: np.ndarray) -> None:
         """A checksummed directory can still be crafted: its ids must be sorted, unique, in range,
@@ -942,9 +994,13 @@ class Disk:
         chunk, start, count, crc = index
         chunks = ids // self.chunk_rows
         want_starts = np.flatnonzero(np.r_[True, chunks[1:] != chunks[:-1]]) if n else np.zeros(0, np.int64)
-        if (len(start) != len(want_starts) or not np.array_equal(start, want_starts)
-                or not np.array_equal(count, np.diff(np.r_[want_starts, n]))
-                or not np.array_equal(chunk, chunks[want_starts]) or (len(crc) and (crc.min() < 0 or crc.max() > 0xFFFFFFFF))):
+        if (
+            len(start) != len(want_starts)
+            or not np.array_equal(start, want_starts)
+            or not np.array_equal(count, np.diff(np.r_[want_starts, n]))
+            or not np.array_equal(chunk, chunks[want_starts])
+            or (len(crc) and (crc.min() < 0 or crc.max() > 0xFFFFFFFF))
+        ):
             raise CorruptStoreError(path, "segment index does not match its ids")
 
     # ---- garbage -----------------------------------------------------------------------------
@@ -968,9 +1024,18 @@ class Disk:
                 files.update(zip(nz.tolist(), cmap[nz].tolist()))
         return segs, gens, files
 
-    def collect_garbage(self, keep_versions: list[int], keep_segments: set[int], keep_gens: set[int],
-                        new_seq: int, new_gen: int, *, remove_temp: bool,
-                        keep_files: set[tuple[int, int]] = frozenset(), pool: bool = False) -> list[tuple[int, int]]:
+    def collect_garbage(
+        self,
+        keep_versions: list[int],
+        keep_segments: set[int],
+        keep_gens: set[int],
+        new_seq: int,
+        new_gen: int,
+        *,
+        remove_temp: bool,
+        keep_files: set[tuple[int, int]] = frozenset(),
+        pool: bool = False,
+    ) -> list[tuple[int, int]]:
         """Delete files no kept version uses (crash leftovers, compacted deltas); return the
         (chunk, gen) base files moved into `pool` for reuse instead (``pool``: while it has room).
 
@@ -994,8 +1059,11 @@ class Disk:
         def is_temp(name: str) -> bool:
             return name.startswith(".") and ".tmp" in name
 
-        for d, dfd in ((self.root, self._root_fd), (self.root / "segments", self._segments_fd),
-                       (self.root / "chunks", self._chunks_fd)):
+        for d, dfd in (
+            (self.root, self._root_fd),
+            (self.root / "segments", self._segments_fd),
+            (self.root / "chunks", self._chunks_fd),
+        ):
             # names only (a Path per name cost more than the listing on a table of 15K chunk files)
             for name in fileio.listdir(dfd):  # the folder we hold open, not whatever the path names now
                 if is_temp(name):

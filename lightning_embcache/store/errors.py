@@ -84,5 +84,7 @@ def io_error(exc: OSError, doing: str, path: object) -> StoreIOError:
                              f"compact` on the store, or move it to a larger disk (docs/troubleshooting.md, "
                              f"DiskFullError)", path)
     if code == _errno.ELOOP:
-        return StoreIOError(code, f"refusing to follow a symlink while {doing} {path}: the store only touches its own files", path)
+        return StoreIOError(
+            code, f"refusing to follow a symlink while {doing} {path}: the store only touches its own files", path
+        )
     return StoreIOError(code, f"{exc.strerror or exc} while {doing} {path}; the previous version is intact", path)

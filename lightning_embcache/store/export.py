@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,10 +42,13 @@ def check_out(out: Any, overwrite: bool) -> Path:
         raise InvalidArgumentError(f"out={str(path)!r}: its folder {str(path.parent)!r} does not exist; "
                                    "create it first or give a path in an existing folder")
     if path.is_dir():
-        raise InvalidArgumentError(f"out={str(path)!r} is a folder; give a file path such as {str(path / 'rows.npy')!r}")
+        raise InvalidArgumentError(
+            f"out={str(path)!r} is a folder; give a file path such as {str(path / 'rows.npy')!r}"
+        )
     if path.exists() and not overwrite:
-        raise InvalidArgumentError(f"out={str(path)!r} already exists; pass overwrite=True to replace it "
-                                   "(or choose another path)")
+        raise InvalidArgumentError(
+            f"out={str(path)!r} already exists; pass overwrite=True to replace it (or choose another path)"
+        )
     return path
 
 
@@ -65,8 +69,9 @@ def write_npy(out: Path, shape: tuple[int, int], dtype: np.dtype, blocks: Iterat
     try:
         with os.fdopen(fd, "wb") as f:
             header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
-            np.lib.format.write_array_header_2_0(f, header) if shape[0] * shape[1] >= 1 << 62 else \
-                np.lib.format.write_array_header_1_0(f, header)
+            np.lib.format.write_array_header_2_0(f, header) if shape[0] * shape[
+                1
+            ] >= 1 << 62 else np.lib.format.write_array_header_1_0(f, header)
             written = 0
             for block in blocks:
                 block = np.ascontiguousarray(block, dtype=dtype)
@@ -107,12 +112,15 @@ def shard_folders(path: Path) -> list[Path]:
     if not found:
         return []
     if len(found) > 1:
-        raise InvalidArgumentError(f"path={str(path)!r} holds shards of several process counts "
-                                   f"{sorted(found)}; export the one in use (reshard the checkpoint first)")
-    (world, shards), = found.items()
+        raise InvalidArgumentError(
+            f"path={str(path)!r} holds shards of several process counts "
+            f"{sorted(found)}; export the one in use (reshard the checkpoint first)"
+        )
+    ((world, shards),) = found.items()
     if sorted(shards) != list(range(world)):
-        raise InvalidArgumentError(f"path={str(path)!r} lacks the shards of ranks "
-                                   f"{sorted(set(range(world)) - set(shards))} of {world}")
+        raise InvalidArgumentError(
+            f"path={str(path)!r} lacks the shards of ranks {sorted(set(range(world)) - set(shards))} of {world}"
+        )
     return [shards[r] for r in range(world)]
 
 
@@ -130,12 +138,19 @@ def sharded_blocks(shards: list[Any], field: str, num_rows: int) -> Iterator[np.
             if first >= b:
                 continue
             lo, hi = first // world, (b - 1 - r) // world + 1
-            out[first - a::world] = _as_numpy(shard.get_fields(torch.arange(lo, hi), (field,))[field])
+            out[first - a :: world] = _as_numpy(shard.get_fields(torch.arange(lo, hi), (field,))[field])
         yield out
 
 
-def export_path(path: Any, out: Any, field: str = "weight", version: int | None = None, *,
-                overwrite: bool = False, init: Callable[[torch.Tensor], torch.Tensor] | str | None = None) -> Path:
+def export_path(
+    path: Any,
+    out: Any,
+    field: str = "weight",
+    version: int | None = None,
+    *,
+    overwrite: bool = False,
+    init: Callable[[torch.Tensor], torch.Tensor] | str | None = None,
+) -> Path:
     """Export a store folder, or a row-sharded table's folder, without opening it for writing.
 
     ``init``: for a store (or shards) created with a callable init, the same function (given
@@ -152,15 +167,15 @@ def export_path(path: Any, out: Any, field: str = "weight", version: int | None 
     shards = shard_folders(root)
     if not shards:
         fn = init if callable(init) else None
-        with EmbeddingStore.open(root, version=version, readonly=True, hot_bytes=EXPORT_BLOCK_BYTES,
-                                 init=fn) as store:
+        with EmbeddingStore.open(root, version=version, readonly=True, hot_bytes=EXPORT_BLOCK_BYTES, init=fn) as store:
             return store.export(out, field=field, overwrite=overwrite)
     world = len(shards)
     if init is None and _init_kind(shards[0]) == "callable":
         raise InvalidArgumentError(
             f"the shards at {str(root)!r} were created with init='normal' or a callable init (shards record "
             "both as a callable); pass init='normal' (embcache export --init normal) or the same function, "
-            "which receives global ids")
+            "which receives global ids"
+        )
     if init is not None and init != "normal" and not callable(init):
         raise InvalidArgumentError(f"init must be None, 'normal' or a callable f(global ids) -> rows; got {init!r}")
     opened: list[Any] = []
@@ -168,14 +183,19 @@ def export_path(path: Any, out: Any, field: str = "weight", version: int | None 
         for r, folder in enumerate(shards):
             fn = None
             if init == "normal" or callable(init):
+
                 def fn(local: torch.Tensor, r: int = r, folder: Path = folder) -> torch.Tensor:
                     ids = local.to(torch.int64) * world + r
                     if callable(init):
                         return init(ids)
                     meta = _read_meta(folder)
                     return torch.from_numpy(normal_rows(ids.numpy(), meta["dim"], meta["seed"], meta["init_std"]))
-            opened.append(EmbeddingStore.open(folder, version=version, readonly=True,
-                                              hot_bytes=EXPORT_BLOCK_BYTES // world, init=fn))
+
+            opened.append(
+                EmbeddingStore.open(
+                    folder, version=version, readonly=True, hot_bytes=EXPORT_BLOCK_BYTES // world, init=fn
+                )
+            )
         s0 = opened[0]
         if field not in s0.field_names:
             raise InvalidArgumentError(f"field={field!r} does not exist; this store has {list(s0.field_names)}")
@@ -192,8 +212,7 @@ def _read_meta(folder: Path) -> dict[str, Any]:
     from .schema import Schema
 
     meta = Disk.read_meta(folder)
-    return {"dim": Schema.from_json(meta["schema"]).dim, "seed": int(meta["seed"]),
-            "init_std": float(meta["init_std"])}
+    return {"dim": Schema.from_json(meta["schema"]).dim, "seed": int(meta["seed"]), "init_std": float(meta["init_std"])}
 
 
 def _init_kind(folder: Path) -> str:

@@ -20,8 +20,8 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from .errors import CorruptStoreError, DiskFullError, StoreError, StoreIOError, io_error  # noqa: F401 (re-exported)
 
@@ -390,7 +390,9 @@ def open_dir(path: object, dir_fd: int | None = None, *, follow: bool = False) -
         return os.open(path, flags, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise CorruptStoreError(path, "is a symlink or not a directory; the store never writes outside its folder") from None
+            raise CorruptStoreError(
+                path, "is a symlink or not a directory; the store never writes outside its folder"
+            ) from None
         raise io_error(exc, "opening", path) from exc
 
 
@@ -505,8 +507,9 @@ def _reuse(name: str, tmp: str, dfd: int, path: object) -> int:
         return -1
 
 
-def write_file(path: Path, kind: bytes, payload: bytes | memoryview, uid: bytes, *, durable: bool = True,
-               dir_fd: int | None = None) -> int:
+def write_file(
+    path: Path, kind: bytes, payload: bytes | memoryview, uid: bytes, *, durable: bool = True, dir_fd: int | None = None
+) -> int:
     return write_parts(path, pack(kind, payload, uid, Path(path).name), durable=durable, dir_fd=dir_fd)
 
 

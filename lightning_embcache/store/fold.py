@@ -7,7 +7,7 @@ values of rows nobody wrote, which only the store can compute (its ``init`` may 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,8 +22,16 @@ class NeedsInit(Exception):
     """The chunk becomes dense and needs the initial values of its never-written rows."""
 
 
-def fold_chunk(disk: Disk, c: int, base_gen: int, segs: list[Segment], *, verify: bool,
-               init_rows: Callable[[np.ndarray], np.ndarray] | None, folded: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+def fold_chunk(
+    disk: Disk,
+    c: int,
+    base_gen: int,
+    segs: list[Segment],
+    *,
+    verify: bool,
+    init_rows: Callable[[np.ndarray], np.ndarray] | None,
+    folded: int = 0,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Chunk ``c``'s records with every segment's records of it applied, oldest first, and
     which rows they are: None for every row of the chunk, else the sorted chunk-relative rows
     ever written, when its base is never-written (``base_gen`` 0) or sparse and those rows are

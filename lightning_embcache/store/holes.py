@@ -34,6 +34,7 @@ import numpy as np
 from . import fileio
 from .disk import Segment
 
+
 def dead_entries(seg: Segment, folded: np.ndarray) -> np.ndarray:
     """Which index entries (one per chunk) of ``seg`` base chunks already hold."""
     return folded[seg.idx_chunk] >= seg.seq

@@ -30,7 +30,7 @@ _DONTFORK = getattr(mmap, "MADV_DONTFORK", None)
 # Private mappings of this process (weak: closing a store frees them). A forked child has holes
 # where they were, which its own new mappings may fill: it must never unmap them, so the child
 # keeps them all referenced (`_keep_private_maps`).
-_PRIVATE: "weakref.WeakSet[mmap.mmap]" = weakref.WeakSet()
+_PRIVATE: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
 _KEPT_IN_CHILD: list = []
 
 

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lightning_embcache.store import fileio
 from lightning_embcache.store.errors import CorruptStoreError

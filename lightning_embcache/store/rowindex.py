@@ -324,5 +324,6 @@ def gather_deltas(out: np.ndarray, rows: np.ndarray, seg: np.ndarray, pos: np.nd
     got = uring.read_into(out, np.concatenate(dsts), np.concatenate(fds), lens_all, np.concatenate(offs), counts)
     if not np.array_equal(got, lens_all):
         bad = int(np.flatnonzero(got != lens_all)[0])
-        path = next(segs[int(x)].path for x in np.unique(seg).tolist() if _fd_of(segs[int(x)]) == int(np.concatenate(fds)[bad]))
+        fd = int(np.concatenate(fds)[bad])
+        path = next(segs[int(x)].path for x in np.unique(seg).tolist() if _fd_of(segs[int(x)]) == fd)
         raise CorruptStoreError(path, "truncated: a record lies past the end of the file")

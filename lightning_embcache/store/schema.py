@@ -48,14 +48,18 @@ class Schema:
 
     def __init__(self, dim: int, dtype: torch.dtype, extra: dict | None = None) -> None:
         if dtype not in WEIGHT_DTYPES:
-            raise InvalidTypeError(f"dtype must be a floating dtype {[DTYPE_NAMES[d] for d in WEIGHT_DTYPES]}; got {dtype}")
+            raise InvalidTypeError(
+                f"dtype must be a floating dtype {[DTYPE_NAMES[d] for d in WEIGHT_DTYPES]}; got {dtype}"
+            )
         fields = [Field("weight", dtype, dim, 0)]
         offset = dim * dtype.itemsize
         for name, spec in (extra or {}).items():
             if not isinstance(name, str) or not name.isidentifier() or name == "weight":
                 raise InvalidArgumentError(f"fields keys must be identifiers other than 'weight'; got {name!r}")
             if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3):
-                raise InvalidArgumentError(f"fields[{name!r}] must be (dtype, cols) or (dtype, cols, fill); got {spec!r}")
+                raise InvalidArgumentError(
+                    f"fields[{name!r}] must be (dtype, cols) or (dtype, cols, fill); got {spec!r}"
+                )
             fdtype, cols = spec[0], int(spec[1])
             fill = float(spec[2]) if len(spec) == 3 else 0.0
             dtype_name(fdtype, f"fields[{name!r}] dtype")
@@ -89,6 +93,6 @@ class Schema:
         }
 
     @classmethod
-    def from_json(cls, obj: dict) -> "Schema":
+    def from_json(cls, obj: dict) -> Schema:
         extra = {n: (DTYPES[d], c, fill) for n, (d, c, fill) in obj["extra"].items()}
         return cls(obj["dim"], DTYPES[obj["dtype"]], extra)

@@ -55,10 +55,28 @@ class StoreStats:
     chunks_read_ahead: int = 0  # announced chunks read whole into the warm tier by kernel threads
     damaged: int = 0  # 1 once a damaged file was met: background work on the folder stopped (fail-stop)
 
-    _COUNTERS = ("hot_hits", "hot_misses", "cold_reads", "flushes", "flushed_rows", "compactions", "superseded_segments", "flush_seconds", "compaction_seconds",
-                 "compaction_process_chunks", "compaction_process_failures",
-                 "prefetched_rows", "evicted_bytes", "cleaned_rows", "gets", "updates",
-                 "prefetch_hits", "prefetch_misses", "stall_seconds", "chunks_read_ahead")
+    _COUNTERS = (
+        "hot_hits",
+        "hot_misses",
+        "cold_reads",
+        "flushes",
+        "flushed_rows",
+        "compactions",
+        "superseded_segments",
+        "flush_seconds",
+        "compaction_seconds",
+        "compaction_process_chunks",
+        "compaction_process_failures",
+        "prefetched_rows",
+        "evicted_bytes",
+        "cleaned_rows",
+        "gets",
+        "updates",
+        "prefetch_hits",
+        "prefetch_misses",
+        "stall_seconds",
+        "chunks_read_ahead",
+    )
 
     @classmethod
     def counter_fields(cls) -> tuple[str, ...]:

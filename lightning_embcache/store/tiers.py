@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 import time
+import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +28,6 @@ from .hot import SLOT_OVERHEAD
 from .initrows import normal_rows
 from .rowindex import RowIndex, gather_deltas, trust
 from .validate import budget
-
 
 # While fewer reads than this share miss the page cache, lookahead hints are read by the training
 # thread's next miss, not by the prefetch thread (see `upcoming`).
@@ -918,7 +918,7 @@ class TieredRows:
             moved |= self._cmap[chunks] != gens
         if pos is not None:
             moved |= (now_pos != pos) & (after >= 0)
-        for c, a, b, cached, _ in whole:  # whole chunks (warm copies) carry no positions: redo
+        for _c, a, b, _cached, _ in whole:  # whole chunks (warm copies) carry no positions: redo
             moved[a:b] = True
         return moved
 
@@ -1468,7 +1468,9 @@ class TieredRows:
             if slots < hot.limit:
                 tail = np.flatnonzero(hot.id_of[slots : hot.limit] >= 0) + slots
                 if hot.inflight[tail].any():  # not while holding the writer lock; kept as a guard
-                    raise StoreBusyError("set_budget() cannot shrink the hot tier while a flush is writing; retry after it")
+                    raise StoreBusyError(
+                        "set_budget() cannot shrink the hot tier while a flush is writing; retry after it"
+                    )
                 self._evict_slots(tail)
                 hot.set_limit(slots)
             else:

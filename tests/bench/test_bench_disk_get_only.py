@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 
 import numpy as np
+import pytest
 
-from lightning_embcache import cli
 from benchmarks.disk import _rows
+from lightning_embcache import cli
 
 
 @pytest.mark.bench

@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _matrix import COMPILE, PRECISIONS, run_cell, why_not  # noqa: E402
 
 
-
 def _cells():
     for strategy in ("single", "ddp"):
         for precision in PRECISIONS:

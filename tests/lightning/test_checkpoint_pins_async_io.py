@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import threading
 
-import lightning as L
-import pytest
 import torch
+from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store.pins_registry import CHECKPOINT_KEY
-
-from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 
 
 class _GatedIO(TorchCheckpointIO):

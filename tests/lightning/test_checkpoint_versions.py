@@ -7,13 +7,12 @@ import os
 
 import pytest
 import torch
+from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_embcache import CorruptStoreError, EmbeddingStore, VersionNotFoundError
 from lightning_embcache.demo import AutoDecoder
 from lightning_embcache.lightning.checkpoint_pins import registry_path
-
-from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 
 ALL = torch.arange(512)
 

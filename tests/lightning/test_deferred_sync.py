@@ -8,13 +8,12 @@ from unittest import mock
 
 import pytest
 import torch
+from _lightning_helpers import tiny_model, tiny_trainer
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_embcache import DeferredSync, EmbeddingStore
 from lightning_embcache.lightning.flush_worker import CoalescingWorker
-
-from _lightning_helpers import tiny_model, tiny_trainer
 
 
 class FlushSpy:

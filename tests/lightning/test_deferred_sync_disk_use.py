@@ -5,11 +5,10 @@ every row changes between the interval flushes (one an epoch over per-sample row
 from __future__ import annotations
 
 import pytest
+from _lightning_helpers import tiny_model, tiny_trainer
 from lightning.pytorch.callbacks import Callback
 
 from lightning_embcache import DeferredSync
-
-from _lightning_helpers import tiny_model, tiny_trainer
 
 SAMPLES = 4096  # 64 batches an epoch
 

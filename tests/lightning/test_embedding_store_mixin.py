@@ -7,10 +7,9 @@ import pickle
 
 import pytest
 import torch
+from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 
 from lightning_embcache import EmbeddingStore, EmbeddingStoreMixin, InvalidArgumentError, StoreError, StoreLockedError
-
-from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 
 
 def test_handle_is_returned_at_construction_and_listed_by_name(tmp_path):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _lightning_helpers import tiny_model
 
 from lightning_embcache import InvalidArgumentError
-
-from _lightning_helpers import tiny_model
 
 
 def _add(tmp_path, **kwargs):

@@ -6,11 +6,10 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+from _lightning_helpers import tiny_trainer
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
 from lightning_embcache import EmbeddingStoreMixin, LookaheadSampler
-
-from _lightning_helpers import tiny_trainer
 
 N = 2048
 

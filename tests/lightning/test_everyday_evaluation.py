@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _everyday_model import N, Model, data, on_disk, trainer
+from _everyday_model import Model, N, data, on_disk, trainer
 
 from lightning_embcache import EmbeddingStore
 

@@ -4,9 +4,8 @@ to count nothing."""
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.callbacks import Callback
-
 from _lightning_helpers import tiny_model, tiny_trainer
+from lightning.pytorch.callbacks import Callback
 
 
 class LastFigures(Callback):

@@ -7,12 +7,11 @@ import warnings
 
 import pytest
 import torch
+from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_embcache import EmbeddingStore, VersionNotFoundError
+from lightning_embcache import VersionNotFoundError
 from lightning_embcache.lightning.mixin import follow_moved_files
-
-from _lightning_helpers import RecordRows, tiny_model, tiny_trainer
 
 ALL = torch.arange(512)
 

@@ -8,12 +8,11 @@ import warnings
 
 import lightning as L
 import torch
+from _lightning_helpers import tiny_model, tiny_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_embcache import EmbeddingStoreMixin
 from lightning_embcache.lightning.mixin import _StoreLifecycle
-
-from _lightning_helpers import tiny_model, tiny_trainer
 
 N = 64
 DATA = TensorDataset(torch.arange(N), torch.randn(N, 4, generator=torch.Generator().manual_seed(0)))

@@ -13,10 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _own_dataset_script import BATCH, CKPT_EVERY, SAMPLES, Molecules, train
 
 from lightning_embcache import EmbeddingStore, InvalidArgumentError, ResumableLoader
-
-from _own_dataset_script import BATCH, CKPT_EVERY, SAMPLES, Molecules, train
 
 SCRIPT = Path(__file__).with_name("_own_dataset_script.py")
 REPO = Path(__file__).resolve().parents[2]

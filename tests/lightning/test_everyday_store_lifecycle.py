@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from _everyday_model import N, Model, data, on_disk, trainer
+from _everyday_model import Model, N, data, on_disk, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_embcache import EmbeddingStore, EmbeddingStoreMixin, InvalidArgumentError, StoreLockedError

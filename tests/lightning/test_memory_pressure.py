@@ -7,11 +7,10 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from _lightning_helpers import tiny_model, tiny_trainer
 
 from lightning_embcache import MemoryPressure
 from lightning_embcache.lightning.memory_reading import MemoryReader, MemoryReading
-
-from _lightning_helpers import tiny_model, tiny_trainer
 
 GiB, MiB = 1 << 30, 1 << 20
 

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _lightning_train_script import train
 
 from lightning_embcache import EmbeddingStore
-
-from _lightning_train_script import train
 
 SCRIPT = Path(__file__).with_name("_lightning_train_script.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -122,7 +122,6 @@ def test_fused_is_refused_where_it_does_not_apply():
 
 
 if __name__ == "__main__":  # for a machine without pytest
-    import inspect
     import sys
     failed = 0
     for name, fn in list(globals().items()):

@@ -133,7 +133,9 @@ def test_rowwise_adagrad_matches_dense_lazy_reference(kwargs):
 
 
 def test_adagrad_weight_decay_is_lazy_l2():
-    def update(w, g, touched, step, st={}):
+    state: dict = {}
+
+    def update(w, g, touched, step, st=state):
         acc = st.setdefault("acc", torch.zeros_like(w))
         g = g + 0.01 * w
         acc[touched] += g[touched] ** 2

@@ -19,7 +19,7 @@ from lightning_embcache.optim import (
     rows_grad_norm,
     step_rows,
 )
-from lightning_embcache.optim.coalesce import _coalesce_index_add, _coalesce_sorted
+from lightning_embcache.optim.coalesce import _coalesce_index_add
 from lightning_embcache.store.errors import InvalidArgumentError, InvalidTypeError
 
 id_lists = st.lists(st.integers(0, 30), min_size=0, max_size=60)

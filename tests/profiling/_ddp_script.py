@@ -14,8 +14,8 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L  # noqa: E402
-
 from _profiling_helpers import MS, BatchDataset, Cost, CostModel, loader  # noqa: E402
+
 from lightning_embcache import StepProfiler  # noqa: E402
 
 

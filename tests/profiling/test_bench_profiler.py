@@ -60,7 +60,7 @@ def test_bench_profiler_paired_blocks_quick_run(tmp_path, capsys):
 def test_paired_switch_routes_each_action_to_the_active_configuration_and_back():
     from lightning.pytorch.profilers import SimpleProfiler
 
-    from benchmarks.profiler_paired import _order, _Switch, PAIRED_CONFIGS
+    from benchmarks.profiler_paired import PAIRED_CONFIGS, _order, _Switch
 
     order = _order(8)
     # every cycle runs each configuration once; over 4 cycles each comes first once
@@ -86,7 +86,6 @@ def test_paired_switch_routes_each_action_to_the_active_configuration_and_back()
 
 
 def test_prediction_replay_gives_the_forecasts_prediction_on_saved_batches():
-    import torch
 
     from benchmarks.prediction import model_bytes, replay_epoch
     from benchmarks.profiler import MLP, MODELS

@@ -8,11 +8,11 @@ from unittest import mock
 
 import pytest
 import torch
+from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 
-from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling.tap import ProfilerTap
 

@@ -9,9 +9,9 @@ from unittest import mock
 
 import lightning as L
 import pytest
+from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning.pytorch.profilers import SimpleProfiler
 
-from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling.timeline import NUM_PHASES, PHASES
 

@@ -8,12 +8,11 @@ from unittest import mock
 
 import pytest
 import torch
+from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, FakeStore, LoopOverhead, loader, trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, FakeStore, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
-from lightning_embcache.profiling import PHASES
-from lightning_embcache.profiling import forecast, schedule
+from lightning_embcache.profiling import PHASES, forecast, schedule
 from lightning_embcache.profiling.forecast import Forecast
 
 DATA, FWD, BWD, OPT, OTHER = 2 * MS, 5 * MS, 7 * MS, 4 * MS, 1 * MS

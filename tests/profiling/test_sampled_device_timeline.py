@@ -9,10 +9,17 @@ from unittest import mock
 
 import pytest
 import torch
-
 from _profiling_helpers import MS, FakeClock
+
 from lightning_embcache.profiling.timeline import (
-    BACKWARD, DATA, FORWARD, NUM_PHASES, OPTIMIZER, OTHER, StepTimeline, Totals,
+    BACKWARD,
+    DATA,
+    FORWARD,
+    NUM_PHASES,
+    OPTIMIZER,
+    OTHER,
+    StepTimeline,
+    Totals,
 )
 
 
@@ -32,7 +39,7 @@ class FakeEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, other: "FakeEvent") -> float:
+    def elapsed_time(self, other: FakeEvent) -> float:
         return 1e3 * (other.t - self.t)
 
     def synchronize(self) -> None:
@@ -111,10 +118,10 @@ def test_sampling_is_not_locked_to_a_period():
 def test_a_whole_fit_on_the_sampled_cuda_path_with_fake_events():
     """The callback's CUDA path end to end (events, lazy reads, the device rate for the
     prediction) through a real Trainer on the CPU, fake events standing in for CUDA's."""
+    from _profiling_helpers import BatchDataset, Cost, CostModel, LoopOverhead, loader, trainer
+
     from lightning_embcache import StepProfiler
     from lightning_embcache.profiling import timeline as T
-
-    from _profiling_helpers import BatchDataset, Cost, CostModel, LoopOverhead, loader, trainer
 
     clock = FakeClock()
     cost = Cost(clock)

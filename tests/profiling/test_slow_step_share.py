@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from unittest import mock
 
+from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning.pytorch.callbacks import Callback
 
-from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling.forecast import Forecast, slow_share
 

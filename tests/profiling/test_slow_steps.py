@@ -6,9 +6,9 @@ from __future__ import annotations
 from unittest import mock
 
 import pytest
+from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning.pytorch.callbacks import Callback
 
-from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling import report
 from lightning_embcache.profiling.slow_steps import BLOCK, PhaseBlocks, attribute

@@ -8,11 +8,19 @@ from unittest import mock
 
 import pytest
 import torch
+from _profiling_helpers import (
+    MS,
+    BatchDataset,
+    Cost,
+    CostModel,
+    EpochWall,
+    FakeClock,
+    LoopOverhead,
+    loader,
+    trainer,
+)
 from lightning.pytorch.profilers import SimpleProfiler
 
-from _profiling_helpers import (
-    MS, BatchDataset, CostModel, Cost, EpochWall, FakeClock, LoopOverhead, loader, trainer,
-)
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling import PHASES
 from lightning_embcache.profiling.tap import ProfilerTap

@@ -8,14 +8,13 @@ import math
 from types import SimpleNamespace
 from unittest import mock
 
-
 from _profiling_helpers import MS, ActualWall, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
+
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling import store_fill as model
 from lightning_embcache.profiling.forecast import Forecast
 from lightning_embcache.profiling.predictor import EpochPredictor
-from lightning_embcache.profiling.store_fill import (StoreFill, StoreRates, fold_bytes, measured_rates,
-                                                     store_fill_step_s)
+from lightning_embcache.profiling.store_fill import StoreFill, StoreRates, fold_bytes, measured_rates, store_fill_step_s
 from lightning_embcache.profiling.stores import HotTiers, StoreReadings
 
 FWD, BWD, OPT, OTHER = 5 * MS, 7 * MS, 4 * MS, 1 * MS

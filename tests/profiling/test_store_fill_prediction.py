@@ -8,13 +8,24 @@ import math
 from types import SimpleNamespace
 from unittest import mock
 
+from _profiling_helpers import (
+    MS,
+    ActualWall,
+    BatchDataset,
+    Cost,
+    CostModel,
+    FakeClock,
+    FakeStore,
+    LoopOverhead,
+    loader,
+    trainer,
+)
 
-from _profiling_helpers import MS, ActualWall, BatchDataset, Cost, CostModel, FakeClock, FakeStore, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling import store_fill as fill_model
 from lightning_embcache.profiling.forecast import Forecast
-from lightning_embcache.profiling.store_fill import StoreFill, store_fill_save_s, store_fill_step_s
 from lightning_embcache.profiling.predictor import EpochPredictor, save_batches
+from lightning_embcache.profiling.store_fill import StoreFill, store_fill_save_s, store_fill_step_s
 
 FWD, BWD, OPT, OTHER = 5 * MS, 7 * MS, 4 * MS, 1 * MS
 

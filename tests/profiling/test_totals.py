@@ -29,7 +29,7 @@ def test_add_steps_equals_one_add_per_step(steps):
 
 
 def test_the_ledger_sums_pending_steps_however_rarely_it_is_asked():
-    from lightning_embcache.profiling.ledger import EpochLedger, FOLD_EVERY
+    from lightning_embcache.profiling.ledger import FOLD_EVERY, EpochLedger
 
     led = EpochLedger()
     led.open_epoch_at(0)

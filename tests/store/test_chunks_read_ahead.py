@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
+from _store_helpers import assert_bitwise_equal, compacted_store
 from torch.utils.data import BatchSampler
 
 from lightning_embcache import ChunkShuffleSampler, CorruptStoreError, EmbeddingStore, LookaheadSampler
-
-from _store_helpers import assert_bitwise_equal, compacted_store
 
 N, DIM, CHUNK, WINDOW = 8192, 16, 512, 4
 ROW = DIM * 4

@@ -15,12 +15,11 @@ import time
 
 import numpy as np
 import torch
+from _store_helpers import assert_bitwise_equal
 
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import versions
 from lightning_embcache.store.store import EmbeddingStore as _Store
-
-from _store_helpers import assert_bitwise_equal
 
 N, DIM, CHUNK = 8192, 8, 128
 ROW = DIM * 4

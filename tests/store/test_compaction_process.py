@@ -17,13 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _store_helpers import alive, assert_bitwise_equal, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import foldproc, versions
-
-from _store_helpers import alive, assert_bitwise_equal, wait_for
 
 N, DIM, CHUNK = 4096, 8, 64  # 64 chunks of 2 KiB
 REPO = Path(__file__).resolve().parents[2]

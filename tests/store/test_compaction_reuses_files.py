@@ -8,13 +8,12 @@ import os
 import numpy as np
 import pytest
 import torch
+from _store_helpers import assert_bitwise_equal, in_forked_child
 
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import versions
 from lightning_embcache.store.errors import CorruptStoreError
 from lightning_embcache.store.recycle import POOL_PREFIX
-
-from _store_helpers import assert_bitwise_equal, in_forked_child
 
 N, DIM, CHUNK = 2048, 8, 64  # 32 chunks of 2 KiB
 

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from fastpaths import skip_unless
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,6 @@ from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import fileio, versions
 from lightning_embcache.store.holes import dead_rows
 from lightning_embcache.store.rowindex import RowIndex
-from fastpaths import skip_unless
 
 pytestmark = skip_unless(fileio.punch_supported(), "fallocate(PUNCH_HOLE)")
 

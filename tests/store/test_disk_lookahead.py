@@ -7,11 +7,10 @@ import time
 
 import numpy as np
 import torch
+from _store_helpers import compacted_store
 from torch.utils.data import BatchSampler, RandomSampler
 
 from lightning_embcache import EmbeddingStore, LookaheadSampler
-
-from _store_helpers import compacted_store
 
 N, DIM, CHUNK = 6000, 16, 128
 ROW = DIM * 4

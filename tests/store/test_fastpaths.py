@@ -3,9 +3,8 @@ CI machine, through .ci/run): there it fails them."""
 
 from __future__ import annotations
 
-import pytest
-
 import fastpaths
+import pytest
 
 
 def test_a_missing_fast_path_skips_by_default(monkeypatch):

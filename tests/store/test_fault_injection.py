@@ -11,7 +11,6 @@ import os
 import random
 
 import pytest
-
 from _fault_workload import FailAt, crash_trial, rows_lost, run_workload, set_mode, total_calls
 
 ERRNOS = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "EACCES": errno.EACCES}

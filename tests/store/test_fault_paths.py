@@ -10,7 +10,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest

@@ -9,12 +9,11 @@ import os
 
 import numpy as np
 import torch
+from _store_helpers import assert_bitwise_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache import EmbeddingStore
-
-from _store_helpers import assert_bitwise_equal
 
 N, DIM, CHUNK = 4096, 8, 128
 ROW = DIM * 4

@@ -7,13 +7,13 @@ integer values that do not fit their field, and the arguments accepted before th
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 import numpy as np
 import pytest
 import torch
+from _store_helpers import in_forked_child
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,8 +26,6 @@ from lightning_embcache import (
 )
 from lightning_embcache.store import fileio
 from lightning_embcache.store.validate import as_ids
-
-from _store_helpers import in_forked_child
 
 N, DIM = 64, 4
 

@@ -7,12 +7,11 @@ segment not fsynced before the manifest lists it, and a rename whose folder is n
 from __future__ import annotations
 
 import pytest
+from _durability import PowerCutOracle
+from _fault_workload import CHUNK, N, run_workload, set_mode
 
 from lightning_embcache.store import disk as disk_mod
 from lightning_embcache.store import fileio
-
-from _durability import PowerCutOracle
-from _fault_workload import CHUNK, N, run_workload, set_mode
 
 
 @pytest.fixture(autouse=True)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _store_helpers import compacted_store
 
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store.chunkrows import ChunkRows
-
-from _store_helpers import compacted_store
 
 N, DIM, CHUNK = 1024, 8, 64
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_embcache import EmbeddingStore, StoreError, VersionNotFoundError
+from lightning_embcache import EmbeddingStore
 
 N, DIM, CHUNK = 8192, 16, 128
 ROW = DIM * 4

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_embcache import EmbeddingStore, StoreClosedError, StoreError
+from lightning_embcache import EmbeddingStore, StoreClosedError
 
 N, DIM, CHUNK = 4096, 16, 64
 ROW_BYTES = DIM * 4

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _store_helpers import assert_snapshot_equal, snapshot
 
 from lightning_embcache import EmbeddingStore, StoreError
 from lightning_embcache.store import DiskFullError, fileio
-
-from _store_helpers import assert_snapshot_equal, snapshot
 
 N, DIM, CHUNK = 4096, 32, 256  # 512 KiB of rows
 ROW_BYTES = DIM * 4

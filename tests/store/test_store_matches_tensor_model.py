@@ -17,13 +17,12 @@ import tempfile
 import numpy as np
 import pytest
 import torch
+from _store_helpers import InlineExecutor, assert_bitwise_equal
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lightning_embcache import EmbeddingStore
-
-from _store_helpers import InlineExecutor, assert_bitwise_equal
 
 N, DIM, CHUNK = 50, 4, 8  # 7 chunks, the last one short (2 rows)
 SLOT_OVERHEAD = 11  # bytes of bookkeeping per hot slot, documented in the hot budget

@@ -13,10 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from fastpaths import missing
 
 from lightning_embcache.store import uring
-from fastpaths import missing
 
 PROBE = Path(__file__).with_name("_rss_probe.py")
 REPO = Path(__file__).resolve().parents[2]

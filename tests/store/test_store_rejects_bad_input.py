@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _store_helpers import assert_snapshot_equal, snapshot
 
 from lightning_embcache import (
     EmbeddingStore,
@@ -16,8 +17,6 @@ from lightning_embcache import (
     StoreClosedError,
     StoreError,
 )
-
-from _store_helpers import assert_snapshot_equal, snapshot
 
 N, DIM = 40, 4
 FIELDS = {"m": (torch.float32, 4), "n": (torch.int32, 1)}

@@ -10,14 +10,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from _store_helpers import InlineExecutor, assert_bitwise_equal, compacted_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler
 
 from lightning_embcache import ChunkShuffleSampler, EmbeddingStore, LookaheadSampler
 from lightning_embcache.store import chunkrows
-
-from _store_helpers import InlineExecutor, assert_bitwise_equal, compacted_store
 
 N, DIM, CHUNK = 4096, 16, 256
 ROW = DIM * 4

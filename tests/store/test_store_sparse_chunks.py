@@ -18,14 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _store_helpers import InlineExecutor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache import CorruptStoreError, EmbeddingStore
 from lightning_embcache.store import fileio
 from lightning_embcache.tools import inspect_store, verify_store
-
-from _store_helpers import InlineExecutor
 
 HEADER = 52  # every store file's header (docs/store-format.md)
 SPARSE_HEAD = struct.Struct("<QQQQ")  # chunk, rows, rows held, bytes of their records

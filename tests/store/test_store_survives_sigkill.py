@@ -17,14 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+import _crash_writer as writer
 import numpy as np
 import pytest
 import torch
+from _store_helpers import alive, wait_for
 
 from lightning_embcache import EmbeddingStore
-
-import _crash_writer as writer
-from _store_helpers import alive, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 

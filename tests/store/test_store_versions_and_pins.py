@@ -4,13 +4,13 @@ reclaimed; disk use stays near the table's size plus what pinned versions hold."
 from __future__ import annotations
 
 import os
+
 import numpy as np
 import pytest
 import torch
+from _store_helpers import assert_snapshot_equal, snapshot
 
 from lightning_embcache import EmbeddingStore, VersionNotFoundError
-
-from _store_helpers import assert_snapshot_equal, snapshot
 
 N, DIM, CHUNK = 4096, 16, 256  # 256 KiB table, 16 chunks
 ROW_BYTES = DIM * 4

@@ -10,11 +10,11 @@ import os
 
 import numpy as np
 import pytest
+from fastpaths import skip_unless
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache.store import uring
-from fastpaths import skip_unless
 
 pytestmark = skip_unless(uring.available(), "io_uring")
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _store_helpers import assert_bitwise_equal, compacted_store
 from torch.utils.data import BatchSampler
 
 from lightning_embcache import ChunkShuffleSampler, EmbeddingStore
 from lightning_embcache.store import tiers
-
-from _store_helpers import assert_bitwise_equal, compacted_store
 
 N, DIM, CHUNK = 8192, 16, 256
 ROW = DIM * 4

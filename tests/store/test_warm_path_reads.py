@@ -10,12 +10,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from _store_helpers import compacted_store
+from fastpaths import missing
 
 from lightning_embcache import EmbeddingStore, LookaheadSampler
 from lightning_embcache.store import uring
-
-from _store_helpers import compacted_store
-from fastpaths import missing
 
 N, DIM, CHUNK = 6000, 16, 128
 ROW = DIM * 4

@@ -8,6 +8,7 @@ import lz4.block
 import numpy as np
 import pytest
 import torch
+from _store_helpers import assert_bitwise_equal, compacted_store
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler
@@ -15,8 +16,6 @@ from torch.utils.data import BatchSampler
 from lightning_embcache import ChunkShuffleSampler, EmbeddingStore, LookaheadSampler
 from lightning_embcache.store import tiers
 from lightning_embcache.store.warm import LATELY, WarmTier
-
-from _store_helpers import assert_bitwise_equal, compacted_store
 
 DIM = 16
 ROW = DIM * 4

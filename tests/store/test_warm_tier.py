@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _store_helpers import compacted_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler
@@ -14,8 +15,6 @@ from torch.utils.data import BatchSampler
 from lightning_embcache import ChunkShuffleSampler, EmbeddingStore, LookaheadSampler
 from lightning_embcache.store import chunkrows, warm
 from lightning_embcache.store.warm import WarmTier
-
-from _store_helpers import compacted_store
 
 RAW = 4096  # bytes of one chunk's records in the unit tests
 

@@ -9,13 +9,11 @@ import os
 import sys
 
 import numpy as np
-import pytest
 import torch
+from fastpaths import skip_unless
 
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import fileio
-
-from fastpaths import skip_unless
 
 pytestmark = skip_unless(sys.platform.startswith("linux") and fileio._SYNC_FILE_RANGE is not None, "sync_file_range")
 

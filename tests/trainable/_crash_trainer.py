@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from lightning_embcache.store import EmbeddingStore
 from lightning_embcache.optim import make_row_optimizer
+from lightning_embcache.store import EmbeddingStore
 from lightning_embcache.trainable import TrainableRows, trainable_fields
 
 N, DIM = 2048, 16

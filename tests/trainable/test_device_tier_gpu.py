@@ -9,8 +9,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_embcache import (EmbeddingStore, EmbeddingStoreMixin, StoreError, TrainableRows, make_row_optimizer,
-                               trainable_fields)
+from lightning_embcache import (
+    EmbeddingStore,
+    EmbeddingStoreMixin,
+    StoreError,
+    TrainableRows,
+    make_row_optimizer,
+    trainable_fields,
+)
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
