@@ -216,7 +216,8 @@ class ShardedStore:
 
     def trainable_rows(self, optimizer: Any, *, max_grad_norm: float | None = None,
                        device: torch.device | str | None = None, device_bytes: Any = _STORE_BUDGET,
-                       switch_interval: float | None = None) -> Any:
+                       switch_interval: float | None = None, max_norm: float | None = None,
+                       norm_type: float = 2.0, stochastic_rounding: bool | None = None) -> Any:
         """Trainable rows over this store (what `TrainableRows` is for one process).
 
         On a GPU (``device``, or by default this rank's current CUDA device when the training
@@ -225,6 +226,8 @@ class ShardedStore:
         shard up to a quarter of the GPU) and rows travel GPU to GPU (`ShardedDeviceRows`).
         ``device_bytes=0`` or a CPU device: the owners' rows stay in host memory
         (`ShardedTrainableRows`). ``switch_interval``: see `ShardedDeviceRows` (rows on GPUs only).
+        ``max_norm``, ``norm_type``, ``stochastic_rounding``: as for `TrainableRows`, applied by
+        each row's owner (rows in host memory; on the owners' GPUs ``max_norm`` is refused for now).
         """
         from lightning_embcache.distributed.device_rows import ShardedDeviceRows
         from lightning_embcache.distributed.trainable import ShardedTrainableRows
@@ -233,6 +236,10 @@ class ShardedStore:
         if device is None and budget != 0 and torch.cuda.is_available() and dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         if device is not None and torch.device(device).type == "cuda" and budget != 0:
+            if max_norm is not None:
+                raise InvalidArgumentError(
+                    f"max_norm={max_norm!r} is not available yet for row-sharded rows kept on the owners' GPUs; "
+                    "pass device_bytes=0 (the owners' rows stay in host memory, where max_norm works) or max_norm=None")
             if self.device_rows is not None:
                 self.device_rows.write_down()
                 self.device_rows.close()
@@ -242,7 +249,8 @@ class ShardedStore:
             raise InvalidArgumentError(
                 f"switch_interval={switch_interval!r} applies to rows on the owners' GPUs; these rows stay in host "
                 f"memory (device={device!r}, device_bytes={budget!r}): leave it None")
-        return ShardedTrainableRows(self, optimizer, max_grad_norm=max_grad_norm)
+        return ShardedTrainableRows(self, optimizer, max_grad_norm=max_grad_norm, max_norm=max_norm,
+                                    norm_type=norm_type, stochastic_rounding=stochastic_rounding)
 
     def prefetch(self, ids: Any) -> None:
         """Announce a coming lookup of `ids`: its id exchange with the owners runs ahead in a

@@ -14,6 +14,11 @@ Gradients are divided by the world size before they travel, so the rows see the 
 gradients, as DDP's all-reduce gives the dense parameters: a run on W ranks with a per-rank
 batch b trains the rows as one process with batch W x b would (checked against `nn.Embedding` +
 `SparseAdam` in ``tests/distributed``).
+
+``max_norm``: each owner rescales the rows it serves for a training lookup in its own shard before
+they travel (what ``nn.Embedding(max_norm=...)`` does in its table), so the rows every rank sees
+and trains are bounded with no extra exchange. 16-bit rows are rounded stochastically by their
+owner, keyed by the row's shard-local id.
 """
 
 from __future__ import annotations
@@ -36,11 +41,16 @@ class ShardedTrainableRows:
 
     device_tier = None  # the owners' rows stay on the host
 
-    def __init__(self, store: ShardedStore, optimizer: RowOptimizer, *, max_grad_norm: float | None = None) -> None:
+    def __init__(self, store: ShardedStore, optimizer: RowOptimizer, *, max_grad_norm: float | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0,
+                 stochastic_rounding: bool | None = None) -> None:
         self.store = store
         self.optimizer = optimizer
-        # the owner's optimizer: checks the shard's fields, clips the summed rows, writes records
-        self.local = TrainableRows(store.local, optimizer, max_grad_norm=max_grad_norm)
+        # the owner's optimizer: checks the shard's fields, clips the summed rows, writes records;
+        # it also renorms the rows it serves (max_norm) and rounds 16-bit rows stochastically
+        self.local = TrainableRows(store.local, optimizer, max_grad_norm=max_grad_norm, max_norm=max_norm,
+                                   norm_type=norm_type, stochastic_rounding=stochastic_rounding)
+        self.max_norm = max_norm
         self._leaves: list[tuple[Tensor, Tensor]] = []
         self._copies: list[Any] = []  # CUDA events behind gradient copies to the host
         self._grads = RowGradBuffer()
@@ -65,6 +75,10 @@ class ShardedTrainableRows:
         with self.store._clock:
             served = self.store.local.get(route.served) if len(route.served) else torch.empty(
                 (0, self.store.dim), dtype=self.store.dtype)
+            if self.max_norm is not None and torch.is_grad_enabled() and len(route.served):
+                # the owner renorms the rows it serves in its shard, as nn.Embedding(max_norm) does
+                # in its table at lookup: no extra exchange
+                served = self.local._renorm_in_store(route.served, served)
             rows = route.fetch(served)
             self.store._clock.bytes_sent += route.bytes_sent
         if device is not None and torch.device(device).type != "cpu":

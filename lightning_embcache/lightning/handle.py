@@ -369,12 +369,9 @@ class EmbeddingStoreHandle:
             )
         store = self._ensure_open(writable=True)
         if getattr(store, "sharded", False):  # rows of a row-sharded store train at their owners (distributed/)
-            if self._row_options.get("max_norm") is not None or self._row_options.get("stochastic_rounding"):
-                raise _store_errors().InvalidArgumentError(
-                    f"embedding store {self.name!r}: max_norm and stochastic_rounding=True are not available for "
-                    "row-sharded stores yet; pass max_norm=None and stochastic_rounding=None or False")
             if self._trainable is None or self._trainable.store is not store:
-                self._trainable = store.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm)
+                self._trainable = store.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm,
+                                                       **self._row_options)
             return self._trainable
         tier = self._tier(store)
         if self._trainable is None or self._trainable.store is not store or self._trainable.device_tier is not tier:

@@ -227,3 +227,34 @@ def announced_lookups_train_like_sparse_adam(rank: int, world: int, root: str) -
     rows.collect()
     rows.apply(9)
     store.close()
+
+
+def max_norm_rows_match_nn_embedding(rank: int, world: int, root: str) -> None:
+    """max_norm on a row-sharded store: each owner renorms the rows it serves in its shard, as
+    nn.Embedding(max_norm=...) does in its table at lookup; rows and their training equal the
+    reference's (mean of the ranks' gradients), and no stored row of a looked-up id is over it."""
+    opt = make_row_optimizer("adam", lr=0.05)
+    store = ShardedStore.open_or_create(Path(root) / "rows", N, DIM, init="normal", seed=1, chunk_rows=100,
+                                        fields=trainable_fields(opt, DIM, torch.float32))
+    rows = store.trainable_rows(opt, device_bytes=0, max_norm=0.5)
+    ref = torch.nn.Embedding(N, DIM, sparse=True, max_norm=0.5)
+    with torch.no_grad():
+        ref.weight.copy_(EmbeddingStore.create(None, N, DIM, init="normal", seed=1, chunk_rows=100).get(torch.arange(N)))
+    assert float(ref.weight.norm(dim=1).max()) > 0.5  # some rows start over the bound
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
+    target = torch.linspace(-1, 1, DIM)
+    seen = torch.zeros(N, dtype=torch.bool)
+    for step in range(1, 6):
+        ref_opt.zero_grad()
+        for r in range(world):
+            ids = _batch(step, r, 32)
+            seen[ids] = True
+            (((ref(ids) - target) ** 2).sum(1).mean() / world).backward()
+        z = rows.lookup(_batch(step, rank, 32))
+        assert float(z.norm(dim=1).max()) <= 0.5 + 1e-5
+        ((z - target) ** 2).sum(1).mean().backward()
+        rows.collect()
+        ref_opt.step()
+        rows.apply(step)
+    torch.testing.assert_close(store.get(torch.arange(N)), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    store.close()

@@ -62,6 +62,10 @@ def test_sharded_trainable_rows_equal_sparse_adam_with_mean_gradients(ranks, tmp
     ranks.run(_rank_fns.trainable_rows_match_sparse_adam, str(tmp_path))
 
 
+def test_max_norm_rows_of_a_sharded_store_train_like_nn_embedding(tmp_path, ranks):
+    ranks.run(_rank_fns.max_norm_rows_match_nn_embedding, str(tmp_path))
+
+
 def test_bytes_exchanged_per_get_follow_the_batch_not_the_table(ranks, tmp_path):
     ranks.run(_rank_fns.exchange_is_o_batch, str(tmp_path))
 
