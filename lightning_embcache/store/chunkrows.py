@@ -218,8 +218,8 @@ class ChunkRows:
             replaced, self._replaced = self._replaced, []
         _close_all(retired)
         if replaced:
-            # The last close of a file that compaction replaced and deleted frees its blocks
-            # (1-2 ms each here): off the training thread.
+            # The last close of a file that compaction replaced and deleted frees its blocks, a
+            # file-system operation: off the training thread.
             t = threading.Thread(target=_close_all, args=(replaced,), name="embcache-close", daemon=True)
             t.start()
             self._closers = [c for c in self._closers if c.is_alive()] + [t]

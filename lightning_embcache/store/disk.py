@@ -103,8 +103,8 @@ class Segment:
     read_counter: list[int] | None = field(default=None, repr=False)  # the store's, shared: [bytes]
     # chunk -> index entry: a miss asks a segment about one chunk at a time, and a dict answers
     # that without numpy's per-call overhead (built on first use). Ints only: a dict of them is
-    # not tracked by the garbage collector, where a tuple per entry (~500 a segment) was, and
-    # building them set off full collections (89 ms of a 0.6 s compaction pass of 14 segments).
+    # not tracked by the garbage collector, where a tuple per entry would be, and building many of
+    # those sets off full collections in the middle of a compaction pass.
     _entries: dict[int, int] | None = field(default=None, repr=False)
     _starts: list[int] | None = field(default=None, repr=False)
     _counts: list[int] | None = field(default=None, repr=False)

@@ -45,7 +45,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-try:  # ISA-L's CRC-32: the same checksum as zlib's, ~17x faster (PCLMULQDQ); both let go of the GIL
+try:  # ISA-L's CRC-32: the same checksum as zlib's, computed with PCLMULQDQ; both let go of the GIL
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - a platform without an isal wheel
     from zlib import crc32 as _crc32
@@ -258,8 +258,8 @@ def punch_holes(fd: int, ranges: list[tuple[int, int]], name: object) -> int:
 def sync_written(dir_fd: int, names: list[str], path: object) -> None:
     """Make files written with ``durable=False`` in folder ``dir_fd`` durable, and their renames.
 
-    On Linux one ``syncfs`` of the file system (3-6x faster here than a ``fsync`` per file for a
-    compaction round's 60 chunk files; it reports write-back errors since Linux 5.8); elsewhere a
+    On Linux one ``syncfs`` of the file system (one call instead of an ``fsync`` per file for a
+    compaction round's chunk files; it reports write-back errors since Linux 5.8); elsewhere a
     ``fsync`` of each file and one of the folder.
     """
     try:
@@ -431,9 +431,9 @@ def write_parts(
     ENOSPC/EDQUOT/EFBIG, StoreIOError otherwise).
 
     ``reuse``: the name (in ``dir_fd``) of a file nobody reads any more, overwritten in place and
-    cut to length instead of creating a new file: creating a file and later deleting one cost
-    more than writing a chunk's bytes (here 0.35 ms + 0.19 ms against 0.09 ms for 512 KiB), as
-    RocksDB found for its recycled log files. A reuse that cannot start falls back to a new file.
+    cut to length instead of creating a new file: creating a file and later deleting one costs
+    more than writing a chunk's bytes (docs/benchmarks.md), as RocksDB found for its recycled log
+    files. A reuse that cannot start falls back to a new file.
     """
     name = path.name
     tmp = f".{name}.tmp{os.getpid()}-{threading.get_ident()}"

@@ -47,7 +47,7 @@ def gather(table: np.ndarray, idx: np.ndarray, out: np.ndarray | None = None) ->
         out = np.empty((len(idx), table.shape[1]), table.dtype)
     pool, n = _executor() if len(idx) >= PARALLEL_MIN_ROWS else (None, 1)
     # mode="clip": the ids are validated already, and with mode="raise" (the default) numpy
-    # buffers `out` through a temporary copy (measured 40x slower for 2,048 rows of 1.5 KiB)
+    # buffers `out` through a temporary copy of the whole result
     if pool is None:
         np.take(table, idx, axis=0, out=out, mode="clip")
         return out

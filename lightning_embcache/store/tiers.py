@@ -134,8 +134,8 @@ class TieredRows:
         # numpy's take beat torch's index_select by ~30% on these 512-byte row gathers (bench store,
         # one thread); memory mode's per-step get uses index_select for its built-in bounds check.
         # A field of a multi-field record is a strided view of the pool, and `take` on a
-        # non-contiguous array first copies the *whole* array (0.4 s for a 300 MB table): plain
-        # fancy indexing gathers only the rows asked for.
+        # non-contiguous array first copies the *whole* array (cost would follow the table):
+        # plain fancy indexing gathers only the rows asked for.
         view = self._np_views[name]
         out = torch.from_numpy(view.take(slots, axis=0) if view.flags.c_contiguous else view[slots])
         return out.view(torch.bfloat16) if self._schema.fields[name].dtype == torch.bfloat16 else out

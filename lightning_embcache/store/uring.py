@@ -94,7 +94,7 @@ class _Ring:
             self.sqes = np.frombuffer(sqes, _SQE, sq_entries)
             # The same memory as 64-bit words: a batch is written a column at a time into
             # contiguous ring slots (a structured gather, eight field writes and a scatter back
-            # cost 0.39 us a read, half of what the kernel takes to serve one from the page cache)
+            # would cost about half of what the kernel takes to serve a read from the page cache)
             self.sqe_words = np.frombuffer(sqes, np.uint64, sq_entries * 8).reshape(sq_entries, 8)
             self.cqe_words = np.frombuffer(cq, np.uint64, cq_entries * 2, int(cq_off[5])).reshape(cq_entries, 2)
             self.cq_entries = cq_entries
