@@ -127,6 +127,36 @@ def test_rows_trained_in_place_in_host_ram_train_like_nn_embedding(tmp_path, nam
         again.close()
 
 
+@pytest.mark.parametrize("hot_bytes", [400 * 200, None], ids=["staged", "mapped"])
+def test_16x_over_the_budget_rows_and_moments_equal_sparse_adam_across_flushes(tmp_path, hot_bytes):
+    """A tier of 1/16 of the table, 200 Adam steps of 64 random ids with a flush every 50: weights
+    and both moments equal nn.Embedding + SparseAdam's, on the tier and in every flushed version."""
+    opt, store = _store(tmp_path, "adam", hot_bytes=hot_bytes)
+    tier = DeviceTier(store, "cuda", _budget(store, 1 / 16))
+    assert tier.capacity == N // 16 and tier.stats()["device_mapped_host"] == (hot_bytes is None)
+    rows = TrainableRows(store, opt, device_tier=tier)
+    emb, ref = _reference("adam", store.get(torch.arange(N)).cuda())
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, STEPS + 1):
+        ref.zero_grad()
+        ids = torch.randint(0, N, (64,), generator=g)
+        tgt = torch.randn(64, DIM, generator=g).cuda()
+        ((emb(ids.cuda()) - tgt) ** 2).sum().backward()
+        ((rows.lookup(ids) - tgt) ** 2).sum().backward()
+        rows.collect()
+        ref.step()
+        rows.apply(step=step)
+        if step % 50 == 0:
+            rows.write_down()
+            store.pin(store.flush())
+    state = ref.state[emb.weight]
+    for name, want in (("weight", emb.weight.detach()), ("exp_avg", state["exp_avg"]),
+                       ("exp_avg_sq", state["exp_avg_sq"])):
+        torch.testing.assert_close(tier.gather(np.arange(N), name), want, rtol=1e-5, atol=1e-6, msg=name)
+    tier.close()
+    store.close()
+
+
 def test_device_tier_steps_make_no_device_sync(tmp_path):
     opt, store = _store(tmp_path, "adam", hot_bytes=None)
     for fraction in (1.0, 0.25):
