@@ -58,5 +58,7 @@ class IntervalLog:
             if pred["fit_s"] is not None:
                 metrics["profile/predicted_fit_s"] = pred["fit_s"]
                 metrics["profile/predicted_fit_std_s"] = pred["fit_std_s"]
+                metrics["profile/predicted_fit_low_s"] = pred["fit_low_s"]
+                metrics["profile/predicted_fit_high_s"] = pred["fit_high_s"]
         for logger in trainer.loggers:
             logger.log_metrics(metrics=metrics, step=step)

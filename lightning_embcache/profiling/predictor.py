@@ -19,6 +19,7 @@ import numpy as np
 from lightning_embcache.profiling import schedule
 from lightning_embcache.profiling.forecast import (
     EPOCH_DRIFT_BLOCKS,
+    INTERVAL_Z,
     Forecast,
     epoch_level,
     level_drift,
@@ -346,7 +347,8 @@ class EpochPredictor:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "epoch_low_s": p["low"], "epoch_high_s": p["high"],
                "at_batch": done, "epoch_batches": target,
-               "fit_s": None, "fit_std_s": None, "unmeasured_saves": p["unmeasured_saves"],
+               "fit_s": None, "fit_std_s": None, "fit_low_s": None, "fit_high_s": None,
+               "unmeasured_saves": p["unmeasured_saves"],
                "validation_measured": p["val_known"], "store_fill_batch": fill_batch,
                "store_fill_s": p["store_fill_s"]}
         # the fit: the epochs still to come after this one, under max_epochs / max_steps
@@ -381,4 +383,12 @@ class EpochPredictor:
         left = (target - done) + total_batches
         out["fit_s"] = self._before_s + p["seconds"] + future
         out["fit_std_s"] = math.sqrt((left * r["se"]) ** 2 + left * r["std"] ** 2 + (0.5 * p["trend_s"]) ** 2)
+        # the fit's 90% interval, as the epoch's: the estimator's spread, and every step still to
+        # come (this epoch's and the later epochs') off the rate by as much as the host's speed has
+        # drifted so far; a drift is systematic, so it does not average out over more epochs
+        steps_left_s = (target - done) * r["mean"] + total_batches * per_batch
+        half = math.hypot(INTERVAL_Z * out["fit_std_s"], steps_left_s * (p.get("drift") or 0.0))
+        run = self._before_s + fc.start_seconds + fc.elapsed + math.fsum(fc.val_runs)
+        out["fit_low_s"] = max(run, out["fit_s"] - half)
+        out["fit_high_s"] = out["fit_s"] + half
         return out

@@ -82,11 +82,12 @@ def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoc
     if epoch_batches is not None and batches:
         rate_ms = steady_ms if steady_ms is not None else 1e3 * wall_s / batches
         projected = wall_s + 1e-3 * rate_ms * max(0, epoch_batches - batches)
-    predicted = predicted_std = at = error = fit = fit_std = low = high = None
+    predicted = predicted_std = at = error = fit = fit_std = fit_low = fit_high = low = high = None
     if prediction is not None:
         predicted, predicted_std, at = prediction["epoch_s"], prediction["epoch_std_s"], prediction["at_batch"]
         low, high = prediction.get("epoch_low_s"), prediction.get("epoch_high_s")
         fit, fit_std = prediction["fit_s"], prediction["fit_std_s"]
+        fit_low, fit_high = prediction.get("fit_low_s"), prediction.get("fit_high_s")
         if prediction["epoch_batches"] == batches and wall_s + val_s > 0:
             error = 100.0 * (predicted / (wall_s + val_s) - 1.0)
     return {
@@ -115,6 +116,8 @@ def epoch_summary(epoch: int, rows: list[list[float]], samples_known: bool, epoc
         "predicted_store_fill_seconds": prediction.get("store_fill_s") if prediction is not None else None,
         "predicted_fit_seconds": fit,
         "predicted_fit_std_seconds": fit_std,
+        "predicted_fit_low_seconds": fit_low,
+        "predicted_fit_high_seconds": fit_high,
         "samples": int(samples) if samples_known else None,
         "samples_per_sec": samples / wall_s if samples_known and wall_s > 0 else None,
         "phases_ms": (phases := {p: mean_ms(i) for i, p in enumerate(PHASES)}),

@@ -19,7 +19,8 @@ DATA, FWD, BWD, OPT, OTHER = 2 * MS, 5 * MS, 7 * MS, 4 * MS, 1 * MS
 STEP = DATA + FWD + BWD + OPT + OTHER  # 19 ms
 PRED_KEYS = {"profile/predicted_epoch_s", "profile/predicted_epoch_std_s", "profile/predicted_epoch_low_s",
              "profile/predicted_epoch_high_s"}
-FIT_KEYS = {"profile/predicted_fit_s", "profile/predicted_fit_std_s"}
+FIT_KEYS = {"profile/predicted_fit_s", "profile/predicted_fit_std_s", "profile/predicted_fit_low_s",
+            "profile/predicted_fit_high_s"}
 INTERVAL_KEYS = {f"profile/{p}_ms" for p in PHASES} | {
     "profile/step_ms", "profile/step_max_ms", "profile/slowest_rank", "profile/rank_spread_pct",
     "profile/samples_per_sec"}
@@ -597,3 +598,34 @@ def test_a_first_epoch_whose_steps_so_far_changed_speed_says_so_in_its_uncertain
     cv = level_variation_so_far([0.0] + [STEP + (5 * MS if (i // 100) % 2 else 0.0) for i in range(199)])
     assert 0.10 < cv < 0.14
     assert miss <= 2 * e["predicted_epoch_std_seconds"] <= 4 * miss
+
+
+class _SlowerAfter(CostModel):
+    """The host gets 30% slower (forward costs more) after the first `k` batches of the fit."""
+
+    def __init__(self, cost, k):
+        super().__init__(cost, FWD, BWD, OPT)
+        self.k, self.seen = k, 0
+
+    def training_step(self, batch, batch_idx):
+        self.seen += 1
+        if self.seen > self.k:
+            self.cost(0.3 * STEP)
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_fits_interval_holds_a_level_shift_after_5_percent_of_the_first_epoch():
+    """The whole fit predicted at 5% of its first epoch: the point cannot know the host slows
+    down right after, but the 90% interval widens by the drift floor over every step still to
+    come (this epoch's and the next's), so the actual fit lies inside; the estimator's own
+    spread (every step alike so far) would have said +/- 0."""
+    clock = FakeClock()
+    model = _SlowerAfter(Cost(clock), k=10)
+    sp = StepProfiler(report=False)
+    _, wall, _ = _fit(sp, batches=200, epochs=2, model=model, clock=clock)
+    first = sp.summary()[0]
+    assert first["predicted_at_batch"] == 10
+    actual = sum(wall.epochs)
+    assert first["predicted_fit_std_seconds"] < 1e-6
+    assert first["predicted_fit_seconds"] < 0.9 * actual  # the point misses the slow-down
+    assert first["predicted_fit_low_seconds"] <= actual <= first["predicted_fit_high_seconds"], first
