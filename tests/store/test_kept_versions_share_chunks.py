@@ -116,25 +116,36 @@ def test_segments_held_for_kept_versions_start_no_compaction(shm_path):
         assert store.stats().compactions == compactions, "a round ran on segments a pinned version shares"
 
 
-def test_past_the_share_the_oldest_pinned_version_keeps_its_own_chunks(shm_path, monkeypatch):
+@pytest.mark.parametrize("process", ["never", "always"])
+def test_past_the_share_the_oldest_pinned_version_keeps_its_own_chunks(shm_path, monkeypatch, process):
     """Once the segments newer than the oldest pinned version hold more than its share of the
-    table, rounds fold them and that version keeps its own chunk files (its rows unchanged)."""
-    from lightning_embcache.store import sharing
+    table, background rounds (in the store's thread or the compaction process) fold them: that
+    version keeps its own chunk files, the newer pinned one shares the new ones, both read their
+    rows bit for bit."""
+    from lightning_embcache.store import foldproc, sharing
 
     monkeypatch.setattr(sharing, "SHARE_RATIO", 0.2)
+    monkeypatch.setenv(foldproc.ENV, process)
     path = shm_path / "store"
     rng = np.random.default_rng(10)
     with _written_table(path, rng) as store:
-        old = _scatter(store, rng, 16)
-        store.pin(old)
-        want = store.get(ALL).clone()
-        for _ in range(6):
-            _scatter(store, rng, N // 20)
+        kept = {}
+        for flushes in (4, 1):  # 40% of the rows after the first pin, 10% after the second
+            v = _scatter(store, rng, 16)
+            store.pin(v)
+            kept[v] = store.get(ALL).clone()
+            for _ in range(flushes):
+                _scatter(store, rng, N // 10)
+            store._wait_bg()
+        old, new = sorted(kept)
         store.compact()
-        assert store.stats().segments <= 4
-        assert store._disk.read_manifest(old).chunkmap != store._cmap_gen
-        with EmbeddingStore.open(path, version=old, readonly=True) as r:
-            assert torch.equal(r.get(ALL), want)
+        assert store._disk.read_manifest(old).chunkmap != store._cmap_gen, "the oldest pin still shares"
+        assert store._disk.read_manifest(new).chunkmap == store._cmap_gen, "the newer pin does not share"
+        if process == "always":
+            assert store.stats().compaction_process_chunks > 0
+        for v, want in kept.items():
+            with EmbeddingStore.open(path, version=v, readonly=True) as r:
+                assert torch.equal(r.get(ALL), want)
 
 
 @pytest.mark.parametrize("share", [0.02, 0.1])
