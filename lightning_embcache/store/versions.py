@@ -422,7 +422,9 @@ class Versioning:
     def compact(self) -> None:
         """Fold every committed delta segment into base chunks now (normally automatic, in the
         background, a bounded round at a time). Each round is published at once (the version's
-        manifest names the new layout of the same rows), so reopening and disk use follow."""
+        manifest names the new layout of the same rows), so reopening and disk use follow.
+        Segments newer than a pinned version that shares the chunk files stay: they hold the
+        rows changed since it (docs/store-format.md, "Versions, pins and space")."""
         try:
             self._compact_now()
         except CorruptStoreError as exc:
@@ -670,6 +672,10 @@ class Versioning:
         layout) and may leave out segments all of whose rows it flushed again (no longer in the
         layout, and their rows newer elsewhere); the chunk map moves only by rounds, which never
         overlap (`_await_round`). So the round publishes over the layout as it finds it then.
+
+        Only the segments every pinned version sharing the chunk files lists too are folded
+        (``self._sharing``, sharing.py), and each of those versions is published again with the
+        new chunk map after the writer's (`_repoint`).
 
         Each chunk map records, per chunk, the newest segment folded into its base file; a segment
         goes once every chunk it touches has folded it. Only a prefix of segments is ever dropped,
