@@ -360,15 +360,15 @@ class Versioning:
 
     def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
                           floor: int = 0, held: bool = True, adding: int = 0) -> bool:
-        """Segments past ``ratio`` of the table's bytes, or more than ``segments`` of them, with
-        ``adding`` bytes more (a flush's own segment). ``held``: the bytes on disk, dead records
-        given back (holes.py), which drop as the rounds fold chunk after chunk, not once a whole
-        sweep is round; else the files' sizes."""
+        """Segments rounds may fold (`_foldable`) past ``ratio`` of the table's bytes, or more
+        than ``segments`` of them, with ``adding`` bytes more (a flush's own segment). ``held``:
+        the bytes on disk, dead records given back (holes.py), which drop as the rounds fold
+        chunk after chunk, not once a whole sweep is round; else the files' sizes."""
         ratio = COMPACT_RATIO if ratio is None else ratio  # read now: tests and benchmarks set it
         table = self._num_rows * self._row_bytes
         foldable = self._foldable()
-        return len(foldable) > segments or sum(s.live_bytes if held else s.nbytes for s in foldable) + adding > max(
-            ratio * table, floor)
+        nbytes = sum(s.live_bytes if held else s.nbytes for s in foldable)
+        return len(foldable) > segments or nbytes + adding > max(ratio * table, floor)
 
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
@@ -729,20 +729,8 @@ class Versioning:
                 drop += 1
             remaining = segs[drop:]
             disk.write_chunkmap(gen, new_cmap, folded)
-            # The version keeps its number: its manifest is rewritten in place with the new layout
-            # (same rows, same identity), while no reader can open it. Only when a read-only handle
-            # holds it does the new layout become a new version (the reader keeps its files).
             version = self._version
-            alone = disk.lock_version_alone(version)
-            try:
-                if alone is not None:
-                    m = Manifest(version, gen, [s.seq for s in remaining], self._parent,
-                                 disk.manifest_checksum(version))
-                else:
-                    m = Manifest(self._max_version + 1, gen, [s.seq for s in remaining], version)
-                disk.write_manifest(m)  # the commit point: old layout or new, the same rows
-            finally:
-                disk.unlock_reader(alone)
+            m = self._publish_layout(gen, remaining)
         finally:
             with self._lock:
                 self._writing_gens.discard(gen)
@@ -792,6 +780,25 @@ class Versioning:
             self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
         return True
+
+    def _publish_layout(self, gen: int, remaining: list[Segment]) -> Manifest:
+        """Publish the writer's version as chunk map ``gen`` and segments ``remaining`` (the same
+        rows). The version keeps its number: its manifest is rewritten in place (same identity)
+        while no reader can open it. Only when a read-only handle holds it does the new layout
+        become a new version (the reader keeps its files)."""
+        disk = self._disk
+        version = self._version
+        segs = [s.seq for s in remaining]
+        alone = disk.lock_version_alone(version)
+        try:
+            if alone is not None:
+                m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version))
+            else:
+                m = Manifest(self._max_version + 1, gen, segs, version)
+            disk.write_manifest(m)  # the commit point: old layout or new, the same rows
+        finally:
+            disk.unlock_reader(alone)
+        return m
 
     def _kill_dead(self, ready: int, listed: list[int] | None = None) -> None:
         """Queue the delta records the chunk map now says base chunks hold, to be punched once no
