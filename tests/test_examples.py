@@ -79,3 +79,9 @@ def test_fit_new_samples_fits_only_the_new_codes(tmp_path):
     assert result["untouched"] == 1.0 and result["frozen"] == 1.0      # old rows and decoder, bit for bit
     assert result["after"] < 0.75 * result["before"], result          # the new codes learned
     assert result["exported_rows"] == 660
+
+
+def test_kept_versions_share_the_tables_chunk_files(capsys):
+    result = load("kept_versions_disk_use").main(["--rows", "20000", "--dim", "16", "--versions", "6"])
+    assert result["kept"] == 6 and result["disk_tables"] < 1.2 + 1.5 * result["changed_tables"], result
+    assert "every kept version reads its rows bit for bit" in capsys.readouterr().out

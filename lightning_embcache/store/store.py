@@ -42,6 +42,7 @@ from .hot import SLOT_OVERHEAD, HotTier
 from .initrows import normal_rows
 from .schema import DTYPES, Schema
 from .stats import StoreStats
+from .sharing import Sharing
 from .tiers import SLICE_ROWS, ServedWarm, TieredRows, TooLarge, to_np
 from .validate import (MAX_CHUNK_ROWS, MAX_ROWS, as_ids, as_values, budget, check_meta, finite_float,
                        positive_int, version_arg)
@@ -303,7 +304,9 @@ class EmbeddingStore(TieredRows, Versioning):
         self._flush_waiting = 0  # flushes waiting for the writer lock (compaction yields to them)
         self._folded = np.zeros(0, np.int64)  # per chunk: newest segment folded into its base file
         self._dead: DeadRecords | None = None  # a writer's punching of dead delta records (holes.py)
-        self._manifests_seen: dict[int, Manifest] = {}  # other versions' manifests (they never change)
+        # other versions' manifests (only this writer's compaction rounds change them: `_repoint`)
+        self._manifests_seen: dict[int, Manifest] = {}
+        self._sharing = Sharing()  # kept versions sharing the chunk files, what rounds fold (sharing.py)
         self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
         # the newest device write into the table still running (`_device_write`): anything with
         # `synchronize()`; host reads of the table wait for it first

@@ -33,12 +33,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import foldproc
+from . import foldproc, sharing
 from .disk import Disk, Manifest, Segment
 from .fold import fold_chunk
 from .foldproc import FoldProcess
 from .holes import DeadRecords
-from .errors import CorruptStoreError, StoreError
+from .errors import CorruptStoreError, StoreError, VersionNotFoundError
 from .memory import trim_heap
 from .validate import version_arg
 
@@ -177,6 +177,9 @@ class Versioning:
             # that a pass of rounds rewrites the whole table to drop.
             rows = self._rows
             gone = rows.superseded(self._committed + pending, ids) if rows is not None else set()
+            # A segment a kept version lists stays (its file stays anyway): that version then
+            # keeps sharing the chunk files compaction writes (sharing.py).
+            gone = set() if self._version in self._pins else gone - self._sharing.segments
             kept = [g for g in self._committed + pending if g.seq not in gone]
             version = self._max_version + 1
             segs = [g.seq for g in kept]
@@ -212,6 +215,7 @@ class Versioning:
             self._stats.flushes += 1
             self._stats.flushed_rows += len(ids)
         self._apply_retention()
+        self._refresh_sharing()
         return version
 
     def versions(self) -> list[int]:
@@ -233,6 +237,7 @@ class Versioning:
             except BaseException:
                 self._pins.discard(version)
                 raise
+            self._refresh_sharing()
 
     def unpin(self, version: int) -> None:
         """Release a version kept by `pin`; retention may then reclaim it (not a reader's)."""
@@ -249,6 +254,7 @@ class Versioning:
                     self._pins.add(version)
                 raise
             self._apply_retention()
+            self._refresh_sharing()
 
     def pinned(self) -> list[int]:
         """The pinned versions, oldest first."""
@@ -336,6 +342,7 @@ class Versioning:
             # before the last punch, may have left them whole)
             self._dead = DeadRecords(disk)
             self._kill_dead(disk.pool.seal())
+            self._refresh_sharing()
 
     # ------------------------------------------------------------------ compaction and GC
     def _segment_bytes(self, held: bool = False) -> int:
@@ -343,15 +350,24 @@ class Versioning:
         punched out of them (holes.py)."""
         return sum(s.live_bytes if held else s.nbytes for s in self._committed)
 
+    def _foldable(self) -> list[Segment]:
+        """The committed segments compaction rounds fold now: not those newer than a kept version
+        that shares the chunk files (they hold the rows changed since it, sharing.py). The
+        thresholds count these only, so a pass never starts for segments it may not fold."""
+        share = self._sharing
+        return [s for s in self._committed if share.foldable(s)]
+
     def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
                           floor: int = 0, held: bool = True, adding: int = 0) -> bool:
-        """Segments past ``ratio`` of the table's bytes, or more than ``segments`` of them, with
-        ``adding`` bytes more (a flush's own segment). ``held``: the bytes on disk, dead records
-        given back (holes.py), which drop as the rounds fold chunk after chunk, not once a whole
-        sweep is round; else the files' sizes."""
+        """Segments rounds may fold (`_foldable`) past ``ratio`` of the table's bytes, or more
+        than ``segments`` of them, with ``adding`` bytes more (a flush's own segment). ``held``:
+        the bytes on disk, dead records given back (holes.py), which drop as the rounds fold
+        chunk after chunk, not once a whole sweep is round; else the files' sizes."""
         ratio = COMPACT_RATIO if ratio is None else ratio  # read now: tests and benchmarks set it
         table = self._num_rows * self._row_bytes
-        return len(self._committed) > segments or self._segment_bytes(held) + adding > max(ratio * table, floor)
+        foldable = self._foldable()
+        nbytes = sum(s.live_bytes if held else s.nbytes for s in foldable)
+        return len(foldable) > segments or nbytes + adding > max(ratio * table, floor)
 
     def _maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
@@ -405,7 +421,9 @@ class Versioning:
     def compact(self) -> None:
         """Fold every committed delta segment into base chunks now (normally automatic, in the
         background, a bounded round at a time). Each round is published at once (the version's
-        manifest names the new layout of the same rows), so reopening and disk use follow."""
+        manifest names the new layout of the same rows), so reopening and disk use follow.
+        Segments newer than a pinned version that shares the chunk files stay: they hold the
+        rows changed since it (docs/store-format.md, "Versions, pins and space")."""
         try:
             self._compact_now()
         except CorruptStoreError as exc:
@@ -470,7 +488,11 @@ class Versioning:
                     # disk use drops to what the versions hold.
                     self._disk.pool.drain()
                     return None
-                target, superseded = self._committed[-1].seq, self._stats.superseded_segments
+                foldable = self._foldable()
+                if not foldable:
+                    self._disk.pool.drain()
+                    return None
+                target, superseded = foldable[-1].seq, self._stats.superseded_segments
             if not self._compact_round(unlocked=True):
                 self._disk.pool.drain()
                 return None
@@ -650,6 +672,10 @@ class Versioning:
         layout, and their rows newer elsewhere); the chunk map moves only by rounds, which never
         overlap (`_await_round`). So the round publishes over the layout as it finds it then.
 
+        Only the segments every pinned version sharing the chunk files lists too are folded
+        (``self._sharing``, sharing.py), and each of those versions is published again with the
+        new chunk map after the writer's (`_repoint`).
+
         Each chunk map records, per chunk, the newest segment folded into its base file; a segment
         goes once every chunk it touches has folded it. Only a prefix of segments is ever dropped,
         so every segment kept is newer than every one dropped: re-applying a kept segment to a
@@ -659,9 +685,10 @@ class Versioning:
         disk = self._disk
         assert disk is not None
         with self._lock:
-            if self._closed or not self._committed:
+            share = self._sharing
+            segs = [s for s in self._committed if share.foldable(s)]
+            if self._closed or not segs:
                 return False
-            segs = list(self._committed)
             cmap = self._cmap.copy()
             folded0 = self._folded  # replaced, never changed in place: only rounds move it
             old_gen = self._cmap_gen
@@ -687,6 +714,7 @@ class Versioning:
             chunks = self._fold_chunks(chunks, cmap, folded0, segs, gen, res)
             if self._closed and not len(chunks) and planned:
                 return False
+            folding = segs
             with self._lock:  # a flush may have added (or left out) segments meanwhile
                 segs = list(self._committed)
             new_cmap = cmap.copy()  # rounds never overlap: the chunk map is the snapshot's
@@ -700,20 +728,8 @@ class Versioning:
                 drop += 1
             remaining = segs[drop:]
             disk.write_chunkmap(gen, new_cmap, folded)
-            # The version keeps its number: its manifest is rewritten in place with the new layout
-            # (same rows, same identity), while no reader can open it. Only when a read-only handle
-            # holds it does the new layout become a new version (the reader keeps its files).
             version = self._version
-            alone = disk.lock_version_alone(version)
-            try:
-                if alone is not None:
-                    m = Manifest(version, gen, [s.seq for s in remaining], self._parent,
-                                 disk.manifest_checksum(version))
-                else:
-                    m = Manifest(self._max_version + 1, gen, [s.seq for s in remaining], version)
-                disk.write_manifest(m)  # the commit point: old layout or new, the same rows
-            finally:
-                disk.unlock_reader(alone)
+            m = self._publish_layout(gen, remaining)
         finally:
             with self._lock:
                 self._writing_gens.discard(gen)
@@ -745,9 +761,12 @@ class Versioning:
             # Reads planned from here on read the records this round folded from the new base
             # files; those planned before, without the lock, register before this epoch.
             ready = disk.pool.seal()
+        # The kept versions that share the chunk files read the new ones too (sharing.py).
+        self._repoint(share.members, old_gen, gen, folding, folded)
         if self._closed:
             return False  # the next open collects what this round replaced
         listed = disk.list_versions()  # (for both: nothing adds or drops a version meanwhile)
+        self._refresh_sharing(listed)
         self._kill_dead(ready, listed)
         # The replaced chunk files and dropped segments are garbage once no kept version uses
         # them: collected now, round by round, so disk use stays near the table plus one round.
@@ -760,6 +779,25 @@ class Versioning:
             self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
         return True
+
+    def _publish_layout(self, gen: int, remaining: list[Segment]) -> Manifest:
+        """Publish the writer's version as chunk map ``gen`` and segments ``remaining`` (the same
+        rows). The version keeps its number: its manifest is rewritten in place (same identity)
+        while no reader can open it. Only when a read-only handle holds it does the new layout
+        become a new version (the reader keeps its files)."""
+        disk = self._disk
+        version = self._version
+        segs = [s.seq for s in remaining]
+        alone = disk.lock_version_alone(version)
+        try:
+            if alone is not None:
+                m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version))
+            else:
+                m = Manifest(self._max_version + 1, gen, segs, version)
+            disk.write_manifest(m)  # the commit point: old layout or new, the same rows
+        finally:
+            disk.unlock_reader(alone)
+        return m
 
     def _kill_dead(self, ready: int, listed: list[int] | None = None) -> None:
         """Queue the delta records the chunk map now says base chunks hold, to be punched once no
@@ -789,15 +827,81 @@ class Versioning:
         for v in listed:
             if v == version:
                 continue
-            m = cache.get(v)
-            if m is None:
-                try:
-                    m = cache[v] = disk.read_manifest(v)
-                except (StoreError, OSError):
-                    continue  # dropped since it was listed: nothing of it to keep
-            if m.chunkmap != gen:
+            m = self._manifest_of(v)
+            if m is not None and m.chunkmap != gen:
                 out.update(m.segments)
         return out
+
+    def _manifest_of(self, version: int) -> Manifest | None:
+        """Another version's manifest, read once (None: dropped since it was listed)."""
+        m = self._manifests_seen.get(version)
+        if m is None:
+            try:
+                m = self._manifests_seen[version] = self._disk.read_manifest(version)
+            except (StoreError, OSError):
+                return None
+        return m
+
+    def _refresh_sharing(self, listed: list[int] | None = None) -> None:
+        """Find the pinned versions that share the writer's chunk files and how far rounds may
+        fold without copying the chunks they read (sharing.py). A version a read-only handle
+        holds keeps its files: it is left out. Caller holds the writer lock (or opens the store)."""
+        disk = self._disk
+        if disk is None or self._readonly:
+            return
+        if listed is None:
+            listed = disk.list_versions()
+        with self._lock:
+            segs, gen, version, pins = list(self._committed), self._cmap_gen, self._version, set(self._pins)
+        seqs = {s.seq for s in segs}
+        members = []
+        for v in listed:
+            m = self._manifest_of(v) if v in pins and v != version else None
+            if m is not None and sharing.shares(m, gen, seqs) and self._unread(v):
+                members.append(m)
+        self._sharing = sharing.plan(segs, members, self._num_rows * self._row_bytes)
+
+    def _unread(self, version: int) -> bool:
+        """No read-only handle holds ``version`` now (one that opens it later finds it published
+        again, or waits for that: `_repoint` holds its lock exclusively)."""
+        alone = self._disk.lock_version_alone(version)
+        self._disk.unlock_reader(alone)
+        return alone is not None
+
+    def _repoint(self, members: tuple[int, ...], old_gen: int, gen: int, folding: list[Segment],
+                 folded: np.ndarray) -> None:
+        """Publish each kept version of ``members`` again with chunk map ``gen``, whose new base
+        files hold the segments ``folding`` that it lists too (same rows, number and identity),
+        without the leading segments every chunk of which is folded now. One a read-only handle
+        opened, that was unpinned or moved meanwhile keeps its layout (and its files)."""
+        disk = self._disk
+        folded_seqs = {s.seq for s in folding}
+        newest = max(folded_seqs)
+        by_seq = {s.seq: s for s in folding}
+        for v in members:
+            if v not in self._pins:
+                continue  # unpinned while the round folded: retention may have dropped it
+            alone = disk.lock_version_alone(v)
+            if alone is None:
+                continue
+            try:
+                try:
+                    m = disk.read_manifest(v)
+                except VersionNotFoundError:
+                    continue
+                if m.chunkmap != old_gen or {q for q in m.segments if q <= newest} != folded_seqs:
+                    continue
+                lead = 0
+                for q in m.segments:
+                    seg = by_seq.get(q)
+                    if seg is None or not (folded[seg.idx_chunk] >= q).all():
+                        break
+                    lead += 1
+                new = Manifest(v, gen, m.segments[lead:], m.parent, m.ident or disk.manifest_checksum(v))
+                disk.write_manifest(new)  # the commit point of this version's new layout
+                self._manifests_seen[v] = new
+            finally:
+                disk.unlock_reader(alone)
 
     def _collect_replaced(self, disk: Disk, version: int, replaced: list[tuple[int, int]], dropped: list[Segment],
                           old_gen: int, listed: list[int]) -> bool:
