@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         per_flush = int(args.share * args.rows / args.flushes)
         kept: dict[int, str] = {}
         peak, reader = 0, None
-        for i in range(args.versions):
+        for _ in range(args.versions):
             for _ in range(args.flushes):
                 v = scatter(store, rng, per_flush)
                 if reader is not None:

@@ -17,14 +17,15 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, Union
+from typing import Any
 
 import numpy as np
 import torch
 
-from . import fileio
+from . import fileio, foldproc, rowcopy
 from .disk import Disk, Manifest, Segment
 from .errors import (
     CorruptStoreError,
@@ -36,27 +37,34 @@ from .errors import (
     StoreError,
     StoreLockedError,
 )
-from . import rowcopy
+from .foldproc import FoldProcess
 from .holes import DeadRecords
 from .hot import SLOT_OVERHEAD, HotTier
 from .initrows import normal_rows
 from .schema import DTYPES, Schema
-from .stats import StoreStats
 from .sharing import Sharing
+from .stats import StoreStats
 from .tiers import SLICE_ROWS, ServedWarm, TieredRows, TooLarge, to_np
-from .validate import (MAX_CHUNK_ROWS, MAX_ROWS, as_ids, as_values, budget, check_meta, finite_float,
-                       positive_int, version_arg)
-from . import foldproc
-from .foldproc import FoldProcess
+from .validate import (
+    MAX_CHUNK_ROWS,
+    MAX_ROWS,
+    as_ids,
+    as_values,
+    budget,
+    check_meta,
+    finite_float,
+    positive_int,
+    version_arg,
+)
 from .versions import Versioning
 from .warm import WarmTier
 
 InitFn = Callable[[torch.Tensor], torch.Tensor]
-Init = Union[str, InitFn]
-PathLike = Union[str, os.PathLike, None]
+Init = str | InitFn
+PathLike = str | os.PathLike | None
 
 
-_LIVE: "weakref.WeakSet[EmbeddingStore]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[EmbeddingStore] = weakref.WeakSet()
 
 
 def strided_normal_spec(spec: Any) -> dict | None:
@@ -125,7 +133,7 @@ class EmbeddingStore(TieredRows, Versioning):
         check_finite: bool = True,
         fields: Mapping[str, tuple] | None = None,
         materialize: bool = False,
-    ) -> "EmbeddingStore":
+    ) -> EmbeddingStore:
         """Create a new store (``path=None``: ephemeral, deleted on close).
 
         ``materialize=True`` (memory mode, ``hot_bytes=None``): every row's initial value is made
@@ -148,7 +156,8 @@ class EmbeddingStore(TieredRows, Versioning):
         if not isinstance(dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype; got {dtype!r}")
         if fields is not None and not isinstance(fields, Mapping):
-            raise InvalidTypeError(f"fields must be a mapping name -> (dtype, cols[, fill]); got {type(fields).__name__}")
+            raise InvalidTypeError(
+                f"fields must be a mapping name -> (dtype, cols[, fill]); got {type(fields).__name__}")
         try:
             schema = Schema(dim, dtype, dict(fields or {}))
         except (TypeError, ValueError, OverflowError) as exc:
@@ -195,9 +204,18 @@ class EmbeddingStore(TieredRows, Versioning):
             except OSError as exc:
                 raise fileio.io_error(exc, "creating", root) from exc
         try:
-            store = cls(root, meta, None, readonly=False, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
-                        check_finite=check_finite, init_fn=None if isinstance(init, str) else init,
-                        ephemeral=ephemeral, create=True)
+            store = cls(
+                root,
+                meta,
+                None,
+                readonly=False,
+                hot_bytes=hot_bytes,
+                warm_bytes=warm_bytes,
+                check_finite=check_finite,
+                init_fn=None if isinstance(init, str) else init,
+                ephemeral=ephemeral,
+                create=True,
+            )
             if materialize:
                 try:
                     store._materialize()
@@ -226,7 +244,7 @@ class EmbeddingStore(TieredRows, Versioning):
         *,
         check_finite: bool = True,
         init: InitFn | None = None,
-    ) -> "EmbeddingStore":
+    ) -> EmbeddingStore:
         """Open an existing store at its latest version, or at a retained ``version``."""
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidTypeError(f"path must be a str or os.PathLike; got {type(path).__name__}")
@@ -247,15 +265,42 @@ class EmbeddingStore(TieredRows, Versioning):
             if spec is None:
                 raise InvalidArgumentError(
                     f"the store at {str(root)!r} was created with a callable init; pass the same function as init= "
-                    "(from Python: the embcache commands cannot rebuild a function)")
-            init = StridedNormal(spec["stride"], spec["offset"], Schema.from_json(meta["schema"]).dim,
-                                 int(meta["seed"]), float(meta["init_std"]))
-        return cls(root, meta, version, readonly=readonly, hot_bytes=hot_bytes, warm_bytes=warm_bytes,
-                   check_finite=check_finite, init_fn=init, ephemeral=False, create=False)
+                    "(from Python: the embcache commands cannot rebuild a function)"
+                )
+            init = StridedNormal(
+                spec["stride"],
+                spec["offset"],
+                Schema.from_json(meta["schema"]).dim,
+                int(meta["seed"]),
+                float(meta["init_std"]),
+            )
+        return cls(
+            root,
+            meta,
+            version,
+            readonly=readonly,
+            hot_bytes=hot_bytes,
+            warm_bytes=warm_bytes,
+            check_finite=check_finite,
+            init_fn=init,
+            ephemeral=False,
+            create=False,
+        )
 
-    def __init__(self, root: Path | None, meta: dict, version: int | None, *, readonly: bool,
-                 hot_bytes: int | None, warm_bytes: int, check_finite: bool, init_fn: InitFn | None,
-                 ephemeral: bool, create: bool) -> None:
+    def __init__(
+        self,
+        root: Path | None,
+        meta: dict,
+        version: int | None,
+        *,
+        readonly: bool,
+        hot_bytes: int | None,
+        warm_bytes: int,
+        check_finite: bool,
+        init_fn: InitFn | None,
+        ephemeral: bool,
+        create: bool,
+    ) -> None:
         self._closed = True  # until fully constructed
         self._root = root
         self._ephemeral = ephemeral
@@ -327,8 +372,14 @@ class EmbeddingStore(TieredRows, Versioning):
                     self._take_lock(root)
                 if create:
                     Disk.write_meta(root, meta)
-                self._disk = Disk(root, self._num_rows, self._chunk_rows, self._row_bytes,
-                                  fileio.uuid_bytes(meta["uuid"]), unbound=meta.get("names_bound") is not True)
+                self._disk = Disk(
+                    root,
+                    self._num_rows,
+                    self._chunk_rows,
+                    self._row_bytes,
+                    fileio.uuid_bytes(meta["uuid"]),
+                    unbound=meta.get("names_bound") is not True,
+                )
                 self._disk.set_init_rows(self._init_rows)  # the rows a sparse chunk file does not hold
                 if create:
                     self._disk.write_manifest(Manifest(0, 0, []))
@@ -336,15 +387,17 @@ class EmbeddingStore(TieredRows, Versioning):
             else:
                 self._cmap = np.zeros(num_chunks, np.int32)
             try:
-                self._hot = HotTier(self._num_rows, self._row_bytes, self._chunk_rows, capacity,
-                                    private=not self._readonly)
+                self._hot = HotTier(
+                    self._num_rows, self._row_bytes, self._chunk_rows, capacity, private=not self._readonly
+                )
             except (MemoryError, OverflowError, ValueError, OSError) as exc:
                 need = (capacity if capacity is not None else self._num_rows) * self._row_bytes
                 raise InvalidArgumentError(
                     f"num_rows={self._num_rows} x {self._row_bytes}-byte records "
                     f"({'memory mode' if capacity is None else f'hot_bytes={hot_bytes}'}) needs {need} bytes of "
                     f"address space, which this machine cannot map ({type(exc).__name__}); give hot_bytes= "
-                    f"(disk mode) or fewer rows") from None
+                    f"(disk mode) or fewer rows"
+                ) from None
         except BaseException as exc:
             self._release_lock()
             Disk.unlock_reader(self._reader_fd)
@@ -356,7 +409,8 @@ class EmbeddingStore(TieredRows, Versioning):
             if isinstance(exc, MemoryError):  # bookkeeping per chunk of an enormous table
                 raise InvalidArgumentError(
                     f"num_rows={self._num_rows} with chunk_rows={self._chunk_rows} needs more memory for its "
-                    f"bookkeeping than this machine has; give fewer rows or larger chunks") from None
+                    f"bookkeeping than this machine has; give fewer rows or larger chunks"
+                ) from None
             raise
         self._warm = WarmTier(warm_bytes if root is not None else 0, self._chunk_rows, self._row_bytes, num_chunks)
         if root is None and self._init_kind == "zeros" and not any(f.fill for f in self._schema.fields.values()):
@@ -424,8 +478,7 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable()
         hot = self._hot
-        if hot.all_loaded and type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.is_cpu \
-                and ids.dim() == 1:
+        if hot.all_loaded and type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.is_cpu and ids.dim() == 1:
             # Memory mode's steady state: one gather that checks its own bounds (negative ids too),
             # so the ids are validated without a pass of their own, on torch's intra-op threads.
             out = self._gather_checked(ids)
@@ -454,8 +507,9 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable(write=True)
         idx = as_ids(ids, self._num_rows)  # the store's own copy, checked: see as_ids
-        v = as_values(values, len(idx), self._schema.dim, self._schema.dtype, arg="values",
-                      check_finite=self._check_finite)
+        v = as_values(
+            values, len(idx), self._schema.dim, self._schema.dtype, arg="values", check_finite=self._check_finite
+        )
         with self._lock:
             self._check_open()
             if self._hot.all_loaded and self._cow is None:  # steady state: one scatter + dirty marks
@@ -572,11 +626,18 @@ class EmbeddingStore(TieredRows, Versioning):
         self._check_usable()
         idx = self._valid_ids(ids)
         shape = (len(idx), self._row_bytes)
-        if out is not None and (type(out) is not torch.Tensor or out.dtype != torch.uint8 or out.is_cuda
-                                or tuple(out.shape) != shape or not out.is_contiguous()):
-            raise InvalidArgumentError(f"out must be a contiguous CPU uint8 tensor of shape {shape}; got "
-                                       f"{getattr(out, 'dtype', type(out).__name__)} of shape "
-                                       f"{tuple(getattr(out, 'shape', ()))}")
+        if out is not None and (
+            type(out) is not torch.Tensor
+            or out.dtype != torch.uint8
+            or out.is_cuda
+            or tuple(out.shape) != shape
+            or not out.is_contiguous()
+        ):
+            raise InvalidArgumentError(
+                f"out must be a contiguous CPU uint8 tensor of shape {shape}; got "
+                f"{getattr(out, 'dtype', type(out).__name__)} of shape "
+                f"{tuple(getattr(out, 'shape', ()))}"
+            )
         if out is None:
             out = torch.empty(shape, dtype=torch.uint8)
         dest = out.numpy()
@@ -603,12 +664,17 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable(write=True)
         idx = self._valid_ids(ids)
-        if (type(records) is not torch.Tensor or records.dtype != torch.uint8 or records.is_cuda
-                or tuple(records.shape) != (len(idx), self._row_bytes)):
+        if (
+            type(records) is not torch.Tensor
+            or records.dtype != torch.uint8
+            or records.is_cuda
+            or tuple(records.shape) != (len(idx), self._row_bytes)
+        ):
             raise InvalidArgumentError(
                 f"records must be a CPU uint8 tensor of shape ({len(idx)}, {self._row_bytes}) from "
                 f"read_records(); got {getattr(records, 'dtype', type(records).__name__)} of shape "
-                f"{tuple(getattr(records, 'shape', ()))}")
+                f"{tuple(getattr(records, 'shape', ()))}"
+            )
         w = self._schema.view(records, "weight")
         if self._check_finite and len(idx):
             as_values(w.contiguous(), len(idx), self.dim, self.dtype, arg="records (weight)", check_finite=True)
@@ -718,8 +784,9 @@ class EmbeddingStore(TieredRows, Versioning):
             if self._device_pending is pending:
                 self._device_pending = None
 
-    def export(self, out: str | os.PathLike, field: str = "weight", version: int | None = None, *,
-               overwrite: bool = False) -> Path:
+    def export(
+        self, out: str | os.PathLike, field: str = "weight", version: int | None = None, *, overwrite: bool = False
+    ) -> Path:
         """Write field ``field`` of every row, in id order, to the ``.npy`` file ``out``; returns its path.
 
         Streams a block of rows at a time (memory: the store's budgets plus a few MiB), so a
@@ -741,14 +808,18 @@ class EmbeddingStore(TieredRows, Versioning):
         if version is not None:
             version = version_arg(version, "version")
             if self._root is None or self._ephemeral:
-                raise InvalidArgumentError(f"version={version}: an in-memory store keeps no versions; "
-                                           "pass version=None to export its rows as they are")
-            with EmbeddingStore.open(self._root, version=version, readonly=True, hot_bytes=export.EXPORT_BLOCK_BYTES,
-                                     init=self._init_fn) as old:
+                raise InvalidArgumentError(
+                    f"version={version}: an in-memory store keeps no versions; "
+                    "pass version=None to export its rows as they are"
+                )
+            with EmbeddingStore.open(
+                self._root, version=version, readonly=True, hot_bytes=export.EXPORT_BLOCK_BYTES, init=self._init_fn
+            ) as old:
                 return old.export(path, field, overwrite=overwrite)
         dtype, cols = self.field_spec(field)
-        return export.write_npy(path, (self._num_rows, cols), export.numpy_dtype(dtype),
-                                export.store_blocks(self, field))
+        return export.write_npy(
+            path, (self._num_rows, cols), export.numpy_dtype(dtype), export.store_blocks(self, field)
+        )
 
     def prefetch(self, ids: Any) -> None:
         """Hint: bring these rows into the hot tier in the background; returns at once."""
@@ -792,7 +863,8 @@ class EmbeddingStore(TieredRows, Versioning):
             as_ids(ids, self._num_rows)  # raises the store's own error, naming the bad id
             raise InvalidArgumentError(  # the ids changed while the gather read them
                 f"ids must be in [0, {self._num_rows}); an id out of range was read (the ids tensor "
-                f"changed while get() ran)") from None
+                f"changed while get() ran)"
+            ) from None
         return out.view(torch.bfloat16) if self._weight_bf16 else out
 
     def _valid_ids(self, ids: Any) -> np.ndarray:
@@ -876,7 +948,7 @@ class EmbeddingStore(TieredRows, Versioning):
         if self._ephemeral and self._root is not None and same_process:
             shutil.rmtree(self._root, ignore_errors=True)
 
-    def __enter__(self) -> "EmbeddingStore":
+    def __enter__(self) -> EmbeddingStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -894,15 +966,19 @@ class EmbeddingStore(TieredRows, Versioning):
 
     def __repr__(self) -> str:
         mode = "memory" if self._hot_budget is None else f"disk, hot_bytes={self._hot_budget}"
-        return (f"EmbeddingStore(path={str(self.path) if self.path else None!r}, num_rows={self._num_rows}, "
-                f"dim={self.dim}, dtype={self.dtype}, {mode}, version={self._version})")
+        return (
+            f"EmbeddingStore(path={str(self.path) if self.path else None!r}, num_rows={self._num_rows}, "
+            f"dim={self.dim}, dtype={self.dtype}, {mode}, version={self._version})"
+        )
 
     # ------------------------------------------------------------------ guards
     def _check_open(self) -> None:
         """Inside the lock: a close() of another thread may have run since `_check_usable`."""
         if self._closed:
-            raise StoreClosedError("this EmbeddingStore was closed (by another thread) during the call; "
-                                   "open it again with EmbeddingStore.open(path)")
+            raise StoreClosedError(
+                "this EmbeddingStore was closed (by another thread) during the call; "
+                "open it again with EmbeddingStore.open(path)"
+            )
 
     def _check_usable(self, write: bool = False) -> None:
         if self._device_pending is not None:  # every public call sees the device's writes whole
@@ -983,7 +1059,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._bg_futures = {}
 
 
-def _prefetch_weakly(ref: "weakref.ReferenceType[EmbeddingStore]", idx: np.ndarray) -> None:
+def _prefetch_weakly(ref: weakref.ReferenceType[EmbeddingStore], idx: np.ndarray) -> None:
     """A queued prefetch holds its store weakly: a store dropped meanwhile is collected, not kept."""
     store = ref()
     if store is not None and not store._closed:

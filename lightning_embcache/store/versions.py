@@ -28,26 +28,26 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from . import foldproc, sharing
 from .disk import Disk, Manifest, Segment
+from .errors import CorruptStoreError, StoreError, VersionNotFoundError
 from .fold import fold_chunk
 from .foldproc import FoldProcess
 from .holes import DeadRecords
-from .errors import CorruptStoreError, StoreError, VersionNotFoundError
 from .memory import trim_heap
 from .validate import version_arg
 
 # Compaction folds delta segments into base chunks once they hold this share of the table's
 # bytes, or once there are this many. Updates spread over the table put rows of every chunk in
-# every segment, so a pass rewrites the whole table: this share sets how often (once per ~35% of
-# the table written; 25% rewrote it 1.4x as often; 20% gave epochs no faster, within the noise
-# of 6 interleaved runs, with 1.3x the bytes written) against the disk segments hold meanwhile
-# (`embcache bench disk --phases space`: peak 1.41x the table, against 1.5x allowed).
+# every segment, so a pass rewrites the whole table: this share sets how often against the disk
+# segments hold meanwhile (lower shares rewrote the table more often for no faster epochs; the
+# measurements are in docs/benchmarks.md, `embcache bench disk --phases space`).
 COMPACT_RATIO = 0.35
 COMPACT_SEGMENTS = 32
 # Past this share a flush runs compaction rounds itself before writing (backpressure: flushes
@@ -65,7 +65,7 @@ PUNCH_FROM = 0.3
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
-def _run_bg_weakly(ref: "weakref.ReferenceType[Versioning]", name: str) -> None:
+def _run_bg_weakly(ref: weakref.ReferenceType[Versioning], name: str) -> None:
     """A background job of the store ``ref`` names. The compaction pass goes a round at a time,
     holding the store only during a round: a store dropped without close() is collected between
     two rounds (its finalizer closes it), instead of living on as long as its background work."""
@@ -373,10 +373,11 @@ class Versioning:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
         writable open: many short open/flush/close runs would otherwise never get there). The
         compaction process starts here once segments hold half the share a pass starts at: ready
-        before its first round (it takes ~0.2 s of CPU to start), never started by a store only
+        before its first round (starting it costs a fraction of a second of CPU), never started by a store only
         read or by short runs that flush a little."""
-        if self._fold_proc is None and not self._closed and self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2):
-            self._fold_process()
+        if self._fold_proc is None and not self._closed:
+            if self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2):
+                self._fold_process()
         if self._needs_compaction():
             self._submit_bg(self._compact)
 
@@ -416,7 +417,9 @@ class Versioning:
     def _raise_bg_error(self) -> None:
         exc, self._bg_error = self._bg_error, None
         if exc is not None:
-            raise StoreError(f"background store work (write-back, compaction or garbage collection) failed: {exc}") from exc
+            raise StoreError(
+                f"background store work (write-back, compaction or garbage collection) failed: {exc}"
+            ) from exc
 
     def compact(self) -> None:
         """Fold every committed delta segment into base chunks now (normally automatic, in the
@@ -482,8 +485,10 @@ class Versioning:
                 # Round once: sweep again while segments are over the threshold, or over half
                 # of it while flushes add rows that stay (none of their segments left out).
                 hot_set = self._stats.superseded_segments != superseded
-                if not (self._needs_compaction() or (not hot_set and self._needs_compaction(
-                        COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2))):
+                if not (
+                    self._needs_compaction()
+                    or (not hot_set and self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2))
+                ):
                     # The pass is over: the files kept for the next round's reuse go, and
                     # disk use drops to what the versions hold.
                     self._disk.pool.drain()
@@ -512,8 +517,8 @@ class Versioning:
         """The chunks one round rewrites: those the oldest segments still need folded (so that a
         prefix of segments can be dropped), in chunk order, at most ROUND_BYTES of them. In chunk
         order, the records a round kills lie next to those the rounds before it killed, so each
-        segment gets one hole a round (holes.py: a punch costs ~60 us however small here; a
-        round of scattered chunks made ~30 a segment)."""
+        segment gets one hole a round (holes.py: a punch has a fixed cost however small, and a
+        round of scattered chunks would make many a segment)."""
         chunk_bytes = self._chunk_rows * self._row_bytes
         table = self._num_rows * self._row_bytes
         limit = max(1, min(ROUND_BYTES, int(table * ROUND_SHARE)) // chunk_bytes)
@@ -540,8 +545,15 @@ class Versioning:
             return np.zeros(0, np.int64)
         return np.sort(np.concatenate(picked)).astype(np.int64)
 
-    def _fold_elsewhere(self, proc: FoldProcess | None, chunks: np.ndarray, cmap: np.ndarray, folded: np.ndarray,
-                        segs: list[Segment], gen: int) -> dict | None:
+    def _fold_elsewhere(
+        self,
+        proc: FoldProcess | None,
+        chunks: np.ndarray,
+        cmap: np.ndarray,
+        folded: np.ndarray,
+        segs: list[Segment],
+        gen: int,
+    ) -> dict | None:
         """Have the compaction process ``proc`` fold ``chunks`` into files of ``gen``; its result,
         or None where there is no process. Runs without the writer lock for a background round:
         it touches nothing of the store but the file pool (which has its own lock)."""
@@ -551,15 +563,24 @@ class Versioning:
         reuse = []
         while len(reuse) < len(chunks) and (name := disk.pool.take()) is not None:
             reuse.append(name)
-        ok, res = proc.fold(chunks.tolist(), cmap[chunks].tolist(), folded[chunks].tolist(), [s.seq for s in segs],
-                            gen, self._compress, self._own_gens_from, reuse)
+        ok, res = proc.fold(
+            chunks.tolist(),
+            cmap[chunks].tolist(),
+            folded[chunks].tolist(),
+            [s.seq for s in segs],
+            gen,
+            self._compress,
+            self._own_gens_from,
+            reuse,
+        )
         if res["left"] is not None:
             disk.pool.restore(res["left"])
         res["ok"] = ok
         return res
 
-    def _fold_chunks(self, chunks: np.ndarray, cmap: np.ndarray, folded: np.ndarray, segs: list[Segment], gen: int,
-                     res: dict | None) -> np.ndarray:
+    def _fold_chunks(
+        self, chunks: np.ndarray, cmap: np.ndarray, folded: np.ndarray, segs: list[Segment], gen: int, res: dict | None
+    ) -> np.ndarray:
         """Write ``chunks`` (sorted) with ``segs`` folded in as durable files of ``gen``, given what
         the compaction process did (``res``, `_fold_elsewhere`); return those written (all of
         them, or a prefix when the store closes meanwhile). Folded in this thread: the chunks the
@@ -590,8 +611,15 @@ class Versioning:
         for c in own:
             if self._closed:  # close() waits for the writer lock: publish what is done, stop
                 break
-            recs, present = fold_chunk(disk, c, int(cmap[c]), segs, verify=int(cmap[c]) < self._own_gens_from,
-                                       init_rows=self._init_rows, folded=int(folded[c]))
+            recs, present = fold_chunk(
+                disk,
+                c,
+                int(cmap[c]),
+                segs,
+                verify=int(cmap[c]) < self._own_gens_from,
+                init_rows=self._init_rows,
+                folded=int(folded[c]),
+            )
             disk.write_chunk(c, gen, recs, self._compress, durable=False, present=present)
             if handover:
                 time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see `_fold_round`)
@@ -605,11 +633,22 @@ class Versioning:
         while it starts, after it failed twice, or where it is not wanted."""
         proc = self._fold_proc
         if proc is None:
-            if self._disk is None or self._fold_proc_failed or self._readonly or not foldproc.wanted(self._num_rows * self._row_bytes):
+            if (
+                self._disk is None
+                or self._fold_proc_failed
+                or self._readonly
+                or not foldproc.wanted(self._num_rows * self._row_bytes)
+            ):
                 return None
             try:
-                proc = self._fold_proc = FoldProcess(self._root, self._num_rows, self._chunk_rows, self._row_bytes,
-                                                     self._disk.uid, unbound=self._disk.unbound)
+                proc = self._fold_proc = FoldProcess(
+                    self._root,
+                    self._num_rows,
+                    self._chunk_rows,
+                    self._row_bytes,
+                    self._disk.uid,
+                    unbound=self._disk.unbound,
+                )
             except Exception:  # no interpreter to start (an embedded Python), no processes allowed
                 self._fold_proc_failed = True
                 return None
@@ -657,12 +696,11 @@ class Versioning:
         Caller holds the writer lock. False if there was nothing to do or the store closed.
 
         Between chunks the round sleeps for zero seconds: that lets go of the GIL, which a
-        thread computing in numpy otherwise keeps until Python's switch interval (5 ms) forces it
-        out, so a training thread's store call waited up to 5 ms at each of its own hand-overs
-        (`get` of 1,024 rows beside a compaction: 1.0 ms, with the sleep 0.6-0.76, alone 0.7-0.9).
+        thread computing in numpy otherwise keeps until Python's switch interval forces it out,
+        so a training thread's store call would wait that long at each of its own hand-overs.
         A round that runs on the thread of the latest get/update (a flush's backpressure on the
-        training thread) has nobody to hand it to and skips the sleep, which costs ~70 us here
-        (the kernel's timer slack): 35 ms of a 0.5 s pass over 490 chunks.
+        training thread) has nobody to hand it to and skips the sleep, whose cost is the kernel's
+        timer slack per chunk.
 
         ``unlocked`` (background rounds, whose caller holds the writer lock exactly once): where the
         compaction process folds, the writer lock is let go of while it does, so a flush does not
@@ -751,7 +789,7 @@ class Versioning:
             if drop:
                 # Segments left the layout: renumber the index. A round that dropped none leaves
                 # it as it is (it indexes segments only; rebuilding it over every delta record,
-                # under the store lock, took ~10 ms a round that a training thread's get waited for),
+                # under the store lock, would make a training thread's get wait every round),
                 # dropping the entries of the chunks it folded only once they are many.
                 self._index_rebuild()
             elif self._rows is not None:
@@ -773,8 +811,7 @@ class Versioning:
         # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
         disk.pool.limit = len(chunks)  # the next round of the pass rewrites about as many files
         replaced = [(c, g) for c, g in zip(chunks.tolist(), cmap[chunks].tolist()) if g]
-        if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen,
-                                                                  listed)):
+        if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen, listed)):
             self._apply_retention(collect=False)
             self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
@@ -868,8 +905,9 @@ class Versioning:
         self._disk.unlock_reader(alone)
         return alone is not None
 
-    def _repoint(self, members: tuple[int, ...], old_gen: int, gen: int, folding: list[Segment],
-                 folded: np.ndarray) -> None:
+    def _repoint(
+        self, members: tuple[int, ...], old_gen: int, gen: int, folding: list[Segment], folded: np.ndarray
+    ) -> None:
         """Publish each kept version of ``members`` again with chunk map ``gen``, whose new base
         files hold the segments ``folding`` that it lists too (same rows, number and identity),
         without the leading segments every chunk of which is folded now. One a read-only handle
@@ -903,11 +941,18 @@ class Versioning:
             finally:
                 disk.unlock_reader(alone)
 
-    def _collect_replaced(self, disk: Disk, version: int, replaced: list[tuple[int, int]], dropped: list[Segment],
-                          old_gen: int, listed: list[int]) -> bool:
+    def _collect_replaced(
+        self,
+        disk: Disk,
+        version: int,
+        replaced: list[tuple[int, int]],
+        dropped: list[Segment],
+        old_gen: int,
+        listed: list[int],
+    ) -> bool:
         """Delete (or pool for reuse) just the files a round replaced: its chunks' previous files,
         the segments it dropped and the previous chunk map, without listing the folders or reading
-        any manifest (~4 ms a round, a round every ~25 ms in a disk-mode epoch). Only where
+        any manifest (listing them is a large share of a round's time in a disk-mode epoch). Only where
         ``version`` is the only one on disk and nothing is pinned: then no other version can use
         them. False otherwise: the caller collects the usual way."""
         with self._lock:
@@ -951,8 +996,16 @@ class Versioning:
             live_files = set(zip(used.tolist(), self._cmap[used].tolist()))
             # Anything numbered from here on is written after this snapshot: never garbage.
             new_seq, new_gen = self._next_seq, self._next_gen
-        pooled = disk.collect_garbage(disk.list_versions(), live_segs, gens, new_seq, new_gen, remove_temp=at_open,
-                                      keep_files=live_files, pool=pool)
+        pooled = disk.collect_garbage(
+            disk.list_versions(),
+            live_segs,
+            gens,
+            new_seq,
+            new_gen,
+            remove_temp=at_open,
+            keep_files=live_files,
+            pool=pool,
+        )
         if pooled:
             reader = self._chunkrows
             if reader is not None:
@@ -964,8 +1017,8 @@ class Versioning:
 
         There the RSS budget is the point, and background threads' malloc arenas would otherwise
         keep their slack. In memory mode the table is the budget; a trim there only makes the
-        training thread fault its next allocations back in (page faults measured in the get path
-        after every flush, +10-40 us per step until the heap refilled).
+        training thread fault its next allocations back in (page faults in the get path after every
+        flush, until the heap refilled).
         """
         if not self._hot.resident:
             trim_heap()

@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from _lightning_helpers import BATCH, RecordRows, tiny_model, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_embcache.demo import AutoDecoder
-
-from _lightning_helpers import BATCH, RecordRows, tiny_model, tiny_trainer
 
 ROWS, CHUNK = 2048, 128
 ALL = torch.arange(ROWS)

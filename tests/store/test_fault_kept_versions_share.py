@@ -13,11 +13,10 @@ import signal
 import numpy as np
 import pytest
 import torch
+from _fault_workload import Counter, FailAt, KillAfter
 
 from lightning_embcache import EmbeddingStore, StoreError
 from lightning_embcache.store import fileio
-
-from _fault_workload import Counter, FailAt, KillAfter
 
 N, DIM, CHUNK = 512, 8, 32  # 16 chunks
 ALL = torch.arange(N)
