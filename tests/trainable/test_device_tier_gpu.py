@@ -90,23 +90,16 @@ def test_device_tier_trains_like_nn_embedding_on_the_gpu(tmp_path, name, fractio
     again.close()
 
 
-@pytest.mark.parametrize("name", ["adam", "adagrad", "sgd"])
-def test_rows_trained_in_place_in_host_ram_train_like_nn_embedding(tmp_path, name):
-    """`HostMappedTier` (``device_bytes=0`` over a memory-mode table): no row on the GPU, every
-    gather and update over the bus, flushes in between; the same rows as the reference."""
-    from lightning_embcache.host_mapped_tier import HostMappedTier
-
-    opt, store = _store(tmp_path, name)
-    tier = HostMappedTier.create(store, "cuda")
-    assert tier is not None and tier.nbytes == 0 and tier.stats()["device_mapped_host"]
-    rows = TrainableRows(store, opt, device_tier=tier)
+def _train_beside_reference(store, rows, name, batch, seed):
+    """STEPS steps of ``batch`` random ids through ``rows`` and through the reference, a flush
+    (pinned) every 50; returns the reference and its weights at each flushed version."""
     emb, ref = _reference(name, store.get(torch.arange(N)).cuda())
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     versions = {}
     for step in range(1, STEPS + 1):
         ref.zero_grad()
-        ids = torch.randint(0, N, (96,), generator=g)
-        tgt = torch.randn(96, DIM, generator=g).cuda()
+        ids = torch.randint(0, N, (batch,), generator=g)
+        tgt = torch.randn(batch, DIM, generator=g).cuda()
         ((emb(ids.cuda()) - tgt) ** 2).sum().backward()
         ((rows.lookup(ids) - tgt) ** 2).sum().backward()
         rows.collect()
@@ -117,6 +110,19 @@ def test_rows_trained_in_place_in_host_ram_train_like_nn_embedding(tmp_path, nam
             v = store.flush()
             store.pin(v)
             versions[v] = emb.weight.detach().clone()
+    return emb, ref, versions
+
+
+@pytest.mark.parametrize("name", ["adam", "adagrad", "sgd"])
+def test_rows_trained_in_place_in_host_ram_train_like_nn_embedding(tmp_path, name):
+    """`HostMappedTier` (``device_bytes=0`` over a memory-mode table): no row on the GPU, every
+    gather and update over the bus, flushes in between; the same rows as the reference."""
+    from lightning_embcache.host_mapped_tier import HostMappedTier
+
+    opt, store = _store(tmp_path, name)
+    tier = HostMappedTier.create(store, "cuda")
+    assert tier is not None and tier.nbytes == 0 and tier.stats()["device_mapped_host"]
+    emb, ref, versions = _train_beside_reference(store, TrainableRows(store, opt, device_tier=tier), name, 96, 0)
     torch.testing.assert_close(tier.gather(np.arange(N)), emb.weight.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(store.get(torch.arange(N)).cuda(), emb.weight.detach(), rtol=1e-5, atol=1e-5)
     tier.close()
@@ -134,21 +140,7 @@ def test_16x_over_the_budget_rows_and_moments_equal_sparse_adam_across_flushes(t
     opt, store = _store(tmp_path, "adam", hot_bytes=hot_bytes)
     tier = DeviceTier(store, "cuda", _budget(store, 1 / 16))
     assert tier.capacity == N // 16 and tier.stats()["device_mapped_host"] == (hot_bytes is None)
-    rows = TrainableRows(store, opt, device_tier=tier)
-    emb, ref = _reference("adam", store.get(torch.arange(N)).cuda())
-    g = torch.Generator().manual_seed(3)
-    for step in range(1, STEPS + 1):
-        ref.zero_grad()
-        ids = torch.randint(0, N, (64,), generator=g)
-        tgt = torch.randn(64, DIM, generator=g).cuda()
-        ((emb(ids.cuda()) - tgt) ** 2).sum().backward()
-        ((rows.lookup(ids) - tgt) ** 2).sum().backward()
-        rows.collect()
-        ref.step()
-        rows.apply(step=step)
-        if step % 50 == 0:
-            rows.write_down()
-            store.pin(store.flush())
+    emb, ref, _ = _train_beside_reference(store, TrainableRows(store, opt, device_tier=tier), "adam", 64, 3)
     state = ref.state[emb.weight]
     for name, want in (("weight", emb.weight.detach()), ("exp_avg", state["exp_avg"]),
                        ("exp_avg_sq", state["exp_avg_sq"])):
