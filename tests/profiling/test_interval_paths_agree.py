@@ -11,9 +11,9 @@ import math
 from unittest import mock
 
 import pytest
+from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning.pytorch.callbacks import Callback
 
-from _profiling_helpers import MS, BatchDataset, Cost, CostModel, FakeClock, LoopOverhead, loader, trainer
 from lightning_embcache import StepProfiler
 from lightning_embcache.profiling import forecast
 
