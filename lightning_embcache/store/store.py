@@ -44,7 +44,7 @@ from .initrows import normal_rows
 from .schema import DTYPES, Schema
 from .sharing import Sharing
 from .stats import StoreStats
-from .tiers import SLICE_ROWS, ServedWarm, TieredRows, TooLarge, to_np
+from .tiers import SLICE_ROWS, Direct, FromSlab, TieredRows, to_np
 from .validate import (
     MAX_CHUNK_ROWS,
     MAX_ROWS,
@@ -836,12 +836,12 @@ class EmbeddingStore(TieredRows, Versioning):
     def _read_rows(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Fields of ``idx``, filling misses; caller holds the lock."""
         self._check_open()
-        try:
-            return self._gather(self._resolve(idx, load=True), names)
-        except ServedWarm as w:
-            return self._gather_warm(idx, w.slots, w.missing, w.rows, names)
-        except TooLarge as big:
-            return self._gather_direct(idx, big.slots, big.mids, big.records, names)
+        got = self._resolve(idx, load=True)
+        if isinstance(got, FromSlab):
+            return self._gather_warm(idx, got.slots, got.missing, got.rows, names)
+        if isinstance(got, Direct):
+            return self._gather_direct(idx, got.slots, got.mids, got.records, names)
+        return self._gather(got, names)
 
     def _sliced_get(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         out = {n: torch.empty((len(idx), self.field_spec(n)[1]), dtype=self.field_spec(n)[0]) for n in names}

@@ -13,6 +13,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,26 +43,31 @@ PATCH_BYTES = 32 << 20
 SLICE_ROWS = 8192
 
 
-class TooLarge(Exception):
-    """Internal: a read is served without installing rows ``mids`` (sorted, unique) in the hot
-    tier: ``slots`` for the ids of the call (-1 where not hot), ``records`` for ``mids``."""
+@dataclass(frozen=True)
+class Direct:
+    """A read served without installing rows ``mids`` (sorted, unique) in the hot tier: too many
+    for it, or rows of chunks held whole in the warm tier. ``slots`` for the ids of the call (-1
+    where not hot), ``records`` for ``mids`` (`TieredRows._direct_records`)."""
 
-    def __init__(self, slots: np.ndarray, mids: np.ndarray, records: np.ndarray) -> None:
-        self.slots, self.mids, self.records = slots, mids, records
-
-
-class ServedBelow(TooLarge):
-    """Internal: a read whose missing rows come from warm-tier copies of their chunks, served
-    from those copies without taking hot slots (see `TieredRows._resolve`)."""
+    slots: np.ndarray
+    mids: np.ndarray
+    records: np.ndarray
 
 
-class ServedWarm(Exception):
-    """Internal: a read whose missing rows all lie in chunks held raw in the warm tier's slab:
-    ``slots`` for the ids of the call (-1 where not hot), and for the positions ``missing`` of
-    the others their ``rows`` in the slab (`TieredRows._gather_warm`)."""
+@dataclass(frozen=True)
+class FromSlab:
+    """A read whose missing rows all lie in chunks held raw in the warm tier's slab: ``slots``
+    for the ids of the call (-1 where not hot), and for the positions ``missing`` of the others
+    their ``rows`` in the slab (`TieredRows._warm_records`)."""
 
-    def __init__(self, slots: np.ndarray, missing: np.ndarray, rows: np.ndarray) -> None:
-        self.slots, self.missing, self.rows = slots, missing, rows
+    slots: np.ndarray
+    missing: np.ndarray
+    rows: np.ndarray
+
+
+#: what `TieredRows._resolve` gives: hot slots per id; None for a write that went around the hot
+#: tier; or a read served another way
+Resolved = np.ndarray | Direct | FromSlab | None
 
 
 def np_dtype(dtype: torch.dtype) -> np.dtype:
@@ -141,7 +147,7 @@ class TieredRows:
         return out.view(torch.bfloat16) if self._schema.fields[name].dtype == torch.bfloat16 else out
 
     def _gather_warm(self, idx, slots, missing, rows, names) -> dict[str, torch.Tensor]:
-        """Serve a read whose missing rows lie in the warm tier's slab (`ServedWarm`)."""
+        """Serve a read whose missing rows lie in the warm tier's slab (`FromSlab`)."""
         return self._fields_of(self._warm_records(idx, slots, missing, rows), names)
 
     def _warm_records(self, idx, slots, missing, rows) -> np.ndarray:
@@ -162,7 +168,7 @@ class TieredRows:
         return {n: self._schema.view(t, n).clone() for n in names}
 
     def _gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
-        """Serve a read without installing rows ``mids`` (`TooLarge`): hot rows from their
+        """Serve a read without installing rows ``mids`` (`Direct`): hot rows from their
         slots, the others from ``records``."""
         return self._fields_of(self._direct_records(idx, slots, mids, records), names)
 
@@ -182,15 +188,13 @@ class TieredRows:
     def _records_into(self, idx: np.ndarray, out: np.ndarray) -> None:
         """Whole records of ``idx`` into ``out`` (n, row_bytes), filling misses; caller holds the
         lock. One gather of whole records, whatever the tier: no field-by-field path."""
-        try:
-            slots = self._resolve(idx, load=True)
-        except ServedWarm as w:
-            out[:] = self._warm_records(idx, w.slots, w.missing, w.rows)
-            return
-        except TooLarge as big:
-            out[:] = self._direct_records(idx, big.slots, big.mids, big.records)
-            return
-        rowcopy.gather(self._hot.pool_np, slots, out)
+        got = self._resolve(idx, load=True)
+        if isinstance(got, FromSlab):
+            out[:] = self._warm_records(idx, got.slots, got.missing, got.rows)
+        elif isinstance(got, Direct):
+            out[:] = self._direct_records(idx, got.slots, got.mids, got.records)
+        else:
+            rowcopy.gather(self._hot.pool_np, got, out)
 
     def _write_records_into(self, idx: np.ndarray, records: np.ndarray) -> None:
         """Write whole ``records`` of unique ``idx``; caller holds the lock. Resolved before
@@ -244,11 +248,13 @@ class TieredRows:
         self._hot.dirty[slots] = 1
 
     def _resolve(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
-                 values: dict[str, torch.Tensor] | None = None) -> np.ndarray | None:
+                 values: dict[str, torch.Tensor] | None = None) -> Resolved:
         """Slots holding ``idx``, filling misses from below. Caller holds the lock.
 
         For a write covering every field (``load=False``) missing rows are not read from below.
-        Returns None when a write was too large for the hot tier and went straight to disk.
+        Returns None when a write was too large for the hot tier and went straight to disk; a
+        read may instead be served without hot slots (`Direct`, `FromSlab`); writes and memory
+        mode always get slots (or None).
         """
         try:
             return self._resolve_rows(idx, load=load, for_write=for_write, values=values)
@@ -257,7 +263,7 @@ class TieredRows:
             raise
 
     def _resolve_rows(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
-                      values: dict[str, torch.Tensor] | None = None) -> np.ndarray | None:
+                      values: dict[str, torch.Tensor] | None = None) -> Resolved:
         hot = self._hot
         if hot.resident:  # slots are the ids: resolving means loading missing rows, slice by slice
             if hot.all_loaded:
@@ -303,7 +309,7 @@ class TieredRows:
             # rows served from warm chunks were in memory when read: the lookahead did its work
             self._follow_window(idx, slots, asked if rows is None else asked & ~missing, for_write)
         if rows is not None:
-            raise ServedWarm(slots, where, rows)
+            return FromSlab(slots, where, rows)
         if not n_miss:
             return slots
         mids = idsets.unique(idx[missing])
@@ -312,7 +318,7 @@ class TieredRows:
                 self._write_around(idx, mids, values or {}, load)
                 return None
         if len(mids) > hot.limit and not for_write:
-            raise TooLarge(slots, mids, self._fetch(mids))
+            return Direct(slots, mids, self._fetch(mids))
         ahead = self._take_hints(mids) if load and not for_write and self._hinted else None
         if ahead is not None and (len(self._warm) or (self._loader is not None and len(self._loader))):
             # announced rows of chunks held warm (or being read into it) are served from there
@@ -346,9 +352,7 @@ class TieredRows:
             # patches (or drops) the warm copies of its chunks (`_patch_warm`), and rows hot here
             # (dirty or not) are served from the hot tier. An update of such a row takes a slot as usual.
             if warm.all():
-                raise ServedBelow(slots, mids, records)
-            # (the exception is made only when raised: one kept in a local of this frame, which
-            # its traceback references, would hold the batch's arrays until the cyclic GC ran)
+                return Direct(slots, mids, records)
             served = (mids[warm], records[warm])
             mids, records = mids[~warm], records[~warm]
         got = self._allocate(len(mids), protect=slots[~missing])
@@ -364,7 +368,7 @@ class TieredRows:
                 recs[np.searchsorted(both, mids)] = records
                 recs[np.searchsorted(both, served[0])] = served[1]
                 mids, records = both, recs
-            raise TooLarge(slots, mids, records)
+            return Direct(slots, mids, records)
         hot.install(mids, got, records)
         slots = hot.slot_of[idx].astype(np.int64) - 1
         if ahead is not None and len(ahead):
@@ -373,7 +377,7 @@ class TieredRows:
                 hot.install(ahead[: len(room)], room, ahead_records[: len(room)])
                 self._stats.prefetched_rows += len(room)
         if served is not None:
-            raise ServedBelow(hot.slot_of[idx].astype(np.int64) - 1, *served)
+            return Direct(hot.slot_of[idx].astype(np.int64) - 1, *served)
         return slots
 
     def _take_hints(self, mids: np.ndarray) -> np.ndarray | None:
