@@ -347,6 +347,7 @@ class EmbeddingStore(TieredRows, Versioning):
         self._bg_error: BaseException | None = None
         self._below_token = 0  # moves whenever rows below the hot tier change (see _prefetch)
         self._flush_waiting = 0  # flushes waiting for the writer lock (compaction yields to them)
+        self._no_flush_waiting = threading.Condition(self._lock)  # notified when that count drops to 0
         self._folded = np.zeros(0, np.int64)  # per chunk: newest segment folded into its base file
         self._dead: DeadRecords | None = None  # a writer's punching of dead delta records (holes.py)
         # other versions' manifests (only this writer's compaction rounds change them: `_repoint`)
@@ -1050,6 +1051,7 @@ class EmbeddingStore(TieredRows, Versioning):
                 pass
             self._lock_fd = None
         self._lock = threading.RLock()
+        self._no_flush_waiting = threading.Condition(self._lock)
         self._flush_lock = threading.RLock()
         self._round_thread, self._round_done = None, threading.Event()
         self._fold_proc = None  # the parent's; its handle refuses to serve another process anyway

@@ -119,8 +119,7 @@ class Versioning:
         try:
             self._flush_lock.acquire()
         finally:
-            with self._lock:
-                self._flush_waiting -= 1
+            self._flush_done_waiting()
         try:
             # The segments this flush writes or commits count too (disk use peaks right after it),
             # up to half the limit: a flush of most of the table would otherwise have every
@@ -471,8 +470,9 @@ class Versioning:
             self._await_fold_process()
             state = (-1, self._stats.superseded_segments)
         target, superseded = state
-        while self._flush_waiting and not self._closed:
-            time.sleep(0.0005)  # a flush asked for the writer lock: it goes first
+        with self._lock:  # a flush asked for the writer lock: it goes first
+            while self._flush_waiting and not self._closed:
+                self._no_flush_waiting.wait(0.1)  # notified when none waits; the timeout sees close()
         if self._closed or self._damage is not None:
             return None
         if self._clean_due:
@@ -679,8 +679,13 @@ class Versioning:
                 finally:
                     self._flush_lock.acquire()
         finally:
-            with self._lock:
-                self._flush_waiting -= 1
+            self._flush_done_waiting()
+
+    def _flush_done_waiting(self) -> None:
+        with self._lock:
+            self._flush_waiting -= 1
+            if not self._flush_waiting:
+                self._no_flush_waiting.notify_all()
 
     def _compact_round(self, everything: bool = False, unlocked: bool = False) -> bool:
         """One round of compaction (`_fold_round`), its time counted in ``stats().compaction_seconds``."""
