@@ -436,16 +436,15 @@ class DeviceTier:
             return False
         mapped, nonfinite = self._mapped, self._nonfinite
         check = getattr(self.store, "_check_finite", True)
-        if check and not evicted:
-            weights = self.view("weight").index_select(0, self.to_device(slots))
-            if not bool(torch.isfinite(weights).all()):
-                return False
+        both = self.to_device(np.concatenate([slots, ids]))  # one transfer for both index arrays
+        rows = self.pool.index_select(0, both[: len(slots)])
+        finite = torch.isfinite(self.store.record_view(rows, "weight")).all() if check else None
+        if finite is not None and not evicted and not bool(finite):
+            return False
 
         def enqueue() -> torch.cuda.Event:
-            both = self.to_device(np.concatenate([slots, ids]))
-            rows = self.pool.index_select(0, both[: len(slots)])
-            if check and nonfinite is not None:  # read at the next drain: no wait here
-                nonfinite.logical_or_(~torch.isfinite(self.store.record_view(rows, "weight")).all())
+            if finite is not None and evicted and nonfinite is not None:  # read at the next drain
+                nonfinite.logical_or_(~finite)
             mapped.scatter_from(rows, both[len(slots):])
             done = torch.cuda.Event()
             done.record(self._stream)

@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_embcache.store import fileio
-from lightning_embcache.store.errors import CorruptStoreError
+from . import fileio
+from .errors import CorruptStoreError
 
 log = logging.getLogger(__name__)
 

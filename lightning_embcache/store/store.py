@@ -742,11 +742,10 @@ class EmbeddingStore(TieredRows, Versioning):
         """
         self._check_state(write=True)  # no wait: the device orders its own writes
         with self._lock:
-            if self._closed or self._cow is not None or not self._resident_rows(idx):
+            if self._closed or self._cow is not None or not self._hot.resident:
                 return False
-            self._device_pending = enqueue()
-            self._hot.dirty[idx] = 1
-        self._stats.updates += 1
+            with self._device_writing(idx) as queued:
+                queued(enqueue())
         return True
 
     @contextlib.contextmanager

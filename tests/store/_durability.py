@@ -34,7 +34,7 @@ HEADER = fileio.HEADER_SIZE
 class PowerCutOracle:
     """Install with `fileio.FAULTS = oracle` and `oracle.patch(monkeypatch)`; read `violations`."""
 
-    def __init__(self, root: Path, num_chunks: int = 0) -> None:
+    def __init__(self, root: Path) -> None:
         """``root``: the folder under which store folders are watched (one store, or several)."""
         self.root = Path(root).resolve()
         self.written: set[Path] = set()        # bytes written since their last sync
@@ -150,6 +150,3 @@ class PowerCutOracle:
             if not f.exists():
                 self.violations.append(f"{manifest.name} (commit {self.commits}) names {f.name}, which is missing")
 
-
-def names_in(root: Path) -> list[str]:
-    return sorted(os.listdir(root))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from _durability import PowerCutOracle
-from _fault_workload import CHUNK, N, run_workload, set_mode
+from _fault_workload import run_workload, set_mode
 
 from lightning_embcache.store import disk as disk_mod
 from lightning_embcache.store import fileio
@@ -24,7 +24,7 @@ def _in_process_compaction(monkeypatch):
 
 def _run(tmp_path, monkeypatch) -> PowerCutOracle:
     path = tmp_path / "s"
-    oracle = PowerCutOracle(path, N // CHUNK)
+    oracle = PowerCutOracle(path)
     oracle.patch(monkeypatch)
     try:
         out = run_workload(path, oracle)
@@ -61,8 +61,8 @@ def test_a_rename_whose_folder_is_never_fsynced_is_caught(tmp_path, monkeypatch)
 class _Cuts(PowerCutOracle):
     """Also writes the folder a power cut would leave, every ``every``-th file operation."""
 
-    def __init__(self, root, num_chunks, out, every):
-        super().__init__(root, num_chunks)
+    def __init__(self, root, out, every):
+        super().__init__(root)
         self.out, self.every, self.cuts = out, every, []
         self.acked: int | None = None  # None until create() returned
 
@@ -91,7 +91,7 @@ def test_folders_left_by_power_cuts_reopen_to_the_last_durable_version(tmp_path,
 
     n, dim, chunk = 512, 8, 32
     path = tmp_path / "s"
-    oracle = _Cuts(path, n // chunk, tmp_path / "cuts", every=every)
+    oracle = _Cuts(path, tmp_path / "cuts", every=every)
     oracle.patch(monkeypatch)
     fileio.FAULTS = oracle
     rng = np.random.default_rng(5)
