@@ -43,7 +43,7 @@ from lightning_embcache.profiling.forecast import (
     EPOCH_DRIFT_BLOCKS,
     Forecast,
     epoch_level,
-    level_drift,
+    level_spread,
     level_variation,
     save_estimate_s,
     slow_share,
@@ -334,7 +334,8 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
                  save_guess_s: float | None = None, earlier_save_s: float | None = None,
                  device: bool = False, rate_s: float | None = None,
                  store_fill: StoreFill | None = None, slow: float | None = None, level_cv: float = 0.0,
-                 previous: tuple[float, float] | None = None, drift: float | None = None) -> dict | None:
+                 previous: tuple[float, float] | None = None, drift: float | None = None,
+                 drift_epochs: int = 1) -> dict | None:
     """The prediction the current :class:`Forecast` makes after ``fraction`` of a saved epoch's
     batches (``trace`` as kept by the benchmark), against ``actual_s``. Validation still to come is
     charged at the mean of the epoch's own runs (the benchmark's sanity check is not in the trace);
@@ -344,7 +345,7 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
     the profiler projected it; ``slow``: the previous epoch's share of slow steps; ``level_cv``:
     the largest level variation of the earlier epochs; ``previous``: the previous epoch's
     :func:`~lightning_embcache.profiling.forecast.epoch_level`; ``drift``: the largest
-    :func:`~lightning_embcache.profiling.forecast.level_drift` of the earlier epochs, None in a
+    :func:`~lightning_embcache.profiling.forecast.level_spread` of the earlier epochs (``drift_epochs`` of them), None in a
     fit's first (each as the profiler carries them over)."""
     wall, store = trace["wall"], trace["store"]
     n = len(wall)
@@ -371,7 +372,7 @@ def replay_epoch(trace: dict, actual_s: float, fraction: float = 0.05, every_n: 
         saves_left = ((g0 + n) // every_n - (g0 + k) // every_n) if every_n else 0
         at = [b for b in range(k, n) if every_n and (g0 + b) % every_n == 0] if store_fill is not None else []
         p = fc.estimate(n, len(runs), val_s, saves_left, earlier_save_s, level_cv, save_guess_s,
-                        store_fill=store_fill, save_batches=at, previous=previous, drift=drift,
+                        store_fill=store_fill, save_batches=at, previous=previous, drift=drift, drift_epochs=drift_epochs,
                         **({"slow_share": slow} if slow is not None else {}))
         if p is None:
             k += 1
@@ -388,9 +389,9 @@ DEMO_HOT_BYTES = 1_000_000 * 64 * 4 // 4
 
 
 def _carried_drift(earlier: list[dict]) -> float | None:
-    """The largest level drift of the earlier epochs' traces, as the profiler carries it over
+    """The largest level spread of the earlier epochs' traces, as the profiler carries it over
     (None before a whole epoch)."""
-    return max((level_drift(t["wall"], EPOCH_DRIFT_BLOCKS) for t in earlier), default=None)
+    return max((level_spread(t["wall"], EPOCH_DRIFT_BLOCKS) for t in earlier), default=None)
 
 
 def _steps_mean(wall: list[float], saves: set[int], lo: int, hi: int) -> float | None:
@@ -442,7 +443,7 @@ def _epoch_setup(r: dict, e: dict, trace: dict) -> tuple[int, dict]:
           "store_fill": fill, "slow": slow_share(prev["wall"], prev["saves"]) if prev is not None else None,
           "previous": epoch_level(prev["wall"], prev["saves"]) if prev is not None else None,
           "level_cv": max((level_variation(t["wall"]) for t in r["traces"][:e["epoch"]]), default=0.0),
-          "drift": _carried_drift(r["traces"][:e["epoch"]])}
+          "drift": _carried_drift(r["traces"][:e["epoch"]]), "drift_epochs": e["epoch"]}
     return every, kw
 
 
@@ -463,7 +464,7 @@ def replay(paths: list[str], fraction: float = 0.05) -> list[dict]:
             saves = set(trace["saves"])
             every, kw = _epoch_setup(r, e, trace)
             guess, earlier, device, fill = kw["save_guess_s"], kw["earlier_save_s"], kw["device"], kw["store_fill"]
-            carried = {x: kw[x] for x in ("slow", "previous", "level_cv", "drift")}
+            carried = {x: kw[x] for x in ("slow", "previous", "level_cv", "drift", "drift_epochs")}
             row = {"run": r["run"], "epoch": e["epoch"], "recorded_error_pct": e["error_pct"], "tail": tail(trace, k)}
             args = (e["actual_s"], fraction, every, e["epoch"])
             row["free"] = replay_epoch(trace, *args, None, earlier, device, **carried)
@@ -523,7 +524,7 @@ def host_kind(run: dict) -> str:
     2-vCPU development host)."""
     if str(run.get("model", "")).startswith("gpu"):
         return "gpu"
-    return "cpu-16" if "h100host" in run.get("path", "") else "devbox"
+    return "cpu-16" if ("h100host" in run.get("path", "") or "h200host" in run.get("path", "")) else "devbox"
 
 
 def coverage(paths: list[str], fractions: tuple[float, ...] = (0.05, 0.10)) -> list[dict]:

@@ -75,11 +75,14 @@ standard deviation times 1.645: a host whose speed moves 10-40% within an epoch 
 the epoch off the rate by far more than the rate's own spread says, and the replays of recorded
 runs found two standard deviations missing the actual epoch one time in four to one in two. So
 the interval also counts the rest of the epoch running off the rate by the drift of the host's
-speed seen so far (:func:`level_drift`: the largest departure of a block of steps' typical time
-from the typical block), in this epoch's steps and in every earlier epoch of the fit; in a fit's
-first epoch timed on the host clock, where nothing yet says how far the host drifts,
-by at least ``FIRST_EPOCH_DRIFT`` (what the replays of CPU hosts showed), or ``FIRST_EPOCH_DEVICE_DRIFT``
-for a device-timed rate (a step the GPU sets holds its speed).
+speed seen so far: in this epoch's steps (:func:`level_drift`: the largest departure of a block
+of steps' typical time from the typical block) and in every earlier whole epoch of the fit
+(:func:`level_spread`: the slowest block's typical time less the fastest's, since the next
+epoch's first steps may catch either level). In a fit's first epoch, where nothing yet says how
+far the host drifts, by at least ``FIRST_EPOCH_DRIFT`` for a rate timed on the host clock (what the
+replays of CPU hosts showed) or ``FIRST_EPOCH_DEVICE_DRIFT`` for a device-timed rate (a step the
+GPU sets holds its speed); after ``k`` whole epochs by at least that floor over ``k + 1`` (the next
+epoch drifts further than all ``k`` seen one time in ``k + 1``).
 """
 
 from __future__ import annotations
@@ -253,6 +256,22 @@ def level_drift(wall: array | list[float] | np.ndarray, blocks: int = DRIFT_BLOC
     med = np.median(w.reshape(m, size), axis=1)
     mid = float(np.median(med))
     return float(np.abs(med / mid - 1.0).max()) if mid > 0 else 0.0
+
+
+def level_spread(wall: array | list[float] | np.ndarray, blocks: int = EPOCH_DRIFT_BLOCKS, min_size: int = 4) -> float:
+    """How far apart the host's speeds in these steps lay: the slowest block's median step time
+    less the fastest's, as a fraction of the blocks' median (blocks as :func:`level_drift`). A
+    later epoch's first steps may catch one level and the rest run at another, so a finished
+    epoch's drift is carried over as this span, not as one block's departure from the middle."""
+    n = len(wall) - 1
+    size = max(min_size, n // blocks)
+    m = n // size
+    if m < 3:
+        return 0.0
+    w = np.asarray(wall, dtype=np.float64)[1:1 + m * size]
+    med = np.median(w.reshape(m, size), axis=1)
+    mid = float(np.median(med))
+    return float((med.max() - med.min()) / mid) if mid > 0 else 0.0
 
 
 def level_variation(wall: array | list[float]) -> float:
@@ -486,7 +505,7 @@ class Forecast:
                  store_fill: StoreFill | None = None, save_batches: Sequence[int] = (),
                  slow_share: float | None = None,
                  previous: tuple[float, float] | None = None,
-                 drift: float | None = None) -> dict | None:
+                 drift: float | None = None, drift_epochs: int = 1) -> dict | None:
         """Predicted wall seconds of the epoch (training and the validation inside it) when it has
         run ``total_batches`` batches; None before enough steps. ``save_s``: a save's extra time
         measured in an earlier epoch, used until this epoch has measured one; ``save_guess_s``:
@@ -505,10 +524,12 @@ class Forecast:
         the rate (host-timed rates only). ``previous``: the previous whole epoch's
         :func:`epoch_level`, combined with a device-timed rate (:func:`with_previous_epoch`)
         unless the window follows a level shift or a store trend, or a hot tier fills.
-        ``drift``: the largest :func:`level_drift` of the fit's earlier whole epochs (None: none
-        yet), which widens the 90% interval (``low``, ``high``) with the rest of the epoch's
-        time on the rate; at least what this epoch's steps so far show, and for a host-timed rate
-        with no earlier epoch at least ``FIRST_EPOCH_DRIFT``."""
+        ``drift``: the largest :func:`level_spread` of the fit's earlier whole epochs (None: none
+        yet), ``drift_epochs`` of them, which widens the 90% interval (``low``, ``high``) with the
+        rest of the epoch's time on the rate; at least what this epoch's steps so far show, and at
+        least the first epoch's floor (``FIRST_EPOCH_DRIFT``, host-timed, or
+        ``FIRST_EPOCH_DEVICE_DRIFT``) over ``1 + drift_epochs``: the next epoch drifts further
+        than all ``k`` seen so far one time in ``k + 1``."""
         r = self.rate()
         if r is None:
             return None
@@ -585,9 +606,11 @@ class Forecast:
                 drift_now = max(drift_now, level_drift(self.wall[r["window_start"] - 1:]))
         else:
             drift_now = level_drift(self.wall)
-        drift_now = max(drift_now, drift or 0.0)
+        floor = FIRST_EPOCH_DEVICE_DRIFT if r["device"] else FIRST_EPOCH_DRIFT
         if drift is None:
-            drift_now = max(drift_now, FIRST_EPOCH_DEVICE_DRIFT if r["device"] else FIRST_EPOCH_DRIFT)
+            drift_now = max(drift_now, floor)
+        else:
+            drift_now = max(drift_now, drift, floor / (1 + max(1, drift_epochs)))
         half = math.hypot(INTERVAL_Z * std, max(0.0, steps_s + trend) * drift_now)
         low = max(self.start_seconds + self.elapsed + math.fsum(self.val_runs), total - half)
         # the rate at the end of this epoch (later epochs run at it), the trend levelled off

@@ -22,7 +22,7 @@ from lightning_embcache.profiling.forecast import (
     INTERVAL_Z,
     Forecast,
     epoch_level,
-    level_drift,
+    level_spread,
     level_variation,
     save_estimate_s,
     slow_share,
@@ -61,7 +61,8 @@ class EpochPredictor:
         self._level_cv = 0.0  # the largest level variation of a finished epoch of this fit
         self._slow_share: float | None = None  # the latest whole epoch's share of slow steps
         self._previous: tuple[float, float] | None = None  # the latest whole epoch's epoch_level
-        self._drift: float | None = None  # the largest level_drift of a whole epoch of this fit
+        self._drift: float | None = None  # the largest level_spread of a whole epoch of this fit
+        self._drift_epochs = 0  # ... over this many whole epochs
         # the embedding stores' hot tiers: () -> HotTiers (hot bytes, hot budget bytes and the
         # write work measured, summed over the stores with a budget; a plain (hot, budget) pair
         # is taken too) or None. Read twice an epoch (half-way to the kept prediction, and at it)
@@ -203,7 +204,8 @@ class EpochPredictor:
             self._level_cv = max(self._level_cv, level_variation(self.forecast.wall))
             self._slow_share = slow_share(self.forecast.wall, self.forecast.saves)
             self._previous = epoch_level(self.forecast.wall, self.forecast.saves)
-            self._drift = max(self._drift or 0.0, level_drift(self.forecast.wall, EPOCH_DRIFT_BLOCKS))
+            self._drift = max(self._drift or 0.0, level_spread(self.forecast.wall, EPOCH_DRIFT_BLOCKS))
+            self._drift_epochs += 1
         if self.forecast is not None and self.forecast.saves:
             extra = self.forecast.save_extra()
             if extra is not None:
@@ -342,7 +344,7 @@ class EpochPredictor:
         # hot tiers filling in this epoch: the saves to come cost more after the fill
         at = save_batches(trainer, g_now, g_end, done, acc) if self._fill is not None else ()
         p = fc.estimate(target, val_left, val_s, saves, self._save_s, self._level_cv, guess, self._fill, at,
-                        self._slow_share, self._previous, self._drift)
+                        self._slow_share, self._previous, self._drift, self._drift_epochs)
         if p is None:
             return None
         out = {"epoch_s": p["seconds"], "epoch_std_s": p["std"], "epoch_low_s": p["low"], "epoch_high_s": p["high"],

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from lightning_embcache.profiling import forecast
-from lightning_embcache.profiling.forecast import Forecast, level_drift
+from lightning_embcache.profiling.forecast import Forecast, level_drift, level_spread
 
 MS = 1e-3
 
@@ -49,29 +49,51 @@ def test_the_drift_seen_so_far_in_the_epoch_widens_the_interval():
     walls = [(10 if (i // 25) % 2 == 0 else 14) * MS for i in range(k)] + [11.5 * MS] * (n - k)
     actual = math.fsum(walls)
     seen = level_drift(walls[:k])
-    assert seen > 0.1
+    assert seen > forecast.FIRST_EPOCH_DRIFT / 10
     fc = _feed(walls[:k])
     fc.shift_detection = False
-    p = fc.estimate(n, 0, None, 0, drift=0.0)  # a later epoch of a fit whose earlier epochs held steady
+    # a later epoch of a fit whose nine earlier epochs held steady
+    p = fc.estimate(n, 0, None, 0, drift=0.0, drift_epochs=9)
     assert p["drift"] == pytest.approx(seen)
     assert p["low"] <= actual <= p["high"], (p["low"], actual, p["high"])
 
 
 def test_an_earlier_epochs_drift_widens_a_steady_windows_interval():
-    # the previous epoch ran 10 ms for half, 12 ms for the other half: its blocks moved 9% from
-    # their median; this epoch's first 5% is steady at 10 ms, its rest runs at 11 ms
+    # the previous epoch ran 10 ms for half, 12 ms for the other half: its blocks lay 2/11 of
+    # their median apart; this epoch's first 5% is steady at 10 ms, its rest runs at 11.5 ms
     previous = [10 * MS] * 1000 + [12 * MS] * 1000
-    carried = level_drift(previous, forecast.EPOCH_DRIFT_BLOCKS)
-    assert carried == pytest.approx(1 / 11, rel=1e-6)
+    carried = level_spread(previous, forecast.EPOCH_DRIFT_BLOCKS)
+    assert carried == pytest.approx(2 / 11, rel=1e-6)
+    # one block's departure from the middle says half of it: the interval it gave missed this
+    assert level_drift(previous, forecast.EPOCH_DRIFT_BLOCKS) == pytest.approx(1 / 11, rel=1e-6)
     n, k = 2000, 100
-    walls = [10 * MS] * k + [10.9 * MS] * (n - k)
+    walls = [10 * MS] * k + [11.5 * MS] * (n - k)
     actual = math.fsum(walls)
-    p = _feed(walls[:k]).estimate(n, 0, None, 0, drift=carried)
+    p = _feed(walls[:k]).estimate(n, 0, None, 0, drift=carried, drift_epochs=9)
     assert p["low"] <= actual <= p["high"]
+    assert p["drift"] == pytest.approx(carried)
     assert not _old_interval(p)[0] <= actual <= _old_interval(p)[1]
-    # a steady fit (earlier epochs drifted by nothing) keeps it narrow: the steps alike, no spread
-    q = _feed(walls[:k]).estimate(n, 0, None, 0, drift=0.0)
-    assert q["high"] - q["low"] < 1e-9
+    assert p["seconds"] + (n - k) * 10 * MS / 11 < actual  # the old, half as wide one missed it
+
+
+def test_a_steady_fit_narrows_the_floor_with_every_epoch_seen():
+    # earlier epochs drifted by nothing: after k of them the next drifts further one time in
+    # k + 1, so the first epoch's floor shrinks to 1 / (k + 1) of it, never to nothing
+    n, k = 2000, 100
+    walls = [10 * MS] * k
+    rest = (n - k) * 10 * MS
+    halves = []
+    for epochs in (1, 3, 9):
+        q = _feed(walls).estimate(n, 0, None, 0, drift=0.0, drift_epochs=epochs)
+        assert q["drift"] == pytest.approx(forecast.FIRST_EPOCH_DRIFT / (1 + epochs))
+        halves.append(q["high"] - q["seconds"])
+        assert halves[-1] == pytest.approx(rest * forecast.FIRST_EPOCH_DRIFT / (1 + epochs), rel=1e-6)
+    assert halves[0] > halves[1] > halves[2] > 0
+    # a device-timed rate: the device floor likewise
+    fc = _feed([14 * MS] * k, device=True)
+    fc.needs_device = True
+    q = fc.estimate(n, 0, None, 0, drift=0.0, drift_epochs=4)
+    assert q["drift"] == pytest.approx(forecast.FIRST_EPOCH_DEVICE_DRIFT / 5)
 
 
 def test_a_device_timed_first_epoch_gets_the_small_floor():
