@@ -202,9 +202,11 @@ def model_run(model_name: str, workers: int, extras: bool, device: str = "cpu", 
     return _result(label, sp, wall, {"model": model_name, "workers": workers, "extras": extras}, probe)
 
 
-def demo_run(max_steps: int, samples: int = 1_000_000) -> dict:
+def demo_run(max_steps: int, samples: int = 1_000_000, device: str = "cpu") -> dict:
     """``embcache demo`` on a new folder (a cold store: every row created and first written in
-    this epoch), with its own StepProfiler replaced by one that keeps the prediction."""
+    this epoch), with its own StepProfiler replaced by one that keeps the prediction. On
+    ``cuda`` the codes fill a device tier in the first epoch (rows read ahead from disk, then
+    copied up as first touched)."""
     from lightning_embcache import demo
 
     sp, wall = StepProfiler(report=False), _Wall()
@@ -215,11 +217,13 @@ def demo_run(max_steps: int, samples: int = 1_000_000) -> dict:
     original = demo._optional_profiler
     demo._optional_profiler = lambda: [wall, sp, probe]
     try:
-        demo.main(["--root", root, "--max-steps", str(max_steps), "--samples", str(samples)])
+        demo.main(["--root", root, "--max-steps", str(max_steps), "--samples", str(samples),
+                   "--accelerator", device])
     finally:
         demo._optional_profiler = original
         shutil.rmtree(root, ignore_errors=True)
-    return _result(f"demo/max_steps={max_steps}", sp, wall, {"model": "demo", "max_steps": max_steps}, probe)
+    label = f"demo/max_steps={max_steps}" + ("/cuda" if device == "cuda" else "")
+    return _result(label, sp, wall, {"model": "demo", "max_steps": max_steps, "device": device}, probe)
 
 
 def run(device: str = "cpu", reps: int = 3, models: list[str] | None = None, demo: bool = True,
@@ -247,9 +251,9 @@ def run(device: str = "cpu", reps: int = 3, models: list[str] | None = None, dem
                 r = model_run(model, w, extras, device, batches=batches)
                 r["rep"] = rep
                 keep(r)
-        if demo and device == "cpu":
+        if demo:
             for steps in demo_steps:
-                r = demo_run(steps)
+                r = demo_run(steps, device=device)
                 r["rep"] = rep
                 keep(r)
     return {"runs": runs, "aggregate": aggregate(runs)}
@@ -522,7 +526,7 @@ def host_kind(run: dict) -> str:
     """The kind of host a saved run ran on, from its model and file name: ``gpu`` (an H100 or
     H200 and its host), ``cpu-16`` (the CPU of a GPU host, 16 cores), ``devbox`` (the shared
     2-vCPU development host)."""
-    if str(run.get("model", "")).startswith("gpu"):
+    if str(run.get("model", "")).startswith("gpu") or run.get("device") == "cuda":
         return "gpu"
     return "cpu-16" if ("h100host" in run.get("path", "") or "h200host" in run.get("path", "")) else "devbox"
 

@@ -356,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--prediction", action="store_true",
                     help="measure the epoch-time prediction instead (after 5%% of each epoch, against the actual "
-                         "epoch; CPU models and the demo, or the GPU models with --device cuda)")
+                         "epoch; CPU models and the demo, or with --device cuda the GPU models and the demo on the GPU, "
+                         "its codes filling a device tier)")
     ap.add_argument("--no-demo", action="store_true", help="with --prediction: leave the demo out")
     ap.add_argument("--demo-steps", default="400,-1",
                     help="with --prediction: the demo's --max-steps values (default 400,-1: its default run and "

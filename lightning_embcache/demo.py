@@ -249,6 +249,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="run folder (default runs/demo); a folder the demo made is emptied first, any other "
                         "non-empty folder is refused")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accelerator", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="where the model trains (default cpu); on cuda the codes live in a device tier")
     p.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
     return p.parse_args(list(argv))
 
@@ -315,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     profilers = _optional_profiler()
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=1,
         max_epochs=args.epochs,
         max_steps=args.max_steps,
