@@ -38,7 +38,7 @@ from lightning_embcache.device_slots import SlotMap, TooFewSlots
 from lightning_embcache.mapped_host import MappedHost, store_table
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, StoreError, idsets, rowcopy
-from lightning_embcache.store.errors import InvalidArgumentError
+from lightning_embcache.store.errors import InvalidArgumentError, OutOfMemoryError
 from lightning_embcache.store.memory import private_zeros
 
 #: host bookkeeping per device slot: id (8) + free-list entry (8) + eviction stamp (8) +
@@ -82,7 +82,10 @@ def _entry(method: Any) -> Any:
     @functools.wraps(method)
     def call(self: DeviceTier, *args: Any, **kwargs: Any) -> Any:
         with self._io():
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except torch.cuda.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc) from None
 
     return call
 
@@ -144,7 +147,16 @@ class DeviceTier:
         self._stream = torch.cuda.current_stream(device)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetching: Future | None = None
-        self.pool = self._make_pool(capacity, rb)
+        try:
+            self.pool = self._make_pool(capacity, rb)
+        except torch.cuda.OutOfMemoryError as exc:
+            free, total = torch.cuda.mem_get_info(device)
+            fits = int(0.9 * free) // per_slot * per_slot
+            raise OutOfMemoryError(
+                f"the device tier could not allocate {capacity * rb} bytes on {device} for device_bytes="
+                f"{budget_bytes} ({free} of {total} bytes free there, the model's tensors included): lower "
+                f"device_bytes (about {fits} would fit now), or pass device_bytes=0 to keep the rows in host "
+                f"RAM") from exc
         self._views = {name: store.record_view(self.pool, name) for name in store.field_names}
         self.dirty = np.zeros(capacity, np.bool_)
         self._up = PinnedRing()      # host -> device
@@ -181,6 +193,15 @@ class DeviceTier:
             self._mapped = MappedHost.try_register(store_table(store), device)
             if self._mapped is not None:
                 self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+
+    def _out_of_memory(self, exc: BaseException) -> OutOfMemoryError:
+        """The error for a GPU allocation that failed inside a tier call: the rows are as they
+        were (a row is marked present only after its copy was queued), so lowering the budget and
+        resuming is safe."""
+        return OutOfMemoryError(
+            f"the GPU ran out of memory while the device tier moved rows on {self.device} (device_bytes="
+            f"{self.budget_bytes}, {self.nbytes} bytes of it held by the tier's rows): lower device_bytes to "
+            f"leave the model room, or lower the batch size ({str(exc).splitlines()[0] if str(exc) else 'no detail'})")
 
     def _make_pool(self, capacity: int, row_bytes: int) -> Tensor:
         """The device memory holding the tier's records (`HostMappedTier`: the host table)."""

@@ -11,10 +11,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_embcache.store.errors import OutOfMemoryError
+
 #: torch dtype of each numpy dtype (a view of the pinned uint8 buffer keeps it pinned for torch)
 _TORCH_DTYPE = {np.dtype(t): torch.from_numpy(np.zeros(1, t)).dtype
                 for t in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32,
                           np.float64)}
+
+
+def pinned_empty(nbytes: int) -> Tensor:
+    """``nbytes`` of page-locked host memory (uint8); running out of it raises the store's
+    `OutOfMemoryError` naming what to lower, not a raw CUDA error."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            raise OutOfMemoryError(
+                f"could not pin {nbytes} bytes of host memory for copies to the GPU ({exc}); these buffers "
+                f"hold one batch's rows (or one transfer of {nbytes} bytes): lower the batch size, the "
+                f"lookahead or device_bytes, or free host memory (other pinned buffers, DataLoader "
+                f"pin_memory)") from None
+        raise
 
 
 class PinnedRing:
@@ -36,7 +53,8 @@ class PinnedRing:
             self._events[i] = None
         buf = self._bufs[i]
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 4096) * 5 // 4, dtype=torch.uint8, pin_memory=True)
+            self._bufs[i] = None  # a failed allocation keeps no stale, too small buffer
+            buf = pinned_empty(max(nbytes, 4096) * 5 // 4)
             self._bufs[i] = buf
         return i, buf
 

@@ -16,6 +16,7 @@ No Lightning imports: the mixin drives this from its hooks; a plain training loo
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -29,12 +30,31 @@ from lightning_embcache.optim.clip import check_max_norm, clip_rows_by_norm_, re
 from lightning_embcache.optim.coalesce import RowGradBuffer
 from lightning_embcache.optim.fused import fused_adam_step_rows
 from lightning_embcache.optim.rounding import ROUNDED_DTYPES
-from lightning_embcache.pinned import PinnedRing
-from lightning_embcache.store import EmbeddingStore, InvalidArgumentError
+from lightning_embcache.pinned import PinnedRing, pinned_empty
+from lightning_embcache.store import EmbeddingStore, InvalidArgumentError, OutOfMemoryError
 from lightning_embcache.store.validate import as_ids
 
 #: per-row metadata kept by trainable stores: the step a row was last updated at, and how often.
 META_FIELDS: dict[str, tuple[torch.dtype, int]] = {"last_step": (torch.int32, 1), "updates": (torch.int32, 1)}
+
+
+def _translate_device_oom(method: Any) -> Any:
+    """A GPU allocation that fails inside a training call raises the store's `OutOfMemoryError`
+    naming the device tier's budget (never a raw CUDA error); the rows are as they were."""
+
+    @functools.wraps(method)
+    def call(self: TrainableRows, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except torch.cuda.OutOfMemoryError as exc:
+            tier = self.device_tier
+            if tier is not None:
+                raise tier._out_of_memory(exc) from None
+            raise OutOfMemoryError(
+                f"the GPU ran out of memory in a row update ({str(exc).splitlines()[0] if str(exc) else exc!r}): "
+                "lower the batch size or leave the model more room") from None
+
+    return call
 
 
 def trainable_fields(optimizer: RowOptimizer, dim: int, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, int]]:
@@ -118,6 +138,7 @@ class TrainableRows:
         self._dev_grad_ids: list[np.ndarray] = []
 
     # ---- forward -------------------------------------------------------------------------------
+    @_translate_device_oom
     def lookup(self, ids: Any, device: torch.device | str | None = None, *,
                device_ids: Tensor | None = None) -> Tensor:
         """Rows of `ids` as a leaf with `requires_grad=True` (when grad is enabled).
@@ -201,6 +222,7 @@ class TrainableRows:
         self.device_tier.prefetch(as_ids(ids, self.store.num_rows), self.held_slots())
 
     # ---- backward ------------------------------------------------------------------------------
+    @_translate_device_oom
     def collect(self) -> int:
         """Move the gradients of this micro-batch's lookups into the buffer; returns rows taken."""
         taken = 0
@@ -234,11 +256,12 @@ class TrainableRows:
         if k == len(self._grad_bufs):
             self._grad_bufs.append(torch.empty(0, dtype=torch.uint8))
         if self._grad_bufs[k].numel() < nbytes:
-            self._grad_bufs[k] = torch.empty(nbytes * 5 // 4, dtype=torch.uint8, pin_memory=True)
+            self._grad_bufs[k] = pinned_empty(nbytes * 5 // 4)
         host = self._grad_bufs[k][:nbytes].view(g.dtype).view(g.shape)
         host.copy_(g, non_blocking=True)
         return host
 
+    @_translate_device_oom
     def apply(self, step: int, lr: float | None = None, *, grad_scale: float | None = None) -> None:
         """Run (device tier) or schedule (host: at the next settle point) the optimizer step.
 
@@ -341,6 +364,7 @@ class TrainableRows:
             updates = tier.view("updates")
             updates[pos_d] = updates.index_select(0, pos_d) + 1
 
+    @_translate_device_oom
     def write_down(self) -> int:
         """Bring the device tier's updated rows into the store (before reading or flushing it)."""
         return self.device_tier.write_down() if self.device_tier is not None else 0

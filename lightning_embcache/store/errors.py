@@ -52,6 +52,11 @@ class StoreBusyError(StoreError):
     a flush writes); nothing changed, retry it later."""
 
 
+class OutOfMemoryError(StoreError, MemoryError):
+    """GPU memory or pinned host memory ran out for the store's rows or its copy buffers; the
+    message names the budget to lower. The store and its rows are as they were."""
+
+
 class StoreIOError(StoreError, OSError):
     """The operating system refused a read or write of a store file (permissions, I/O error, a
     symlink where the store expects its own file); ``errno`` and ``filename`` say which. The
