@@ -604,16 +604,32 @@ class DeviceTier:
                 "last checkpoint)")
 
     def write_down(self) -> int:
-        """Bring every dirty row down into the host store (before a flush); returns rows written."""
+        """Bring every dirty row down into the host store (before a flush); returns the rows
+        that were dirty.
+
+        The training thread waits only while the rows' copies are queued: they are queued under
+        the step lock (a step's kernels are queued as a whole, so the copies hold every step
+        before and none after), and the store writes they feed run after it is released, while
+        training goes on (a `DeferredSync` flush in its worker thread). Returns once they have
+        landed in the store."""
         self._join()
-        with self._step_lock, self._lock, torch.cuda.stream(self._stream), self._io():
-            self.drain()
-            dirty = np.flatnonzero(self.dirty)
-            n = 0
-            for a in range(0, len(dirty), TRANSFER_ROWS):
-                self._send_down(dirty[a : a + TRANSFER_ROWS], evicted=False)
-                n += self.drain()
-            return n
+        with self._io():
+            with self._step_lock, self._lock, torch.cuda.stream(self._stream):
+                dirty = np.flatnonzero(self.dirty)
+                for a in range(0, len(dirty), TRANSFER_ROWS):
+                    self._send_down(dirty[a : a + TRANSFER_ROWS], evicted=False)
+                last = self._seq
+            self._drain_through(last)
+            return len(dirty)
+
+    def _drain_through(self, seq: int) -> None:
+        """Wait until the row sets sent down up to sequence number ``seq`` (and every mapped
+        write queued so far) are in the host store; later evictions may still be on their way."""
+        with self._down_cv:
+            while any(item.seq <= seq for item in self._down):
+                self._raise_writer_error()
+                self._down_cv.wait()
+            self._await_mapped()
 
     def stats(self) -> dict[str, Any]:
         """Rows held, capacity, bytes, dirty, loaded and evicted rows of the device tier."""
