@@ -109,6 +109,24 @@ def test_a_device_timed_first_epoch_gets_the_small_floor():
     assert p["high"] - p["seconds"] == pytest.approx(want, rel=1e-6)
 
 
+def test_a_device_timed_step_that_does_the_stores_work_gets_the_host_floor():
+    # the GPU times the rate, but a fifth of each host step is the stores' work (a device tier
+    # filling): the host's drift sets how far the rest may run off, not the GPU's
+    n, k = 2000, 100
+    fc = Forecast()
+    for i in range(k):
+        fc.add_step(14 * MS, 3 * MS)
+        if i % 8 == 0:
+            fc.add_device_step(i, 14 * MS)
+    fc.needs_device = True
+    p = fc.estimate(n, 0, None, 0)
+    assert p["rate"]["device"]
+    assert p["drift"] == pytest.approx(forecast.FIRST_EPOCH_DRIFT)
+    # the same steps without store work keep the device floor
+    assert _feed([14 * MS] * k, device=True).estimate(n, 0, None, 0)["drift"] == pytest.approx(
+        forecast.FIRST_EPOCH_DEVICE_DRIFT)
+
+
 def test_the_low_end_is_never_below_the_time_already_run():
     n, k = 200, 20
     p = _feed([10 * MS] * k).estimate(n, 0, None, 0)
