@@ -89,8 +89,9 @@ class DemoLoader:
                  prefetch: Callable[[torch.Tensor], None] | None = None) -> None:
         self.sampler = EpochBatches(num_samples, batch_size, seed)
         self.prefetch = prefetch  # told the ids of the next batch while this one trains
-        self.loader = DataLoader(SyntheticTargets(num_samples, out_dim, seed=seed), sampler=self.sampler,
-                                 batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
+        dataset: Any = SyntheticTargets(num_samples, out_dim, seed=seed)  # a map-style dataset by protocol
+        self.loader: DataLoader[Any] = DataLoader(dataset, sampler=self.sampler, batch_size=None,
+                                                  num_workers=num_workers, persistent_workers=num_workers > 0)
         self._consumed = 0
         self._resume: dict[str, int] | None = None
 
@@ -172,31 +173,34 @@ class AutoDecoder(EmbeddingStoreMixin, L.LightningModule):
             chunk_rows=chunk_rows, init=latent_init, init_std=0.01, seed=seed,
         )
         self.decoder = nn.Sequential(nn.Linear(code_dim, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
+        self._loader: DemoLoader | None = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, x = batch
         z = self.latents.get(ids).requires_grad_()
         loss = F.mse_loss(self.decoder(z), x)
         opt = self.optimizers()
+        assert not isinstance(opt, list)  # one optimizer
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
         with torch.no_grad():  # per-sample SGD: the mean loss scales each code's gradient by 1/len(ids)
-            self.latents.update(ids, z - self.hparams.latent_lr * len(ids) * z.grad)
+            self.latents.update(ids, z - self.hparams["latent_lr"] * len(ids) * z.grad)
         self.log("loss", loss, prog_bar=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.decoder.parameters(), lr=self.hparams.lr)
+        return torch.optim.Adam(self.decoder.parameters(), lr=self.hparams["lr"])
 
     def train_dataloader(self) -> DemoLoader:
-        h = self.hparams
-        self._loader = DemoLoader(h.num_samples, h.batch_size, h.out_dim, h.seed, h.num_workers,
-                                       prefetch=self.latents.prefetch if h.prefetch else None)
-        return self._loader
+        h: Any = self.hparams
+        loader = DemoLoader(h.num_samples, h.batch_size, h.out_dim, h.seed, h.num_workers,
+                            prefetch=self.latents.prefetch if h.prefetch else None)
+        self._loader = loader
+        return loader
 
     def teardown(self, stage: str) -> None:
-        loader, self._loader = getattr(self, "_loader", None), None
+        loader, self._loader = self._loader, None
         if loader is not None:
             loader.close()
         super().teardown(stage)
@@ -224,7 +228,8 @@ class EpochClock(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Before teardown closes the stores: the counters of this run.
-        self.store_stats = {name: h.stats() for name, h in pl_module.embedding_stores.items()}
+        stores: dict[str, Any] = pl_module.embedding_stores  # type: ignore[assignment]  # the mixin's handles
+        self.store_stats = {name: h.stats() for name, h in stores.items()}
         self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
 
 
@@ -380,7 +385,7 @@ def _report(
         f"cold reads {s.cold_reads:,}; read {s.bytes_read / MiB:.1f} MiB, wrote {s.bytes_written / MiB:.1f} MiB; "
         f"disk {s.disk_bytes / MiB:.1f} MiB; waited {s.io_wait_seconds:.1f} s in store calls"
     )
-    if model.hparams.prefetch:
+    if model.hparams["prefetch"]:
         print(
             f"  prefetch: {s.prefetched_rows:,} rows read ahead of their step, hit rate {s.prefetch_hit_rate:.1%}, "
             f"gets waited {s.stall_seconds:.2f} s on reads"
@@ -389,7 +394,7 @@ def _report(
         f"  DeferredSync: {sync.syncs} flushes ({sync.coalesced} coalesced), "
         f"last {sync.last_metrics.get('embcache/sync_seconds', 0.0) * 1e3:.1f} ms"
     )
-    checkpoints = sorted(p.name for p in Path(ckpt.dirpath).glob("*.ckpt"))
+    checkpoints = sorted(p.name for p in Path(str(ckpt.dirpath)).glob("*.ckpt"))
     print(f"  checkpoints kept: {checkpoints}")
     r = pressure.last_reading
     rss = psutil.Process().memory_info().rss

@@ -417,7 +417,7 @@ class DeviceTier:
             # copy its write-down was made from (stream order makes that copy current), never wait.
             seqs = self._down_seq[ids] if self._down else None
             on_way = np.flatnonzero(seqs) if seqs is not None else ()
-            if len(on_way):  # one pass over the batch; then per row set over these few rows only
+            if seqs is not None and len(on_way):  # one pass over the batch; then per row set over these few rows
                 for item in self._down:
                     mine = on_way[seqs[on_way] == item.seq]
                     if len(mine):

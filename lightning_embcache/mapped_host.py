@@ -58,7 +58,7 @@ class MappedHost:
             raise RuntimeError(f"cudaHostRegister of {self._nbytes} bytes failed (cudaError {int(err)})")
         self._registered = True
         with torch.cuda.device(device):
-            self.dev = torch.as_tensor(_Interface(self._ptr, tuple(host.shape)), device=device)
+            self.dev = torch.as_tensor(_Interface(self._ptr, (int(host.shape[0]), int(host.shape[1]))), device=device)
         if self.dev.data_ptr() != self._ptr:  # no unified addressing: do not guess a translation
             self.close()
             raise RuntimeError("the device does not address registered host memory by its host pointer")

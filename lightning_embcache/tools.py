@@ -233,10 +233,10 @@ def verify_store(
     except CorruptStoreError as exc:
         report.problems.append(f"{exc.path}: {exc.reason}")
         return report
-    for v, why in sorted(needed.items()):
-        if v not in versions:
+    for version, why in sorted(needed.items()):
+        if version not in versions:
             report.problems.append(
-                f"{root / f'manifest-{v:012d}'}: version {v} is {why}, but its manifest is gone: "
+                f"{root / f'manifest-{version:012d}'}: version {version} is {why}, but its manifest is gone: "
                 "a resume from it will fail"
             )
     if latest_only:  # the newest, and every version something still needs

@@ -185,7 +185,7 @@ class TrainableRows:
             pos = idx
             same = (device_ids is not None and device_ids.device == tier.device and device_ids.dim() == 1
                     and device_ids.dtype == torch.int64 and device_ids.numel() == len(idx))
-            pos_d = device_ids if same else tier.to_device(pos)
+            pos_d = device_ids if same and device_ids is not None else tier.to_device(pos)
         else:
             pos = self._device_slots(idx)
             pos_d = tier.to_device(pos)

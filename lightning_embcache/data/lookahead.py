@@ -171,7 +171,7 @@ class LookaheadSampler(Sampler):
         unit = 1 if batched else INDEX_GROUP
         most = self._window(first)
         latency = getattr(self.store, "read_seconds_per_row", None) if self.lookahead is None else None
-        rows = len(first) if batched else INDEX_GROUP
+        rows = len(first) if batched else INDEX_GROUP  # type: ignore[arg-type]  # a batch is sized (_is_batch)
         pace = _Pace(most, rows, unit, latency, self._chunk_order_floor(rows)) if latency is not None else None
         self.window = most
         ahead = most * unit

@@ -44,7 +44,8 @@ class EpochOrder(Sampler[int]):
             return itertools.islice(iter(self.sampler), start, None)
         if self.shuffle:
             rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.epoch & 0xFFFFFFFF])
-            order = rng.permutation(self.num_samples).astype(np.int32 if self.num_samples < 2**31 else np.int64)
+            small = self.num_samples < 2**31
+            order: np.ndarray = rng.permutation(self.num_samples).astype(np.int32 if small else np.int64)
         else:
             order = np.arange(self.num_samples, dtype=np.int64)
         return itertools.chain.from_iterable(

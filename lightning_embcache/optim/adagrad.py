@@ -71,8 +71,8 @@ class Adagrad(RowOptimizer):
             clr = lr / (1.0 + (step - 1.0) * self.lr_decay)          # Tensor[B, 1]
             w.sub_(g.div(std).mul_(clr))
         else:
-            clr = lr / (1.0 + (step - 1) * self.lr_decay)
-            w.addcdiv_(g, std, value=-clr)
+            decayed = lr / (1.0 + (step - 1) * self.lr_decay)
+            w.addcdiv_(g, std, value=-decayed)
 
 
 class RowWiseAdagrad(Adagrad):

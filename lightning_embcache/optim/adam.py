@@ -68,8 +68,8 @@ class Adam(RowOptimizer):
             step_size = lr * torch.sqrt(1.0 - torch.pow(beta2, step)) / (1.0 - torch.pow(beta1, step))
             w.sub_(m.div(denom).mul_(step_size))
         else:
-            step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
-            w.addcdiv_(m, denom, value=-step_size)
+            size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+            w.addcdiv_(m, denom, value=-size)
 
 
 class AdamW(Adam):

@@ -285,9 +285,10 @@ class StepProfiler(Callback):
         if stage != "fit":
             return
         if self._log_every_arg is None:
-            self.log_every_n_steps = max(1, int(trainer.log_every_n_steps))
+            self.log_every_n_steps = max(1, int(trainer.log_every_n_steps))  # type: ignore[attr-defined]
             self._next_log = (self._batches_seen // self.log_every_n_steps + 1) * self.log_every_n_steps
-        if self._tap is not None and trainer.profiler is self._tap:
+        # Lightning sets Trainer.profiler in its __init__ without a class-level annotation
+        if self._tap is not None and trainer.profiler is self._tap:  # type: ignore[attr-defined]
             return
         on_start, on_stop = boundaries.loop_actions(
             trainer, fetch=(self._fetch_start, self._fetch_stop), transfer=(self._transfer_start, self._transfer_stop),
@@ -295,13 +296,13 @@ class StepProfiler(Callback):
             after_backward=None if trainer.lightning_module.automatic_optimization else self._after_backward,
             before_optimizer_step=self._optimizer_start,
             auto_step_stop=self._auto_step_stop, manual_step=(self._manual_step_start, self._manual_step_stop))
-        self._tap = ProfilerTap(trainer.profiler, on_start, on_stop)
-        trainer.profiler = self._tap
+        self._tap = ProfilerTap(trainer.profiler, on_start, on_stop)  # type: ignore[attr-defined]
+        trainer.profiler = self._tap  # type: ignore[attr-defined]
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._tap is not None:
-            trainer.profiler = ProfilerTap.remove(trainer.profiler, self._tap)
+            trainer.profiler = ProfilerTap.remove(trainer.profiler, self._tap)  # type: ignore[attr-defined]
         self._tap = None
         self._trainer = None
         self._skip_hooks(())
@@ -356,9 +357,12 @@ class StepProfiler(Callback):
         # also reached lazily from the first fetch: Lightning skips on_train_epoch_start when it
         # resumes inside an epoch
         epoch = trainer.current_epoch
-        if self._stores is None and getattr(pl_module, "embedding_stores", None) is not None:
-            self._stores = StoreReadings(pl_module.embedding_stores)  # created after on_train_start
-            self._timeline.store_io = self._stores.io_wait_seconds
+        tl = self._timeline
+        assert tl is not None  # made in on_train_start
+        stores = getattr(pl_module, "embedding_stores", None)
+        if self._stores is None and stores is not None:
+            self._stores = StoreReadings(stores)  # created after on_train_start
+            tl.store_io = self._stores.io_wait_seconds
         self._predictor.store_reader = self._stores.hot_tiers if self._stores and self._stores.stores else None
         self._predictor.save_bytes_reader = functools.partial(schedule.checkpoint_bytes, trainer)
         self._batch_ended = False
@@ -367,9 +371,11 @@ class StepProfiler(Callback):
         self._tiers_at_start = device_tiers(self._stores.stores) if self._stores else None
         if unfinished is not None:
             self._finish_epoch(trainer, *unfinished)
-        self._predictor.begin_epoch(epoch, self._step_in_epoch, ledger.open.wall_s + ledger.open.val_s,
-                                    self._batches_seen, ledger.seconds_before(epoch), self._timeline)
-        self._timeline.begin(DATA)
+        opened = ledger.open
+        assert opened is not None  # open_epoch_at opened it
+        self._predictor.begin_epoch(epoch, self._step_in_epoch, opened.wall_s + opened.val_s,
+                                    self._batches_seen, ledger.seconds_before(epoch), tl)
+        tl.begin(DATA)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -389,7 +395,9 @@ class StepProfiler(Callback):
         tl.drain(block=True)  # once per epoch, outside any step
         if last is not None and self._batches_seen >= self._next_log:
             self._log_interval(trainer)
-        self._finish_epoch(trainer, self._ledger.open_epoch, self._ledger.open)
+        opened = self._ledger.open
+        assert opened is not None  # the epoch the timeline is active in
+        self._finish_epoch(trainer, self._ledger.open_epoch, opened)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -453,11 +461,14 @@ class StepProfiler(Callback):
     def _close_step(self, trainer: Trainer | None, log: bool = True, next_phase: int = OTHER) -> None:
         self._batch_ended = False
         step = self._step_in_epoch
-        host = self._timeline.end_step(self._ledger.open_epoch, self._samples, step >= self._warmup_steps, next_phase)
-        self._predictor.add_step(host, trainer if trainer is not None else self._trainer)
+        tl = self._timeline
+        assert tl is not None
+        host = tl.end_step(self._ledger.open_epoch, self._samples, step >= self._warmup_steps, next_phase)
+        trainer = trainer if trainer is not None else self._trainer
+        self._predictor.add_step(host, trainer)
         self._step_in_epoch = step + 1
         seen = self._batches_seen = self._batches_seen + 1
-        if log and seen >= self._next_log:
+        if log and seen >= self._next_log and trainer is not None:
             self._log_interval(trainer)
 
     # tap callbacks: the trainer's profiler saw one of the actions that bound a phase
@@ -561,6 +572,7 @@ class StepProfiler(Callback):
     def _log_interval(self, trainer: Trainer) -> None:
         self._next_log = (self._batches_seen // self.log_every_n_steps + 1) * self.log_every_n_steps
         tl = self._timeline
+        assert tl is not None
         if tl._cuda:
             tl.drain()
         interval = self._ledger.take_interval()

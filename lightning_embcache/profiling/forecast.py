@@ -229,7 +229,7 @@ def _batch_means_se(w: np.ndarray) -> float:
     return float(means.std(ddof=1)) / math.sqrt(blocks)
 
 
-def level_variation_so_far(wall: array | list[float]) -> float:
+def level_variation_so_far(wall: array | list[float] | np.ndarray) -> float:
     """:func:`level_variation` of the running epoch's steps so far, over up to 16 blocks of at
     least 4 steps (0 for fewer than 4 blocks): how much the host's speed has varied already. Its
     blocks are shorter than a twentieth of the epoch, so it understates what the rest of the
@@ -487,7 +487,8 @@ class Forecast:
         extra seconds: a save's usual cost; None if none) and the fold rate the saves after it ran
         at (the model's bytes over their extra seconds beyond the usual cost; None if none; inf
         if they cost no more than the usual)."""
-        before, after = [], []
+        before: list[tuple[int, float]] = []
+        after: list[tuple[int, float]] = []
         for i in self.saves:
             if i > 0:
                 b = self.start_batches + i

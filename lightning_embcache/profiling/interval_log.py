@@ -24,7 +24,7 @@ class IntervalLog:
         """Every rank calls this at the same step (it joins a collective on several ranks)."""
         values = summaries.interval_row(interval, epoch_so_far)
         step = trainer.global_step
-        if cuda and ranks.world()[1] > 1:
+        if cuda and device is not None and ranks.world()[1] > 1:
             self._pending.append((step, ranks.PendingRows(values, device), prediction))
             self.flush(trainer, samples_known, block=False)
         else:

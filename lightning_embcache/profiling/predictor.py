@@ -83,7 +83,7 @@ class EpochPredictor:
         self._hosts: list[list[float]] = []
         self._phases = PhaseBlocks()  # the epoch's phases in blocks of steps: which phase moved
         self._fed = 0
-        self._next_check = 0
+        self._next_check: float = 0
         self._hosts_due = math.inf  # pending steps at which add_step has something to do
 
     # -- feeding ------------------------------------------------------------------------------
@@ -136,13 +136,15 @@ class EpochPredictor:
         self._sync()
         # the pending steps are handed over at least every SYNC_EVERY steps: a list per step
         # would otherwise pile up over an epoch where nothing reads the forecast
-        self._next_check = self._due(trainer)
-        self._next_check = min(self._next_check, self.forecast.batches + SYNC_EVERY)
+        fc = self.forecast
+        assert fc is not None  # called only inside an epoch
+        self._next_check = min(self._due(trainer), fc.batches + SYNC_EVERY)
         self._hosts_due = self._next_check - self._fed
 
     def _due(self, trainer: Any) -> float:
         """Does what is due at this batch count; returns the count at which something is next."""
         fc = self.forecast
+        assert fc is not None
         if self.kept is not None:
             return math.inf
         if trainer is None:
@@ -360,9 +362,9 @@ class EpochPredictor:
             return out
         full_n = int(full_n)
         after = math.inf if budget is None else max(0, budget - (target - done))
-        epochs = math.inf if epochs is None else epochs
+        most_epochs = math.inf if epochs is None else epochs
         sizes: list[int] = []
-        while after > 0 and len(sizes) < epochs and len(sizes) < 100_000:
+        while after > 0 and len(sizes) < most_epochs and len(sizes) < 100_000:
             b = int(min(full_n, after))
             sizes.append(b)
             after -= b

@@ -56,7 +56,7 @@ def val_runs(trainer: Any, epoch: int, first_batch: int, last_batch: int, total_
     if vcb is None:
         return None
     if not math.isfinite(float(vcb)):
-        return 1 if last_batch >= _finite_int(trainer.num_training_batches or 0) else 0
+        return 1 if last_batch >= (_finite_int(trainer.num_training_batches or 0) or 0) else 0
     vcb = int(vcb)
     if every is None:  # counted over the fit's batches
         a, b = total_before + first_batch, total_before + last_batch

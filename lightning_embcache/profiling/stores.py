@@ -50,7 +50,7 @@ class StoreReadings:
                                    getattr(s, "flush_seconds", 0.0), getattr(s, "evicted_bytes", 0),
                                    getattr(s, "write_back_seconds", 0.0), getattr(s, "compaction_seconds", 0.0))):
                 total[i] += float(v or 0)
-        return HotTiers(*total, row_bytes) if total[1] > 0 else None
+        return HotTiers._make([*total, row_bytes]) if total[1] > 0 else None
 
 
 class DeviceTiers(NamedTuple):

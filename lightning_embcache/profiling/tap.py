@@ -48,9 +48,8 @@ class _Forwarded:
         self.tap.start(self.name)
         return self.name
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> None:
         self.tap.stop(self.name)
-        return False
 
 
 class _Action:
@@ -68,10 +67,9 @@ class _Action:
             self.on_start()
         return self.name
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> None:
         if self.on_stop is not None:
             self.on_stop()
-        return False
 
 
 class ProfilerTap(Profiler):

@@ -51,7 +51,7 @@ class PendingStep(NamedTuple):
     seg_phase: list  # the phase of each segment between two events
     seg_store: list  # store seconds inside each segment
     forced: bool  # timed because it opened the epoch, not drawn at random
-    index: int  # the step's index in the epoch (steps closed before it)
+    position: int  # the step's index in the epoch (steps closed before it)
 
 
 class Totals:
@@ -244,7 +244,7 @@ class StepTimeline:
         self._countdown = 0  # steps to go before the next sampled one (0: this one)
         self._recording = False
         self._forced = False  # the step being recorded opened the epoch
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self._dev_phase = OTHER
         self._seg_store_acc = 0.0
         self._events: list = []
@@ -389,7 +389,7 @@ class StepTimeline:
             if self._recording:
                 self._mark(OTHER)
                 self._events[-1].synchronize()
-            else:
+            elif self._stream is not None:
                 self._stream.synchronize()
             self.switch(OTHER, device=False)
         if last_step is not None:
@@ -433,7 +433,7 @@ class StepTimeline:
         the oldest sampled step still in flight to now (0 when none is)."""
         if not self._pending:
             return 0
-        return max(0, self.steps_closed - self._pending[0].index)
+        return max(0, self.steps_closed - self._pending[0].position)
 
     def drain(self, block: bool = False) -> int:
         """Hand finished sampled steps to the sink, oldest first; returns how many.
@@ -467,6 +467,6 @@ class StepTimeline:
                 self._pool.append(last)
             self._sink(step.epoch, step.batches, step.host, dev, step.samples, step.steady, step.forced)
             if self.on_device_step is not None and step.batches and not step.forced:
-                self.on_device_step(step.index, sum(dev[:NUM_PHASES]))  # validation inside it left out
+                self.on_device_step(step.position, sum(dev[:NUM_PHASES]))  # validation inside it left out
             n += 1
         return n

@@ -23,6 +23,7 @@ import os
 import weakref
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 HUGE_PAGE = 2 << 20
@@ -80,7 +81,7 @@ class PageBuffer:
             pass
 
 
-def private_zeros(shape: tuple[int, ...] | int, dtype: np.dtype) -> np.ndarray:
+def private_zeros(shape: tuple[int, ...] | int, dtype: npt.DTypeLike) -> np.ndarray:
     """Zeros like `zeros` (untouched pages cost nothing) that a forked child does not inherit."""
     count = int(np.prod(shape))
     itemsize = np.dtype(dtype).itemsize

@@ -19,5 +19,5 @@ def test_the_phase_constants_are_the_enums_values_in_the_names_order():
 
 def test_a_pending_step_is_read_by_name():
     step = PendingStep(epoch=2, batches=1, host=[0.0] * 7, samples=4, steady=True, events=["a", "b"],
-                       seg_phase=[Phase.FORWARD], seg_store=[0.0], forced=False, index=17)
-    assert step.index == 17 and step.events[-1] == "b" and step._fields[-1] == "index"
+                       seg_phase=[Phase.FORWARD], seg_store=[0.0], forced=False, position=17)
+    assert step.position == 17 and step.events[-1] == "b" and step._fields[-1] == "position"
