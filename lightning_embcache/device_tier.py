@@ -626,7 +626,7 @@ class DeviceTier:
         """Wait until the row sets sent down up to sequence number ``seq`` (and every mapped
         write queued so far) are in the host store; later evictions may still be on their way."""
         with self._down_cv:
-            while any(item.seq <= seq for item in self._down):
+            while self._down and self._down[0].seq <= seq:  # oldest first: written in order
                 self._raise_writer_error()
                 self._down_cv.wait()
             self._await_mapped()
