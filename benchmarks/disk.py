@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flushes", type=int, default=40)
     p.add_argument("--flush-frac", type=float, default=0.1)
     p.add_argument("--space-rows", type=int, help="rows of the space test's table (default 200,000; quick 30,000)")
+    p.add_argument("--space-hot-frac", type=float, default=0.0,
+                   help="space phase: hot tier as a share of the table (default 0: memory mode)")
+    p.add_argument("--hogs", type=int, default=0,
+                   help="space phase: this many busy-looping processes beside the store (a loaded host)")
     p.add_argument("--get-only", action="store_true",
                    help="the warm, cold and epoch phases only read (evaluation, a frozen table): get, no update")
     p.add_argument("--phases", default="warm,cold,space", help="any of warm,cold,space,epoch,shuffle")
@@ -348,23 +352,30 @@ def _space(cfg: dict) -> dict:
     n, dim = cfg["space_rows"], cfg["dim"]
     rng = np.random.default_rng(cfg["seed"])
     ratios, flush_s = [], []
-    s = EmbeddingStore.create(wd, n, dim)
-    gen = torch.Generator().manual_seed(cfg["seed"])
-    s.update(torch.arange(n), torch.randn(n, dim, generator=gen))  # as trained rows: they do not compress
-    s.flush()
-    k = int(n * cfg["flush_frac"])
-    # "random": each flush rewrites other rows; "hotset": the same rows every time (a hot set)
-    fixed = torch.from_numpy(np.sort(rng.choice(n, k, replace=False))) if cfg.get("pattern") == "hotset" else None
-    written0 = s.stats().bytes_written
-    t_all = time.perf_counter()
-    for i in range(cfg["flushes"]):
-        ids = fixed if fixed is not None else torch.from_numpy(np.sort(rng.choice(n, k, replace=False)))
-        s.update(ids, torch.randn(k, dim, generator=gen))
-        t0 = time.perf_counter()
+    hot = int(cfg.get("space_hot_frac", 0.0) * n * dim * 4) or None
+    s = EmbeddingStore.create(wd, n, dim, hot_bytes=hot)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cfg.get("hogs", 0))]
+    try:
+        gen = torch.Generator().manual_seed(cfg["seed"])
+        s.update(torch.arange(n), torch.randn(n, dim, generator=gen))  # as trained rows: they do not compress
         s.flush()
-        flush_s.append(time.perf_counter() - t0)
-        ratios.append(s.stats().disk_use_ratio)
-    s._wait_bg()  # background compaction's bytes and time belong to these flushes
+        k = int(n * cfg["flush_frac"])
+        # "random": each flush rewrites other rows; "hotset": the same rows every time (a hot set)
+        fixed = torch.from_numpy(np.sort(rng.choice(n, k, replace=False))) if cfg.get("pattern") == "hotset" else None
+        written0 = s.stats().bytes_written
+        t_all = time.perf_counter()
+        for i in range(cfg["flushes"]):
+            ids = fixed if fixed is not None else torch.from_numpy(np.sort(rng.choice(n, k, replace=False)))
+            s.update(ids, torch.randn(k, dim, generator=gen))
+            t0 = time.perf_counter()
+            s.flush()
+            flush_s.append(time.perf_counter() - t0)
+            ratios.append(s.stats().disk_use_ratio)
+        s._wait_bg()  # background compaction's bytes and time belong to these flushes
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
     st = s.stats()
     all_s = time.perf_counter() - t_all
     t0 = time.perf_counter()
@@ -523,6 +534,7 @@ def main(argv=None) -> int:
         "flushes": args.flushes,
         "step_ms": args.step_ms, "get_only": args.get_only, "read_iops": args.read_iops, "mem_limit_mib": args.mem_limit_mib,
         "flush_frac": args.flush_frac, "space_rows": args.space_rows or (30_000 if q else 200_000), "seed": 0,
+        "space_hot_frac": args.space_hot_frac, "hogs": args.hogs,
     }
     reps = args.reps or (1 if q else 3)
     phases = args.phases.split(",")
