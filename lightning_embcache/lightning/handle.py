@@ -127,7 +127,7 @@ class EmbeddingStoreHandle:
         self._device_tier: DeviceTier | None = None
         self._unmapped: EmbeddingStore | None = None  # a store whose table could not be mapped
         self.num_rows = num_rows  # the open store's rows: `grow` and a checkpoint's version move it
-        self.declared_rows = num_rows  # add_embedding_store's: a store it opens holds at least these
+        self._declared_rows = num_rows  # add_embedding_store's: a store it opens holds at least these
         self.dim = dim
         self.path = path
         self.dtype: torch.dtype = create_options.get("dtype", torch.float32)
@@ -249,9 +249,9 @@ class EmbeddingStoreHandle:
         """Raise the table to ``num_rows`` rows (`EmbeddingStore.grow`): the new ids hold their
         initial values, the old rows keep theirs; durable with the next flush (a checkpoint taken
         before resumes the old size, one taken after the new). ``num_rows`` equal to the current
-        size does nothing; fewer rows are refused. A row-sharded table gives each new id to its
-        owner (``id % world_size``): every rank calls it with the same ``num_rows``. A device
-        tier is written down and made again at the new size."""
+        size does nothing; fewer rows are refused, and so is a row-sharded table (not supported
+        yet). A device tier is written down and made again at the new size. Call it from the
+        training thread (a hook or a callback), not while another thread reads the store."""
         with self._lifecycle:
             self._settle()
             store = self._ensure_open(writable=True)
@@ -652,7 +652,7 @@ class EmbeddingStoreHandle:
                 "was recreated. Resume from a checkpoint whose version still exists."
             ) from exc
         try:
-            declared = getattr(self, "declared_rows", self.num_rows)
+            declared = getattr(self, "_declared_rows", self.num_rows)
             if store.dim != self.dim or store.num_rows < declared:
                 raise errors.InvalidArgumentError(
                     f"embedding store {self.name!r} at {self.path} holds {store.num_rows} x {store.dim} rows; "

@@ -112,7 +112,7 @@ def test_handle_grow_outside_a_fit_is_durable_with_the_next_flush(tmp_path):
     assert torch.equal(model.codes.get(torch.arange(N, GROWN)), fresh_rows(GROWN)[N:])
     model.codes.close()  # close() flushes: the growth is durable
     again = Codes(tmp_path / "codes")
-    assert again.codes.num_rows == N  # declared; the store is opened on first use
+    assert again.codes.num_rows == N  # declared; the store opens on first use
     assert torch.equal(again.codes.get(torch.tensor([99])), torch.ones(1, DIM))
     assert again.codes.num_rows == GROWN
     with pytest.raises(InvalidArgumentError, match=r"num_rows must be in \[260, .*got 100"):
