@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store.errors import InvalidArgumentError, InvalidTypeError, ReadOnlyError, StoreError
 from lightning_embcache.store.validate import MAX_ROWS
+from lightning_embcache.tools import inspect_store, verify_store
 
 N, DIM, CHUNK = 50, 4, 8  # 7 chunks, the last one short (2 rows): growing fills it first
 FIELDS = {"m": (torch.float32, 3), "n": (torch.int32, 1, 7)}  # a moment, and a field with a fill
@@ -164,6 +165,9 @@ def test_a_version_before_the_growth_opens_at_its_size(shm_path):
     with reopen(path, "zeros", HOT, version=v2, readonly=True) as new:
         assert_rows(new, model2, "version after the growth")
     store.close()
+    report = verify_store(path)  # every retained version read at its own size
+    assert report.ok and {v.version for v in report.versions} == {v1, v2}, report.as_dict()
+    assert inspect_store(path)["rows"] == 90
     with reopen(path, "zeros", HOT, version=v1) as writer:  # a writer back at the old version
         assert_rows(writer, model, "writer reopened before the growth")
 
