@@ -325,6 +325,9 @@ class Versioning:
         # the table's rows at this version: a store grown since it was created says so in the
         # manifests from its growth on (older ones keep the size they had)
         self._num_rows = m.num_rows or int(self._meta["num_rows"])
+        if self._num_rows < int(self._meta["num_rows"]):  # a table only grows
+            raise CorruptStoreError(disk.manifest_path(v), f"names num_rows={self._num_rows}, fewer than META's "
+                                                           f"{self._meta['num_rows']}")
         disk.resize(self._num_rows)
         # and per chunk the newest segment folded into its base file (see _compact_round)
         self._cmap, self._folded = disk.read_chunkmap_folded(m.chunkmap)

@@ -359,3 +359,28 @@ for _mode, _hot in MODES.items():
     _slow = type(f"TestGrowMatchesTensorModel{_mode.title()}Slow", (_machine.TestCase,), {"settings": SLOW})
     globals()[_slow.__name__] = pytest.mark.slow(pytest.mark.usefixtures("_inline_background")(_slow))
 del _fast, _slow, _machine
+
+
+def test_compaction_process_folds_the_grown_table(shm_path, monkeypatch):
+    """The compaction process works on the table at its size: the one started before a growth is
+    stopped with it, and the next one folds the grown table's chunks (the short one included)."""
+    monkeypatch.setenv("EMBCACHE_COMPACTION_PROCESS", "always")
+    path = shm_path / "s"
+    store = make(path, "normal", HOT)
+    model = created_at(N, "normal")
+    for step in range(3):
+        write(store, model, list(range(step, N, 4)), float(step + 1))
+        store.flush()
+    store.compact()
+    store.grow(N + 2 * CHUNK + 3)
+    model = grown(model, N + 2 * CHUNK + 3, "normal")
+    for step in range(3):
+        write(store, model, list(range(step, store.num_rows, 3)), float(step + 5))
+        store.flush()
+    store.compact()
+    assert store.stats().segments == 0
+    assert_rows(store, model, "compacted after the growth")
+    store.close()
+    with reopen(path, "normal", HOT) as again:
+        assert_rows(again, model, "reopened")
+    assert verify_store(path).ok
