@@ -112,14 +112,11 @@ def grow(store: Any, num_rows: int) -> None:
         store._close_files()
         kept = {k: store.__dict__[k] for k in KEPT if k in store.__dict__}
         try:
-            _reinit(store, kept, settings, num_rows)
+            _reopen(store, kept, settings, num_rows, ids, carried)
         except BaseException as exc:
             # Reopen at the size it had and put its rows back: the failed growth leaves no trace.
             try:
-                store._close_files()
-                _reinit(store, kept, settings, old_rows)
-                if carried is not None:
-                    store.write_records(torch.from_numpy(ids), carried)
+                _reopen(store, kept, settings, old_rows, ids, carried)
             except BaseException:
                 store._closed = True
                 store._release_lock()
@@ -128,11 +125,23 @@ def grow(store: Any, num_rows: int) -> None:
                     "it is closed: reopen it with EmbeddingStore.open(path) (its last flush is intact)"
                 ) from exc
             raise
-        if carried is not None:
-            store.write_records(torch.from_numpy(ids), carried)
 
 
-def _reinit(store: Any, kept: dict, settings: dict, num_rows: int) -> None:
+def _reopen(store: Any, kept: dict, settings: dict, num_rows: int, ids: np.ndarray, carried: Any) -> None:
+    """The store reopened at ``num_rows`` with the carried rows written again (dirty); on failure
+    what it opened is closed again, but for the writer lock (a failed constructor closes its own)."""
     for k in [k for k in store.__dict__ if k not in kept]:
         delattr(store, k)
     type(store).__init__(store, **settings, grown={"num_rows": num_rows, "kept": kept})
+    try:
+        if carried is not None:
+            store.write_records(torch.from_numpy(ids), carried)
+    except BaseException:
+        store._closed = True  # its threads stop at their next look (the caller holds the locks they take)
+        for ex in (store._prefetcher, store._bg, store._filler):
+            if ex is not None:
+                ex.shutdown(wait=False, cancel_futures=True)
+        store._close_files()
+        raise
+
+

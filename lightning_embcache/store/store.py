@@ -408,7 +408,8 @@ class EmbeddingStore(TieredRows, Versioning):
                     f"(disk mode) or fewer rows"
                 ) from None
         except BaseException as exc:
-            self._release_lock()
+            if grown is None:  # a growth's writer lock stays with the store (growth.py reopens it)
+                self._release_lock()
             Disk.unlock_reader(self._reader_fd)
             self._reader_fd = None
             if self._disk is not None:

@@ -384,3 +384,64 @@ def test_compaction_process_folds_the_grown_table(shm_path, monkeypatch):
     with reopen(path, "normal", HOT) as again:
         assert_rows(again, model, "reopened")
     assert verify_store(path).ok
+
+
+@pytest.mark.parametrize("hot", [None, HOT], ids=["memory", "disk"])
+def test_a_grow_that_fails_on_a_full_disk_leaves_the_store_as_it_was(shm_path, monkeypatch, hot):
+    """The grown layout's chunk map cannot be written: the store reopens at its size with every
+    row, the unflushed ones too, and goes on (a later grow and flush work)."""
+    import errno
+
+    from lightning_embcache.store.disk import Disk
+    from lightning_embcache.store.errors import DiskFullError
+
+    path = shm_path / "s"
+    store = make(path, "normal", hot)
+    model = created_at(N, "normal")
+    write(store, model, list(range(0, N, 2)), 2.0)
+    v = store.flush()
+    store.compact()  # a chunk map: the growth writes a new one
+    write(store, model, [1, 3, 49], 3.0)  # unflushed
+
+    def full(*a, **k):
+        raise DiskFullError(errno.ENOSPC, "disk full while writing a chunk map (test)")
+
+    with monkeypatch.context() as m:
+        m.setattr(Disk, "write_chunkmap", full)
+        with pytest.raises(DiskFullError):
+            store.grow(N + 30)
+    assert store.num_rows == N and store.version == v
+    assert_rows(store, model, "after the failed grow")
+    store.grow(N + 30)
+    model = grown(model, N + 30, "normal")
+    store.flush()
+    store.close()
+    with reopen(path, "normal", hot) as again:
+        assert_rows(again, model, "grown after a failed grow")
+
+
+def test_a_grow_that_fails_writing_its_rows_back_reopens_the_old_size(shm_path, monkeypatch):
+    """The grown store is open but its unflushed rows cannot be written again: it reopens at the
+    old size with them."""
+    path = shm_path / "s"
+    store = make(path, "zeros", HOT)
+    model = created_at(N, "zeros")
+    write(store, model, [5, 6, 49], 2.0)
+    calls = []
+    real = EmbeddingStore.write_records
+
+    def fail_first(self, ids, records):
+        calls.append(len(ids))
+        if len(calls) == 1:
+            raise StoreError("write failed (test)")
+        return real(self, ids, records)
+
+    monkeypatch.setattr(EmbeddingStore, "write_records", fail_first)
+    with pytest.raises(StoreError, match="write failed"):
+        store.grow(N * 2)
+    assert calls == [3, 3] and store.num_rows == N
+    assert_rows(store, model, "after the failed grow")
+    monkeypatch.undo()
+    store.grow(N * 2)
+    assert_rows(store, grown(model, N * 2, "zeros"), "grown after a failed grow")
+    store.close()
