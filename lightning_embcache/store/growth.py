@@ -143,5 +143,3 @@ def _reopen(store: Any, kept: dict, settings: dict, num_rows: int, ids: np.ndarr
                 ex.shutdown(wait=False, cancel_futures=True)
         store._close_files()
         raise
-
-

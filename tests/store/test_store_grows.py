@@ -445,3 +445,23 @@ def test_a_grow_that_fails_writing_its_rows_back_reopens_the_old_size(shm_path, 
     store.grow(N * 2)
     assert_rows(store, grown(model, N * 2, "zeros"), "grown after a failed grow")
     store.close()
+
+
+def test_a_pinned_version_of_the_old_size_never_shares_the_grown_chunk_files(shm_path):
+    """Never compacted before the growth (no chunk map), pinned: compaction after the growth must
+    not publish the pinned version again with the grown table's chunk map."""
+    path = shm_path / "s"
+    store = make(path, "normal", None)
+    model = created_at(N, "normal")
+    write(store, model, list(range(0, N, 3)), 2.0)
+    v1 = store.flush()
+    store.pin(v1)
+    store.grow(N + CHUNK)
+    write(store, grown_model := grown(model, N + CHUNK, "normal"), [1, N + 2], 3.0)
+    store.flush()
+    store.compact()
+    with reopen(path, "normal", None, version=v1, readonly=True) as old:
+        assert_rows(old, model, "pinned version after compaction of the grown table")
+    assert_rows(store, grown_model, "grown table")
+    store.close()
+    assert verify_store(path).ok
