@@ -6,15 +6,14 @@ What DeepSDF calls inference and NeRF-style pipelines call test-time optimisatio
 codes: the decoder has been trained with the codes of the training samples; for new samples (test
 shapes, test views) only their codes are optimised, against the frozen decoder.
 
-1. Train codes + decoder on the first ``--samples`` samples (ids ``0 .. samples-1``).
-2. Fit the codes of ``--new`` unseen samples (ids ``samples .. samples+new-1``) with a Lightning
-   ``Trainer``: the decoder is frozen (``requires_grad_(False)``), the only optimizer is the rows'
-   own (``codes.optimizer.as_torch_optimizer()``), and only the new ids are looked up, so the
-   trained rows are untouched, bit for bit.
+1. Train codes + decoder on the first ``--samples`` samples (ids ``0 .. samples-1``): a table of
+   ``samples`` rows.
+2. The ``--new`` unseen samples arrive: ``codes.grow(samples + new)`` adds their rows (ids
+   ``samples .. samples+new-1``, initial values as a table made at that size would hold them).
+   Fit their codes with a Lightning ``Trainer``: the decoder is frozen (``requires_grad_(False)``),
+   the only optimizer is the rows' own (``codes.optimizer.as_torch_optimizer()``), and only the new
+   ids are looked up, so the trained rows are untouched, bit for bit.
 3. Read the new codes back (``export`` writes every code to a ``.npy`` for inference).
-
-The table is declared with room for the new samples from the start: ``EmbeddingStore.grow`` /
-``handle.grow`` (issue 32) will let step 2 add the rows instead.
 """
 
 from __future__ import annotations
@@ -92,18 +91,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_ids, new_ids = torch.arange(args.samples), torch.arange(args.samples, total)
     path = str(root / "codes")
 
-    # 1. codes and decoder, on the training samples
-    model = AutoDecoder(path, total, train_ids, targets[train_ids])
+    # 1. codes and decoder, on the training samples: a table of exactly those rows
+    model = AutoDecoder(path, args.samples, train_ids, targets[train_ids])
     trainer(root, args.epochs).fit(model)
     trained = model.codes.get(train_ids)
-    before = loss_of(model, new_ids, targets[new_ids])
-    print(f"trained on {args.samples} samples: loss {loss_of(model, train_ids, targets[train_ids]):.4f}; "
-          f"{args.new} unseen samples with untrained codes: loss {before:.4f}")
+    print(f"trained on {args.samples} samples: loss {loss_of(model, train_ids, targets[train_ids]):.4f}")
     model.codes.close()
 
-    # 2. codes of the unseen samples only, decoder frozen
-    fit = AutoDecoder(path, total, new_ids, targets[new_ids], freeze_decoder=True, if_exists="resume")
+    # 2. the new samples arrive: rows for them, then their codes only, decoder frozen
+    fit = AutoDecoder(path, args.samples, new_ids, targets[new_ids], freeze_decoder=True, if_exists="resume")
     fit.decoder.load_state_dict(model.decoder.state_dict())
+    fit.codes.grow(total)  # durable with the fit's flushes
+    before = loss_of(fit, new_ids, targets[new_ids])
+    print(f"grew the table to {fit.codes.num_rows} rows; {args.new} unseen samples with untrained codes: "
+          f"loss {before:.4f}")
     decoder_before = {k: v.clone() for k, v in fit.decoder.state_dict().items()}
     trainer(root, args.fit_epochs).fit(fit)
     after = loss_of(fit, new_ids, targets[new_ids])

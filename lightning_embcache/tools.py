@@ -228,7 +228,6 @@ def verify_store(
     try:
         with EmbeddingStore.open(root, readonly=True) as store:
             versions = store.versions()
-            num_rows = store.num_rows
             needed = _versions_needed(root, set(store.pinned()))
     except CorruptStoreError as exc:
         report.problems.append(f"{exc.path}: {exc.reason}")
@@ -250,7 +249,7 @@ def verify_store(
                 check.fail(
                     str(root / f"manifest-{version:012d}"), f"names parent version {check.parent}, not an earlier one"
                 )
-            _read_every_row(root, version, num_rows, check, progress)
+            _read_every_row(root, version, check, progress)
         except CorruptStoreError as exc:
             check.fail(exc.path, exc.reason)
         except StoreError as exc:
@@ -275,11 +274,11 @@ def _versions_needed(root: Path, pinned: set[int]) -> dict[int, str]:
     return needed
 
 
-def _read_every_row(root: Path, version: int, num_rows: int, check: VersionCheck, progress: Progress) -> None:
-    """Read all records of `version` in batches; a batch that fails is read again chunk by chunk,
-    so every damaged file is named, not only the first."""
+def _read_every_row(root: Path, version: int, check: VersionCheck, progress: Progress) -> None:
+    """Read all records of `version` (at its own size: a store may have grown since) in batches;
+    a batch that fails is read again chunk by chunk, so every damaged file is named, not only the first."""
     with EmbeddingStore.open(root, version=version, readonly=True, hot_bytes=64 << 20) as store:
-        names, chunk = tuple(store.field_names), store.chunk_rows
+        names, chunk, num_rows = tuple(store.field_names), store.chunk_rows, store.num_rows
         batch = max(chunk, VERIFY_BATCH_ROWS // chunk * chunk)
         for lo in range(0, num_rows, batch):
             hi = min(num_rows, lo + batch)

@@ -335,6 +335,20 @@ class ShardedStore:
     def compact(self) -> None:
         self.local.compact()
 
+    def grow(self, num_rows: int) -> None:
+        """Not supported yet for a row-sharded table: refused, nothing changes.
+
+        Raises:
+            StoreError: always. (Under the ``id % world_size`` rule new ids would go to their
+                owners and no old id would move; what is missing is reopening a grown table
+                without a checkpoint, whose shards do not record the table's size.)
+        """
+        raise StoreError(
+            f"grow(num_rows={num_rows!r}) of a row-sharded table is not supported yet (issue 32); the table keeps "
+            f"its {self.num_rows} rows. Declare it with room "
+            "for the new ids: add_embedding_store(num_rows=...)"
+        )
+
     def close(self) -> None:
         self.ahead.close()
         if self.device_rows is not None:

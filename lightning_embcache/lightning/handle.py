@@ -126,7 +126,8 @@ class EmbeddingStoreHandle:
         self.device_bytes = device_bytes
         self._device_tier: DeviceTier | None = None
         self._unmapped: EmbeddingStore | None = None  # a store whose table could not be mapped
-        self.num_rows = num_rows
+        self.num_rows = num_rows  # the open store's rows: `grow` and a checkpoint's version move it
+        self._declared_rows = num_rows  # add_embedding_store's: a store it opens holds at least these
         self.dim = dim
         self.path = path
         self.dtype: torch.dtype = create_options.get("dtype", torch.float32)
@@ -242,6 +243,31 @@ class EmbeddingStoreHandle:
             self._target_version, self._target_checksum = None, None
             self._target_from_checkpoint = False
             return version
+
+    @_store_call
+    def grow(self, num_rows: int) -> None:
+        """Raise the table to ``num_rows`` rows (`EmbeddingStore.grow`): the new ids hold their
+        initial values, the old rows keep theirs; durable with the next flush (a checkpoint taken
+        before resumes the old size, one taken after the new). ``num_rows`` equal to the current
+        size does nothing; fewer rows are refused, and so is a row-sharded table (not supported
+        yet). A device tier is written down and made again at the new size. Call it from the
+        training thread (a hook or a callback), not while another thread reads the store."""
+        with self._lifecycle:
+            self._settle()
+            store = self._ensure_open(writable=True)
+            tier = self._device_tier
+            if tier is not None:
+                # The device's newer rows go down first; the tier (sized by the table, and over
+                # its host memory where it is mapped) is made again at the new size on next use.
+                if tier.store is store and not store.closed:
+                    tier.write_down()
+                tier.close()
+                self._device_tier = None
+            self._unmapped = None
+            try:
+                store.grow(num_rows)
+            finally:
+                self.num_rows = store.num_rows
 
     @property
     def io_wait_seconds(self) -> float:
@@ -626,11 +652,14 @@ class EmbeddingStoreHandle:
                 "was recreated. Resume from a checkpoint whose version still exists."
             ) from exc
         try:
-            if (store.num_rows, store.dim) != (self.num_rows, self.dim):
+            declared = getattr(self, "_declared_rows", self.num_rows)
+            if store.dim != self.dim or store.num_rows < declared:
                 raise errors.InvalidArgumentError(
                     f"embedding store {self.name!r} at {self.path} holds {store.num_rows} x {store.dim} rows; "
-                    f"add_embedding_store asked for num_rows={self.num_rows}, dim={self.dim}"
+                    f"add_embedding_store asked for num_rows={declared}, dim={self.dim} (a store may hold more rows "
+                    f"than declared, once grown: grow it with .grow(num_rows))"
                 )
+            self.num_rows = store.num_rows  # grown since it was declared, or a checkpoint's size
             if version is not None and self._target_checksum is not None:
                 found = store.manifest_checksum(version)
                 if found != self._target_checksum:

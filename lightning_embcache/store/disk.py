@@ -35,6 +35,7 @@ from .blockcrc import BLOCK, first_bad_block  # raw chunks: one checksum per blo
 from .errors import CorruptStoreError, StoreError, VersionNotFoundError, io_error
 from .fileio import ANY_STORE, HEADER_SIZE, crc32, open_dir, pack, parse_header, read_file, write_file, write_parts
 from .recycle import FilePool
+from .validate import MAX_ROWS
 from .warm import MIN_RATIO
 
 _SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows
@@ -184,12 +185,17 @@ class Manifest:
     # A compaction rewrites a version's manifest with a new layout of the same rows; the rewrite
     # keeps the identity (`Disk.manifest_checksum`) of the manifest its flush wrote.
     ident: str = ""
+    # Rows of the table at this version (a store grows: `EmbeddingStore.grow`); 0 = as META
+    # says (manifests of versions before any growth, and of stores older than growing).
+    num_rows: int = 0
 
     def to_bytes(self) -> bytes:
         obj = {"version": self.version, "chunkmap": self.chunkmap, "segments": self.segments,
                "parent": self.parent, "time": time.time()}
         if self.ident:
             obj["ident"] = self.ident
+        if self.num_rows:
+            obj["num_rows"] = self.num_rows
         return json.dumps(obj).encode()
 
 
@@ -213,6 +219,7 @@ class Disk:
             os.close(self._root_fd)
             raise
         self.num_rows = num_rows
+        self.created_rows = num_rows  # META's: the size of a version whose manifest names none
         self.chunk_rows = chunk_rows
         self.row_bytes = row_bytes
         self.num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
@@ -232,6 +239,15 @@ class Disk:
         self.pool = FilePool(self._chunks_fd)
         # Records of never-written rows: the store's `_init_rows` (see `set_init_rows`)
         self._init_rows: Callable[[], Callable[[np.ndarray], np.ndarray] | None] = lambda: None
+
+    def resize(self, num_rows: int) -> None:
+        """Rows of the table this handle reads and writes now: a version's size (`Manifest.num_rows`)
+        or a grown table's. Chunk ``num_chunks - 1`` may be short; its files hold that many rows."""
+        self.num_rows = num_rows
+        self.num_chunks = (num_rows + self.chunk_rows - 1) // self.chunk_rows
+        self._directories.clear()  # the short last chunk's directory size follows its rows
+        per_entry = 4 * -(-self.chunk_rows * self.row_bytes // BLOCK) + 112
+        self._directories_max = max(64, min(2 * self.num_chunks + 64, DIRECTORY_CACHE_BYTES // per_entry))
 
     def set_init_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> None:
         """``fn(ids)``: records of never-written sorted ``ids``. A sparse chunk file holds only
@@ -471,7 +487,10 @@ class Disk:
         ident = obj.get("ident", "")
         if not isinstance(ident, str) or len(ident) > 64:
             raise CorruptStoreError(path, "manifest identity is not a short string")
-        return Manifest(v, cm, list(segs), parent, ident)
+        rows = obj.get("num_rows", 0)
+        if not _is_count(rows) or rows > MAX_ROWS:
+            raise CorruptStoreError(path, f"num_rows={rows!r} is not a row count")
+        return Manifest(v, cm, list(segs), parent, ident, rows)
 
     def manifest_checksum(self, version: int) -> str:
         """Identity of ``version`` as its flush wrote it (a checkpoint records it to detect a store
@@ -498,14 +517,15 @@ class Disk:
         self.bytes_written += self._write(self.manifest_path(m.version), b"manifest", m.to_bytes())
 
     # ---- chunk map ---------------------------------------------------------------------------
-    def read_chunkmap(self, gen: int) -> np.ndarray:
-        return self.read_chunkmap_folded(gen)[0]
+    def read_chunkmap(self, gen: int, num_rows: int = 0) -> np.ndarray:
+        return self.read_chunkmap_folded(gen, num_rows)[0]
 
-    def read_chunkmap_folded(self, gen: int) -> tuple[np.ndarray, np.ndarray]:
+    def read_chunkmap_folded(self, gen: int, num_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(generation of each chunk's base file, newest segment folded into it) of chunkmap
-        ``gen``. A chunkmap written before compaction recorded the latter holds only the former:
-        then nothing counts as folded (re-folding a kept segment gives the same rows)."""
-        nc = self.num_chunks
+        ``gen``, of a table of ``num_rows`` rows (0: the rows this handle reads now). A chunkmap
+        written before compaction recorded the latter holds only the former: then nothing counts
+        as folded (re-folding a kept segment gives the same rows)."""
+        nc = self.num_chunks if not num_rows else (num_rows + self.chunk_rows - 1) // self.chunk_rows
         if gen == 0:
             return np.zeros(nc, np.int32), np.zeros(nc, np.int64)
         path = self.chunkmap_path(gen)
@@ -1019,7 +1039,7 @@ class Disk:
             segs.update(m.segments)
             if m.chunkmap not in gens:
                 gens.add(m.chunkmap)
-                cmap = self.read_chunkmap(m.chunkmap)
+                cmap = self.read_chunkmap(m.chunkmap, m.num_rows or self.created_rows)
                 nz = np.flatnonzero(cmap)
                 files.update(zip(nz.tolist(), cmap[nz].tolist()))
         return segs, gens, files

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import fileio, foldproc, rowcopy
+from . import fileio, foldproc, growth, rowcopy
 from .disk import Disk, Manifest, Segment
 from .errors import (
     CorruptStoreError,
@@ -300,7 +300,10 @@ class EmbeddingStore(TieredRows, Versioning):
         init_fn: InitFn | None,
         ephemeral: bool,
         create: bool,
+        grown: dict | None = None,
     ) -> None:
+        """``grown`` (`grow`, growth.py): {"num_rows": the new size, "kept": attributes kept from
+        before, the writer lock among them}."""
         self._closed = True  # until fully constructed
         self._root = root
         self._ephemeral = ephemeral
@@ -362,14 +365,13 @@ class EmbeddingStore(TieredRows, Versioning):
         self._collect_due = False  # a garbage collection was asked for (likewise)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
         self._writing_gens: set[int] = set()  # compaction generations being written
-        num_chunks = (self._num_rows + self._chunk_rows - 1) // self._chunk_rows
+        if grown is not None:
+            self.__dict__.update(grown["kept"])
         capacity = None if hot_bytes is None else max(1, hot_bytes // (self._row_bytes + SLOT_OVERHEAD))
-        if capacity is not None and capacity >= self._num_rows:
-            capacity = self._num_rows
         self._hot_budget = hot_bytes
         try:
             if root is not None:
-                if not readonly:
+                if not readonly and self._lock_fd is None:
                     self._take_lock(root)
                 if create:
                     Disk.write_meta(root, meta)
@@ -384,9 +386,15 @@ class EmbeddingStore(TieredRows, Versioning):
                 self._disk.set_init_rows(self._init_rows)  # the rows a sparse chunk file does not hold
                 if create:
                     self._disk.write_manifest(Manifest(0, 0, []))
-                self._load_version(version)
+                self._load_version(version)  # the version's size: `_num_rows` from its manifest
+                if grown is not None and grown["num_rows"] != self._num_rows:
+                    growth.resize_layout(self, grown["num_rows"])
             else:
-                self._cmap = np.zeros(num_chunks, np.int32)
+                if grown is not None:
+                    self._num_rows = grown["num_rows"]
+                self._cmap = np.zeros((self._num_rows + self._chunk_rows - 1) // self._chunk_rows, np.int32)
+            if capacity is not None and capacity >= self._num_rows:
+                capacity = self._num_rows
             try:
                 self._hot = HotTier(
                     self._num_rows, self._row_bytes, self._chunk_rows, capacity, private=not self._readonly
@@ -400,7 +408,8 @@ class EmbeddingStore(TieredRows, Versioning):
                     f"(disk mode) or fewer rows"
                 ) from None
         except BaseException as exc:
-            self._release_lock()
+            if grown is None:  # a growth's writer lock stays with the store (growth.py reopens it)
+                self._release_lock()
             Disk.unlock_reader(self._reader_fd)
             self._reader_fd = None
             if self._disk is not None:
@@ -413,6 +422,7 @@ class EmbeddingStore(TieredRows, Versioning):
                     f"bookkeeping than this machine has; give fewer rows or larger chunks"
                 ) from None
             raise
+        num_chunks = (self._num_rows + self._chunk_rows - 1) // self._chunk_rows
         self._warm = WarmTier(warm_bytes if root is not None else 0, self._chunk_rows, self._row_bytes, num_chunks)
         if root is None and self._init_kind == "zeros" and not any(f.fill for f in self._schema.fields.values()):
             self._hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
@@ -871,6 +881,41 @@ class EmbeddingStore(TieredRows, Versioning):
         """``as_ids`` for this store: the store's own checked copy (no cache: see as_ids)."""
         return as_ids(ids, self._num_rows)
 
+    # ------------------------------------------------------------------ growing
+    def grow(self, num_rows: int) -> None:
+        """Raise the table to ``num_rows`` rows; ids ``[old num_rows, num_rows)`` hold their initial
+        values, the ones a store created at ``num_rows`` would hold. Durable with the next flush.
+
+        Rows keep their values bit for bit, unflushed updates included; the version on disk keeps
+        its size until the next flush publishes the new one (a crash before it, or opening an
+        older version, gives the table as it was). ``num_rows`` equal to the current size does
+        nothing. Not to be called while other threads use the store (they meet a closed store
+        meanwhile); the tiers start cold afterwards, and the unflushed rows pass through memory
+        once (flush first to keep that small).
+
+        Raises:
+            InvalidArgumentError: ``num_rows`` is below the current size (a store never shrinks)
+                or past the id limit; nothing changes.
+            InvalidTypeError: ``num_rows`` is not an int.
+            ReadOnlyError: a read-only handle.
+        """
+        t0 = time.perf_counter()
+        self._check_usable(write=True)
+        n = growth.check_rows(self, num_rows)
+        self._raise_bg_error()
+        if n == self._num_rows:
+            return
+        growth.grow(self, n)
+        self._waited(t0, rows=False)
+
+    def _reopen_settings(self) -> dict:
+        """The constructor's arguments that reopen this store as it is (`grow`)."""
+        return {
+            "root": self._root, "meta": self._meta, "version": self._version, "readonly": self._readonly,
+            "hot_bytes": self._hot_budget, "warm_bytes": self._warm.budget, "check_finite": self._check_finite,
+            "init_fn": self._init_fn, "ephemeral": self._ephemeral, "create": False,
+        }
+
     # ------------------------------------------------------------------ stats, lifecycle
     def stats(self) -> StoreStats:
         """A snapshot of tier sizes, hit/miss counts, dirty rows and I/O totals."""
@@ -915,31 +960,10 @@ class EmbeddingStore(TieredRows, Versioning):
                 return
             self._closed = True  # from here every call (and every call waiting for the lock) refuses
         same_process = self._pid == os.getpid()
-        if same_process:
-            self._await_device_writes()  # a device still writing the table finishes before it is freed
-        me = threading.current_thread()
-        for ex in (self._prefetcher, self._bg, self._filler):
-            if ex is not None and same_process:
-                # The last reference may drop on one of these very threads (a prefetch finishing):
-                # it cannot join itself, and the rest of close() must still run.
-                own = any(t is me for t in getattr(ex, "_threads", ()))
-                ex.shutdown(wait=not own, cancel_futures=True)
+        self._stop_background()
         with self._flush_lock:  # a flush or compaction of another thread finishes first
-            if self._fold_proc is not None and same_process:
-                self._fold_proc.close()
             with self._lock:
-                for s in self._committed + self._pending:
-                    s.close()
-                if self._loader is not None:
-                    self._loader.close()
-                if self._chunkrows is not None:
-                    self._chunkrows.close()
-                self._hot.close()
-                self._warm.close()
-                self._np_views = {}
-                self._weight_np = self._weight_t = None
-                if self._disk is not None:
-                    self._disk.close()
+                self._close_files()
         self._release_lock()
         Disk.unlock_reader(self._reader_fd)
         self._reader_fd = None
@@ -947,6 +971,36 @@ class EmbeddingStore(TieredRows, Versioning):
         # closes its copy must not delete the parent's files.
         if self._ephemeral and self._root is not None and same_process:
             shutil.rmtree(self._root, ignore_errors=True)
+
+    def _stop_background(self) -> None:
+        """Let the device's writes finish and stop the store's threads (`close`, `grow`)."""
+        if self._pid != os.getpid():
+            return
+        self._await_device_writes()  # a device still writing the table finishes before it is freed
+        me = threading.current_thread()
+        for ex in (self._prefetcher, self._bg, self._filler):
+            if ex is not None:
+                # The last reference may drop on one of these very threads (a prefetch finishing):
+                # it cannot join itself, and the rest of close() must still run.
+                own = any(t is me for t in getattr(ex, "_threads", ()))
+                ex.shutdown(wait=not own, cancel_futures=True)
+
+    def _close_files(self) -> None:
+        """Free the tiers and close every file but the writer lock (caller holds both locks)."""
+        if self._fold_proc is not None and self._pid == os.getpid():
+            self._fold_proc.close()
+        for s in self._committed + self._pending:
+            s.close()
+        if self._loader is not None:
+            self._loader.close()
+        if self._chunkrows is not None:
+            self._chunkrows.close()
+        self._hot.close()
+        self._warm.close()
+        self._np_views = {}
+        self._weight_np = self._weight_t = None
+        if self._disk is not None:
+            self._disk.close()
 
     def __enter__(self) -> EmbeddingStore:
         return self

@@ -96,6 +96,7 @@ class Versioning:
     _disk: Any
     _row_thread: int  # the thread of the latest get/update (EmbeddingStore._waited)
     _damage: CorruptStoreError | None = None  # the first damaged file met: background work stops (fail-stop)
+    _grown_unflushed = False  # grown since the last flush: no compaction round until it publishes the size
 
     # ------------------------------------------------------------------ flush and versions
     def flush(self) -> int:
@@ -165,7 +166,7 @@ class Versioning:
             self._check_open()
             hot = self._hot
             slots = np.flatnonzero(hot.dirty)
-            layout = (self._cmap_gen, [s.seq for s in self._committed])
+            layout = (self._cmap_gen, [s.seq for s in self._committed], self._num_rows)
             if not len(slots) and not self._pending and layout == self._published:
                 return self._version
             ids, slots, records, seq = self._begin_write_back(slots)
@@ -186,10 +187,12 @@ class Versioning:
             # one no manifest will list need not be durable
             self._disk.sync_segments([p for p in pending if p.seq not in gone])
             new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
-            m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version)
+            m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version,
+                         num_rows=self._num_rows)
             self._parent = self._version
-            self._disk.write_manifest(m)  # the commit point
-            self._published = (m.chunkmap, list(m.segments))
+            self._disk.write_manifest(m)  # the commit point (of a growth too: `EmbeddingStore.grow`)
+            self._published = (m.chunkmap, list(m.segments), m.num_rows)
+            self._grown_unflushed = False
         except BaseException:
             self._end_write_back(slots, seq, ok=False)
             raise
@@ -319,11 +322,18 @@ class Versioning:
                 versions = disk.list_versions()
                 v = versions[-1]
         m = disk.read_manifest(v)
+        # the table's rows at this version: a store grown since it was created says so in the
+        # manifests from its growth on (older ones keep the size they had)
+        self._num_rows = m.num_rows or int(self._meta["num_rows"])
+        if self._num_rows < int(self._meta["num_rows"]):  # a table only grows
+            raise CorruptStoreError(disk.manifest_path(v), f"names num_rows={self._num_rows}, fewer than META's "
+                                                           f"{self._meta['num_rows']}")
+        disk.resize(self._num_rows)
         # and per chunk the newest segment folded into its base file (see _compact_round)
         self._cmap, self._folded = disk.read_chunkmap_folded(m.chunkmap)
         self._cmap_gen = m.chunkmap
         self._committed = [disk.open_segment(s) for s in m.segments]
-        self._published = (m.chunkmap, list(m.segments))
+        self._published = (m.chunkmap, list(m.segments), self._num_rows)
         self._index_rebuild()
         self._version = v
         self._max_version = versions[-1]
@@ -374,6 +384,8 @@ class Versioning:
         compaction process starts here once segments hold half the share a pass starts at: ready
         before its first round (starting it costs a fraction of a second of CPU), never started by a store only
         read or by short runs that flush a little."""
+        if self._grown_unflushed:
+            return  # the next flush publishes the grown table first (see `_fold_round`)
         if self._fold_proc is None and not self._closed:
             if self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2):
                 self._fold_process()
@@ -730,7 +742,9 @@ class Versioning:
         with self._lock:
             share = self._sharing
             segs = [s for s in self._committed if share.foldable(s)]
-            if self._closed or not segs:
+            # A grown table's layout is published by its next flush, never by a round: a round
+            # rewrites the manifest of the version it folds, which has the size before the growth.
+            if self._closed or not segs or self._grown_unflushed:
                 return False
             cmap = self._cmap.copy()
             folded0 = self._folded  # replaced, never changed in place: only rounds move it
@@ -787,7 +801,7 @@ class Versioning:
         with self._lock:  # the caller holds the writer lock: the committed segments are those read above
             assert [s.seq for s in self._committed] == [s.seq for s in segs], "layout moved during compaction"
             self._cmap, self._cmap_gen, self._committed, self._folded = new_cmap, gen, remaining, folded
-            self._published = (gen, [s.seq for s in remaining])
+            self._published = (gen, [s.seq for s in remaining], self._num_rows)
             if m.version != version:
                 self._parent = version
                 self._version = self._max_version = m.version
@@ -833,9 +847,9 @@ class Versioning:
         alone = disk.lock_version_alone(version)
         try:
             if alone is not None:
-                m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version))
+                m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version), self._num_rows)
             else:
-                m = Manifest(self._max_version + 1, gen, segs, version)
+                m = Manifest(self._max_version + 1, gen, segs, version, num_rows=self._num_rows)
             disk.write_manifest(m)  # the commit point: old layout or new, the same rows
         finally:
             disk.unlock_reader(alone)
@@ -899,7 +913,9 @@ class Versioning:
         members = []
         for v in listed:
             m = self._manifest_of(v) if v in pins and v != version else None
-            if m is not None and sharing.shares(m, gen, seqs) and self._unread(v):
+            # a version of another size (before a growth) never shares: its chunk map has its size
+            same_size = m is not None and (m.num_rows or int(self._meta["num_rows"])) == self._num_rows
+            if same_size and sharing.shares(m, gen, seqs) and self._unread(v):
                 members.append(m)
         self._sharing = sharing.plan(segs, members, self._num_rows * self._row_bytes)
 
@@ -940,7 +956,7 @@ class Versioning:
                     if seg is None or not (folded[seg.idx_chunk] >= q).all():
                         break
                     lead += 1
-                new = Manifest(v, gen, m.segments[lead:], m.parent, m.ident or disk.manifest_checksum(v))
+                new = Manifest(v, gen, m.segments[lead:], m.parent, m.ident or disk.manifest_checksum(v), m.num_rows)
                 disk.write_manifest(new)  # the commit point of this version's new layout
                 self._manifests_seen[v] = new
             finally:
