@@ -37,6 +37,8 @@ def _worker(cfg: dict) -> dict:
     from lightning_embcache import EmbeddingStore, TrainableRows, make_row_optimizer, trainable_fields
 
     torch.manual_seed(cfg["seed"])
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
     rows, dim, batch, steps = cfg["rows"], cfg["dim"], cfg["batch"], cfg["steps"]
     kind = cfg["kind"]
     id_range = cfg.get("id_range") or rows
@@ -93,13 +95,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=20_000, help="rows of the small table of table_size")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--figures", default="first_batch,first_epoch,table_size")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads in every worker (default: torch's). On a loaded host give 1: "
+                        "small steps whose ops split over busy cores stall at OpenMP's barriers (200 ms steps)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
         return 0
-    base = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "steps": args.steps}
+    base = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "steps": args.steps, "threads": args.threads}
     figures = args.figures.split(",")
     result: dict[str, Any] = {"benchmark": "first-touch", "args": vars(args), "host": platform.node(),
                               "machine": platform.processor() or platform.machine()}
