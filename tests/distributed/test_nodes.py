@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _launch import launch_nodes, max_diff  # noqa: E402
+from _launch import launch, launch_nodes, max_diff  # noqa: E402
 
 # DDP rebuilds its gradient buckets in the order gradients became ready after the first step of
 # every fit, so a resumed fit sums its first step's dense gradients in another bucket layout than
@@ -28,6 +28,24 @@ TOL = 1e-5  # the same float sums in another order (as the reshard test of tests
 def _shards_on(root: Path, node: int, store: str) -> list[str]:
     folder = root / f"node{node}" / store
     return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.exists() else []
+
+
+def test_two_nodes_of_two_ranks_train_what_one_process_would_with_node_local_shards(tmp_path):
+    """The default CI run's two-node check: 2 nodes x 2 Gloo ranks, one epoch. Every rank sees the
+    whole table, the rows equal one process fed the same global batches, and each node's folder
+    holds its own ranks' shards only."""
+    run = launch_nodes(tmp_path, "nodes", path="s", epochs=1, **NODES_2x2)
+    assert [r["world"] for r in run["ranks"]] == [4] * 4
+    assert [Path(r["paths"]["latents"]).parent for r in run["ranks"]] == [tmp_path / "node0" / "s"] * 2 + [
+        tmp_path / "node1" / "s"] * 2
+    for r in run["ranks"][1:]:
+        for k in r["rows"]:
+            assert torch.equal(r["rows"][k], run["ranks"][0]["rows"][k]), k
+    for store in ("s", "s_bank"):
+        assert _shards_on(tmp_path, 0, store) == ["rank-00000-of-00004", "rank-00001-of-00004"]
+        assert _shards_on(tmp_path, 1, store) == ["rank-00002-of-00004", "rank-00003-of-00004"]
+    ref = launch(tmp_path, "ref", path=str(tmp_path / "one"), epochs=1, combined_world=4)["ranks"][0]
+    assert max_diff(run["ranks"][0], ref) < TOL
 
 
 @pytest.mark.slow
@@ -109,6 +127,11 @@ def test_a_checkpoint_of_2x2_ranks_resumes_on_2x1_ranks_by_streaming_each_nodes_
     launch_nodes(tmp_path, "first", path="s", epochs=1, ckpt_dir=str(ck), batch=16, **NODES_2x2)
     ckpt = ck / "epoch=0-step=4.ckpt"
     assert torch.load(ckpt, weights_only=False)["embedding_stores"]["latents"]["shards"]["world_size"] == 4
+    # without the checkpoint, shards of 4 ranks cannot serve 2: refused naming the reshard command
+    fresh = launch_nodes(tmp_path, "fresh", path="s", epochs=1, if_exists="resume", batch=32, expect_ok=False,
+                         timeout=300, **NODES_2x1)
+    assert all(p.returncode != 0 for p in fresh["procs"])
+    assert "world_size=[4]" in fresh["log"] and "embcache reshard" in fresh["log"], fresh["log"]
     # node 1's shards out of reach: refused on every rank, naming them, and nothing is written
     (tmp_path / "node1" / "s").rename(tmp_path / "node1" / "away")
     refused = launch_nodes(tmp_path, "refused", path="s", epochs=3, resume=str(ckpt), ckpt_dir=str(ck), batch=32,
