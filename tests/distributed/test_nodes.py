@@ -167,3 +167,9 @@ def test_a_checkpoint_of_2x1_ranks_resumes_on_2x2_ranks_by_streaming_each_nodes_
     ref = launch_nodes(tmp_path, "ref", path="r", epochs=3, batch=8, **NODES_2x2)
     for rank in range(4):
         assert max_diff(resumed["ranks"][rank], ref["ranks"][rank]) < TOL
+    # the same file resumed on 4 ranks again (as after a crash before the first new checkpoint):
+    # each rank reopens the shard the first resume streamed, and the fit ends as the first did
+    again = launch_nodes(tmp_path, "again", path="s", epochs=3, resume=str(ckpt), ckpt_dir=str(tmp_path / "ck2"),
+                         batch=8, **NODES_2x2)
+    for rank in range(4):
+        assert max_diff(again["ranks"][rank], resumed["ranks"][rank]) == 0.0
