@@ -93,6 +93,7 @@ def stream_to_new_world(rank: int, world_size: int, root: str, record: dict, tou
 
 
 def refuse_missing_shards(rank: int, world_size: int, root: str, record: dict) -> None:
+    stream.SLICE = 1 << 16
     mine = Path(root) / f"node{rank}" / "t"
     factory = ShardFactory(N, DIM, {"init": "normal", "seed": SEED, "fields": FIELDS, "chunk_rows": 8})
     try:
@@ -103,4 +104,35 @@ def refuse_missing_shards(rank: int, world_size: int, root: str, record: dict) -
         raise AssertionError("streamed with a shard missing")
     assert "VersionNotFoundError" in text and "rank-00002-of-00003" in text and "rank-00000" not in text, text
     assert not shard_dir(mine, rank, world_size).exists()  # nothing was made
+    dist.barrier()
+
+
+def refuse_and_leave_nothing(rank: int, world_size: int, root: str, record: dict, case: str) -> None:
+    """A stream that cannot go through fails on every rank with a StoreError naming the problem,
+    and leaves no new shard folder behind (the other rank's included)."""
+    stream.SLICE = 1 << 16  # the pool's processes may keep another test's slice
+    mine = Path(root) / f"node{rank}" / "t"
+    fields = dict(FIELDS)
+    if case == "existing" and rank == 1:
+        shard_dir(mine, rank, world_size).mkdir(parents=True)
+        (shard_dir(mine, rank, world_size) / "notes.txt").write_text("someone else's")
+    if case == "checksum":
+        record = {**record, "manifest_checksums": [*record["manifest_checksums"][:2], "00000000"]}
+    if case == "fields":
+        del fields["n"]  # another row optimizer's state than the checkpoint's
+    factory = ShardFactory(N, DIM, {"init": "normal", "seed": SEED, "fields": fields, "chunk_rows": 8})
+    try:
+        stream.stream_shards("t", mine, record, factory, "/ck/last.ckpt", store_group())
+    except StoreError as exc:
+        text = f"{type(exc).__name__}: {exc}"
+    else:
+        raise AssertionError(f"{case}: streamed")
+    want = {"existing": ["InvalidArgumentError", "rank 1:", "rank-00001-of-00002 already exists"],
+            "checksum": ["InvalidArgumentError", "rank-00002-of-00003", "manifest checksum", "00000000"],
+            "fields": ["InvalidArgumentError", "fields", "'n'"]}[case]
+    assert all(w in text for w in want), text
+    if case != "existing" or rank == 0:
+        assert not shard_dir(mine, rank, world_size).exists(), case
+    else:
+        assert sorted(p.name for p in shard_dir(mine, rank, world_size).iterdir()) == ["notes.txt"]
     dist.barrier()
