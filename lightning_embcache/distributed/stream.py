@@ -52,10 +52,11 @@ def stream_shards(name: str, table: Path, record: Mapping[str, Any], factory: An
     current world (it makes the new shard with the store's options); `checkpoint` the file being
     resumed, recorded in the new shard's registry.
 
-    Raises:
-        VersionNotFoundError: an old shard is on no node (names the folders), or a version is gone.
+    Raises (on every rank, leaving no new shard behind):
+        VersionNotFoundError: an old shard is on no node (names the folders).
         InvalidArgumentError: the record does not match the store, or a new shard folder exists
-            that this checkpoint did not make.
+            that this checkpoint did not make; or opening, reading or writing a shard failed on
+            some rank (a version gone, another manifest checksum, other fields: names rank and shard).
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     old_world = int(record["world_size"])

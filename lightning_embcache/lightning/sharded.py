@@ -52,6 +52,8 @@ def shard_handles(module: Any, fitting: bool = False) -> None:
     for handle in module._embcache_stores().values():
         factory = getattr(handle, "_shard_factory", None)
         if factory is not None and factory.world_size == world_size:
+            if not fitting and getattr(handle, "_layout_error", None) is not None:
+                raise handle._layout_error  # a fit refused these shards: so is a validate after it
             continue
         handle._close()  # a plain store opened before torch.distributed started
         handle._trainable = None
