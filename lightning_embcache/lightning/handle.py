@@ -576,12 +576,13 @@ class EmbeddingStoreHandle:
     def _absent_before_claim(self) -> bool:
         """Nothing at `path` yet and no version to reopen: `fit` makes the store only once it knows
         that no checkpoint names one (a checkpoint restored after setup may name a folder that was
-        deleted; making an empty store there first would hide that)."""
+        deleted; making an empty store there first would hide that). A rank's shard waits too: a
+        checkpoint of another world size streams its rows into it, and a shard made first would be
+        in the way."""
         return (
             self.path is not None
             and self._target_version is None
             and not self._claimed
-            and getattr(self, "_shard_factory", None) is None
             and not store_exists(self.path)
         )
 

@@ -265,8 +265,9 @@ class EmbeddingStoreMixin:
                 handle.optimizer.load_state_dict(ref["row_optimizer"])
             if ref.get("version") is None:
                 continue
-            ref = local_ref(handle, ref)  # several processes: this rank's shard (or a world-size error)
             checkpoint_file = _checkpoint_file(trainer)
+            # several processes: this rank's shard (streamed from another world size's shards in fit)
+            ref = local_ref(handle, ref, checkpoint_file, fitting=writable)
             moved = handle.path is None or Path(ref["path"]) != handle.path
             if moved:
                 warning_cache.warn(
@@ -381,12 +382,14 @@ class EmbeddingStoreMixin:
 
     def _embcache_setup(self, stage: str) -> None:
         fitting = stage == TrainerFn.FITTING.value
-        shard_handles(self)  # several processes: each handle's path becomes its rank's shard
+        shard_handles(self, fitting)  # several processes: each handle's path becomes its rank's shard
         for handle in self._embcache_stores().values():
             handle._in_fit = fitting
             # Rows found at the path with if_exists="error" are opened for reading until a
-            # checkpoint (restored after setup) claims them; _embcache_claim_for_fit decides.
-            deferred = fitting and (handle._needs_claim() or handle._absent_before_claim())
+            # checkpoint (restored after setup) claims them; _embcache_claim_for_fit decides. So are
+            # shards of another world size, which only a checkpoint of them can stream to this one.
+            deferred = fitting and (handle._needs_claim() or handle._absent_before_claim()
+                                    or getattr(handle, "_layout_error", None) is not None)
             handle._ensure_open(writable=fitting and not deferred)
         if fitting:
             self._embcache_install_io()
@@ -394,6 +397,8 @@ class EmbeddingStoreMixin:
     def _embcache_claim_for_fit(self) -> None:
         """After any checkpoint is restored: every store writable, or the if_exists error now."""
         for handle in self._embcache_stores().values():
+            if getattr(handle, "_layout_error", None) is not None:  # no checkpoint streamed its shards
+                raise handle._layout_error
             handle._ensure_open(writable=True)
 
     def _embcache_flush_all(self) -> None:

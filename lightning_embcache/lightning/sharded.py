@@ -8,8 +8,10 @@
   registry) applies to this rank's shard, and no two ranks ever touch one directory.
 * :func:`gather_shard_refs` when a checkpoint is saved (every rank flushed its shard): one
   ``all_gather_object`` records every shard's version and manifest checksum in the checkpoint.
-* :func:`local_ref` when a checkpoint is loaded: this rank's version of that record; a checkpoint
-  of another world size (or of a single process) fails here with the command that reshards.
+* :func:`local_ref` when a checkpoint is loaded: this rank's version of that record. When `fit`
+  resumes a checkpoint of N ranks on M ranks (both > 1), the ranks first stream the old shards
+  each node holds to their new owners (:mod:`lightning_embcache.distributed.stream`); a checkpoint
+  of a single process, or one loaded outside `fit`, fails here with the command that reshards.
 * :func:`follow_checkpoint_files` at setup of fit: Lightning writes and removes checkpoint files
   only on rank 0, so the other ranks learn which file pins which of their versions from the
   strategy's ``save_checkpoint``/``remove_checkpoint`` calls, which every rank makes.
@@ -26,15 +28,20 @@ import torch.distributed as dist
 from lightning_embcache.distributed.exchange import sharding_active, store_group, world
 from lightning_embcache.distributed.sharding import shard_dir
 from lightning_embcache.distributed.store import RESHARD_HINT, ShardFactory, _check_layout
+from lightning_embcache.distributed.stream import stream_shards
 from lightning_embcache.store import InvalidArgumentError
 from lightning_embcache.store.pins_registry import CHECKPOINT_KEY
 
 RULE = "id % world_size"
 
 
-def shard_handles(module: Any) -> None:
+def shard_handles(module: Any, fitting: bool = False) -> None:
     """Point every handle of `module` at this rank's shard (once per world size). In one process,
-    refuse a path that holds shards: its rows are spread over several stores."""
+    refuse a path that holds shards: its rows are spread over several stores.
+
+    A path holding only shards of another world size is refused here, except in `fit`: there the
+    refusal waits in ``handle._layout_error`` until the checkpoint is restored, since a checkpoint
+    of those shards is streamed to this world size (`local_ref`); the mixin raises it otherwise."""
     if not sharding_active():
         for handle in module._embcache_stores().values():
             if handle.path is not None and not (handle.path / "META").exists():
@@ -45,6 +52,8 @@ def shard_handles(module: Any) -> None:
     for handle in module._embcache_stores().values():
         factory = getattr(handle, "_shard_factory", None)
         if factory is not None and factory.world_size == world_size:
+            if not fitting and getattr(handle, "_layout_error", None) is not None:
+                raise handle._layout_error  # a fit refused these shards: so is a validate after it
             continue
         handle._close()  # a plain store opened before torch.distributed started
         handle._trainable = None
@@ -56,9 +65,16 @@ def shard_handles(module: Any) -> None:
         factory = ShardFactory(handle.num_rows, handle.dim, handle._create_options)
         factory.device_bytes = handle._shard_device_bytes
         table = getattr(handle, "_table_path", None) or handle.path
+        handle._layout_error = None
         if table is not None:
             handle._table_path = table
-            handle.path = factory.shard_path(table)
+            try:
+                handle.path = factory.shard_path(table)
+            except InvalidArgumentError as exc:
+                if not fitting:
+                    raise
+                handle.path = shard_dir(Path(table), rank, world_size)
+                handle._layout_error = exc
         handle._shard_factory = factory
         if not handle._target_from_checkpoint:
             handle._target_version = handle._target_checksum = None
@@ -99,8 +115,12 @@ def gather_shard_refs(module: Any, refs: dict[str, dict[str, Any]]) -> None:
         }
 
 
-def local_ref(handle: Any, ref: dict[str, Any]) -> dict[str, Any]:
-    """This rank's `{path, version, manifest_checksum}` of a checkpoint's record of a store."""
+def local_ref(handle: Any, ref: dict[str, Any], checkpoint: str | None = None, fitting: bool = False
+              ) -> dict[str, Any]:
+    """This rank's `{path, version, manifest_checksum}` of a checkpoint's record of a store.
+
+    In `fit` (``fitting``), shards of another world size are first streamed into this world's
+    layout (a collective; `checkpoint` is the file being resumed)."""
     rank, world_size = world()
     shards = ref.get("shards")
     if ref.get("version") is None:
@@ -108,6 +128,12 @@ def local_ref(handle: Any, ref: dict[str, Any]) -> dict[str, Any]:
     if shards is None and world_size == 1:
         return ref
     saved = 1 if shards is None else int(shards["world_size"])
+    if saved != world_size and saved > 1 and world_size > 1 and fitting and handle.path is not None:
+        file = os.path.abspath(checkpoint) if checkpoint else None
+        version, checksum = stream_shards(handle.name, Path(table_path(handle)), shards, handle._shard_factory,
+                                          file, store_group())
+        handle._layout_error = None
+        return {**ref, "path": str(handle.path), "version": version, "manifest_checksum": checksum}
     if saved != world_size:
         raise InvalidArgumentError(
             f"embedding store {handle.name!r}: the checkpoint holds its rows in {saved} shard(s) "

@@ -84,12 +84,19 @@ class RowsModel(EmbeddingStoreMixin, L.LightningModule):
 
 
 class Killer(Callback):
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    """kill -9 of one rank, or of every process of one node (``node``: its first rank, which
+    Lightning's launcher made the parent of the node's other ranks, kills their process group)."""
+
+    def __init__(self, rank: int, step: int, node: int | None = None) -> None:
+        self.rank, self.step, self.node = rank, step, node
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+        if trainer.global_step != self.step:
+            return
+        if self.node is None and trainer.global_rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.node is not None and trainer.node_rank == self.node and trainer.local_rank == 0:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 class StepClock(Callback):
@@ -125,9 +132,10 @@ def fit(cfg: dict, out: Path, tag: str, resume: str | None, ckpt_dir: str | None
                                          monitor="step" if cfg.get("save_top_k", -1) > 0 else None, mode="max",
                                          save_last=True))
     if cfg.get("kill_step") is not None:
-        callbacks.append(Killer(cfg.get("kill_rank", 1), cfg["kill_step"]))
+        callbacks.append(Killer(cfg.get("kill_rank", 1), cfg["kill_step"], cfg.get("kill_node")))
     devices = cfg.get("devices", 1)
-    trainer = L.Trainer(accelerator=cfg.get("accelerator", "cpu"), devices=devices, strategy=cfg.get("strategy", "auto"),
+    trainer = L.Trainer(accelerator=cfg.get("accelerator", "cpu"), devices=devices, num_nodes=cfg.get("num_nodes", 1),
+                        strategy=cfg.get("strategy", "auto"),
                         precision=cfg.get("precision", "32-true"), max_epochs=cfg.get("epochs", 2),
                         max_steps=cfg.get("max_steps", -1), logger=False,
                         callbacks=callbacks, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
