@@ -468,13 +468,15 @@ class EmbeddingStore(TieredRows, Versioning):
     def _waited(self, t0: float, rows: bool = True) -> None:
         """Count a call that began at ``t0`` as the calling thread's wait; ``rows``: a call that
         reads or writes rows (not a flush), whose thread is then the one training."""
-        dt = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt = now - t0
         self._io_wait += dt
         by = self._io_wait_by_thread
         me = threading.get_ident()
         by[me] = by.get(me, 0.0) + dt
         if rows:
             self._row_thread = me
+            self._rows_used_at = now
 
     def field_spec(self, name: str) -> tuple[torch.dtype, int]:
         """(dtype, columns) of field ``name``."""

@@ -7,6 +7,7 @@ method says so.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -88,21 +89,32 @@ BACKGROUND_FILL = True
 #: whose table the GPU trains in place sets its own ``_rows_on_first_touch`` (`HostMappedTier`).
 ROWS_ON_FIRST_TOUCH = False
 FILL_BYTES = 4 << 20  # rows made per step of the background fill (the store lock is held to install them)
+#: while rows are read or written (a training loop: a get, update or lookup within the last
+#: FILL_IDLE_S), the background fill takes at most this share of its thread's time: on a 2-vCPU
+#: host a fill at full speed made each step of a 1M x 128 Adam table 1.6x slower (the fill's
+#: numpy calls and installs contend for the GIL, the store lock and the cores); idle, it runs flat out
+FILL_SHARE = 0.5
+FILL_IDLE_S = 0.05
 
 
 def _fill_weakly(ref: Any) -> None:
     """The background fill, holding its store only during a step (a dropped store is collected)."""
-    start = 0
+    start: int | None = 0
     while start is not None:
         store = ref()
         if store is None:
             return
         try:
+            t0 = time.perf_counter()
             start = store._fill_step(start)
+            t1 = time.perf_counter()
+            training = t1 - store._rows_used_at < FILL_IDLE_S
         except Exception:  # the fill is an optimisation: a first touch still makes any row
             return
         finally:
             del store
+        if training and start is not None:
+            time.sleep((t1 - t0) * (1 - FILL_SHARE) / FILL_SHARE)
 
 
 class TieredRows:
@@ -124,6 +136,7 @@ class TieredRows:
     _fetch_cond: threading.Condition | None = None
     _loader: ChunkLoader | None = None  # announced chunks read whole into the warm slab (chunkload.py)
     _filler: ThreadPoolExecutor | None = None  # memory mode's background fill (`_start_filling`)
+    _rows_used_at = -math.inf  # perf_counter when the latest get/update/lookup of rows returned
     _loader_tried: bool = False
 
     def _field_np(self, name: str) -> np.ndarray:
