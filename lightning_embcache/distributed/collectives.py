@@ -50,7 +50,7 @@ class PendingRows:
         self._out.copy_(dev, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record(torch.cuda.current_stream(device))
-        self._keep = (host, dev)  # alive until the copies are done
+        self._keep: tuple[torch.Tensor, torch.Tensor] | None = (host, dev)  # alive until the copies are done
 
     def result(self) -> list[list[float]] | None:
         if not self._event.query():

@@ -307,7 +307,7 @@ class _SwitchInterval:
             log.info("sys.setswitchinterval(%s) while sharded rows train (was %s)", self.set, self.before)
 
     def restore(self) -> None:
-        if self.set is not None and sys.getswitchinterval() == self.set:
+        if self.set is not None and self.before is not None and sys.getswitchinterval() == self.set:
             sys.setswitchinterval(self.before)
         self.set = None
 

@@ -88,7 +88,7 @@ class Route:
             rows; what stays on this rank is not counted), for the benchmarks.
     """
 
-    def __init__(self, group: object, sharding: RowSharding, ids: Tensor, error: str | None = None,
+    def __init__(self, group: Any, sharding: RowSharding, ids: Tensor, error: str | None = None,
                  deliver: bool = False, unique: bool = False) -> None:
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.world_size = group, world_size

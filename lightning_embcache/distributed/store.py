@@ -118,13 +118,14 @@ class ShardedStore:
         """Several per-row fields of global `ids` at once."""
         _, _, route = self.route(ids)
         with self._clock:
-            if len(route.served):
+            if route.served is not None and len(route.served):
                 served = self.local.get_fields(route.served, tuple(names))
             else:
                 served = {n: torch.empty((0, self.local.field_spec(n)[1]), dtype=self.local.field_spec(n)[0])
                           for n in names}
             out = route.fetch(served)
             self._clock.bytes_sent += route.bytes_sent
+        assert isinstance(out, dict)  # a dict of fields in, a dict out
         return out
 
     def update(self, ids: Any, values: Any) -> None:

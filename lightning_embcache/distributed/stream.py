@@ -43,7 +43,7 @@ SLICE = 1 << 16  # rows a rank holds in flight per exchange (sent, and at most a
 
 
 def stream_shards(name: str, table: Path, record: Mapping[str, Any], factory: Any, checkpoint: str | None,
-                  group: object) -> tuple[int, str | None]:
+                  group: Any) -> tuple[int, str | None]:
     """Make this rank's new shard of store `name` from the old shards of a checkpoint's `record`
     (its ``"shards"`` entry); returns the new shard's (version, manifest checksum). A collective:
     every rank of `group` calls it at the same point.
@@ -66,7 +66,7 @@ def stream_shards(name: str, table: Path, record: Mapping[str, Any], factory: An
     # 1. what this node holds, and what every node holds (nothing is written before this agrees)
     seen = [k for k in range(old_world) if (shard_dir(table, k, old_world) / "META").is_file()]
     problem, streamed = _check_here(name, record, factory, mine, checkpoint)
-    every = [None] * world_size
+    every: list[Any] = [None] * world_size
     dist.all_gather_object(every, (seen, problem, streamed, str(mine)), group=group)
     _refuse(name, table, old_world, every)
     if all(e[2] is not None for e in every):  # streamed before from this very file (a second resume)
@@ -218,9 +218,9 @@ def _open_old(table: Path, k: int, record: Mapping[str, Any], old: RowSharding, 
     return store
 
 
-def _agree(group: object, error: str | None, doing: str) -> None:
+def _agree(group: Any, error: str | None, doing: str) -> None:
     """Every rank raises if any rank failed (one small collective)."""
-    every = [None] * dist.get_world_size(group)
+    every: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, error, group=group)
     failed = [e for e in every if e is not None]
     if failed:

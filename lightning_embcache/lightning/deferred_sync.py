@@ -148,7 +148,8 @@ class DeferredSync(Callback):
         # Training batches, not optimizer steps: rows written directly change with every batch,
         # also in a module without optimizer (where global_step never moves). Restored on resume.
         batches = trainer.fit_loop.epoch_loop.total_batch_idx + 1
-        due = bool(self.every_n_steps) and batches % self.every_n_steps == 0
+        every = self.every_n_steps
+        due = every is not None and every > 0 and batches % every == 0
         self._report(trainer, self._drain(), collective=due)
         if due:
             self._request(trainer, pl_module)

@@ -8,14 +8,14 @@ machine decide), row and byte counts the sum. The figures of all ranks travel in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lightning_embcache.distributed.collectives import gather_rows
 from lightning_embcache.distributed.exchange import world
 
 #: how each logged key combines across ranks
-REDUCE = {
+REDUCE: dict[str, Callable[[Iterable[float]], float]] = {
     "embcache/sync_seconds": max,
     "embcache/synced_rows": sum,
     "embcache/dirty_rows": sum,

@@ -396,8 +396,9 @@ class EmbeddingStoreHandle:
         store = self._ensure_open(writable=True)
         if getattr(store, "sharded", False):  # rows of a row-sharded store train at their owners (distributed/)
             if self._trainable is None or self._trainable.store is not store:
-                self._trainable = store.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm,
-                                                       **self._row_options)
+                sharded: Any = store  # a ShardedStore
+                self._trainable = sharded.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm,
+                                                         **self._row_options)
             return self._trainable
         tier = self._tier(store)
         if self._trainable is None or self._trainable.store is not store or self._trainable.device_tier is not tier:
@@ -714,9 +715,10 @@ class EmbeddingStoreHandle:
         if self.path is None:
             return
         with self._lifecycle:
-            if self._is_open() and not self._target_from_checkpoint and not self._stand_in:
+            store = self._store
+            if store is not None and self._is_open() and not self._target_from_checkpoint and not self._stand_in:
                 # Reopen what this module last had, even if a flush with nothing dirty made no version.
-                self._target_version, self._target_checksum = self._store.version, None
+                self._target_version, self._target_checksum = store.version, None
             self._close()
 
     def __getstate__(self) -> dict[str, Any]:

@@ -397,8 +397,9 @@ class EmbeddingStoreMixin:
     def _embcache_claim_for_fit(self) -> None:
         """After any checkpoint is restored: every store writable, or the if_exists error now."""
         for handle in self._embcache_stores().values():
-            if getattr(handle, "_layout_error", None) is not None:  # no checkpoint streamed its shards
-                raise handle._layout_error
+            layout_error = getattr(handle, "_layout_error", None)
+            if layout_error is not None:  # no checkpoint streamed its shards
+                raise layout_error
             handle._ensure_open(writable=True)
 
     def _embcache_flush_all(self) -> None:
@@ -518,7 +519,7 @@ class _StoreLifecycle(Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Automatic optimization: the rows step with the model, at the same global step.
-        if isinstance(pl_module, EmbeddingStoreMixin) and pl_module.automatic_optimization:
+        if isinstance(pl_module, EmbeddingStoreMixin) and getattr(pl_module, "automatic_optimization", True):
             step = trainer.global_step + 1
             scale = _loss_scale(trainer)
             for handle in pl_module._embcache_stores().values():

@@ -130,7 +130,9 @@ def local_ref(handle: Any, ref: dict[str, Any], checkpoint: str | None = None, f
     saved = 1 if shards is None else int(shards["world_size"])
     if saved != world_size and saved > 1 and world_size > 1 and fitting and handle.path is not None:
         file = os.path.abspath(checkpoint) if checkpoint else None
-        version, checksum = stream_shards(handle.name, Path(table_path(handle)), shards, handle._shard_factory,
+        table = table_path(handle)
+        assert shards is not None and table is not None  # saved > 1; a path
+        version, checksum = stream_shards(handle.name, Path(table), shards, handle._shard_factory,
                                           file, store_group())
         handle._layout_error = None
         return {**ref, "path": str(handle.path), "version": version, "manifest_checksum": checksum}
@@ -140,6 +142,7 @@ def local_ref(handle: Any, ref: dict[str, Any], checkpoint: str | None = None, f
             f"({'one process' if saved == 1 else f'{saved} processes'}), and {world_size} process(es) run now. "
             f"Resume with {saved} process(es), or reshard the checkpoint first: {RESHARD_HINT}"
         )
+    assert shards is not None  # one process on both sides returned above
     return {**ref, "path": str(handle.path), "version": int(shards["versions"][rank]),
             "manifest_checksum": shards["manifest_checksums"][rank]}
 
