@@ -90,9 +90,9 @@ BACKGROUND_FILL = True
 ROWS_ON_FIRST_TOUCH = False
 FILL_BYTES = 4 << 20  # rows made per step of the background fill (the store lock is held to install them)
 #: while rows are read or written (a training loop: a get, update or lookup within the last
-#: FILL_IDLE_S), the background fill takes at most this share of its thread's time: on a 2-vCPU
-#: host a fill at full speed made each step of a 1M x 128 Adam table 1.6x slower (the fill's
-#: numpy calls and installs contend for the GIL, the store lock and the cores); idle, it runs flat out
+#: FILL_IDLE_S), the background fill takes at most this share of its thread's time: at full speed
+#: its numpy calls and installs contend with the steps for the GIL, the store lock and the cores
+#: (docs/benchmarks.md, "First touch"); idle, it runs flat out
 FILL_SHARE = 0.5
 FILL_IDLE_S = 0.05
 
