@@ -367,7 +367,9 @@ class Disk:
                 pass
         if not _is_count(v):
             raise CorruptStoreError(p, "does not hold a version number (damaged, or not a manifest)")
-        self._read_file(p, b"manifest", name=self.manifest_path(v).name)
+        # the bytes already read, not LATEST again: a writer may have moved it on meanwhile, and a
+        # second read would check the next manifest's bytes against this one's name
+        fileio.check_file(p, data, b"manifest", self.uid, name=self.manifest_path(v).name, unbound=self.unbound)
         return v
 
     def write_latest(self, version: int) -> None:
