@@ -252,13 +252,9 @@ def level_drift(wall: array | list[float] | np.ndarray, blocks: int = DRIFT_BLOC
     least ``min_size`` steps; the first step, the loader's start-up, left out). A stretch 30% slower
     than the rest shows as 0.3 while it holds a minority of the blocks, about half that once it
     holds half of them; single slow steps move a median little. 0 for fewer than 3 blocks."""
-    n = len(wall) - 1
-    size = max(min_size, n // blocks)
-    m = n // size
-    if m < 3:
+    med = _block_medians(wall, blocks, min_size)
+    if med is None:
         return 0.0
-    w = np.asarray(wall, dtype=np.float64)[1:1 + m * size]
-    med = np.median(w.reshape(m, size), axis=1)
     mid = float(np.median(med))
     return float(np.abs(med / mid - 1.0).max()) if mid > 0 else 0.0
 
@@ -268,15 +264,23 @@ def level_spread(wall: array | list[float] | np.ndarray, blocks: int = EPOCH_DRI
     less the fastest's, as a fraction of the blocks' median (blocks as :func:`level_drift`). A
     later epoch's first steps may catch one level and the rest run at another, so a finished
     epoch's drift is carried over as this span, not as one block's departure from the middle."""
+    med = _block_medians(wall, blocks, min_size)
+    if med is None:
+        return 0.0
+    mid = float(np.median(med))
+    return float((med.max() - med.min()) / mid) if mid > 0 else 0.0
+
+
+def _block_medians(wall: array | list[float] | np.ndarray, blocks: int, min_size: int) -> np.ndarray | None:
+    """Median step time of each of up to ``blocks`` blocks of at least ``min_size`` steps (the
+    first step, the loader's start-up, left out); None for fewer than 3 blocks."""
     n = len(wall) - 1
     size = max(min_size, n // blocks)
     m = n // size
     if m < 3:
-        return 0.0
+        return None
     w = np.asarray(wall, dtype=np.float64)[1:1 + m * size]
-    med = np.median(w.reshape(m, size), axis=1)
-    mid = float(np.median(med))
-    return float((med.max() - med.min()) / mid) if mid > 0 else 0.0
+    return np.median(w.reshape(m, size), axis=1)
 
 
 def level_variation(wall: array | list[float]) -> float:
