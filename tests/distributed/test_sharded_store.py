@@ -14,19 +14,10 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _rank_fns  # noqa: E402
-from _spawn import RankPool  # noqa: E402
 
 from lightning_embcache import EmbeddingStore  # noqa: E402
 from lightning_embcache.distributed import RowSharding  # noqa: E402
 from lightning_embcache.distributed.sharding import GlobalNormalInit  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    """Two Gloo processes shared by this module's tests (each test gets fresh stores)."""
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 def test_every_id_has_exactly_one_owner_and_local_row():

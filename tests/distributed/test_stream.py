@@ -13,15 +13,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _stream_fns  # noqa: E402
-from _spawn import RankPool  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    """Two Gloo processes shared by this module's tests (each test gets fresh folders)."""
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 @pytest.mark.parametrize("slice_rows", [8, 1 << 16])
