@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import threading
 import time
 import warnings
@@ -586,10 +587,7 @@ class DeviceTier:
         """Wait until every row sent down so far is in the host store; returns rows written."""
         with self._io(), self._down_cv:
             before = self.written_down_rows
-            while self._down:
-                self._raise_writer_error()
-                self._down_cv.wait()
-            self._await_mapped()
+            self._drain_through(sys.maxsize)
             return self.written_down_rows - before
 
     def _await_mapped(self) -> None:
