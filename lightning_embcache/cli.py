@@ -194,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_module(module: str, argv: list[str]) -> int:
-    return int(importlib.import_module(module).main(argv) or 0)
+    """A benchmark's exit status: its ``main``'s int, else 0 (some return their results)."""
+    got = importlib.import_module(module).main(argv)
+    return got if isinstance(got, int) and not isinstance(got, bool) else 0
 
 
 def _benchmarks_checkout() -> str | None:

@@ -339,9 +339,13 @@ class TrainableRows:
         lr_now = self.optimizer.lr if lr is None else lr
         weight = tier.view("weight")
         state = {n: tier.view(n) for n in self._state_names}
+        keys_d = None  # 16-bit rows round stochastically keyed by id, not by slot
+        if self.stochastic_rounding and self.max_grad_norm is None:
+            keys_d = tier.to_device(np.concatenate(part_ids))
         with tier.writing(pos):  # a background write_down sees the whole step or none of it
             done = self.max_grad_norm is None and fused_adam_step_rows(
-                self.optimizer, weight, state, pos_d, grads, step=step, lr=lr_now)
+                self.optimizer, weight, state, pos_d, grads, step=step, lr=lr_now,
+                stochastic_rounding=self.stochastic_rounding, seed=self._rounding_seed, keys=keys_d)
             if not done:
                 uniq, first, inv = np.unique(pos, return_index=True, return_inverse=True)
                 u_d, inv_d = tier.to_device(uniq), tier.to_device(inv)

@@ -65,6 +65,18 @@ def test_a_benchmark_module_that_is_not_installed_is_named(monkeypatch, capsys):
     assert code == 2 and "has no benchmarks.not_here" in err
 
 
+def test_a_benchmark_returning_its_results_exits_0(monkeypatch, capsys):
+    """Benchmarks whose main returns a dict of results (rows16) exit 0, not with a TypeError."""
+    fake = types.ModuleType("benchmarks.fake_results")
+    fake.main = lambda argv: {"summary": {}}
+    monkeypatch.setitem(sys.modules, "benchmarks.fake_results", fake)
+    monkeypatch.setitem(cli.BENCHMARKS, "train", "benchmarks.fake_results")
+    code, _, _ = run(["bench", "train"], capsys)
+    assert code == 0
+    fake.main = lambda argv: 3
+    assert run(["bench", "train"], capsys)[0] == 3
+
+
 def test_bench_outside_a_checkout_says_where_the_benchmarks_are(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_benchmarks_checkout", lambda: None)
     code, _, err = run(["bench", "train"], capsys)

@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 from lightning_embcache.distributed.exchange import Route
 from lightning_embcache.optim.base import RowOptimizer
+from lightning_embcache.optim.clip import check_max_norm, renorm_rows
 from lightning_embcache.store import EmbeddingStore, StoreError, idsets
 from lightning_embcache.store.errors import InvalidArgumentError
 from lightning_embcache.trainable import TrainableRows
@@ -85,6 +86,10 @@ class ShardedDeviceRows:
             than Python's 5 ms lets the exchange, upload and write-back threads take their turns
             sooner after each call that released the lock; measured in docs/benchmarks.md
             (Distributed).
+        max_norm, norm_type: as for `TrainableRows`; each owner rescales the rows it serves for a
+            training lookup in its device tier (no extra exchange, no wait for the GPU).
+        stochastic_rounding: as for `TrainableRows`; 16-bit rows are rounded by the owner's fused
+            step, keyed by the owner's ids.
 
     Raises:
         InvalidArgumentError: invalid ids on any rank (every rank raises; nothing changes); a
@@ -92,7 +97,9 @@ class ShardedDeviceRows:
     """
 
     def __init__(self, store: Any, optimizer: RowOptimizer, device: torch.device, device_bytes: int | None, *,
-                 max_grad_norm: float | None = None, switch_interval: float | None = None) -> None:
+                 max_grad_norm: float | None = None, switch_interval: float | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0,
+                 stochastic_rounding: bool | None = None) -> None:
         if switch_interval is not None and (
             isinstance(switch_interval, bool)
             or not isinstance(switch_interval, (int, float))
@@ -110,8 +117,11 @@ class ShardedDeviceRows:
         self.optimizer = optimizer
         self.device = device
         self.tier = DeviceTier(store.local, device, budget)
-        # the owner's optimizer: the tier's fused row step, metadata, dirty marks
-        self.local = TrainableRows(store.local, optimizer, max_grad_norm=max_grad_norm, device_tier=self.tier)
+        # the owner's optimizer: the tier's fused row step (16-bit rows rounded as `stochastic_rounding`
+        # says, keyed by the owner's ids), metadata, dirty marks
+        self.local = TrainableRows(store.local, optimizer, max_grad_norm=max_grad_norm, device_tier=self.tier,
+                                   stochastic_rounding=stochastic_rounding)
+        self.max_norm, self.norm_type = check_max_norm(max_norm, norm_type)
         self.group = dist.group.WORLD  # NCCL: the training group (its order is every rank's program order)
         self._lookups: list[_Lookup] = []  # since the last apply, in call order
         self._leaves: list[tuple[_Lookup, Tensor]] = []
@@ -140,7 +150,14 @@ class ShardedDeviceRows:
                 served = route.served.numpy()
                 slots = tier.positions(served, self.held_slots()) if len(served) else np.empty(0, np.int64)
                 slots_d = tier.to_device(slots)
-                rows_out = tier.view("weight").index_select(0, slots_d)
+                weight = tier.view("weight")
+                rows_out = weight.index_select(0, slots_d)
+                if self.max_norm is not None and torch.is_grad_enabled() and len(slots):
+                    # the owner renorms the rows it serves in its tier, as nn.Embedding(max_norm)
+                    # does in its table at lookup; on the GPU, without waiting for it
+                    rows_out, _ = renorm_rows(rows_out, self.max_norm, self.norm_type)
+                    with tier.writing(slots):
+                        weight.index_copy_(0, slots_d, rows_out)
                 got = torch.empty((route.num_unique, dim), dtype=rows_out.dtype, device=self.device)
                 dist.all_to_all_single(got, rows_out, route.send_splits, route.recv_splits, group=self.group)
                 pos_d = tier.to_device(pos)
@@ -243,6 +260,7 @@ class ShardedDeviceRows:
                     # the owner's step through its TrainableRows: rows several ranks sent for one id
                     # are summed by the row step, as duplicates of one batch are
                     self.local._dev_grads.append((look.slots, look.slots_d, got))
+                    self.local._dev_grad_ids.append(route.served.numpy())  # keys of 16-bit rounding
         if self.local._dev_grads:
             self.local.apply(int(step), lr)
             self._written = False

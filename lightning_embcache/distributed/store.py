@@ -228,7 +228,7 @@ class ShardedStore:
         ``device_bytes=0`` or a CPU device: the owners' rows stay in host memory
         (`ShardedTrainableRows`). ``switch_interval``: see `ShardedDeviceRows` (rows on GPUs only).
         ``max_norm``, ``norm_type``, ``stochastic_rounding``: as for `TrainableRows`, applied by
-        each row's owner (rows in host memory; on the owners' GPUs ``max_norm`` is refused for now).
+        each row's owner to the rows it serves (in host memory or on its GPU).
         """
         from lightning_embcache.distributed.device_rows import ShardedDeviceRows
         from lightning_embcache.distributed.trainable import ShardedTrainableRows
@@ -237,15 +237,12 @@ class ShardedStore:
         if device is None and budget != 0 and torch.cuda.is_available() and dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         if device is not None and torch.device(device).type == "cuda" and budget != 0:
-            if max_norm is not None:
-                raise InvalidArgumentError(
-                    f"max_norm={max_norm!r} is not available yet for row-sharded rows kept on the owners' GPUs; "
-                    "pass device_bytes=0 (the owners' rows stay in host memory, where max_norm works) or max_norm=None")
             if self.device_rows is not None:
                 self.device_rows.write_down()
                 self.device_rows.close()
             return ShardedDeviceRows(self, optimizer, torch.device(device), budget, max_grad_norm=max_grad_norm,
-                                     switch_interval=switch_interval)
+                                     switch_interval=switch_interval, max_norm=max_norm, norm_type=norm_type,
+                                     stochastic_rounding=stochastic_rounding)
         if switch_interval is not None:
             raise InvalidArgumentError(
                 f"switch_interval={switch_interval!r} applies to rows on the owners' GPUs; these rows stay in host "

@@ -1,8 +1,11 @@
 """A fused CUDA kernel (Triton) for the Adam/AdamW step on rows of tables resident on the GPU.
 
-`step_rows` uses it, when Triton is importable, for `Adam`/`AdamW` with the global step on
-contiguous float32 CUDA tables. One kernel does the whole step in place on the tables, one
-program per position of the batch; duplicates are found on the GPU, never on the host:
+`step_rows` and the device tier use it, when Triton is importable, for `Adam`/`AdamW` with the
+global step on CUDA tables with contiguous rows: float32 rows, or bfloat16/float16 rows (float32
+moments) computed in float32 and rounded back once, to nearest or stochastically with the bits
+`rounding.stochastic_round` gives the same values (noise keyed by ``(seed, step, id)``). One kernel
+does the whole step in place on the tables, one program per position of the batch; duplicates are
+found on the GPU, never on the host:
 
 * ``scan`` (batches of at most `SCAN_MAX_IDS` ids): no sort at all. Each program scans the batch
   for its id; the program of the id's first position sums the gradient rows of all its positions
@@ -40,9 +43,49 @@ SCAN_MAX_IDS = 2048
 if triton is not None:
 
     @triton.jit
+    def _noise24(z):
+        """`rounding.uniform_noise` for int64 keys ``z``: splitmix64, the top 24 bits in [0, 1)."""
+        z = z.to(tl.uint64, bitcast=True)
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        z = z ^ (z >> 31)
+        return (z >> 40).to(tl.float32) * (1.0 / 16777216.0)
+
+    @triton.jit
+    def _next16(bits, up):
+        """The 16-bit float after ``bits`` (int32 holding the pattern) toward +inf where ``up``,
+        toward -inf elsewhere: what ``torch.nextafter`` gives, signed zeros included."""
+        neg = (bits & 0x8000) != 0
+        mag = bits & 0x7FFF
+        away = up != neg                        # moving away from zero: one more in magnitude
+        toward_zero = tl.where(mag == 0, 0x0001 | tl.where(up, 0, 0x8000), bits - 1)
+        return tl.where(away, bits + 1, toward_zero)
+
+    @triton.jit
+    def _round_rows(x, z, OUT: tl.constexpr, STOCHASTIC: tl.constexpr):
+        """``x`` (float32) rounded into ``OUT``: to nearest even, or (``STOCHASTIC``) to the upper
+        neighbour with probability (x - lo) / (hi - lo), exactly as `rounding.stochastic_round`
+        picks it with the noise of keys ``z``."""
+        near = x.to(OUT)
+        if STOCHASTIC:
+            back = near.to(tl.float32)
+            bits = near.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            up = back <= x
+            other = _next16(bits, up).to(tl.int16).to(OUT, bitcast=True).to(tl.float32)
+            lo = tl.where(up, back, other)
+            hi = tl.where(up, other, back)
+            gap = hi - lo
+            exact = (back == x) | ~(tl.abs(gap) <= 3.4028234663852886e38) | (gap == 0.0)
+            frac = tl.where(exact, 0.0, tl.div_rn(x - lo, tl.where(exact, 1.0, gap)))
+            out = tl.where(_noise24(z) < frac, hi, lo).to(OUT)
+            near = tl.where(exact, near, out)
+        return near
+
+    @triton.jit
     def _adam_update(W, M, V, row, cols, mask, g, stride_w, stride_m, stride_v,
-                     step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay):
-        w = tl.load(W + row * stride_w + cols, mask=mask, other=0.0)
+                     step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay,
+                     key, dim, offset, ROUND: tl.constexpr):
+        w = tl.load(W + row * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(M + row * stride_m + cols, mask=mask, other=0.0)
         v = tl.load(V + row * stride_v + cols, mask=mask, other=0.0)
         g = g + l2 * w                          # Adam's coupled weight decay (0 by default)
@@ -50,15 +93,19 @@ if triton is not None:
         m = m + one_minus_beta1 * (g - m)
         v = v + one_minus_beta2 * (g * g - v)
         w = w - step_size * tl.div_rn(m, tl.sqrt_rn(v) + eps)
-        tl.store(W + row * stride_w + cols, w, mask=mask)
+        if ROUND == 0:                          # float32 rows
+            tl.store(W + row * stride_w + cols, w, mask=mask)
+        else:                                   # 16-bit rows: rounded once (1: nearest, 2: stochastic)
+            z = key * dim + cols.to(tl.int64) + offset
+            tl.store(W + row * stride_w + cols, _round_rows(w, z, W.dtype.element_ty, ROUND == 2), mask=mask)
         tl.store(M + row * stride_m + cols, m, mask=mask)
         tl.store(V + row * stride_v + cols, v, mask=mask)
 
     @triton.jit
-    def _adam_rows_scan_kernel(W, M, V, G, IDS, n, num_rows, dim,
+    def _adam_rows_scan_kernel(W, M, V, G, IDS, KEYS, n, num_rows, dim,
                                stride_w, stride_m, stride_v, stride_g,
-                               step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay,
-                               BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
+                               step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay, offset,
+                               BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, ROUND: tl.constexpr):
         p = tl.program_id(0)
         rid = tl.load(IDS + p)
         cols = tl.arange(0, BLOCK_D)
@@ -78,14 +125,19 @@ if triton is not None:
                                mask=eq[:, None] & cmask[None, :], other=0.0)
                 g += tl.sum(rows, axis=0)
         valid = (first == p) & (rid >= 0) & (rid < num_rows)
-        _adam_update(W, M, V, rid.to(tl.int64), cols, cmask & valid, g, stride_w, stride_m, stride_v,
-                     step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay)
+        if ROUND == 2:                          # rounding noise keyed by the row's id, not its slot
+            key = tl.load(KEYS + p).to(tl.int64)
+        else:
+            key = rid.to(tl.int64)
+        _adam_update(W, M, V, rid.to(tl.int64), cols, (cmask & valid) != 0, g, stride_w, stride_m, stride_v,
+                     step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay,
+                     key, dim, offset, ROUND)
 
     @triton.jit
-    def _adam_rows_sort_kernel(W, M, V, G, SORTED, ORDER, n, num_rows, dim,
-                          stride_w, stride_m, stride_v, stride_g,
-                          step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay,
-                          BLOCK_D: tl.constexpr):
+    def _adam_rows_sort_kernel(W, M, V, G, SORTED, ORDER, KEYS, n, num_rows, dim,
+                               stride_w, stride_m, stride_v, stride_g,
+                               step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay, offset,
+                               BLOCK_D: tl.constexpr, ROUND: tl.constexpr):
         p = tl.program_id(0)
         rid = tl.load(SORTED + p)
         prev = tl.load(SORTED + p - 1, mask=p > 0, other=-1)
@@ -93,6 +145,10 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < dim
         src = tl.load(ORDER + p).to(tl.int64)
+        if ROUND == 2:
+            key = tl.load(KEYS + src).to(tl.int64)
+        else:
+            key = rid.to(tl.int64)
         g = tl.load(G + src * stride_g + cols, mask=cmask, other=0.0)
         q = p + 1
         nxt = tl.load(SORTED + q, mask=q < n, other=-1)
@@ -102,20 +158,34 @@ if triton is not None:
             q += 1
             nxt = tl.load(SORTED + q, mask=q < n, other=-1)
         valid = head & (rid >= 0) & (rid < num_rows)
-        _adam_update(W, M, V, rid.to(tl.int64), cols, cmask & valid, g, stride_w, stride_m, stride_v,
-                     step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay)
+        _adam_update(W, M, V, rid.to(tl.int64), cols, (cmask & valid) != 0, g, stride_w, stride_m, stride_v,
+                     step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay,
+                     key, dim, offset, ROUND)
+
+
+#: row dtypes the kernels update (moments are float32 in every case)
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fused_adam_step_rows(optimizer, weight: Tensor, state: dict[str, Tensor], ids: Tensor,
-                         grads: Tensor, *, step: int, lr: float) -> bool:
-    """Run the fused step if this case is covered; return False (doing nothing) otherwise."""
+                         grads: Tensor, *, step: int, lr: float, stochastic_rounding: bool = False,
+                         seed: int = 0, keys: Tensor | None = None) -> bool:
+    """Run the fused step if this case is covered; return False (doing nothing) otherwise.
+
+    16-bit rows (bfloat16/float16; float32 moments) are computed in float32 and rounded back once
+    inside the kernel: to nearest, or with ``stochastic_rounding`` exactly as
+    `rounding.stochastic_round` rounds them with `rounding.uniform_noise` of ``(seed, step, key)``.
+    ``keys``: the id each position's noise is keyed by (default ``ids``; a device tier passes the
+    rows' ids where ``ids`` are its slots)."""
     from lightning_embcache.optim.adam import Adam
+    from lightning_embcache.optim.rounding import noise_offset
 
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
     if (triton is None or not isinstance(optimizer, Adam) or optimizer.per_row_step
             or m is None or v is None or len(state) != 2
-            or not all(t.is_cuda and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
-                       for t in (weight, m, v))
+            or weight.dtype not in ROW_DTYPES
+            or not all(t.is_cuda and t.dim() == 2 and t.stride(1) == 1 for t in (weight, m, v))
+            or m.dtype != torch.float32 or v.dtype != torch.float32
             or grads.shape[1] != weight.shape[1] or ids.numel() == 0
             or isinstance(step, bool) or not isinstance(step, int) or step < 1):
         return False
@@ -131,12 +201,16 @@ def fused_adam_step_rows(optimizer, weight: Tensor, state: dict[str, Tensor], id
     scalars = (step_size, 1.0 - beta1, 1.0 - beta2, optimizer.eps,
                0.0 if optimizer._decoupled else wd, 1.0 - lr * wd if optimizer._decoupled else 1.0)
     strides = (weight.stride(0), m.stride(0), v.stride(0), grads.stride(0))
+    rounding = 0 if weight.dtype == torch.float32 else 2 if stochastic_rounding else 1
+    key_ids = ids if keys is None else keys.to(device=ids.device, dtype=torch.int64)
+    offset = noise_offset(step, seed)
     if n <= SCAN_MAX_IDS:
-        _adam_rows_scan_kernel[(n,)](weight, m, v, grads, ids, n, num_rows, dim, *strides, *scalars,
-                                     BLOCK_D=block, BLOCK_Q=32, num_warps=2 if block <= 128 else 4)
+        _adam_rows_scan_kernel[(n,)](weight, m, v, grads, ids, key_ids, n, num_rows, dim, *strides, *scalars,
+                                     offset, BLOCK_D=block, BLOCK_Q=32, ROUND=rounding,
+                                     num_warps=2 if block <= 128 else 4)
     else:
         sorted_ids, order = torch.sort(ids, stable=True)
-        _adam_rows_sort_kernel[(n,)](weight, m, v, grads, sorted_ids, order, n, num_rows, dim,
-                                     *strides, *scalars,
-                                     BLOCK_D=block, num_warps=1 if block <= 128 else 4)
+        _adam_rows_sort_kernel[(n,)](weight, m, v, grads, sorted_ids, order, key_ids, n, num_rows, dim,
+                                     *strides, *scalars, offset,
+                                     BLOCK_D=block, ROUND=rounding, num_warps=1 if block <= 128 else 4)
     return True

@@ -50,7 +50,8 @@ def step_rows(optimizer: RowOptimizer, weight: Tensor, state: dict[str, Tensor],
     check_rows(ids, grads)              # before any kernel reads them
     lr_now = optimizer.lr if lr is None else lr
     if fused is not False and fused_available(weight):
-        if fused_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now):
+        if fused_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now,
+                                stochastic_rounding=stochastic_rounding, seed=seed):
             return
     if weight.device.type == "cpu" and (fused or (fused is None and fused_cpu.loaded())):
         if fused_cpu.fused_cpu_adam_step_rows(optimizer, weight, state, ids, grads, step=step, lr=lr_now,

@@ -187,3 +187,31 @@ def lookup_of_other_ids_than_prefetched_fails(rank: int, world: int, root: str) 
     z = rows.lookup(_batch(3, rank))  # and the store goes on
     assert z.shape == (128, DIM)
     store.close()
+
+
+def gpu_rows_max_norm_match_nn_embedding(rank: int, world: int, root: str, fraction: float) -> None:
+    """Owners renorm the rows they serve on their GPUs: lookups and the final rows match
+    nn.Embedding(max_norm=1.0) + SparseAdam over the ranks' batches."""
+    opt = make_row_optimizer("adam", lr=0.05)
+    store, rows = _open(root, opt, fraction, max_norm=1.0)
+    assert isinstance(rows, ShardedDeviceRows)
+    ref = torch.nn.Embedding(N, DIM, sparse=True, max_norm=1.0).cuda()
+    with torch.no_grad():
+        ref.weight.copy_(EmbeddingStore.create(None, N, DIM, init="normal", seed=1, chunk_rows=100).get(torch.arange(N)))
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
+    target = 2 * torch.linspace(-1, 1, DIM, device="cuda")
+    for step in range(1, 8):
+        ref_opt.zero_grad()
+        for r in range(world):
+            ids = _batch(step, r).cuda()
+            (((ref(ids) - target) ** 2).sum(1).mean() / world).backward()
+        ids = _batch(step, rank)
+        z = rows.lookup(ids)
+        torch.testing.assert_close(z.detach(), ref.weight.detach()[ids.cuda()], rtol=1e-5, atol=1e-5)
+        assert float(z.detach().norm(dim=1).max()) <= 1.0 + 1e-5
+        ((z - target) ** 2).sum(1).mean().backward()
+        rows.collect()
+        ref_opt.step()
+        rows.apply(step)
+    torch.testing.assert_close(store.get(torch.arange(N)), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-5)
+    store.close()

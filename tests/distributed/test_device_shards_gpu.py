@@ -49,3 +49,10 @@ def test_an_overflow_on_one_rank_skips_the_rows_step_on_every_rank(tmp_path):
 def test_training_steps_make_no_synchronizing_cuda_call(tmp_path):
     _need(2)
     run_ranks(_gpu_rank_fns.steps_never_wait_for_the_gpu, 2, str(tmp_path), backend="nccl")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("fraction", [1.0, 0.4], ids=["whole-shard", "budget-below-shard"])
+def test_max_norm_on_the_owners_gpus_trains_like_nn_embedding(tmp_path, world, fraction):
+    _need(world)
+    run_ranks(_gpu_rank_fns.gpu_rows_max_norm_match_nn_embedding, world, str(tmp_path), fraction, backend="nccl")
