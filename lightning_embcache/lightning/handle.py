@@ -418,7 +418,10 @@ class EmbeddingStoreHandle:
             return None
         tier = self._device_tier
         if tier is not None and tier.store is store and tier.device.index == (device.index or 0):
-            store._check_usable()  # a forked child: the tier's host maps are not mapped there
+            # a forked child: the tier's host maps are not mapped there. Not _check_usable: the
+            # tier's rows are read on the device, after its own write-downs in stream order; waiting
+            # for them on the host (an event sync) would stall every step behind the evictions.
+            store._check_state()
             return tier
         if tier is not None:
             tier.close()

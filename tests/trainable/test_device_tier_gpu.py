@@ -403,3 +403,46 @@ def test_a_forked_child_gets_a_clear_error_not_a_crash_from_the_device_tier(tmp_
     assert os.waitstatus_to_exitcode(status) == 0, f"child exit {os.waitstatus_to_exitcode(status)}"
     torch.testing.assert_close(m.z.get(ids), m.z.get(ids))  # the parent carries on
     m.z.close()
+
+
+def test_lookups_never_wait_on_the_host_for_the_tiers_write_downs(tmp_path, monkeypatch):
+    """A tier smaller than the table writes evicted rows down into the host table with kernels
+    (queued, `_device_write`); the next lookup reads the tier on the device after them in stream
+    order, so the training thread must not wait for them on the host (an event sync every step)."""
+    import threading
+
+    calls = {"device_writes": 0, "waits_in_steps": 0}
+    in_step = threading.Event()
+    real_write, real_wait = EmbeddingStore._device_write, EmbeddingStore._await_device_writes
+
+    def write(self, *args, **kwargs):
+        calls["device_writes"] += 1
+        return real_write(self, *args, **kwargs)
+
+    def wait(self):
+        if (in_step.is_set() and self._device_pending is not None
+                and threading.current_thread() is threading.main_thread()):
+            calls["waits_in_steps"] += 1
+        return real_wait(self)
+
+    monkeypatch.setattr(EmbeddingStore, "_device_write", write)
+    monkeypatch.setattr(EmbeddingStore, "_await_device_writes", wait)
+
+    class _Steps(L.Callback):
+        def on_train_batch_start(self, *args):
+            in_step.set()
+
+        def on_train_batch_end(self, *args):
+            in_step.clear()
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, N, (256 * 24,), generator=g)
+    nxt = torch.cat([ids[256:], ids[:256]])
+    target = torch.randn(len(ids), 8, generator=g)
+    record = 3 * DIM * 4 + 8
+    model = _PrefetchingDecoder(None, int(N * 0.25) * (record + SLOT_OVERHEAD))  # memory mode: a mapped table
+    trainer = L.Trainer(max_epochs=1, accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[_Steps()])
+    trainer.fit(model, DataLoader(TensorDataset(ids, nxt, target), batch_size=256, shuffle=False))
+    assert calls["device_writes"] > 0, "no write-down went through the mapped table: the test proves nothing"
+    assert calls["waits_in_steps"] == 0, calls
