@@ -12,6 +12,9 @@ for the MLP and a sparse Adam for the codes, in a real ``lightning.Trainer.fit``
 * ``device`` (CUDA): the device tier holding the whole table on the GPU (``device_bytes=None``).
 * ``device_4x`` (CUDA): a device tier of a quarter of the table, the rest in host RAM, the next
   batch's ids prefetched (``handle.prefetch``) after each lookup.
+* ``disk_4x`` (CUDA): ``disk`` (a hot tier of a quarter of the table, the rest on disk) under a
+  device tier of a quarter of the table, the next batch's ids prefetched: rows beyond host RAM
+  trained on the GPU.
 * ``device_4x_lookahead`` (CUDA): the same tier, the batches' ids announced ``--lookahead``
   batches ahead by a ``LookaheadSampler`` over the loader's batch sampler (the ids are the
   dataset's indices, fetched a batch at a time), no prefetch call in the step.
@@ -49,8 +52,8 @@ import torch
 
 from benchmarks.harness import paired_ratios, rotating_order
 
-VARIANTS = ("anchor", "memory", "disk", "device", "device_4x", "device_4x_lookahead", "memory_small")
-CUDA_ONLY = ("device", "device_4x", "device_4x_lookahead")
+VARIANTS = ("anchor", "memory", "disk", "device", "device_4x", "disk_4x", "device_4x_lookahead", "memory_small")
+CUDA_ONLY = ("device", "device_4x", "disk_4x", "device_4x_lookahead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,10 +224,11 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
 
         fields = trainable_fields(make_row_optimizer("adam", lr=1e-2), dim, torch.float32)
         table = rows * Schema(dim, torch.float32, fields).row_bytes
-        hot = table // 4 if name == "disk" else None
-        device_bytes = {"device": None, "device_4x": table // 4, "device_4x_lookahead": table // 4}.get(name, 0)
+        hot = table // 4 if name in ("disk", "disk_4x") else None
+        device_bytes = {"device": None, "device_4x": table // 4, "disk_4x": table // 4,
+                        "device_4x_lookahead": table // 4}.get(name, 0)
         model = Store(rows, dim, args.hidden, args.out_dim, path=str(workdir / name), hot_bytes=hot,
-                      device_bytes=device_bytes, prefetch_next=name == "device_4x")
+                      device_bytes=device_bytes, prefetch_next=name in ("device_4x", "disk_4x"))
         model.announce_upcoming = False  # each variant says how it announces ids
     prof = StepProfiler(report=False, log_every_n_steps=10_000)
     clock = _WallClock(args.device)
