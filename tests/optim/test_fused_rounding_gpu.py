@@ -5,14 +5,19 @@ round-to-nearest drops them. Run through the device tool (``pytest -m gpu``)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from lightning_embcache import EmbeddingStore, TrainableRows, make_row_optimizer, trainable_fields
-from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
+from lightning_embcache import make_row_optimizer
 from lightning_embcache.optim import step_rows
 from lightning_embcache.optim.fused import fused_adam_step_rows, triton
 from lightning_embcache.optim.rounding import noise_offset, stochastic_round, uniform_noise
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainable"))
+from test_row_options_gpu import _climb  # noqa: E402  (bf16 rows climbing by 1e-4 a step)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton")]
@@ -61,26 +66,7 @@ def test_kernel_rounding_has_the_reference_bits(dtype, stochastic):
     assert bool(same.all()), (x[~same][:8], out[~same][:8], want[~same][:8])
 
 
-def _adam_climb(rounding: bool, steps: int = 2000, *, tier: bool) -> torch.Tensor:
-    """Rows of 1.0 in bfloat16 under a constant gradient of -1: Adam moves each by lr = 1e-4 a step."""
-    opt = make_row_optimizer("adam", lr=1e-4)
-    dim = 32
-    store = EmbeddingStore.create(None, 64, dim, dtype=torch.bfloat16, init=lambda i: torch.ones(len(i), dim),
-                                  seed=7, fields=trainable_fields(opt, dim, torch.bfloat16))
-    dev = DeviceTier(store, "cuda", 64 * (store.row_bytes + SLOT_OVERHEAD)) if tier else None
-    rows = TrainableRows(store, opt, device_tier=dev, stochastic_rounding=rounding)
-    ids = torch.arange(64)
-    for step in range(1, steps + 1):
-        (-rows.lookup(ids, device="cuda").float().sum()).backward()
-        rows.apply(step=step)
-    rows.write_down()
-    rows.settle()
-    out = store.get(ids).float()
-    store.close()
-    return out
-
-
-def test_bf16_rows_climb_with_stochastic_rounding_in_the_fused_kernel(monkeypatch):
+def test_bf16_rows_climb_with_stochastic_rounding_in_the_fused_kernel(tmp_path, monkeypatch):
     from lightning_embcache import trainable
 
     calls = []
@@ -92,11 +78,11 @@ def test_bf16_rows_climb_with_stochastic_rounding_in_the_fused_kernel(monkeypatc
         return done
 
     monkeypatch.setattr(trainable, "fused_adam_step_rows", spy)
-    on = _adam_climb(True, tier=True)
+    on = _climb(tmp_path, True, optimizer="adam", rounding=True)
     assert calls and all(calls), "the device tier's bf16 step did not run in the fused kernel"
     assert abs(on.mean().item() - 1.2) < 0.02 * 1.2, on.mean()
-    assert torch.equal(on, _adam_climb(True, tier=True))            # deterministic under the seed
-    off = _adam_climb(False, tier=True)
+    assert torch.equal(on, _climb(tmp_path, True, optimizer="adam", rounding=True))  # deterministic under the seed
+    off = _climb(tmp_path, True, optimizer="adam", rounding=False)
     assert torch.equal(off, torch.ones_like(off))                    # nearest drops 1e-4 at 1.0
 
 

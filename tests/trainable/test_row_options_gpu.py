@@ -42,12 +42,14 @@ def test_max_norm_on_the_device_tier_trains_like_nn_embedding(tmp_path, fraction
     store.close()
 
 
-def _climb(tmp_path, device: bool, steps: int = 2000):
-    opt = make_row_optimizer("sgd", lr=1e-4)
+def _climb(tmp_path, device: bool, steps: int = 2000, optimizer: str = "sgd", rounding: bool | None = None):
+    """bfloat16 rows of 1.0 under a constant gradient of -1: SGD and Adam at lr 1e-4 move each row
+    by 1e-4 a step, a quarter of the rounding's half-step at 1.0."""
+    opt = make_row_optimizer(optimizer, lr=1e-4)
     store = EmbeddingStore.create(None, 64, DIM, dtype=torch.bfloat16, init=lambda i: torch.ones(len(i), DIM),
                                   seed=7, fields=trainable_fields(opt, DIM, torch.bfloat16))
     tier = DeviceTier(store, "cuda", 64 * (store.row_bytes + SLOT_OVERHEAD)) if device else None
-    rows = TrainableRows(store, opt, device_tier=tier)
+    rows = TrainableRows(store, opt, device_tier=tier, stochastic_rounding=rounding)
     ids = torch.arange(64)
     for step in range(1, steps + 1):
         (-rows.lookup(ids, device="cuda").float().sum()).backward()
