@@ -362,7 +362,7 @@ class ShardedStore:
         except StoreError as exc:
             error, target = exc, 0
         every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, (asked, None if error is None else str(error)), group=self.group)
+        dist.all_gather_object(every, (asked, None if error is None else str(error), self.num_rows), group=self.group)
         refused = {r: e[1] for r, e in enumerate(every) if e[1] is not None}
         if refused:
             if error is not None:
@@ -376,8 +376,8 @@ class ShardedStore:
                 f"num_rows must be the same on every rank (grow is a collective); got {values} (by rank). "
                 f"The table keeps its {self.num_rows} rows on every rank")
         n = int(values[self.rank])
-        if n == self.num_rows:
-            return
+        if all(e[2] == n for e in every):  # every rank sees this size already (some may: a growth
+            return                         # that only some shards had flushed is completed here)
         failed: str | None = None
         try:
             if target > self.local.num_rows:

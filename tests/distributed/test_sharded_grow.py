@@ -1,0 +1,40 @@
+"""Growing a row-sharded table (`ShardedStore.grow`) on 2 real Gloo ranks, against a plain tensor
+grown by concatenating the rows of a table created at the new size."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _grow_fns  # noqa: E402
+
+
+def test_a_grown_sharded_table_equals_one_created_at_the_new_size(ranks, tmp_path):
+    ranks.run(_grow_fns.grown_table_equals_one_created_at_the_new_size, str(tmp_path), "normal", 37, 90)
+
+
+def test_grow_refusals_fail_every_rank_and_change_nothing(ranks, tmp_path):
+    ranks.run(_grow_fns.refusals_change_nothing, str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("init", "n0", "n1"), [("callable", 37, 90), ("zeros", 1, 7), ("normal", 2, 3)])
+def test_growth_from_any_size_and_init_equals_a_table_created_at_the_new_size(ranks, tmp_path, init, n0, n1):
+    """A callable init of global ids; a table smaller than the world (rank 1's shard holds a
+    placeholder row until it owns one); a growth that adds rows to one shard only."""
+    ranks.run(_grow_fns.grown_table_equals_one_created_at_the_new_size, str(tmp_path), init, n0, n1)
+
+
+@pytest.mark.slow
+def test_a_growth_one_shard_did_not_flush_is_refused_until_grown_again(ranks, tmp_path):
+    ranks.run(_grow_fns.growth_one_shard_did_not_flush, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_grown_three_rank_checkpoint_streams_to_two_ranks_at_its_size(ranks, tmp_path):
+    record, want = _grow_fns.write_grown_shards(tmp_path, 3, 40, 95)
+    ranks.run(_grow_fns.stream_a_grown_checkpoint, str(tmp_path), record, 40, want)
