@@ -4,13 +4,14 @@ table on real Gloo ranks, against a plain tensor grown by concatenating a fresh 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import lightning_embcache
-from lightning_embcache import EmbeddingStore, InvalidArgumentError, InvalidTypeError
+from lightning_embcache import EmbeddingStore, InvalidArgumentError, InvalidTypeError, StoreError
 from lightning_embcache.distributed import ShardedStore
 from lightning_embcache.distributed.exchange import store_group
 from lightning_embcache.distributed.sharding import RowSharding, shard_dir
@@ -129,6 +130,13 @@ def refusals_change_nothing(rank: int, world: int, root: str) -> None:
             call()
         assert store.num_rows == n0 and store.local.num_rows == rows
         assert torch.equal(store.get(torch.arange(n0)), ref)  # every rank still takes part
+    # rows on the owners' GPUs (`ShardedDeviceRows`, not made here: no GPU): refused by name for now
+    store.device_rows = SimpleNamespace(close=lambda: None, write_down=lambda: None)
+    with pytest.raises(StoreError, match=r"grow\(num_rows=60\) of a row-sharded table whose owners keep its rows "
+                                         r"on their GPUs .* not supported yet; the table keeps its 50 rows"):
+        store.grow(60)
+    store.device_rows = None
+    assert store.num_rows == n0 and store.local.num_rows == rows
     assert store.flush() == version  # nothing to make durable: nothing changed
     store.close()
     reader = ShardedStore.open_or_create(path, n0, DIM, readonly=True, **_options("normal"))
