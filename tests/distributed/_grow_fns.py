@@ -223,3 +223,29 @@ def write_grown_shards(root: Path, old_world: int, n0: int, n1: int) -> tuple[di
     record = {"world_size": old_world, "rule": "id % world_size", "num_rows": n1, "dim": DIM, "init": "normal",
               "seed": 11, "init_std": 0.5, "versions": versions, "manifest_checksums": sums}
     return record, want
+
+
+def grow_with_gpu_rows_is_refused(rank: int, world: int, root: str) -> None:
+    """Rows trained on the owners' GPUs (`ShardedDeviceRows`, NCCL): grow is refused by name on
+    every rank, the table keeps its size and rows, and training goes on."""
+    from lightning_embcache import make_row_optimizer, trainable_fields
+
+    n = 300
+    opt = make_row_optimizer("adam", lr=0.1)
+    store = ShardedStore.open_or_create(Path(root) / "rows", n, DIM, init="normal", seed=1, chunk_rows=16,
+                                        fields=trainable_fields(opt, DIM, torch.float32))
+    rows = store.trainable_rows(opt, device=torch.device("cuda", torch.cuda.current_device()), device_bytes=1 << 20)
+    ids = torch.arange(rank, n, 3)
+    for step in (1, 2):
+        rows.lookup(ids).sum().backward()
+        rows.collect()
+        rows.apply(step)
+        if step == 1:
+            before = store.get(torch.arange(n))
+            with pytest.raises(StoreError, match=r"grow\(num_rows=400\) of a row-sharded table whose owners keep its "
+                                                 r"rows on their GPUs .* not supported yet"):
+                store.grow(400)
+            assert store.num_rows == n and store.local.num_rows == len(range(rank, n, world))
+            assert torch.equal(store.get(torch.arange(n)), before)
+    assert not torch.equal(store.get(torch.arange(n)), before)  # the second step trained
+    store.close()

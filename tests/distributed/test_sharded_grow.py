@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _grow_fns  # noqa: E402
+from _spawn import run_ranks  # noqa: E402
 
 
 def test_a_grown_sharded_table_equals_one_created_at_the_new_size(ranks, tmp_path):
@@ -38,3 +40,12 @@ def test_a_growth_one_shard_did_not_flush_is_refused_until_grown_again(ranks, tm
 def test_a_grown_three_rank_checkpoint_streams_to_two_ranks_at_its_size(ranks, tmp_path):
     record, want = _grow_fns.write_grown_shards(tmp_path, 3, 40, 95)
     ranks.run(_grow_fns.stream_a_grown_checkpoint, str(tmp_path), record, 40, want)
+
+
+@pytest.mark.gpu
+def test_grow_with_rows_on_the_owners_gpus_is_refused_and_changes_nothing(tmp_path):
+    """Two ranks on two GPUs; on a machine of one GPU, one rank (the same refusal, no exchange)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    run_ranks(_grow_fns.grow_with_gpu_rows_is_refused, min(2, torch.cuda.device_count()), str(tmp_path),
+              backend="nccl")
