@@ -249,3 +249,47 @@ def grow_with_gpu_rows_is_refused(rank: int, world: int, root: str) -> None:
             assert torch.equal(store.get(torch.arange(n)), before)
     assert not torch.equal(store.get(torch.arange(n)), before)  # the second step trained
     store.close()
+
+
+def grow_sequence(rank: int, world: int, root: str, ops: list) -> None:
+    """Replay `ops` (updates from every rank, reads, grow, flush, close + reopen) on a disk-mode
+    sharded table and on a plain tensor grown by concatenating a larger table's initial rows,
+    keeping what was durable (rows and size) at each flush. Ids are drawn modulo the current size."""
+    n0, dim = 13, 3
+    opts = dict(init="normal", seed=2, chunk_rows=4, hot_bytes=4 * (dim * 4 + 64))
+    path = Path(root) / "seq"
+    store = ShardedStore.open_or_create(path, n0, dim, **opts)
+    whole = EmbeddingStore.create(None, n0 + 40 * len(ops), dim, init="normal", seed=2).get(
+        torch.arange(n0 + 40 * len(ops)))
+    ref = whole[:n0].clone()
+    durable = ref.clone()
+    try:
+        for op in ops:
+            kind, n = op[0], len(ref)
+            if kind == "update":
+                for r in range(world):  # the owners apply the ranks' rows in rank order: last wins
+                    ids, seed = op[1][r]
+                    vals = torch.randn(len(ids), dim, generator=torch.Generator().manual_seed(seed))
+                    for i, v in zip(ids, vals):
+                        ref[i % n] = v
+                ids, seed = op[1][rank]
+                store.update(torch.tensor(ids, dtype=torch.int64) % n,
+                             torch.randn(len(ids), dim, generator=torch.Generator().manual_seed(seed)))
+            elif kind == "get":
+                ids = torch.tensor(op[1][rank], dtype=torch.int64) % n
+                assert torch.equal(store.get(ids), ref[ids]), op
+            elif kind == "grow":
+                store.grow(n + op[1])
+                ref = torch.cat([ref, whole[n:n + op[1]]])
+                assert store.num_rows == len(ref)
+            elif kind == "flush":
+                store.flush()
+                durable = ref.clone()
+            elif kind == "reopen":  # what was not flushed is dropped, a growth too
+                store.close()
+                store = ShardedStore.open_or_create(path, n0, dim, **opts)
+                ref = durable.clone()
+                assert store.num_rows == len(ref)
+        assert torch.equal(store.get(torch.arange(len(ref))), ref)
+    finally:
+        store.close()

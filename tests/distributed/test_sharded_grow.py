@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -49,3 +51,20 @@ def test_grow_with_rows_on_the_owners_gpus_is_refused_and_changes_nothing(tmp_pa
         pytest.skip("needs a GPU")
     run_ranks(_grow_fns.grow_with_gpu_rows_is_refused, min(2, torch.cuda.device_count()), str(tmp_path),
               backend="nccl")
+
+
+_ids = st.lists(st.integers(0, 10**6), max_size=8)
+_op = st.one_of(
+    st.tuples(st.just("update"), st.tuples(st.tuples(_ids, st.integers(0, 10**6)), st.tuples(_ids, st.integers(0, 10**6)))),
+    st.tuples(st.just("get"), st.tuples(_ids, _ids)),
+    st.tuples(st.just("grow"), st.integers(0, 40)),
+    st.tuples(st.just("flush")),
+    st.tuples(st.just("reopen")),
+)
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, min_size=1, max_size=12))
+def test_sequences_of_growth_flush_and_reopen_on_two_ranks_match_a_grown_tensor(ranks, tmp_path_factory, ops):
+    ranks.run(_grow_fns.grow_sequence, str(tmp_path_factory.mktemp("seq")), ops, timeout=60)
