@@ -388,7 +388,10 @@ class ShardedStore:
         dist.all_gather_object(every, failed, group=self.group)
         if any(e is not None for e in every):
             # A shard that did grow holds rows past its share, which no id reaches until a growth
-            # that gives them ids (their initial values, as they were never written).
+            # that gives them ids (their initial values, as they were never written). One that
+            # failed was reopened at its last flush's size record: the table's is this one's.
+            if not self.local.closed:
+                self.local._table_rows = self.num_rows
             raise StoreError(
                 f"grow(num_rows={n}) failed: {'; '.join(e for e in every if e is not None)}. The table keeps its "
                 f"{self.num_rows} rows on every rank")

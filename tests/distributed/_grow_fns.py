@@ -99,6 +99,12 @@ def grown_table_equals_one_created_at_the_new_size(rank: int, world: int, root: 
     with pytest.raises(InvalidArgumentError, match=rf"ids must be in \[0, {n0}\)"):
         old.get(torch.tensor([n0]))
     old.close()
+    # in memory (path=None) the same
+    mem = ShardedStore.open_or_create(None, n0, DIM, **_options(init))
+    mem.update(torch.arange(n0), at_before)
+    mem.grow(n1)
+    assert torch.equal(mem.get(torch.arange(n1)), torch.cat([at_before, _fresh_rows(n1, init)[n0:]]))
+    mem.close()
     dist.barrier()
 
 
@@ -138,6 +144,25 @@ def refusals_change_nothing(rank: int, world: int, root: str) -> None:
     store.device_rows = None
     assert store.num_rows == n0 and store.local.num_rows == rows
     assert store.flush() == version  # nothing to make durable: nothing changed
+    # one shard fails to grow (rank 0's grows): every rank raises, the table keeps its size;
+    # rank 0's extra rows stay unreachable, and hold their initial rows when a growth reaches them
+    if rank == 1:
+        def fail(num_rows):
+            raise OSError("No space left on device")
+        store.local.grow = fail
+    with pytest.raises(StoreError, match=r"grow\(num_rows=60\) failed: rank 1: OSError: No space left on device\. "
+                                         r"The table keeps its 50 rows on every rank"):
+        store.grow(60)
+    assert store.num_rows == n0 and torch.equal(store.get(torch.arange(n0)), ref)
+    with pytest.raises(InvalidArgumentError, match=r"ids must be in \[0, 50\)"):
+        store.get(torch.tensor([n0]))
+    if rank == 1:
+        del store.local.grow
+    store.grow(60)
+    assert torch.equal(store.get(torch.arange(60)), torch.cat([ref, _fresh_rows(60, "normal")[n0:]]))
+    store.close()
+    store = ShardedStore.open_or_create(path, n0, DIM, **_options("normal"))  # unflushed: back to 50 rows
+    assert store.num_rows == n0 and torch.equal(store.get(torch.arange(n0)), ref)
     store.close()
     reader = ShardedStore.open_or_create(path, n0, DIM, readonly=True, **_options("normal"))
     with pytest.raises(InvalidArgumentError, match=r"grow\(num_rows=60\): rank \d's shard is open read-only"):
