@@ -55,9 +55,11 @@ class ShardedStore:
         store.flush()                  # in one call the highest rank wins. flush() is per shard.
 
     Notes:
-        ``get``/``update``/``get_fields``/``update_fields`` are collectives over a Gloo group:
-        every rank calls them in the same order (an empty batch is fine). Everything else acts
-        on this rank's shard only. ``version`` is the shard's version; a checkpoint records all.
+        ``get``/``update``/``get_fields``/``update_fields`` and ``grow`` are collectives over a
+        Gloo group: every rank calls them in the same order (an empty batch is fine). Everything
+        else acts on this rank's shard only. ``num_rows`` is the whole table's (each shard's
+        manifest records it, so a grown table reopens at its size). ``version`` is the shard's
+        version; a checkpoint records all.
 
     Raises:
         InvalidArgumentError: invalid ids on any rank (every rank raises); a path holding a

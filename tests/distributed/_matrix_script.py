@@ -165,7 +165,8 @@ def fit(cfg: dict, out: Path, tag: str, resume: str | None, ckpt_dir: str | None
         rows = {"latents": model.latents.get(torch.arange(model.latents.num_rows)),
                 "bank": model.bank.get(torch.arange(model.bank.num_rows))}
     steady = clock.times[len(clock.times) // 2:] or clock.times
-    torch.save({"rows": rows, "step_s": sorted(steady)[len(steady) // 2], "world": trainer.world_size,
+    step_s = sorted(steady)[len(steady) // 2] if steady else 0.0  # a resume with no step left
+    torch.save({"rows": rows, "step_s": step_s, "world": trainer.world_size,
                 "decoder": {k: v.detach().clone() for k, v in model.decoder.state_dict().items()},
                 "paths": {n: str(h.path) for n, h in model.embedding_stores.items()},
                 "deferred_syncs": callbacks[0].syncs, "mem_metrics": callbacks[1].last_metrics,

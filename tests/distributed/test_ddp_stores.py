@@ -112,6 +112,21 @@ def test_ddp_checkpoints_before_and_after_a_growth_resume_their_sizes_exactly(tm
 
 
 @pytest.mark.slow
+def test_a_grown_two_rank_checkpoint_resumes_on_three_ranks_at_its_size(tmp_path):
+    """The ranks stream the grown shards to three new ones at the checkpoint's size (the model
+    still declares 256 rows): every rank reads the checkpoint's rows, the grown ones too."""
+    ck = tmp_path / "ck"
+    full = launch(tmp_path, "full", path=str(tmp_path / "s"), epochs=2, ckpt_dir=str(ck), grow_epoch=1, grow_to=293,
+                  **DDP)
+    three = launch(tmp_path, "three", path=str(tmp_path / "s"), epochs=2, resume=str(ck / "epoch=1-step=16.ckpt"),
+                   **{**DDP, "devices": 3})
+    assert len(three["ranks"]) == 3
+    for r in three["ranks"]:
+        assert r["world"] == 3 and r["rows"]["latents"].shape[0] == 293
+        assert max_diff(r, full["ranks"][0]) == 0.0
+
+
+@pytest.mark.slow
 def test_resuming_a_two_rank_checkpoint_in_one_process_names_the_reshard_command(tmp_path):
     launch(tmp_path, "first", path=str(tmp_path / "s"), epochs=1, ckpt_dir=str(tmp_path / "ck"), **DDP)
     one = launch(tmp_path, "one", path=str(tmp_path / "s"), epochs=2, resume=str(tmp_path / "ck" / "last.ckpt"),
