@@ -33,6 +33,7 @@ from lightning_embcache.store import (
     EmbeddingStore,
     InvalidArgumentError,
     InvalidTypeError,
+    ReadOnlyError,
     StoreError,
     StoreStats,
     VersionNotFoundError,
@@ -350,7 +351,8 @@ class ShardedStore:
         Raises (on every rank, nothing changed anywhere):
             InvalidTypeError: ``num_rows`` is not an int.
             InvalidArgumentError: fewer rows than now, past the id limit, ranks passing different
-                values, or a shard that cannot grow (read-only; names the rank).
+                values.
+            ReadOnlyError: a shard open read-only (names the rank).
             StoreError: the owners keep rows on their GPUs (`trainable_rows` on CUDA): not
                 supported yet; a shard closed; growing a shard failed (the table keeps its size).
         """
@@ -417,7 +419,7 @@ class ShardedStore:
         if self.local.closed:
             raise StoreError(f"grow(num_rows={n}): rank {self.rank}'s shard is closed")
         if self.local.readonly:
-            raise InvalidArgumentError(
+            raise ReadOnlyError(
                 f"grow(num_rows={n}): rank {self.rank}'s shard is open read-only; open the table writable to grow it")
         if self.device_rows is not None and n > self.num_rows:
             raise StoreError(

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_embcache
-from lightning_embcache import EmbeddingStore, InvalidArgumentError, InvalidTypeError, StoreError
+from lightning_embcache import EmbeddingStore, InvalidArgumentError, InvalidTypeError, ReadOnlyError, StoreError
 from lightning_embcache.distributed import ShardedStore
 from lightning_embcache.distributed.exchange import store_group
 from lightning_embcache.distributed.sharding import RowSharding, shard_dir
@@ -165,7 +165,7 @@ def refusals_change_nothing(rank: int, world: int, root: str) -> None:
     assert store.num_rows == n0 and torch.equal(store.get(torch.arange(n0)), ref)
     store.close()
     reader = ShardedStore.open_or_create(path, n0, DIM, readonly=True, **_options("normal"))
-    with pytest.raises(InvalidArgumentError, match=r"grow\(num_rows=60\): rank \d's shard is open read-only"):
+    with pytest.raises(ReadOnlyError, match=r"grow\(num_rows=60\): rank \d's shard is open read-only"):
         reader.grow(60)
     assert reader.num_rows == n0 and torch.equal(reader.get(torch.arange(n0)), ref)
     reader.close()
