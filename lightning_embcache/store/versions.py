@@ -97,6 +97,8 @@ class Versioning:
     _row_thread: int  # the thread of the latest get/update (EmbeddingStore._waited)
     _damage: CorruptStoreError | None = None  # the first damaged file met: background work stops (fail-stop)
     _grown_unflushed = False  # grown since the last flush: no compaction round until it publishes the size
+    _table_rows: int  # rows of the whole table when the store is a shard of one (`ShardedStore`); 0: not
+    _table_published: int  # the published version's `_table_rows` (a flush of a change of it alone)
 
     # ------------------------------------------------------------------ flush and versions
     def flush(self) -> int:
