@@ -14,9 +14,10 @@ collectives out of the order of DDP's gradient buckets and of the profiler's red
 A read costs three collectives, a write two (the ids travel with the rows), each O(batch) and
 never O(table):
 
-1. split sizes (``world_size`` x 2 int64: how many unique ids go to each owner, and an
-   ok flag, so one rank's invalid ids fail every rank with a clear error instead of leaving the
-   others waiting inside a collective);
+1. split sizes (``world_size`` x 3 int64: how many unique ids go to each owner, an ok flag,
+   so one rank's invalid ids fail every rank with a clear error instead of leaving the others
+   waiting inside a collective, and the table's size as the rank sees it, so ranks that disagree
+   on it, after a growth some shards flushed and others did not, fail together too);
 2. the unique ids, grouped by owner;
 3. the payload (rows going back for a read; rows going to the owners for a write or gradient),
    packed as bytes so several fields of different dtypes travel in one transfer.
@@ -89,7 +90,8 @@ class Route:
     """
 
     def __init__(self, group: Any, sharding: RowSharding, ids: Tensor, error: str | None = None,
-                 deliver: bool = False, unique: bool = False) -> None:
+                 deliver: bool = False, unique: bool = False, size: int | None = None) -> None:
+        """``size``: the table's rows as this rank sees them, checked against every rank's (None: not checked)."""
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.world_size = group, world_size
         if error is None:
@@ -106,7 +108,8 @@ class Route:
             self.inverse = self.order = uniq
             counts = torch.zeros(world_size, dtype=torch.int64)
         self.num_unique = int(uniq.numel())
-        header = torch.stack([counts, torch.full_like(counts, 0 if error is None else 1)], dim=1)
+        header = torch.stack([counts, torch.full_like(counts, 0 if error is None else 1),
+                              torch.full_like(counts, -1 if size is None else int(size))], dim=1)
         got = torch.empty_like(header)
         dist.all_to_all_single(got, header, group=group)
         bad = torch.nonzero(got[:, 1]).flatten().tolist()
@@ -117,13 +120,21 @@ class Route:
                 f"rank(s) {bad} passed invalid ids to a sharded embedding store (see that rank's error); "
                 f"rank {rank} stops with them"
             )
+        sizes = {r: s for r, s in enumerate(got[:, 2].tolist()) if s >= 0}
+        if len(set(sizes.values())) > 1:
+            raise InvalidArgumentError(
+                f"the ranks see a sharded table of different sizes (rows by rank: {sizes}): its shards were "
+                f"reopened at versions from before and after a growth (one flushed grow() before a crash, "
+                f"another did not). Nothing was read or written. Call grow(num_rows={max(sizes.values())}) "
+                f"on every rank to complete it, or resume a checkpoint"
+            )
         self.send_splits = counts.tolist()
         self.recv_splits = got[:, 0].tolist()
         self.sharding = sharding
         # rows this rank sends to others when it pushes, and when it serves others' requests
         self._out_push = sum(self.send_splits) - self.send_splits[rank]
         self._out_serve = sum(self.recv_splits) - self.recv_splits[rank]
-        self.bytes_sent = (world_size - 1) * 16
+        self.bytes_sent = (world_size - 1) * 24
         self.served: Tensor | None = None
         #: per batch position, the row of the rows' exchange output holding its id, and the
         #: distinct ids of `served` (computed ahead by the exchange thread for lookups of rows on

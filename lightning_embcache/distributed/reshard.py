@@ -111,6 +111,8 @@ def _reshard_store(name: str, ref: dict[str, Any], world_size: int, new_path: st
                 where, max(new.shard_rows(q), 1) if world_size > 1 else num_rows, first.dim, dtype=first.dtype,
                 chunk_rows=int(meta["chunk_rows"]), compression=meta.get("compression"), init=init, seed=seed,
                 init_std=std, fields=fields or None))
+            if world_size > 1:
+                targets[-1]._table_rows = num_rows  # its manifests record the table's size (`ShardedStore`)
         names = tuple(first.field_names)
         old = RowSharding(num_rows, old_world)
         for r, store in sources:

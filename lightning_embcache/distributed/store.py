@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -32,6 +33,7 @@ from lightning_embcache.store import (
     EmbeddingStore,
     InvalidArgumentError,
     InvalidTypeError,
+    ReadOnlyError,
     StoreError,
     StoreStats,
     VersionNotFoundError,
@@ -54,9 +56,11 @@ class ShardedStore:
         store.flush()                  # in one call the highest rank wins. flush() is per shard.
 
     Notes:
-        ``get``/``update``/``get_fields``/``update_fields`` are collectives over a Gloo group:
-        every rank calls them in the same order (an empty batch is fine). Everything else acts
-        on this rank's shard only. ``version`` is the shard's version; a checkpoint records all.
+        ``get``/``update``/``get_fields``/``update_fields`` and ``grow`` are collectives over a
+        Gloo group: every rank calls them in the same order (an empty batch is fine). Everything
+        else acts on this rank's shard only. ``num_rows`` is the whole table's (each shard's
+        manifest records it, so a grown table reopens at its size). ``version`` is the shard's
+        version; a checkpoint records all.
 
     Raises:
         InvalidArgumentError: invalid ids on any rank (every rank raises); a path holding a
@@ -176,7 +180,7 @@ class ShardedStore:
         with self._clock:
             try:
                 route = Route(self.group if group is None else group, self.sharding, idx,
-                              None if error is None else str(error), deliver, unique)
+                              None if error is None else str(error), deliver, unique, size=self.num_rows)
             except InvalidArgumentError:
                 if error is not None:
                     raise error from None
@@ -334,18 +338,95 @@ class ShardedStore:
         self.local.compact()
 
     def grow(self, num_rows: int) -> None:
-        """Not supported yet for a row-sharded table: refused, nothing changes.
+        """Raise the table to ``num_rows`` rows. A collective: every rank calls it with the same
+        ``num_rows``. Each owner grows its shard by the ids it owns under ``id % world_size`` (no
+        old id moves); the new rows hold their initial values, exactly those of a table created
+        at that size. Durable with each shard's next flush, whose manifest records the table's
+        size: a version (or checkpoint) from before the growth reopens the old size. ``num_rows``
+        equal to the current size does nothing.
 
-        Raises:
-            StoreError: always. (Under the ``id % world_size`` rule new ids would go to their
-                owners and no old id would move; what is missing is reopening a grown table
-                without a checkpoint, whose shards do not record the table's size.)
+        Raises (on every rank, nothing changed anywhere):
+            InvalidTypeError: ``num_rows`` is not an int.
+            InvalidArgumentError: fewer rows than now, past the id limit, ranks passing different
+                values.
+            ReadOnlyError: a shard open read-only (names the rank).
+            StoreError: the owners keep rows on their GPUs (`trainable_rows` on CUDA): not
+                supported yet; a shard closed; growing a shard failed (the table keeps its size).
         """
-        raise StoreError(
-            f"grow(num_rows={num_rows!r}) of a row-sharded table is not supported yet (issue 32); the table keeps "
-            f"its {self.num_rows} rows. Declare it with room "
-            "for the new ids: add_embedding_store(num_rows=...)"
-        )
+        if self.before_exchange is not None:
+            self.before_exchange()  # gradient rows in flight reach their owners first
+        asked = int(num_rows) if isinstance(num_rows, (int, np.integer)) and not isinstance(num_rows, bool) \
+            else repr(num_rows)
+        error: StoreError | None = None
+        try:
+            target = self._grow_target(num_rows)
+        except StoreError as exc:
+            error, target = exc, 0
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, (asked, None if error is None else str(error), self.num_rows), group=self.group)
+        refused = {r: e[1] for r, e in enumerate(every) if e[1] is not None}
+        if refused:
+            if error is not None:
+                raise error
+            raise InvalidArgumentError(
+                f"grow(num_rows={num_rows!r}) was refused by rank(s) {sorted(refused)} "
+                f"({'; '.join(f'rank {r}: {m}' for r, m in refused.items())}); nothing changed on any rank")
+        values = {r: e[0] for r, e in enumerate(every)}
+        if len(set(values.values())) > 1:
+            raise InvalidArgumentError(
+                f"num_rows must be the same on every rank (grow is a collective); got {values} (by rank). "
+                f"The table keeps its {self.num_rows} rows on every rank")
+        n = int(values[self.rank])
+        if all(e[2] == n for e in every):  # every rank sees this size already (some may: a growth
+            return                         # that only some shards had flushed is completed here)
+        failed: str | None = None
+        try:
+            if target > self.local.num_rows:
+                self.local.grow(target)
+        except Exception as exc:  # a shard that could not grow keeps its size (growth.py)
+            failed = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        every = [None] * self.world_size
+        dist.all_gather_object(every, failed, group=self.group)
+        if any(e is not None for e in every):
+            # A shard that did grow holds rows past its share, which no id reaches until a growth
+            # that gives them ids (their initial values, as they were never written). One that
+            # failed was reopened at its last flush's size record: the table's is this one's.
+            if not self.local.closed:
+                self.local._table_rows = self.num_rows
+            raise StoreError(
+                f"grow(num_rows={n}) failed: {'; '.join(e for e in every if e is not None)}. The table keeps its "
+                f"{self.num_rows} rows on every rank")
+        self.local._table_rows = n  # the next flush's manifest records the table's size
+        self.num_rows, self.sharding = n, RowSharding(n, self.world_size)
+
+    def _grow_target(self, num_rows: Any) -> int:
+        """This shard's rows at ``num_rows`` (validated on this rank; nothing changed)."""
+        from lightning_embcache.store.growth import check_rows
+        from lightning_embcache.store.validate import MAX_ROWS
+
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
+            raise InvalidTypeError(f"num_rows must be an int; got {type(num_rows).__name__} {num_rows!r}")
+        n = int(num_rows)
+        if n < self.num_rows:
+            raise InvalidArgumentError(
+                f"num_rows must be in [{self.num_rows}, {MAX_ROWS}]; got {n}: the table has {self.num_rows} rows "
+                f"and a store grows, it never shrinks (ids are never taken back)")
+        if n > MAX_ROWS:
+            raise InvalidArgumentError(f"num_rows must be in [{self.num_rows}, {MAX_ROWS}] (the id limit); got {n}")
+        if self.local.closed:
+            raise StoreError(f"grow(num_rows={n}): rank {self.rank}'s shard is closed")
+        if self.local.readonly:
+            raise ReadOnlyError(
+                f"grow(num_rows={n}): rank {self.rank}'s shard is open read-only; open the table writable to grow it")
+        if self.device_rows is not None and n > self.num_rows:
+            raise StoreError(
+                f"grow(num_rows={n}) of a row-sharded table whose owners keep its rows on their GPUs "
+                f"(trainable_rows on CUDA) is not supported yet; the table keeps its {self.num_rows} rows. Grow it "
+                f"before its rows go to the GPUs (before fit, or in setup), or train with device_bytes=0")
+        target = max(RowSharding(n, self.world_size).shard_rows(self.rank), 1)
+        if target > self.local.num_rows:
+            check_rows(self.local, target)  # e.g. init="normal" of a store made by version 0.1
+        return target
 
     def close(self) -> None:
         self.ahead.close()
@@ -391,8 +472,15 @@ class ShardFactory:
         _check_layout(Path(table_path), self.world_size)
         return shard_dir(Path(table_path), self.rank, self.world_size)
 
+    def resize(self, num_rows: int) -> None:
+        """Make and open shards of a table of ``num_rows`` rows (a checkpoint's record of its size)."""
+        self.num_rows = int(num_rows)
+        self.sharding = RowSharding(self.num_rows, self.world_size)
+        self.local_rows = max(self.sharding.shard_rows(self.rank), 1)
+
     def create(self, path: Path | None, num_rows: int, dim: int, **_: Any) -> ShardedStore:
         local = EmbeddingStore.create(path, self.local_rows, dim, init=self.init, **self.options)
+        local._table_rows = self.num_rows  # recorded by its flushes: a reopen knows the table's size
         return self._wrap(path, local)
 
     def open(self, path: Path, version: int | None = None, readonly: bool = False, **_: Any) -> ShardedStore:
@@ -405,7 +493,17 @@ class ShardFactory:
 
     def _wrap(self, path: Path | None, local: EmbeddingStore) -> ShardedStore:
         table = None if path is None else Path(path).parent
-        store = ShardedStore(table, self.num_rows, local, self.group, self.rank, self.world_size, self.ahead_group)
+        # The table's size at the shard's version, as its manifest records it (a grown table's
+        # differs from the size declared); shards flushed before sizes were recorded: as declared.
+        num_rows = local._table_rows or self.num_rows
+        if local.num_rows < max(RowSharding(num_rows, self.world_size).shard_rows(self.rank), 1):
+            local.close()
+            raise InvalidArgumentError(
+                f"{path}: this shard holds {local.num_rows} rows, fewer than rank {self.rank}'s share of a table of "
+                f"num_rows={num_rows} over {self.world_size} ranks; open it with the num_rows it was made with")
+        if not local.readonly:
+            local._table_rows = num_rows
+        store = ShardedStore(table, num_rows, local, self.group, self.rank, self.world_size, self.ahead_group)
         store.device_bytes = self.device_bytes
         return store
 

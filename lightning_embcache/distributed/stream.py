@@ -154,7 +154,7 @@ def _check_here(name: str, record: Mapping[str, Any], factory: Any, mine: Path,
                 checkpoint: str | None) -> tuple[str | None, int | None]:
     """(A problem on this rank, or None; the version of this rank's new shard that an earlier
     stream of `checkpoint` made, or None)."""
-    if (int(record["num_rows"]), int(record["dim"])) != (factory.num_rows, factory.dim):
+    if int(record["num_rows"]) < factory.num_rows or int(record["dim"]) != factory.dim:
         return (f"the checkpoint's store {name!r} has {record['num_rows']} x {record['dim']} rows; "
                 f"add_embedding_store asked for num_rows={factory.num_rows}, dim={factory.dim}"), None
     if not (mine.exists() and (not mine.is_dir() or any(mine.iterdir()))):

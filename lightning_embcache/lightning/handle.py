@@ -249,9 +249,10 @@ class EmbeddingStoreHandle:
         """Raise the table to ``num_rows`` rows (`EmbeddingStore.grow`): the new ids hold their
         initial values, the old rows keep theirs; durable with the next flush (a checkpoint taken
         before resumes the old size, one taken after the new). ``num_rows`` equal to the current
-        size does nothing; fewer rows are refused, and so is a row-sharded table (not supported
-        yet). A device tier is written down and made again at the new size. Call it from the
-        training thread (a hook or a callback), not while another thread reads the store."""
+        size does nothing; fewer rows are refused. A device tier is written down and made again at
+        the new size. Call it from the training thread (a hook or a callback), not while another
+        thread reads the store. Under several processes (a row-sharded table) every rank calls it
+        with the same ``num_rows`` (`ShardedStore.grow`)."""
         with self._lifecycle:
             self._settle()
             store = self._ensure_open(writable=True)

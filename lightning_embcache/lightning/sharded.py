@@ -104,7 +104,7 @@ def gather_shard_refs(module: Any, refs: dict[str, dict[str, Any]]) -> None:
         ref["shards"] = {
             "world_size": world_size,
             "rule": RULE,
-            "num_rows": handle.num_rows,
+            "num_rows": _table_rows(handle),
             "dim": handle.dim,
             "init": init if isinstance(init, str) else "callable",
             "seed": int(handle._create_options.get("seed", 0)),
@@ -113,6 +113,12 @@ def gather_shard_refs(module: Any, refs: dict[str, dict[str, Any]]) -> None:
             "versions": [int(e[name][0]) for e in every],
             "manifest_checksums": [e[name][1] for e in every],
         }
+
+
+def _table_rows(handle: Any) -> int:
+    """The open table's rows (grown since declared: `ShardedStore.grow`)."""
+    store = handle._store
+    return int(store.num_rows) if store is not None and not store.closed else int(handle.num_rows)
 
 
 def local_ref(handle: Any, ref: dict[str, Any], checkpoint: str | None = None, fitting: bool = False
@@ -128,6 +134,11 @@ def local_ref(handle: Any, ref: dict[str, Any], checkpoint: str | None = None, f
     if shards is None and world_size == 1:
         return ref
     saved = 1 if shards is None else int(shards["world_size"])
+    factory = getattr(handle, "_shard_factory", None)
+    if shards is not None and factory is not None:
+        # the table's size when the checkpoint was taken (grown since declared, or before a growth);
+        # fewer rows than declared are refused when the shards open
+        factory.resize(max(int(shards["num_rows"]), getattr(handle, "_declared_rows", handle.num_rows)))
     if saved != world_size and saved > 1 and world_size > 1 and fitting and handle.path is not None:
         file = os.path.abspath(checkpoint) if checkpoint else None
         table = table_path(handle)

@@ -188,6 +188,9 @@ class Manifest:
     # Rows of the table at this version (a store grows: `EmbeddingStore.grow`); 0 = as META
     # says (manifests of versions before any growth, and of stores older than growing).
     num_rows: int = 0
+    # Rows of the whole table when this store is one rank's shard of a row-sharded table
+    # (`ShardedStore`): its size at this version. 0 = not recorded (not a shard, or never flushed).
+    table_rows: int = 0
 
     def to_bytes(self) -> bytes:
         obj = {"version": self.version, "chunkmap": self.chunkmap, "segments": self.segments,
@@ -196,6 +199,8 @@ class Manifest:
             obj["ident"] = self.ident
         if self.num_rows:
             obj["num_rows"] = self.num_rows
+        if self.table_rows:
+            obj["table_rows"] = self.table_rows
         return json.dumps(obj).encode()
 
 
@@ -492,7 +497,10 @@ class Disk:
         rows = obj.get("num_rows", 0)
         if not _is_count(rows) or rows > MAX_ROWS:
             raise CorruptStoreError(path, f"num_rows={rows!r} is not a row count")
-        return Manifest(v, cm, list(segs), parent, ident, rows)
+        table = obj.get("table_rows", 0)
+        if not _is_count(table) or table > MAX_ROWS:
+            raise CorruptStoreError(path, f"table_rows={table!r} is not a row count")
+        return Manifest(v, cm, list(segs), parent, ident, rows, table)
 
     def manifest_checksum(self, version: int) -> str:
         """Identity of ``version`` as its flush wrote it (a checkpoint records it to detect a store

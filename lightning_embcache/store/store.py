@@ -365,6 +365,9 @@ class EmbeddingStore(TieredRows, Versioning):
         self._collect_due = False  # a garbage collection was asked for (likewise)
         self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
         self._writing_gens: set[int] = set()  # compaction generations being written
+        # rows of the whole table when this store is a shard of one (`ShardedStore` sets it; the
+        # manifests record it); the published version's, to flush a change of it alone
+        self._table_rows = self._table_published = 0
         if grown is not None:
             self.__dict__.update(grown["kept"])
         capacity = None if hot_bytes is None else max(1, hot_bytes // (self._row_bytes + SLOT_OVERHEAD))

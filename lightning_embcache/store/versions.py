@@ -97,6 +97,8 @@ class Versioning:
     _row_thread: int  # the thread of the latest get/update (EmbeddingStore._waited)
     _damage: CorruptStoreError | None = None  # the first damaged file met: background work stops (fail-stop)
     _grown_unflushed = False  # grown since the last flush: no compaction round until it publishes the size
+    _table_rows: int  # rows of the whole table when the store is a shard of one (`ShardedStore`); 0: not
+    _table_published: int  # the published version's `_table_rows` (a flush of a change of it alone)
 
     # ------------------------------------------------------------------ flush and versions
     def flush(self) -> int:
@@ -167,7 +169,8 @@ class Versioning:
             hot = self._hot
             slots = np.flatnonzero(hot.dirty)
             layout = (self._cmap_gen, [s.seq for s in self._committed], self._num_rows)
-            if not len(slots) and not self._pending and layout == self._published:
+            if (not len(slots) and not self._pending and layout == self._published
+                    and self._table_rows == self._table_published):
                 return self._version
             ids, slots, records, seq = self._begin_write_back(slots)
             pending = list(self._pending)
@@ -188,10 +191,11 @@ class Versioning:
             self._disk.sync_segments([p for p in pending if p.seq not in gone])
             new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
             m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version,
-                         num_rows=self._num_rows)
+                         num_rows=self._num_rows, table_rows=self._table_rows)
             self._parent = self._version
             self._disk.write_manifest(m)  # the commit point (of a growth too: `EmbeddingStore.grow`)
             self._published = (m.chunkmap, list(m.segments), m.num_rows)
+            self._table_published = m.table_rows
             self._grown_unflushed = False
         except BaseException:
             self._end_write_back(slots, seq, ok=False)
@@ -334,6 +338,7 @@ class Versioning:
         self._cmap_gen = m.chunkmap
         self._committed = [disk.open_segment(s) for s in m.segments]
         self._published = (m.chunkmap, list(m.segments), self._num_rows)
+        self._table_rows = self._table_published = m.table_rows  # a shard's table (distributed/)
         self._index_rebuild()
         self._version = v
         self._max_version = versions[-1]
@@ -847,9 +852,11 @@ class Versioning:
         alone = disk.lock_version_alone(version)
         try:
             if alone is not None:
-                m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version), self._num_rows)
+                m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version), self._num_rows,
+                             self._table_published)
             else:
-                m = Manifest(self._max_version + 1, gen, segs, version, num_rows=self._num_rows)
+                m = Manifest(self._max_version + 1, gen, segs, version, num_rows=self._num_rows,
+                             table_rows=self._table_published)
             disk.write_manifest(m)  # the commit point: old layout or new, the same rows
         finally:
             disk.unlock_reader(alone)
@@ -956,7 +963,8 @@ class Versioning:
                     if seg is None or not (folded[seg.idx_chunk] >= q).all():
                         break
                     lead += 1
-                new = Manifest(v, gen, m.segments[lead:], m.parent, m.ident or disk.manifest_checksum(v), m.num_rows)
+                new = Manifest(v, gen, m.segments[lead:], m.parent, m.ident or disk.manifest_checksum(v), m.num_rows,
+                               m.table_rows)
                 disk.write_manifest(new)  # the commit point of this version's new layout
                 self._manifests_seen[v] = new
             finally:

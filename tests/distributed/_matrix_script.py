@@ -99,6 +99,18 @@ class Killer(Callback):
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+class Grower(Callback):
+    """Both stores grow to `num_rows` rows when epoch `epoch` starts (every rank: a collective)."""
+
+    def __init__(self, epoch: int, num_rows: int) -> None:
+        self.epoch, self.num_rows = epoch, num_rows
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            pl_module.latents.grow(self.num_rows)
+            pl_module.bank.grow(self.num_rows)
+
+
 class StepClock(Callback):
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -131,6 +143,8 @@ def fit(cfg: dict, out: Path, tag: str, resume: str | None, ckpt_dir: str | None
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=cfg.get("save_top_k", -1),
                                          monitor="step" if cfg.get("save_top_k", -1) > 0 else None, mode="max",
                                          save_last=True))
+    if cfg.get("grow_epoch") is not None:
+        callbacks.append(Grower(cfg["grow_epoch"], cfg["grow_to"]))
     if cfg.get("kill_step") is not None:
         callbacks.append(Killer(cfg.get("kill_rank", 1), cfg["kill_step"], cfg.get("kill_node")))
     devices = cfg.get("devices", 1)
@@ -148,9 +162,11 @@ def fit(cfg: dict, out: Path, tag: str, resume: str | None, ckpt_dir: str | None
     trainer.fit(fit_model, loader, ckpt_path=resume)
     rank = trainer.global_rank
     with torch.no_grad():
-        rows = {"latents": model.latents.get(torch.arange(N)), "bank": model.bank.get(torch.arange(N))}
+        rows = {"latents": model.latents.get(torch.arange(model.latents.num_rows)),
+                "bank": model.bank.get(torch.arange(model.bank.num_rows))}
     steady = clock.times[len(clock.times) // 2:] or clock.times
-    torch.save({"rows": rows, "step_s": sorted(steady)[len(steady) // 2], "world": trainer.world_size,
+    step_s = sorted(steady)[len(steady) // 2] if steady else 0.0  # a resume with no step left
+    torch.save({"rows": rows, "step_s": step_s, "world": trainer.world_size,
                 "decoder": {k: v.detach().clone() for k, v in model.decoder.state_dict().items()},
                 "paths": {n: str(h.path) for n, h in model.embedding_stores.items()},
                 "deferred_syncs": callbacks[0].syncs, "mem_metrics": callbacks[1].last_metrics,

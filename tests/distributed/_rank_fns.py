@@ -258,16 +258,3 @@ def max_norm_rows_match_nn_embedding(rank: int, world: int, root: str) -> None:
         rows.apply(step)
     torch.testing.assert_close(store.get(torch.arange(N)), ref.weight.detach(), rtol=1e-5, atol=1e-6)
     store.close()
-
-
-def grow_is_refused(rank: int, world: int, root: str) -> None:
-    """A row-sharded table does not grow yet: refused by name on every rank, nothing changed."""
-    from lightning_embcache import StoreError
-
-    store = ShardedStore.open_or_create(Path(root) / "t", N, DIM, init="normal", seed=5, chunk_rows=64)
-    before = store.get(torch.arange(N))
-    with pytest.raises(StoreError, match=r"grow\(num_rows=2000\) of a row-sharded table is not supported yet"):
-        store.grow(2000)
-    assert store.num_rows == N and store.local.num_rows == len(range(rank, N, world))
-    assert torch.equal(store.get(torch.arange(N)), before)
-    store.close()

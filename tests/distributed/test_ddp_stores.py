@@ -80,6 +80,53 @@ def test_ddp_resume_from_a_checkpoint_restores_every_shard(tmp_path):
 
 
 @pytest.mark.slow
+def test_ddp_checkpoints_before_and_after_a_growth_resume_their_sizes_exactly(tmp_path):
+    """Both stores grow from 256 to 293 rows when epoch 1 starts (every rank calls grow). The
+    checkpoint of epoch 0 resumes the old table (training on without growing ends where a run
+    that never grew ends), that of epoch 1 the grown one (training on ends where the uninterrupted
+    run ended)."""
+    from lightning_embcache import EmbeddingStore
+
+    n, grown = 256, 293
+    ck = tmp_path / "ck"
+    full = launch(tmp_path, "full", path=str(tmp_path / "s"), epochs=3, ckpt_dir=str(ck), grow_epoch=1,
+                  grow_to=grown, **DDP)
+    r0, r1 = full["ranks"]
+    for k in r0["rows"]:
+        assert r0["rows"][k].shape[0] == grown and torch.equal(r0["rows"][k], r1["rows"][k]), k
+    # the new ids (the data never reads them) hold the rows of a table created at that size
+    fresh = EmbeddingStore.create(None, grown, 8, init="normal", seed=1, chunk_rows=16).get(torch.arange(n, grown))
+    assert torch.equal(r0["rows"]["latents"][n:], fresh) and not r0["rows"]["bank"][n:].any()
+    for epoch, size in ((0, n), (1, grown)):
+        assert torch.load(ck / f"epoch={epoch}-step={8 * (epoch + 1)}.ckpt",
+                          weights_only=False)["embedding_stores"]["latents"]["shards"]["num_rows"] == size
+    never_grown = launch(tmp_path, "never_grown", path=str(tmp_path / "s1"), epochs=2, **DDP)
+    before = launch(tmp_path, "before", path=str(tmp_path / "s"), epochs=2, resume=str(ck / "epoch=0-step=8.ckpt"),
+                    **DDP)
+    assert before["ranks"][0]["rows"]["latents"].shape[0] == n
+    assert max_diff(before["ranks"][0], never_grown["ranks"][0]) == 0.0
+    after = launch(tmp_path, "after", path=str(tmp_path / "s"), epochs=3, resume=str(ck / "epoch=1-step=16.ckpt"),
+                   **DDP)
+    assert after["ranks"][0]["rows"]["latents"].shape[0] == grown
+    assert max_diff(after["ranks"][0], r0) == 0.0
+
+
+@pytest.mark.slow
+def test_a_grown_two_rank_checkpoint_resumes_on_three_ranks_at_its_size(tmp_path):
+    """The ranks stream the grown shards to three new ones at the checkpoint's size (the model
+    still declares 256 rows): every rank reads the checkpoint's rows, the grown ones too."""
+    ck = tmp_path / "ck"
+    full = launch(tmp_path, "full", path=str(tmp_path / "s"), epochs=2, ckpt_dir=str(ck), grow_epoch=1, grow_to=293,
+                  **DDP)
+    three = launch(tmp_path, "three", path=str(tmp_path / "s"), epochs=2, resume=str(ck / "epoch=1-step=16.ckpt"),
+                   **{**DDP, "devices": 3})
+    assert len(three["ranks"]) == 3
+    for r in three["ranks"]:
+        assert r["world"] == 3 and r["rows"]["latents"].shape[0] == 293
+        assert max_diff(r, full["ranks"][0]) == 0.0
+
+
+@pytest.mark.slow
 def test_resuming_a_two_rank_checkpoint_in_one_process_names_the_reshard_command(tmp_path):
     launch(tmp_path, "first", path=str(tmp_path / "s"), epochs=1, ckpt_dir=str(tmp_path / "ck"), **DDP)
     one = launch(tmp_path, "one", path=str(tmp_path / "s"), epochs=2, resume=str(tmp_path / "ck" / "last.ckpt"),

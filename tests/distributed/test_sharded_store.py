@@ -106,7 +106,3 @@ def test_a_device_budget_is_per_shard_and_cpu_ranks_keep_host_rows(ranks, tmp_pa
 
 def test_announced_lookups_are_exchanged_ahead_and_train_like_sparse_adam(ranks, tmp_path):
     ranks.run(_rank_fns.announced_lookups_train_like_sparse_adam, str(tmp_path), timeout=60)
-
-
-def test_grow_of_a_sharded_table_is_refused_by_name(ranks, tmp_path):
-    ranks.run(_rank_fns.grow_is_refused, str(tmp_path))
