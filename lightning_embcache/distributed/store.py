@@ -350,8 +350,11 @@ class ShardedStore:
             InvalidArgumentError: fewer rows than now, past the id limit, ranks passing different
                 values.
             ReadOnlyError: a shard open read-only (names the rank).
-            StoreError: the owners keep rows on their GPUs (`trainable_rows` on CUDA): not
-                supported yet; a shard closed; growing a shard failed (the table keeps its size).
+            StoreError: a shard closed; growing a shard failed (the table keeps its size).
+
+        Rows trained on the owners' GPUs (`trainable_rows` on CUDA) are written down into the
+        shards and their GPU memory released first: call `trainable_rows` again after the growth
+        (the Lightning handle does).
         """
         if self.before_exchange is not None:
             self.before_exchange()  # gradient rows in flight reach their owners first
@@ -379,6 +382,11 @@ class ShardedStore:
         n = int(values[self.rank])
         if all(e[2] == n for e in every):  # every rank sees this size already (some may: a growth
             return                         # that only some shards had flushed is completed here)
+        if self.device_rows is not None:
+            # The owners' GPU rows went down (before_exchange, above); their tier is sized by the
+            # shard: released here, made again at the new size by the next trainable_rows().
+            self.device_rows.close()
+            self.device_rows = self.before_exchange = None
         failed: str | None = None
         try:
             if target > self.local.num_rows:
@@ -418,11 +426,6 @@ class ShardedStore:
         if self.local.readonly:
             raise ReadOnlyError(
                 f"grow(num_rows={n}): rank {self.rank}'s shard is open read-only; open the table writable to grow it")
-        if self.device_rows is not None and n > self.num_rows:
-            raise StoreError(
-                f"grow(num_rows={n}) of a row-sharded table whose owners keep its rows on their GPUs "
-                f"(trainable_rows on CUDA) is not supported yet; the table keeps its {self.num_rows} rows. Grow it "
-                f"before its rows go to the GPUs (before fit, or in setup), or train with device_bytes=0")
         target = max(RowSharding(n, self.world_size).shard_rows(self.rank), 1)
         if target > self.local.num_rows:
             check_rows(self.local, target)  # e.g. init="normal" of a store made by version 0.1

@@ -269,6 +269,9 @@ class EmbeddingStoreHandle:
                 store.grow(num_rows)
             finally:
                 self.num_rows = store.num_rows
+                if getattr(store, "sharded", False) and getattr(self._trainable, "tier", None) is not None \
+                        and store.device_rows is None:
+                    self._trainable = None  # the owners' GPU rows were released: made again at the new size
 
     @property
     def io_wait_seconds(self) -> float:

@@ -136,11 +136,13 @@ def refusals_change_nothing(rank: int, world: int, root: str) -> None:
             call()
         assert store.num_rows == n0 and store.local.num_rows == rows
         assert torch.equal(store.get(torch.arange(n0)), ref)  # every rank still takes part
-    # rows on the owners' GPUs (`ShardedDeviceRows`, not made here: no GPU): refused by name for now
-    store.device_rows = SimpleNamespace(close=lambda: None, write_down=lambda: None)
-    with pytest.raises(StoreError, match=r"grow\(num_rows=60\) of a row-sharded table whose owners keep its rows "
-                                         r"on their GPUs .* not supported yet; the table keeps its 50 rows"):
-        store.grow(60)
+    # rows on the owners' GPUs (`ShardedDeviceRows`, not made here: no GPU): a refused growth
+    # leaves them open; they are released only by a growth that goes ahead (GPU test)
+    closed = []
+    store.device_rows = SimpleNamespace(close=lambda: closed.append(1), write_down=lambda: None)
+    with pytest.raises(InvalidArgumentError, match="num_rows must be in"):
+        store.grow(10)
+    assert not closed and store.device_rows is not None
     store.device_rows = None
     assert store.num_rows == n0 and store.local.num_rows == rows
     assert store.flush() == version  # nothing to make durable: nothing changed
@@ -250,29 +252,35 @@ def write_grown_shards(root: Path, old_world: int, n0: int, n1: int) -> tuple[di
     return record, want
 
 
-def grow_with_gpu_rows_is_refused(rank: int, world: int, root: str) -> None:
-    """Rows trained on the owners' GPUs (`ShardedDeviceRows`, NCCL): grow is refused by name on
-    every rank, the table keeps its size and rows, and training goes on."""
+def grow_with_gpu_rows(rank: int, world: int, root: str) -> None:
+    """Rows trained on the owners' GPUs (`ShardedDeviceRows`, NCCL): grow writes them down and
+    releases the GPU rows; the grown table holds the trained rows and, at the new ids, the rows of
+    a table created at the new size; new trainable rows train on, new ids included."""
     from lightning_embcache import make_row_optimizer, trainable_fields
 
-    n = 300
+    n, n1 = 300, 400
     opt = make_row_optimizer("adam", lr=0.1)
     store = ShardedStore.open_or_create(Path(root) / "rows", n, DIM, init="normal", seed=1, chunk_rows=16,
                                         fields=trainable_fields(opt, DIM, torch.float32))
-    rows = store.trainable_rows(opt, device=torch.device("cuda", torch.cuda.current_device()), device_bytes=1 << 20)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    rows = store.trainable_rows(opt, device=cuda, device_bytes=1 << 20)
     ids = torch.arange(rank, n, 3)
-    for step in (1, 2):
-        rows.lookup(ids).sum().backward()
-        rows.collect()
-        rows.apply(step)
-        if step == 1:
-            before = store.get(torch.arange(n))
-            with pytest.raises(StoreError, match=r"grow\(num_rows=400\) of a row-sharded table whose owners keep its "
-                                                 r"rows on their GPUs .* not supported yet"):
-                store.grow(400)
-            assert store.num_rows == n and store.local.num_rows == len(range(rank, n, world))
-            assert torch.equal(store.get(torch.arange(n)), before)
-    assert not torch.equal(store.get(torch.arange(n)), before)  # the second step trained
+    rows.lookup(ids).sum().backward()
+    rows.collect()
+    rows.apply(1)
+    trained = store.get(torch.arange(n))
+    store.grow(n1)
+    assert store.num_rows == n1 and store.device_rows is None
+    fresh = EmbeddingStore.create(None, n1, DIM, init="normal", seed=1, chunk_rows=16).get(torch.arange(n1))
+    got = store.get(torch.arange(n1))
+    assert torch.equal(got[:n], trained) and torch.equal(got[n:], fresh[n:])
+    rows = store.trainable_rows(opt, device=cuda, device_bytes=1 << 20)
+    new = torch.arange(n + rank, n1, 3)
+    rows.lookup(new).sum().backward()
+    rows.collect()
+    rows.apply(2)
+    after = store.get(torch.arange(n1))
+    assert not torch.equal(after[n:], fresh[n:])  # the new rows trained on the owners' GPUs
     store.close()
 
 

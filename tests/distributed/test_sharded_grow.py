@@ -45,12 +45,11 @@ def test_a_grown_three_rank_checkpoint_streams_to_two_ranks_at_its_size(ranks, t
 
 
 @pytest.mark.gpu
-def test_grow_with_rows_on_the_owners_gpus_is_refused_and_changes_nothing(tmp_path):
-    """Two ranks on two GPUs; on a machine of one GPU, one rank (the same refusal, no exchange)."""
+def test_grow_with_rows_on_the_owners_gpus_keeps_the_trained_rows_and_trains_the_new_ones(tmp_path):
+    """Two ranks on two GPUs; on a machine of one GPU, one rank."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    run_ranks(_grow_fns.grow_with_gpu_rows_is_refused, min(2, torch.cuda.device_count()), str(tmp_path),
-              backend="nccl")
+    run_ranks(_grow_fns.grow_with_gpu_rows, min(2, torch.cuda.device_count()), str(tmp_path), backend="nccl")
 
 
 _ids = st.lists(st.integers(0, 10**6), max_size=8)
