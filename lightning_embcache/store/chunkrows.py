@@ -34,6 +34,7 @@ from .blockcrc import BLOCK, first_bad_block
 from .disk import SPARSE_KIND
 from .errors import CorruptStoreError
 from .fileio import HEADER_SIZE, crc32
+from .mapped import MAX_MAPPED, PAGE, MappedFiles
 from .memory import zeros
 
 WHOLE_AFTER = 4  # block-wise first reads of a chunk before a cached chunk is verified whole
@@ -41,6 +42,9 @@ DENSE_SHARE = 8  # a call wanting first reads of >= 1/8 of a chunk's blocks (and
 DENSE_ROWS = 64  # ... or of >= 1/64 of its rows (rows of a few KiB: 32 of a 1,024-row chunk are 1/16 of its blocks)
 _FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux: a read that fails instead of waiting for the disk
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux: this thread's page faults
+#: gathers of rows through maps of the chunk files (mapped.py) where they can; tests turn it off
+MAPPED_READS = True
 
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -119,6 +123,15 @@ class ChunkRows:
         self._advised_max = min(512, max(64, nc // 2))
         self._adviser: ThreadPoolExecutor | None = None  # asks for whole chunks (`_advise_whole_later`)
         self._asked_gen = zeros(nc, np.int32)  # generation asked for whole lately (in ``_advised``), else 0
+        # Maps of the files (mapped.py), made at the first gather: per chunk the generation whose
+        # map may serve rows (0: none; a map being replaced or forgotten stops serving at once and
+        # is unmapped once no read is in progress), the chunks in the order mapped, those to unmap
+        self._maps: MappedFiles | None = None
+        self._map_gen = zeros(nc, np.int64)
+        self._map_order: dict[int, None] = {}  # (ordered: oldest first)
+        self._unmaps: list[int] = []
+        # [rows gathered through maps, block checks made through maps] (what tests count)
+        self.map_counts = [0, 0]
 
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
@@ -177,6 +190,8 @@ class ChunkRows:
                 self._replaced.append(old)
             else:
                 self._order.append(chunk)
+            if self._map_gen[chunk] and self._map_gen[chunk] != gen:
+                self._drop_map(chunk)
             if fd >= 0:
                 self._crcs[chunk] = array.array("I", crcs.astype(np.uint32).tobytes())
             else:
@@ -212,7 +227,14 @@ class ChunkRows:
     def _leave(self) -> None:
         with self._lock:
             self._active -= 1
-            if self._active or not (self._retired or self._replaced):
+            if self._active:
+                return
+            if self._unmaps:  # no gather is in progress: the maps that stopped serving can go
+                for c in self._unmaps:
+                    if not self._map_gen[c]:
+                        self._maps.unmap(c)
+                self._unmaps = []
+            if not (self._retired or self._replaced):
                 return
             retired, self._retired = self._retired, []
             replaced, self._replaced = self._replaced, []
@@ -238,6 +260,10 @@ class ChunkRows:
             fds = [int(x) for x in self._fd[self._fd >= 0]] + self._retired + self._replaced
             self._fd[:] = -1
             self._order, self._retired, self._replaced, self._crcs = [], [], [], {}
+            if self._maps is not None:
+                self._map_gen[:] = 0
+                self._map_order, self._unmaps = {}, []
+                self._maps.close()
         for t in self._closers:
             t.join()
         for fd in fds:
@@ -253,13 +279,18 @@ class ChunkRows:
             pass
 
     # ---- reads -------------------------------------------------------------------------------
-    def read(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> np.ndarray:
+    def read(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray, *, mapped: bool = True) -> np.ndarray:
         """Records of rows ``local`` of chunks ``chunks`` (sorted by chunk, then row) at
-        generations ``gens``, every 4 KiB block checksum-verified once per handle."""
+        generations ``gens``, every 4 KiB block checksum-verified once per handle.
+
+        ``mapped``: gather rows of raw and sparse chunk files through maps of them (mapped.py:
+        a copy per row from the page cache; a row not cached waits for its page fault). False
+        reads them with io_uring, many in flight at once: for a background read of rows likely
+        on disk (the prefetch thread)."""
         epoch = self.disk.pool.begin_read()  # no file this read may reach is reused meanwhile
         self._enter()
         try:
-            return self._read(chunks, local, gens)
+            return self._read(chunks, local, gens, mapped and MAPPED_READS)
         finally:
             self._leave()
             self.disk.pool.end_read(epoch)
@@ -279,16 +310,54 @@ class ChunkRows:
                 self._fd[c], self._gen[c] = -1, 0
                 self._crcs.pop(c, None)
                 self._advised.pop((c, g), None)
-            if self._active or not self._retired:
+                self._forget_blocks(c)
+            if self._active or not (self._retired or self._unmaps):
                 return
             retired, self._retired = self._retired, []
+        self._enter()
+        self._leave()  # (unmaps what stopped serving: no read is in progress)
         _close_all(retired)
+
+    def invalidate(self, chunk: int) -> None:
+        """Forget what this handle verified of ``chunk``'s file, whatever its generation, and stop
+        serving rows through its map: the file's bytes are about to change in place (a fold into
+        the same generation). Its next read reads the file's header and checksums again and
+        verifies every block it reads anew. Safe at any time: a read in progress keeps the map
+        it is gathering from until it ends."""
+        with self._lock:
+            g = int(self._gen[chunk])
+            if self._fd[chunk] >= 0:
+                self._retired.append(int(self._fd[chunk]))
+            if self._fd[chunk] != -1 and chunk in self._order:
+                self._order.remove(chunk)
+            self._fd[chunk], self._gen[chunk] = -1, 0
+            self._crcs.pop(chunk, None)
+            self._advised.pop((chunk, g), None)
+            self._forget_blocks(chunk)
+        self._enter()
+        self._leave()
+
+    def _forget_blocks(self, chunk: int) -> None:
+        """(Caller holds the lock.) No block of ``chunk`` counts as verified, its map serves no row."""
+        self._ok_gen[chunk] = 0
+        self._ok[chunk * self.bpc : (chunk + 1) * self.bpc] = 0
+        self._first_reads[chunk] = 0
+        if self._map_gen[chunk]:
+            self._drop_map(chunk)
+
+    def _drop_map(self, chunk: int) -> None:
+        """(Caller holds the lock.) ``chunk``'s map stops serving now; it is unmapped once no read
+        is in progress (`_leave`)."""
+        self._map_gen[chunk] = 0
+        del self._map_order[chunk]
+        self._unmaps.append(chunk)
 
     def _ensure_open(self, chunks: np.ndarray, gens: np.ndarray) -> None:
         # Never replace a newer generation by an older one: a prefetch planned before a compaction
         # still asks for the old file while the training thread reads the new one. Rows whose
         # generation is not the one held open are read through a descriptor of their own (`_read`).
-        stale = (self._fd[chunks] == -1) | (self._gen[chunks] < gens)
+        # (a chunk served through its map needs no descriptor)
+        stale = ((self._fd[chunks] == -1) & (self._map_gen[chunks] != gens)) | (self._gen[chunks] < gens)
         if stale.any():
             for c, g in set(zip(chunks[stale].tolist(), gens[stale].tolist())):
                 self._open(c, g)
@@ -310,18 +379,23 @@ class ChunkRows:
         local[at] = np.maximum(slot, 0)
         return local, absent
 
-    def _read(self, chunks, local, gens) -> np.ndarray:
+    def _read(self, chunks, local, gens, mapped: bool = False) -> np.ndarray:
         n, rb = len(chunks), self.rb
         out = np.empty((n, rb), np.uint8)
         if not n:
             return out
         self._ensure_open(chunks, gens)
         asked = local
-        with self._lock:  # one consistent view of the descriptors and verified blocks
+        with self._lock:  # one consistent view of the descriptors, maps and verified blocks
             fds = self._fd[chunks]
+            if mapped:
+                self._map_files(chunks, gens)
+                via_map = self._map_gen[chunks] == gens
+            else:
+                via_map = np.zeros(n, np.bool_)
             # Another thread may have opened another generation of a chunk, or closed it, since
             # `_ensure_open`: those rows are read from the generation asked for, on their own.
-            other = (self._gen[chunks] != gens) | (fds == -1)
+            other = (self._gen[chunks] != gens) | ((fds == -1) & ~via_map)
             local, absent = self._to_file_rows(chunks, local, other)
             base = self._off[chunks]
             nbytes = self._len[chunks]
@@ -340,7 +414,11 @@ class ChunkRows:
             sel = np.flatnonzero(absent)
             out[sel] = self.disk.init_rows(chunks[sel] * self.cr + asked[sel])
             todo &= ~absent
-        lz4 = fds == -2
+        via_map &= todo
+        if via_map.any():
+            self._gather_mapped(out, np.flatnonzero(via_map), chunks, local, gens, base, ok, crcs, nbytes)
+            todo &= ~via_map
+        lz4 = (fds == -2) & todo
         if lz4.any():  # LZ4 chunks: whole, decompressed
             for i in np.flatnonzero(lz4).tolist():
                 c = int(chunks[i])
@@ -370,6 +448,102 @@ class ChunkRows:
                 raise CorruptStoreError(self.disk.root / "chunks", "a chunk file is shorter than its rows")
             self.disk.bytes_read += len(sel) * rb
         return out
+
+    def _map_files(self, chunks: np.ndarray, gens: np.ndarray) -> None:
+        """Map the raw and sparse files of ``chunks`` held open at ``gens`` that have no map yet
+        (caller holds the lock). Once per file: a batch of files already mapped costs a few
+        array operations. Over `mapped.MAX_MAPPED` maps the oldest quarter stops serving."""
+        new = (self._map_gen[chunks] != gens) & (self._gen[chunks] == gens) & (self._fd[chunks] >= 0)
+        if not new.any():
+            return
+        maps = self._maps
+        if maps is None:
+            stride = -(-(HEADER_SIZE + 64 + self.cr // 8 + 8 + 4 * self.bpc + self.cr * self.rb) // PAGE) * PAGE
+            maps = self._maps = MappedFiles(len(self._fd), stride, self.rb)
+        if not maps.usable:
+            return
+        for c in idsets.unique(chunks[new]).tolist():
+            if maps.mapped[c]:  # an older generation's map, not unmapped yet (a read was in progress)
+                continue
+            if len(self._map_order) >= MAX_MAPPED:
+                for old in list(self._map_order)[: MAX_MAPPED // 4]:
+                    self._drop_map(old)
+            g = int(self._gen[c])
+            if maps.map(c, int(self._fd[c]), int(self._off[c] + self._len[c]), g):
+                self._map_gen[c] = g
+                self._map_order[c] = None
+
+    def _gather_mapped(self, out, rows, chunks, local, gens, base, ok, crcs, nbytes) -> None:
+        """Rows ``rows`` through the maps of their files: blocks not verified yet are checked in
+        the map first (block by block, or the whole chunk once it keeps needing first reads or
+        the call wants much of it), then every row is copied in one gather. The page faults it
+        took for rows not cached count as reads the page cache did not hold (``cache_counts``)."""
+        maps = self._maps
+        rb = self.rb
+        faults = resource.getrusage(_RUSAGE_THREAD).ru_majflt if _RUSAGE_THREAD is not None else 0
+        addr = chunks[rows] * maps.stride + base[rows] + local[rows] * rb
+        first = rows[~ok[rows]]
+        if len(first):
+            self._verify_mapped(first, chunks, local, gens, base, crcs, nbytes)
+        # (fancy indexing, not `take`: take first copies a non-contiguous array whole)
+        got = maps.rows[addr].view(np.uint8).reshape(-1, rb)
+        if len(rows) == len(out):
+            out[:] = got
+        else:
+            out[rows] = got
+        self.map_counts[0] += len(rows)
+        self.disk.bytes_read += len(rows) * rb
+        if _RUSAGE_THREAD is not None:
+            faults = resource.getrusage(_RUSAGE_THREAD).ru_majflt - faults
+            self.cache_counts[0] += len(rows)
+            self.cache_counts[1] += min(len(rows), faults)
+
+    def _verify_mapped(self, rows, chunks, local, gens, base, crcs, nbytes) -> None:
+        """Check in the maps the blocks of ``rows`` (sorted by chunk) not verified yet, and
+        remember them verified; raises `CorruptStoreError` naming the first bad block. Python
+        runs per chunk and per block here, but each chunk's blocks are checked at most
+        `WHOLE_AFTER` calls block by block before the whole chunk is checked in one pass."""
+        maps = self._maps
+        rb = self.rb
+        c = chunks[rows]
+        off = local[rows] * rb
+        b0, b1 = off // BLOCK, (off + rb - 1) // BLOCK
+        bounds = idsets.runs(c)
+        done = []
+        for a, z in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            ch, gen = int(c[a]), int(gens[rows[a]])
+            n = int(nbytes[rows[a]])
+            start = ch * maps.stride + int(base[rows[a]])
+            cl = crcs[ch]
+            in_file = -(-n // BLOCK)
+            blocks = idsets.unique(np.concatenate([b0[a:z], b1[a:z]]))
+            whole = (self._first_reads[ch] >= WHOLE_AFTER or (z - a) * DENSE_ROWS >= n // rb
+                     or (len(blocks) * DENSE_SHARE >= in_file and len(blocks) >= 2))
+            self._first_reads[ch] += 1
+            if whole:
+                bad = first_bad_block(maps.bytes[start : start + n], cl)
+                self.map_counts[1] += in_file
+                blocks = None
+            else:
+                bad = -1
+                for b in blocks.tolist():
+                    lo = start + b * BLOCK
+                    self.map_counts[1] += 1
+                    if crc32(maps.bytes[lo : min(lo + BLOCK, start + n)]) != cl[b]:
+                        bad = b
+                        break
+            if bad >= 0:
+                raise CorruptStoreError(self.disk.chunk_path(ch, gen), f"block {bad} of chunk {ch} fails its checksum")
+            done.append((ch, gen, blocks, len(cl)))
+        with self._lock:
+            for ch, gen, blocks, nb in done:
+                if self._ok_gen[ch] != gen:  # flags of another generation of this chunk: start over
+                    self._ok[ch * self.bpc : (ch + 1) * self.bpc] = 0
+                    self._ok_gen[ch] = gen
+                if blocks is None:
+                    self._ok[ch * self.bpc : ch * self.bpc + nb] = 1
+                else:
+                    self._ok[ch * self.bpc + blocks] = 1
 
     def _read_other(
         self, out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray

@@ -1020,12 +1020,13 @@ class TieredRows:
             seg[dead] = -1
         return seg, pos
 
-    def _read_below(self, plan: tuple) -> tuple[np.ndarray, list]:
+    def _read_below(self, plan: tuple, mapped: bool = True) -> tuple[np.ndarray, list]:
         """Run a `_plan_below` plan: (records of its ids, [(chunk, records)] read whole).
 
         Touches no mutable store state (the prefetch thread runs it without the lock): rows of
-        base chunks are gathered from maps of their files, delta records with one gather per
-        segment touched, never-written rows computed per row.
+        base chunks are gathered from maps of their files (``mapped``; else read with io_uring,
+        many in flight: the prefetch thread's rows are likely on disk), delta records with one
+        gather per segment touched, never-written rows computed per row.
         """
         ids, chunks, seg, pos, gens, segs, whole = plan
         cr, rb = self._chunk_rows, self._row_bytes
@@ -1048,7 +1049,7 @@ class TieredRows:
         if base.any():
             sel = np.flatnonzero(base)
             c = chunks[sel]
-            out[sel] = self._chunkrows.read(c, ids[sel] - c * cr, gens[sel])
+            out[sel] = self._chunkrows.read(c, ids[sel] - c * cr, gens[sel], mapped=mapped)
         fresh = below & (gens == 0)
         if fresh.any():
             sel = np.flatnonzero(fresh)
@@ -1369,7 +1370,7 @@ class TieredRows:
                 if not uring.available():  # io_uring has every read of the batch in flight at once
                     self._will_need(plan)
                 t0 = time.perf_counter()
-                records, whole = self._read_below(plan)
+                records, whole = self._read_below(plan, mapped=False)
                 self._note_read(time.perf_counter() - t0, len(miss))
         finally:
             if pool is not None:
