@@ -229,7 +229,7 @@ class ChunkRows:
             self._active -= 1
             if self._active:
                 return
-            if self._unmaps:  # no gather is in progress: the maps that stopped serving can go
+            if self._unmaps and self._maps is not None:  # no gather is in progress: stopped maps go
                 for c in self._unmaps:
                     if not self._map_gen[c]:
                         self._maps.unmap(c)
@@ -479,6 +479,7 @@ class ChunkRows:
         the call wants much of it), then every row is copied in one gather. The page faults it
         took for rows not cached count as reads the page cache did not hold (``cache_counts``)."""
         maps = self._maps
+        assert maps is not None
         rb = self.rb
         faults = resource.getrusage(_RUSAGE_THREAD).ru_majflt if _RUSAGE_THREAD is not None else 0
         addr = chunks[rows] * maps.stride + base[rows] + local[rows] * rb
@@ -504,12 +505,13 @@ class ChunkRows:
         runs per chunk and per block here, but each chunk's blocks are checked at most
         `WHOLE_AFTER` calls block by block before the whole chunk is checked in one pass."""
         maps = self._maps
+        assert maps is not None
         rb = self.rb
         c = chunks[rows]
         off = local[rows] * rb
         b0, b1 = off // BLOCK, (off + rb - 1) // BLOCK
         bounds = idsets.runs(c)
-        done = []
+        done: list[tuple[int, int, np.ndarray | None, int]] = []
         for a, z in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             ch, gen = int(c[a]), int(gens[rows[a]])
             n = int(nbytes[rows[a]])
@@ -523,27 +525,27 @@ class ChunkRows:
             if whole:
                 bad = first_bad_block(maps.bytes[start : start + n], cl)
                 self.map_counts[1] += in_file
-                blocks = None
+                done.append((ch, gen, None, len(cl)))
             else:
                 bad = -1
+                done.append((ch, gen, blocks, len(cl)))
                 for b in blocks.tolist():
                     lo = start + b * BLOCK
                     self.map_counts[1] += 1
-                    if crc32(maps.bytes[lo : min(lo + BLOCK, start + n)]) != cl[b]:
+                    if crc32(maps.bytes[lo : min(lo + BLOCK, start + n)].data) != cl[b]:
                         bad = b
                         break
             if bad >= 0:
                 raise CorruptStoreError(self.disk.chunk_path(ch, gen), f"block {bad} of chunk {ch} fails its checksum")
-            done.append((ch, gen, blocks, len(cl)))
         with self._lock:
-            for ch, gen, blocks, nb in done:
+            for ch, gen, checked, nb in done:
                 if self._ok_gen[ch] != gen:  # flags of another generation of this chunk: start over
                     self._ok[ch * self.bpc : (ch + 1) * self.bpc] = 0
                     self._ok_gen[ch] = gen
-                if blocks is None:
+                if checked is None:  # the whole chunk
                     self._ok[ch * self.bpc : ch * self.bpc + nb] = 1
                 else:
-                    self._ok[ch * self.bpc + blocks] = 1
+                    self._ok[ch * self.bpc + checked] = 1
 
     def _read_other(
         self, out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray

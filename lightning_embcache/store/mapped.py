@@ -71,7 +71,7 @@ class MappedFiles:
         if base is None or base == _FAILED:
             return
         self._base = base
-        raw = (ctypes.c_char * self.size).from_address(base)
+        raw = memoryview((ctypes.c_char * self.size).from_address(base)).cast("B")
         self.bytes = np.frombuffer(raw, np.uint8)  # (no memory is touched until a mapped byte is read)
         self.rows = np.ndarray((self.size - row_bytes + 1,), np.dtype((np.void, row_bytes)), raw, 0, (1,))
         self.bytes.flags.writeable = False
