@@ -39,6 +39,9 @@ PREFETCH_WAIT_S = 1.0
 # One write-back or flush patches the warm copies of at most this many bytes of chunks (the rest
 # of the warm chunks it touches are dropped): in random order a write-back touches every chunk held.
 PATCH_BYTES = 32 << 20
+#: a get that misses rows when the hot tier is full evicts others to install them (True), or
+#: serves the rows it cannot install in free slots without a slot (False: see `_resolve_rows`)
+GETS_EVICT = False
 # Calls larger than this are resolved (and, in disk mode, served) in slices of this many rows, so
 # one call's temporaries stay bounded whatever its batch (docs/store.md, "Memory").
 SLICE_ROWS = 8192
@@ -368,6 +371,24 @@ class TieredRows:
                 return Direct(slots, mids, records)
             served = (mids[warm], records[warm])
             mids, records = mids[~warm], records[~warm]
+        if not for_write and ahead is None and not GETS_EVICT and hot.free_count < len(mids):
+            # A get installs what fits in free slots and serves the rest without a slot: it evicts
+            # nothing. Reading such a row again costs a gather from the page cache (or a warm
+            # copy), about what its install costs, while evicting for it cost a CLOCK scan, the
+            # install, and perhaps a write-back of a dirty row a training run still wants. So an
+            # evaluation pass (get only) leaves a training run's hot tier as it found it; an
+            # update of rows takes their slots as ever.
+            got = hot.take_free(hot.free_count)
+            if len(got):
+                hot.install(mids[: len(got)], got, records[: len(got)])
+                mids, records = mids[len(got) :], records[len(got) :]
+            if served is not None:
+                both = idsets.union(mids, served[0])
+                recs = np.empty((len(both), self._row_bytes), np.uint8)
+                recs[np.searchsorted(both, mids)] = records
+                recs[np.searchsorted(both, served[0])] = served[1]
+                mids, records = both, recs
+            return Direct(hot.slot_of[idx].astype(np.int64) - 1 if len(got) else slots, mids, records)
         got = self._allocate(len(mids), protect=slots[~missing])
         if len(got) < len(mids):
             # No room even after eviction (everything in flight or in use by this call).
