@@ -103,6 +103,7 @@ class ChunkRows:
         self._order: list[int] = []  # chunks in the order they were opened (closing oldest first)
         self._ok = zeros(nc * self.bpc, np.uint8)  # block verified (for _ok_gen)
         self._ok_gen = zeros(nc, np.int32)  # generation the chunk's flags are for
+        self._crc_flat = zeros(nc * self.bpc, np.uint32)  # the block checksums of ``_crcs``, for gathers
         self._first_reads = zeros(nc, np.int64)  # block-wise first reads per chunk so far
         # chunk files of this generation or newer were written by this handle (its compactions):
         # the page cache holds exactly what was checksummed, so they are not verified again
@@ -194,6 +195,7 @@ class ChunkRows:
                 self._drop_map(chunk)
             if fd >= 0:
                 self._crcs[chunk] = array.array("I", crcs.astype(np.uint32).tobytes())
+                self._crc_flat[chunk * self.bpc : chunk * self.bpc + len(crcs)] = crcs
             else:
                 self._crcs.pop(chunk, None)
             self._fd[chunk], self._gen[chunk], self._off[chunk], self._len[chunk] = fd, gen, off, nbytes
@@ -501,51 +503,59 @@ class ChunkRows:
 
     def _verify_mapped(self, rows, chunks, local, gens, base, crcs, nbytes) -> None:
         """Check in the maps the blocks of ``rows`` (sorted by chunk) not verified yet, and
-        remember them verified; raises `CorruptStoreError` naming the first bad block. Python
-        runs per chunk and per block here, but each chunk's blocks are checked at most
-        `WHOLE_AFTER` calls block by block before the whole chunk is checked in one pass."""
+        remember them verified; raises `CorruptStoreError` naming the first bad block. Whole
+        chunks (one that keeps needing first reads: `WHOLE_AFTER` calls; or of which the call
+        wants much) are checked in one pass each; the other blocks with one CRC-32 each, their
+        expected values taken with one gather: no per-row Python."""
         maps = self._maps
         assert maps is not None
-        rb = self.rb
-        c = chunks[rows]
+        rb, bpc = self.rb, self.bpc
+        c, g = chunks[rows], gens[rows]
         off = local[rows] * rb
-        b0, b1 = off // BLOCK, (off + rb - 1) // BLOCK
         bounds = idsets.runs(c)
-        done: list[tuple[int, int, np.ndarray | None, int]] = []
-        for a, z in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            ch, gen = int(c[a]), int(gens[rows[a]])
-            n = int(nbytes[rows[a]])
-            start = ch * maps.stride + int(base[rows[a]])
-            cl = crcs[ch]
-            in_file = -(-n // BLOCK)
-            blocks = idsets.unique(np.concatenate([b0[a:z], b1[a:z]]))
-            whole = (self._first_reads[ch] >= WHOLE_AFTER or (z - a) * DENSE_ROWS >= n // rb
-                     or (len(blocks) * DENSE_SHARE >= in_file and len(blocks) >= 2))
-            self._first_reads[ch] += 1
-            if whole:
-                bad = first_bad_block(maps.bytes[start : start + n], cl)
-                self.map_counts[1] += in_file
-                done.append((ch, gen, None, len(cl)))
-            else:
-                bad = -1
-                done.append((ch, gen, blocks, len(cl)))
-                for b in blocks.tolist():
-                    lo = start + b * BLOCK
-                    self.map_counts[1] += 1
-                    if crc32(maps.bytes[lo : min(lo + BLOCK, start + n)].data) != cl[b]:
-                        bad = b
-                        break
-            if bad >= 0:
-                raise CorruptStoreError(self.disk.chunk_path(ch, gen), f"block {bad} of chunk {ch} fails its checksum")
+        at = rows[bounds[:-1]]
+        uc, ug, counts = chunks[at], gens[at], np.diff(bounds)
+        keys = idsets.unique(np.concatenate([c * bpc + off // BLOCK, c * bpc + (off + rb - 1) // BLOCK]))
         with self._lock:
-            for ch, gen, checked, nb in done:
-                if self._ok_gen[ch] != gen:  # flags of another generation of this chunk: start over
-                    self._ok[ch * self.bpc : (ch + 1) * self.bpc] = 0
-                    self._ok_gen[ch] = gen
-                if checked is None:  # the whole chunk
-                    self._ok[ch * self.bpc : ch * self.bpc + nb] = 1
-                else:
-                    self._ok[ch * self.bpc + checked] = 1
+            stale = self._ok_gen[uc] != ug
+            for ch, gen in zip(uc[stale].tolist(), ug[stale].tolist()):  # flags of another generation
+                self._ok[ch * bpc : (ch + 1) * bpc] = 0
+                self._ok_gen[ch] = gen
+            keys = keys[self._ok[keys] == 0]
+        which = np.searchsorted(uc, keys // bpc)  # each block's chunk among ``uc``
+        file_bytes = nbytes[at]
+        in_file = -(-file_bytes // BLOCK)
+        blocks = np.bincount(which, minlength=len(uc))
+        whole = ((self._first_reads[uc] >= WHOLE_AFTER) | (counts * DENSE_ROWS >= file_bytes // rb)
+                 | ((blocks * DENSE_SHARE >= in_file) & (blocks >= 2)))
+        self._first_reads[uc] += 1
+        start = uc * maps.stride + base[at]  # each chunk's records in the maps
+        for i in np.flatnonzero(whole).tolist():
+            ch, a, n = int(uc[i]), int(start[i]), int(file_bytes[i])
+            bad = first_bad_block(maps.bytes[a : a + n], crcs[ch])
+            self.map_counts[1] += int(in_file[i])
+            if bad >= 0:
+                raise CorruptStoreError(self.disk.chunk_path(ch, int(ug[i])), f"block {bad} of chunk {ch} fails its checksum")
+        if whole.any():
+            part = ~whole[which]
+            keys, which = keys[part], which[part]
+        if len(keys):
+            lo = start[which] + keys % bpc * BLOCK
+            hi = np.minimum(lo + BLOCK, start[which] + file_bytes[which])
+            view = maps.view
+            got = np.fromiter((crc32(view[a:z]) for a, z in zip(lo.tolist(), hi.tolist())), np.uint32, len(keys))
+            self.map_counts[1] += len(keys)
+            for k in np.flatnonzero(got != self._crc_flat[keys]).tolist():
+                ch, b = divmod(int(keys[k]), bpc)
+                if int(got[k]) != crcs[ch][b]:  # (the flat copy may already hold a newer generation's)
+                    raise CorruptStoreError(self.disk.chunk_path(ch, int(ug[which[k]])),
+                                            f"block {b} of chunk {ch} fails its checksum")
+        with self._lock:
+            keep = self._ok_gen[uc] == ug  # (unless another thread moved a chunk to another generation)
+            for i in np.flatnonzero(whole & keep).tolist():
+                self._ok[int(uc[i]) * bpc : int(uc[i]) * bpc + int(in_file[i])] = 1
+            if len(keys):
+                self._ok[keys[keep[which]]] = 1
 
     def _read_other(
         self, out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray

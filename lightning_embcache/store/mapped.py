@@ -74,6 +74,7 @@ class MappedFiles:
         raw = memoryview((ctypes.c_char * self.size).from_address(base)).cast("B")
         self.bytes = np.frombuffer(raw, np.uint8)  # (no memory is touched until a mapped byte is read)
         self.rows = np.ndarray((self.size - row_bytes + 1,), np.dtype((np.void, row_bytes)), raw, 0, (1,))
+        self.view = raw  # (slices of a memoryview are the cheapest buffers to checksum)
         self.bytes.flags.writeable = False
         self.rows.flags.writeable = False
         self.usable = True
@@ -111,7 +112,7 @@ class MappedFiles:
         """Unmap everything (no read may be in progress)."""
         if self.usable:
             self.usable = False
-            del self.rows, self.bytes
+            del self.rows, self.bytes, self.view
             _lib().munmap(self._base, self.size)
             self.mapped[:] = 0
             self.count = 0
