@@ -129,6 +129,9 @@ class ChunkRows:
         # is unmapped once no read is in progress), the chunks in the order mapped, those to unmap
         self._maps: MappedFiles | None = None
         self._map_gen = zeros(nc, np.int64)
+        # per chunk: the generation of a raw file mapped here whose every block is verified (0:
+        # none): its rows need no check at all, only the gather (`gather_verified`)
+        self._fast_gen = zeros(nc, np.int64)
         self._map_order: dict[int, None] = {}  # (ordered: oldest first)
         self._unmaps: list[int] = []
         # [rows gathered through maps, block checks made through maps] (what tests count)
@@ -297,6 +300,28 @@ class ChunkRows:
             self._leave()
             self.disk.pool.end_read(epoch)
 
+    def gather_verified(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> np.ndarray | None:
+        """Records of rows ``local`` of ``chunks`` (any order) at ``gens`` in one gather from the
+        maps, if every one lies in a raw file mapped here whose blocks are all verified (the
+        steady state of reads over a page-cached table); else None and nothing is read."""
+        maps = self._maps
+        if maps is None or not maps.usable:
+            return None
+        epoch = self.disk.pool.begin_read()  # no file this read may reach is reused meanwhile
+        self._enter()  # no map goes away meanwhile
+        try:
+            if not np.array_equal(self._fast_gen[chunks], gens):
+                return None
+            addr = chunks * maps.stride + self._off[chunks] + local * self.rb
+            got = maps.rows[addr].view(np.uint8).reshape(-1, self.rb)
+        finally:
+            self._leave()
+            self.disk.pool.end_read(epoch)
+        self.map_counts[0] += len(chunks)
+        self.cache_counts[0] += len(chunks)
+        self.disk.bytes_read += len(chunks) * self.rb
+        return got
+
     def forget(self, files: list[tuple[int, int]]) -> None:
         """Files (chunk, gen) that are about to be overwritten for reuse (recycle.py): close their
         descriptors and forget their checksums, so a read planned before they were replaced (a
@@ -342,6 +367,7 @@ class ChunkRows:
     def _forget_blocks(self, chunk: int) -> None:
         """(Caller holds the lock.) No block of ``chunk`` counts as verified, its map serves no row."""
         self._ok_gen[chunk] = 0
+        self._fast_gen[chunk] = 0
         self._ok[chunk * self.bpc : (chunk + 1) * self.bpc] = 0
         self._first_reads[chunk] = 0
         if self._map_gen[chunk]:
@@ -351,6 +377,7 @@ class ChunkRows:
         """(Caller holds the lock.) ``chunk``'s map stops serving now; it is unmapped once no read
         is in progress (`_leave`)."""
         self._map_gen[chunk] = 0
+        self._fast_gen[chunk] = 0
         del self._map_order[chunk]
         self._unmaps.append(chunk)
 
@@ -451,6 +478,11 @@ class ChunkRows:
             self.disk.bytes_read += len(sel) * rb
         return out
 
+    def mapped_resident_bytes(self) -> int:
+        """Bytes of the chunk files' maps now in this process's RSS (`MappedFiles.resident_bytes`)."""
+        maps = self._maps
+        return maps.resident_bytes() if maps is not None else 0
+
     def _map_files(self, chunks: np.ndarray, gens: np.ndarray) -> None:
         """Map the raw and sparse files of ``chunks`` held open at ``gens`` that have no map yet
         (caller holds the lock). Once per file: a batch of files already mapped costs a few
@@ -474,6 +506,8 @@ class ChunkRows:
             if maps.map(c, int(self._fd[c]), int(self._off[c] + self._len[c]), g):
                 self._map_gen[c] = g
                 self._map_order[c] = None
+                if g >= self.trusted_from_gen and not self._sparse[c]:
+                    self._fast_gen[c] = g
 
     def _gather_mapped(self, out, rows, chunks, local, gens, base, ok, crcs, nbytes) -> None:
         """Rows ``rows`` through the maps of their files: blocks not verified yet are checked in
@@ -510,7 +544,7 @@ class ChunkRows:
         maps = self._maps
         assert maps is not None
         rb, bpc = self.rb, self.bpc
-        c, g = chunks[rows], gens[rows]
+        c = chunks[rows]
         off = local[rows] * rb
         bounds = idsets.runs(c)
         at = rows[bounds[:-1]]
@@ -535,7 +569,8 @@ class ChunkRows:
             bad = first_bad_block(maps.bytes[a : a + n], crcs[ch])
             self.map_counts[1] += int(in_file[i])
             if bad >= 0:
-                raise CorruptStoreError(self.disk.chunk_path(ch, int(ug[i])), f"block {bad} of chunk {ch} fails its checksum")
+                raise CorruptStoreError(self.disk.chunk_path(ch, int(ug[i])),
+                                        f"block {bad} of chunk {ch} fails its checksum")
         if whole.any():
             part = ~whole[which]
             keys, which = keys[part], which[part]
@@ -553,7 +588,10 @@ class ChunkRows:
         with self._lock:
             keep = self._ok_gen[uc] == ug  # (unless another thread moved a chunk to another generation)
             for i in np.flatnonzero(whole & keep).tolist():
-                self._ok[int(uc[i]) * bpc : int(uc[i]) * bpc + int(in_file[i])] = 1
+                ch = int(uc[i])
+                self._ok[ch * bpc : ch * bpc + int(in_file[i])] = 1
+                if self._map_gen[ch] == ug[i] and not self._sparse[ch]:
+                    self._fast_gen[ch] = ug[i]
             if len(keys):
                 self._ok[keys[keep[which]]] = 1
 

@@ -69,9 +69,16 @@ class FromSlab:
     rows: np.ndarray
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """A read served whole: ``records`` of the ids of the call, in order (`TieredRows._mapped_get`)."""
+
+    records: np.ndarray
+
+
 #: what `TieredRows._resolve` gives: hot slots per id; None for a write that went around the hot
 #: tier; or a read served another way
-Resolved = np.ndarray | Direct | FromSlab | None
+Resolved = np.ndarray | Direct | FromSlab | Gathered | None
 
 
 def np_dtype(dtype: torch.dtype) -> np.dtype:
@@ -205,7 +212,9 @@ class TieredRows:
         """Whole records of ``idx`` into ``out`` (n, row_bytes), filling misses; caller holds the
         lock. One gather of whole records, whatever the tier: no field-by-field path."""
         got = self._resolve(idx, load=True)
-        if isinstance(got, FromSlab):
+        if isinstance(got, Gathered):
+            out[:] = got.records
+        elif isinstance(got, FromSlab):
             out[:] = self._warm_records(idx, got.slots, got.missing, got.rows)
         elif isinstance(got, Direct):
             out[:] = self._direct_records(idx, got.slots, got.mids, got.records)
@@ -308,6 +317,10 @@ class TieredRows:
         self._stats.hot_hits += len(idx) - n_asked
         self._stats.hot_misses += n_asked
         n_miss = int(missing.sum())
+        if n_miss and load and not for_write and self._plain_below():
+            got = self._mapped_get(idx, slots, missing)
+            if got is not None:
+                return got
         rows = None
         if n_miss and load and not for_write and self._warm.slab is not None:
             # Every missing row in a chunk held raw in the warm tier (`ChunkShuffleSampler`
@@ -413,6 +426,46 @@ class TieredRows:
         if served is not None:
             return Direct(hot.slot_of[idx].astype(np.int64) - 1, *served)
         return slots
+
+    def _plain_below(self) -> bool:
+        """Whether a get missing rows may try `_mapped_get` (caller holds the lock): no warm tier,
+        no lookahead window, no prefetch in flight.
+
+        Rows it serves are not installed in the hot tier, free slots or not: reading one again
+        costs a gather from the page cache, about what a hot hit costs, while installing it
+        costs a slot's memory (the budget) and the copy in. Rows that take the general path
+        (first reads of a chunk, rows in delta segments, rows on disk) are installed as before."""
+        warm = self._warm
+        return (not GETS_EVICT and self._hot.want is None and self._fetching is None and not self._hinted
+                and warm.slab is None and not warm.budget and not len(warm) and self._chunkrows is not None
+                and (self._loader is None or not len(self._loader)))
+
+    def _mapped_get(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray) -> Gathered | None:
+        """The steady state of a get over a page-cached table: every missed row lives in its base
+        chunk file (no delta record), mapped and verified whole. One gather serves them, with no
+        plan, no sort and no slot; None (nothing done) if any row needs the general path."""
+        where = np.flatnonzero(missing)
+        ids = idx[where]
+        rows = self._rows
+        if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
+            return None
+        cr = self._chunk_rows
+        chunks = ids // cr
+        t0 = time.perf_counter()
+        recs = self._chunkrows.gather_verified(chunks, ids - chunks * cr, self._cmap[chunks])
+        if recs is None:
+            return None
+        took = time.perf_counter() - t0
+        self._stats.stall_seconds += took
+        self._note_read(took, len(ids))
+        self._stats.cold_reads += len(idsets.unique(chunks))
+        if len(where) == len(idx):
+            return Gathered(recs)
+        out = np.empty((len(idx), self._row_bytes), np.uint8)
+        out[where] = recs
+        hit = np.flatnonzero(~missing)
+        out[hit] = self._hot.pool_np.take(slots[hit], axis=0)
+        return Gathered(out)
 
     def _take_hints(self, mids: np.ndarray) -> np.ndarray | None:
         """Ids of `upcoming` hints no prefetch has taken yet, still expected and not resident
