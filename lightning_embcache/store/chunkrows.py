@@ -31,7 +31,7 @@ import numpy as np
 
 from . import idsets, uring
 from .blockcrc import BLOCK, first_bad_block
-from .disk import SPARSE_KIND
+from .disk import _CHUNK_HEAD, SPARSE_KIND
 from .errors import CorruptStoreError
 from .fileio import HEADER_SIZE, crc32
 from .mapped import MAX_MAPPED, PAGE, MappedFiles
@@ -86,6 +86,7 @@ class ChunkRows:
         self.rb = disk.row_bytes
         self.cr = disk.chunk_rows
         self.bpc = -(-disk.chunk_rows * self.rb // BLOCK)  # blocks per (full) chunk
+        self._chunks_dir = os.path.join(os.fspath(disk.root), "chunks")
         self.max_files = _max_files()
         nc = disk.num_chunks
         # per chunk: open descriptor (-1: none, -2: an LZ4 chunk), its generation, data offset
@@ -159,9 +160,12 @@ class ChunkRows:
                     return
             os.close(fd)  # another thread opened this chunk (or a newer generation) meanwhile
             return
-        path = disk.chunk_path(chunk, gen)
+        # (a plain string: a first read opens every file of the table, and Path objects cost
+        # more than the open)
+        name = _chunk_name(chunk, gen)
+        path = os.path.join(self._chunks_dir, name)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(name, _OPEN_FLAGS, dir_fd=disk._chunks_fd)
         except FileNotFoundError:
             raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
         off, crcs, present, nbytes = 0, None, None, 0
@@ -170,10 +174,14 @@ class ChunkRows:
                 # A miss wants its block, not readahead around it; advised before the header is
                 # read, or that first read pulls the file's first 128 KiB or more into the cache.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            head = os.pread(fd, HEADER_SIZE, 0)
+            # the header and a raw chunk's directory in one read
+            raw_dir = _CHUNK_HEAD.size + 4 * -(-disk.chunk_rows_of(chunk) * self.rb // BLOCK)
+            got = os.pread(fd, HEADER_SIZE + raw_dir, 0)
+            head = got[:HEADER_SIZE]
             kind = head[8:16].rstrip(b"\0")
             if kind == b"chunkraw":
-                rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head)
+                directory = got[HEADER_SIZE:] if len(got) == HEADER_SIZE + raw_dir else None
+                rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head, directory=directory)
             elif kind == SPARSE_KIND:
                 present, crcs, off = disk._sparse_chunk_directory(path, chunk, fd=fd, head=head)
                 rows = len(present)
@@ -310,7 +318,8 @@ class ChunkRows:
         epoch = self.disk.pool.begin_read()  # no file this read may reach is reused meanwhile
         self._enter()  # no map goes away meanwhile
         try:
-            if not np.array_equal(self._fast_gen[chunks], gens):
+            # (generation 0, a chunk never written, is no file: its rows are computed)
+            if not (gens.all() and np.array_equal(self._fast_gen[chunks], gens)):
                 return None
             addr = chunks * maps.stride + self._off[chunks] + local * self.rb
             got = maps.rows[addr].view(np.uint8).reshape(-1, self.rb)

@@ -158,3 +158,25 @@ def test_reads_through_maps_match_a_tensor_model(shm_path, ops):
         s.evict(1 << 30)
         every = torch.arange(N)
         assert torch.equal(s.get(every), table)
+
+
+def test_rows_of_never_written_chunks_are_computed_beside_mapped_ones(shm_path):
+    """A chunk never written has no file (generation 0): its rows are computed, never gathered
+    from a map, also when the other rows of the call lie in chunks read through maps (a map
+    slot read for it would be unmapped memory)."""
+    written = torch.arange(2 * CHUNK)
+    vals = torch.randn(len(written), DIM, generator=torch.Generator().manual_seed(3))
+    with EmbeddingStore.create(shm_path / "s", N, DIM, chunk_rows=CHUNK) as s:
+        s.update(written, vals)
+        s.flush()
+        s.compact()
+        s.flush()
+    model = torch.zeros(N, DIM)
+    model[written] = vals
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        for _ in range(2):
+            assert torch.equal(s.get(written), model[written])  # chunks 0 and 1 verified whole
+            s.evict(1 << 30)
+        mixed = torch.tensor([5, CHUNK + 9, 7 * CHUNK + 3, 12 * CHUNK])
+        assert torch.equal(s.get(mixed), model[mixed])
+        assert torch.equal(s.get(mixed[2:]), model[mixed[2:]])
