@@ -573,6 +573,12 @@ class ChunkRows:
                  | ((blocks * DENSE_SHARE >= in_file) & (blocks >= 2)))
         self._first_reads[uc] += 1
         start = uc * maps.stride + base[at]  # each chunk's records in the maps
+        total, uncached = self.cache_counts
+        if _FADV_WILLNEED is not None and uncached * 10 > total:
+            # Reads lately waited for the disk: ask for every block this call checks at once
+            # (the checks below then fault on pages already being read), not one fault's read at
+            # a time. Over the page cache this is skipped (a system call per block or chunk).
+            self._ask_blocks(uc, whole, keys, which, base[at])
         for i in np.flatnonzero(whole).tolist():
             ch, a, n = int(uc[i]), int(start[i]), int(file_bytes[i])
             bad = first_bad_block(maps.bytes[a : a + n], crcs[ch])
@@ -603,6 +609,25 @@ class ChunkRows:
                     self._fast_gen[ch] = ug[i]
             if len(keys):
                 self._ok[keys[keep[which]]] = 1
+
+    def _ask_blocks(self, uc, whole, keys, which, base) -> None:
+        """``posix_fadvise(WILLNEED)`` of the chunks ``uc[whole]`` whole and of blocks ``keys``
+        (of chunks ``uc[which]``) of the others; a hint: a file closed meanwhile is skipped."""
+        for i in np.flatnonzero(whole).tolist():
+            fd = int(self._fd[uc[i]])
+            if fd >= 0:
+                try:
+                    os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
+                except OSError:
+                    pass
+        rest = ~whole[which]
+        for k, i in zip(keys[rest].tolist(), which[rest].tolist()):
+            fd = int(self._fd[uc[i]])
+            if fd >= 0:
+                try:
+                    os.posix_fadvise(fd, int(base[i]) + k % self.bpc * BLOCK, BLOCK, _FADV_WILLNEED)
+                except OSError:
+                    pass
 
     def _read_other(
         self, out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray
