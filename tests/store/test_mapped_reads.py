@@ -180,3 +180,24 @@ def test_rows_of_never_written_chunks_are_computed_beside_mapped_ones(shm_path):
         mixed = torch.tensor([5, CHUNK + 9, 7 * CHUNK + 3, 12 * CHUNK])
         assert torch.equal(s.get(mixed), model[mixed])
         assert torch.equal(s.get(mixed[2:]), model[mixed[2:]])
+
+
+def test_while_reads_wait_for_the_disk_block_checks_ask_for_their_blocks_first(shm_path, monkeypatch):
+    """When reads lately missed the page cache, the blocks a call checks in the maps are asked
+    from the kernel first (one hint per block, or per chunk checked whole), so their reads run
+    together rather than one page fault at a time; over the page cache nothing is asked."""
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    asked = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, adv: asked.append((off, n, adv)) or real(fd, off, n, adv))
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        one = torch.tensor([5 * CHUNK + 8])
+        assert torch.equal(s.get(one), table[one])
+        willneed = [a for a in asked if a[2] == os.POSIX_FADV_WILLNEED]
+        assert willneed == []  # nothing read yet says the disk is slow
+        s._chunkrows.cache_counts[:] = [100, 50]  # half the reads lately waited for the disk
+        ids = torch.tensor([6 * CHUNK + 8 * b for b in (0, 3)] + list(range(9 * CHUNK, 10 * CHUNK, 2)))
+        assert torch.equal(s.get(ids), table[ids])
+        willneed = [a for a in asked if a[2] == os.POSIX_FADV_WILLNEED]
+        assert (0, 0, os.POSIX_FADV_WILLNEED) in willneed  # chunk 9, checked whole
+        assert sum(1 for a in willneed if a[1] == 4096) == 2  # the two blocks of chunk 6
