@@ -617,7 +617,7 @@ class ChunkRows:
             fd = int(self._fd[uc[i]])
             if fd >= 0:
                 try:
-                    os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 except OSError:
                     pass
         rest = ~whole[which]
@@ -625,7 +625,7 @@ class ChunkRows:
             fd = int(self._fd[uc[i]])
             if fd >= 0:
                 try:
-                    os.posix_fadvise(fd, int(base[i]) + k % self.bpc * BLOCK, BLOCK, _FADV_WILLNEED)
+                    os.posix_fadvise(fd, int(base[i]) + k % self.bpc * BLOCK, BLOCK, os.POSIX_FADV_WILLNEED)
                 except OSError:
                     pass
 
