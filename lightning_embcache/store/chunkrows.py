@@ -359,7 +359,10 @@ class ChunkRows:
         serving rows through its map: the file's bytes are about to change in place (a fold into
         the same generation). Its next read reads the file's header and checksums again and
         verifies every block it reads anew. Safe at any time: a read in progress keeps the map
-        it is gathering from until it ends."""
+        it is gathering from until it ends (no map is unmapped under a read). So that no `get` is
+        copying from the file when it changes, call it holding the store's lock (every `get`
+        reads under it); the prefetch thread reads without that lock, through descriptors: a
+        change in place must also wait for its reads (``disk.pool`` read epochs)."""
         with self._lock:
             g = int(self._gen[chunk])
             if self._fd[chunk] >= 0:
