@@ -31,9 +31,10 @@ import numpy as np
 
 from . import idsets, uring
 from .blockcrc import BLOCK, first_bad_block
-from .disk import SPARSE_KIND
+from .disk import _CHUNK_HEAD, SPARSE_KIND
 from .errors import CorruptStoreError
 from .fileio import HEADER_SIZE, crc32
+from .mapped import MAX_MAPPED, PAGE, MappedFiles
 from .memory import zeros
 
 WHOLE_AFTER = 4  # block-wise first reads of a chunk before a cached chunk is verified whole
@@ -41,6 +42,9 @@ DENSE_SHARE = 8  # a call wanting first reads of >= 1/8 of a chunk's blocks (and
 DENSE_ROWS = 64  # ... or of >= 1/64 of its rows (rows of a few KiB: 32 of a 1,024-row chunk are 1/16 of its blocks)
 _FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux: a read that fails instead of waiting for the disk
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux: this thread's page faults
+#: gathers of rows through maps of the chunk files (mapped.py) where they can; tests turn it off
+MAPPED_READS = True
 
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -82,6 +86,7 @@ class ChunkRows:
         self.rb = disk.row_bytes
         self.cr = disk.chunk_rows
         self.bpc = -(-disk.chunk_rows * self.rb // BLOCK)  # blocks per (full) chunk
+        self._chunks_dir = os.path.join(os.fspath(disk.root), "chunks")
         self.max_files = _max_files()
         nc = disk.num_chunks
         # per chunk: open descriptor (-1: none, -2: an LZ4 chunk), its generation, data offset
@@ -99,6 +104,7 @@ class ChunkRows:
         self._order: list[int] = []  # chunks in the order they were opened (closing oldest first)
         self._ok = zeros(nc * self.bpc, np.uint8)  # block verified (for _ok_gen)
         self._ok_gen = zeros(nc, np.int32)  # generation the chunk's flags are for
+        self._crc_flat = zeros(nc * self.bpc, np.uint32)  # the block checksums of ``_crcs``, for gathers
         self._first_reads = zeros(nc, np.int64)  # block-wise first reads per chunk so far
         # chunk files of this generation or newer were written by this handle (its compactions):
         # the page cache holds exactly what was checksummed, so they are not verified again
@@ -119,6 +125,18 @@ class ChunkRows:
         self._advised_max = min(512, max(64, nc // 2))
         self._adviser: ThreadPoolExecutor | None = None  # asks for whole chunks (`_advise_whole_later`)
         self._asked_gen = zeros(nc, np.int32)  # generation asked for whole lately (in ``_advised``), else 0
+        # Maps of the files (mapped.py), made at the first gather: per chunk the generation whose
+        # map may serve rows (0: none; a map being replaced or forgotten stops serving at once and
+        # is unmapped once no read is in progress), the chunks in the order mapped, those to unmap
+        self._maps: MappedFiles | None = None
+        self._map_gen = zeros(nc, np.int64)
+        # per chunk: the generation of a raw file mapped here whose every block is verified (0:
+        # none): its rows need no check at all, only the gather (`gather_verified`)
+        self._fast_gen = zeros(nc, np.int64)
+        self._map_order: dict[int, None] = {}  # (ordered: oldest first)
+        self._unmaps: list[int] = []
+        # [rows gathered through maps, block checks made through maps] (what tests count)
+        self.map_counts = [0, 0]
 
     # ---- files -----------------------------------------------------------------------------
     def _open(self, chunk: int, gen: int) -> None:
@@ -142,9 +160,12 @@ class ChunkRows:
                     return
             os.close(fd)  # another thread opened this chunk (or a newer generation) meanwhile
             return
-        path = disk.chunk_path(chunk, gen)
+        # (a plain string: a first read opens every file of the table, and Path objects cost
+        # more than the open)
+        name = _chunk_name(chunk, gen)
+        path = os.path.join(self._chunks_dir, name)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(name, _OPEN_FLAGS, dir_fd=disk._chunks_fd)
         except FileNotFoundError:
             raise CorruptStoreError(path, "missing: the chunk map lists it but it is gone") from None
         off, crcs, present, nbytes = 0, None, None, 0
@@ -153,10 +174,14 @@ class ChunkRows:
                 # A miss wants its block, not readahead around it; advised before the header is
                 # read, or that first read pulls the file's first 128 KiB or more into the cache.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            head = os.pread(fd, HEADER_SIZE, 0)
+            # the header and a raw chunk's directory in one read
+            raw_dir = _CHUNK_HEAD.size + 4 * -(-disk.chunk_rows_of(chunk) * self.rb // BLOCK)
+            got = os.pread(fd, HEADER_SIZE + raw_dir, 0)
+            head = got[:HEADER_SIZE]
             kind = head[8:16].rstrip(b"\0")
             if kind == b"chunkraw":
-                rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head)
+                directory = got[HEADER_SIZE:] if len(got) == HEADER_SIZE + raw_dir else None
+                rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head, directory=directory)
             elif kind == SPARSE_KIND:
                 present, crcs, off = disk._sparse_chunk_directory(path, chunk, fd=fd, head=head)
                 rows = len(present)
@@ -177,8 +202,11 @@ class ChunkRows:
                 self._replaced.append(old)
             else:
                 self._order.append(chunk)
+            if self._map_gen[chunk] and self._map_gen[chunk] != gen:
+                self._drop_map(chunk)
             if fd >= 0:
                 self._crcs[chunk] = array.array("I", crcs.astype(np.uint32).tobytes())
+                self._crc_flat[chunk * self.bpc : chunk * self.bpc + len(crcs)] = crcs
             else:
                 self._crcs.pop(chunk, None)
             self._fd[chunk], self._gen[chunk], self._off[chunk], self._len[chunk] = fd, gen, off, nbytes
@@ -212,7 +240,14 @@ class ChunkRows:
     def _leave(self) -> None:
         with self._lock:
             self._active -= 1
-            if self._active or not (self._retired or self._replaced):
+            if self._active:
+                return
+            if self._unmaps and self._maps is not None:  # no gather is in progress: stopped maps go
+                for c in self._unmaps:
+                    if not self._map_gen[c]:
+                        self._maps.unmap(c)
+                self._unmaps = []
+            if not (self._retired or self._replaced):
                 return
             retired, self._retired = self._retired, []
             replaced, self._replaced = self._replaced, []
@@ -238,6 +273,10 @@ class ChunkRows:
             fds = [int(x) for x in self._fd[self._fd >= 0]] + self._retired + self._replaced
             self._fd[:] = -1
             self._order, self._retired, self._replaced, self._crcs = [], [], [], {}
+            if self._maps is not None:
+                self._map_gen[:] = 0
+                self._map_order, self._unmaps = {}, []
+                self._maps.close()
         for t in self._closers:
             t.join()
         for fd in fds:
@@ -253,16 +292,44 @@ class ChunkRows:
             pass
 
     # ---- reads -------------------------------------------------------------------------------
-    def read(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> np.ndarray:
+    def read(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray, *, mapped: bool = True) -> np.ndarray:
         """Records of rows ``local`` of chunks ``chunks`` (sorted by chunk, then row) at
-        generations ``gens``, every 4 KiB block checksum-verified once per handle."""
+        generations ``gens``, every 4 KiB block checksum-verified once per handle.
+
+        ``mapped``: gather rows of raw and sparse chunk files through maps of them (mapped.py:
+        a copy per row from the page cache; a row not cached waits for its page fault). False
+        reads them with io_uring, many in flight at once: for a background read of rows likely
+        on disk (the prefetch thread)."""
         epoch = self.disk.pool.begin_read()  # no file this read may reach is reused meanwhile
         self._enter()
         try:
-            return self._read(chunks, local, gens)
+            return self._read(chunks, local, gens, mapped and MAPPED_READS)
         finally:
             self._leave()
             self.disk.pool.end_read(epoch)
+
+    def gather_verified(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> np.ndarray | None:
+        """Records of rows ``local`` of ``chunks`` (any order) at ``gens`` in one gather from the
+        maps, if every one lies in a raw file mapped here whose blocks are all verified (the
+        steady state of reads over a page-cached table); else None and nothing is read."""
+        maps = self._maps
+        if maps is None or not maps.usable:
+            return None
+        epoch = self.disk.pool.begin_read()  # no file this read may reach is reused meanwhile
+        self._enter()  # no map goes away meanwhile
+        try:
+            # (generation 0, a chunk never written, is no file: its rows are computed)
+            if not (gens.all() and np.array_equal(self._fast_gen[chunks], gens)):
+                return None
+            addr = chunks * maps.stride + self._off[chunks] + local * self.rb
+            got = maps.rows[addr].view(np.uint8).reshape(-1, self.rb)
+        finally:
+            self._leave()
+            self.disk.pool.end_read(epoch)
+        self.map_counts[0] += len(chunks)
+        self.cache_counts[0] += len(chunks)
+        self.disk.bytes_read += len(chunks) * self.rb
+        return got
 
     def forget(self, files: list[tuple[int, int]]) -> None:
         """Files (chunk, gen) that are about to be overwritten for reuse (recycle.py): close their
@@ -279,16 +346,59 @@ class ChunkRows:
                 self._fd[c], self._gen[c] = -1, 0
                 self._crcs.pop(c, None)
                 self._advised.pop((c, g), None)
-            if self._active or not self._retired:
+                self._forget_blocks(c)
+            if self._active or not (self._retired or self._unmaps):
                 return
             retired, self._retired = self._retired, []
+        self._enter()
+        self._leave()  # (unmaps what stopped serving: no read is in progress)
         _close_all(retired)
+
+    def invalidate(self, chunk: int) -> None:
+        """Forget what this handle verified of ``chunk``'s file, whatever its generation, and stop
+        serving rows through its map: the file's bytes are about to change in place (a fold into
+        the same generation). Its next read reads the file's header and checksums again and
+        verifies every block it reads anew. Safe at any time: a read in progress keeps the map
+        it is gathering from until it ends (no map is unmapped under a read). So that no `get` is
+        copying from the file when it changes, call it holding the store's lock (every `get`
+        reads under it); the prefetch thread reads without that lock, through descriptors: a
+        change in place must also wait for its reads (``disk.pool`` read epochs)."""
+        with self._lock:
+            g = int(self._gen[chunk])
+            if self._fd[chunk] >= 0:
+                self._retired.append(int(self._fd[chunk]))
+            if self._fd[chunk] != -1 and chunk in self._order:
+                self._order.remove(chunk)
+            self._fd[chunk], self._gen[chunk] = -1, 0
+            self._crcs.pop(chunk, None)
+            self._advised.pop((chunk, g), None)
+            self._forget_blocks(chunk)
+        self._enter()
+        self._leave()
+
+    def _forget_blocks(self, chunk: int) -> None:
+        """(Caller holds the lock.) No block of ``chunk`` counts as verified, its map serves no row."""
+        self._ok_gen[chunk] = 0
+        self._fast_gen[chunk] = 0
+        self._ok[chunk * self.bpc : (chunk + 1) * self.bpc] = 0
+        self._first_reads[chunk] = 0
+        if self._map_gen[chunk]:
+            self._drop_map(chunk)
+
+    def _drop_map(self, chunk: int) -> None:
+        """(Caller holds the lock.) ``chunk``'s map stops serving now; it is unmapped once no read
+        is in progress (`_leave`)."""
+        self._map_gen[chunk] = 0
+        self._fast_gen[chunk] = 0
+        del self._map_order[chunk]
+        self._unmaps.append(chunk)
 
     def _ensure_open(self, chunks: np.ndarray, gens: np.ndarray) -> None:
         # Never replace a newer generation by an older one: a prefetch planned before a compaction
         # still asks for the old file while the training thread reads the new one. Rows whose
         # generation is not the one held open are read through a descriptor of their own (`_read`).
-        stale = (self._fd[chunks] == -1) | (self._gen[chunks] < gens)
+        # (a chunk served through its map needs no descriptor)
+        stale = ((self._fd[chunks] == -1) & (self._map_gen[chunks] != gens)) | (self._gen[chunks] < gens)
         if stale.any():
             for c, g in set(zip(chunks[stale].tolist(), gens[stale].tolist())):
                 self._open(c, g)
@@ -310,18 +420,23 @@ class ChunkRows:
         local[at] = np.maximum(slot, 0)
         return local, absent
 
-    def _read(self, chunks, local, gens) -> np.ndarray:
+    def _read(self, chunks, local, gens, mapped: bool = False) -> np.ndarray:
         n, rb = len(chunks), self.rb
         out = np.empty((n, rb), np.uint8)
         if not n:
             return out
         self._ensure_open(chunks, gens)
         asked = local
-        with self._lock:  # one consistent view of the descriptors and verified blocks
+        with self._lock:  # one consistent view of the descriptors, maps and verified blocks
             fds = self._fd[chunks]
+            if mapped:
+                self._map_files(chunks, gens)
+                via_map = self._map_gen[chunks] == gens
+            else:
+                via_map = np.zeros(n, np.bool_)
             # Another thread may have opened another generation of a chunk, or closed it, since
             # `_ensure_open`: those rows are read from the generation asked for, on their own.
-            other = (self._gen[chunks] != gens) | (fds == -1)
+            other = (self._gen[chunks] != gens) | ((fds == -1) & ~via_map)
             local, absent = self._to_file_rows(chunks, local, other)
             base = self._off[chunks]
             nbytes = self._len[chunks]
@@ -340,7 +455,11 @@ class ChunkRows:
             sel = np.flatnonzero(absent)
             out[sel] = self.disk.init_rows(chunks[sel] * self.cr + asked[sel])
             todo &= ~absent
-        lz4 = fds == -2
+        via_map &= todo
+        if via_map.any():
+            self._gather_mapped(out, np.flatnonzero(via_map), chunks, local, gens, base, ok, crcs, nbytes)
+            todo &= ~via_map
+        lz4 = (fds == -2) & todo
         if lz4.any():  # LZ4 chunks: whole, decompressed
             for i in np.flatnonzero(lz4).tolist():
                 c = int(chunks[i])
@@ -370,6 +489,148 @@ class ChunkRows:
                 raise CorruptStoreError(self.disk.root / "chunks", "a chunk file is shorter than its rows")
             self.disk.bytes_read += len(sel) * rb
         return out
+
+    def mapped_resident_bytes(self) -> int:
+        """Bytes of the chunk files' maps now in this process's RSS (`MappedFiles.resident_bytes`)."""
+        maps = self._maps
+        return maps.resident_bytes() if maps is not None else 0
+
+    def _map_files(self, chunks: np.ndarray, gens: np.ndarray) -> None:
+        """Map the raw and sparse files of ``chunks`` held open at ``gens`` that have no map yet
+        (caller holds the lock). Once per file: a batch of files already mapped costs a few
+        array operations. Over `mapped.MAX_MAPPED` maps the oldest quarter stops serving."""
+        new = (self._map_gen[chunks] != gens) & (self._gen[chunks] == gens) & (self._fd[chunks] >= 0)
+        if not new.any():
+            return
+        maps = self._maps
+        if maps is None:
+            stride = -(-(HEADER_SIZE + 64 + self.cr // 8 + 8 + 4 * self.bpc + self.cr * self.rb) // PAGE) * PAGE
+            maps = self._maps = MappedFiles(len(self._fd), stride, self.rb)
+        if not maps.usable:
+            return
+        for c in idsets.unique(chunks[new]).tolist():
+            if maps.mapped[c]:  # an older generation's map, not unmapped yet (a read was in progress)
+                continue
+            if len(self._map_order) >= MAX_MAPPED:
+                for old in list(self._map_order)[: MAX_MAPPED // 4]:
+                    self._drop_map(old)
+            g = int(self._gen[c])
+            if maps.map(c, int(self._fd[c]), int(self._off[c] + self._len[c]), g):
+                self._map_gen[c] = g
+                self._map_order[c] = None
+                if g >= self.trusted_from_gen and not self._sparse[c]:
+                    self._fast_gen[c] = g
+
+    def _gather_mapped(self, out, rows, chunks, local, gens, base, ok, crcs, nbytes) -> None:
+        """Rows ``rows`` through the maps of their files: blocks not verified yet are checked in
+        the map first (block by block, or the whole chunk once it keeps needing first reads or
+        the call wants much of it), then every row is copied in one gather. The page faults it
+        took for rows not cached count as reads the page cache did not hold (``cache_counts``)."""
+        maps = self._maps
+        assert maps is not None
+        rb = self.rb
+        faults = resource.getrusage(_RUSAGE_THREAD).ru_majflt if _RUSAGE_THREAD is not None else 0
+        addr = chunks[rows] * maps.stride + base[rows] + local[rows] * rb
+        first = rows[~ok[rows]]
+        if len(first):
+            self._verify_mapped(first, chunks, local, gens, base, crcs, nbytes)
+        # (fancy indexing, not `take`: take first copies a non-contiguous array whole)
+        got = maps.rows[addr].view(np.uint8).reshape(-1, rb)
+        if len(rows) == len(out):
+            out[:] = got
+        else:
+            out[rows] = got
+        self.map_counts[0] += len(rows)
+        self.disk.bytes_read += len(rows) * rb
+        if _RUSAGE_THREAD is not None:
+            faults = resource.getrusage(_RUSAGE_THREAD).ru_majflt - faults
+            self.cache_counts[0] += len(rows)
+            self.cache_counts[1] += min(len(rows), faults)
+
+    def _verify_mapped(self, rows, chunks, local, gens, base, crcs, nbytes) -> None:
+        """Check in the maps the blocks of ``rows`` (sorted by chunk) not verified yet, and
+        remember them verified; raises `CorruptStoreError` naming the first bad block. Whole
+        chunks (one that keeps needing first reads: `WHOLE_AFTER` calls; or of which the call
+        wants much) are checked in one pass each; the other blocks with one CRC-32 each, their
+        expected values taken with one gather: no per-row Python."""
+        maps = self._maps
+        assert maps is not None
+        rb, bpc = self.rb, self.bpc
+        c = chunks[rows]
+        off = local[rows] * rb
+        bounds = idsets.runs(c)
+        at = rows[bounds[:-1]]
+        uc, ug, counts = chunks[at], gens[at], np.diff(bounds)
+        keys = idsets.unique(np.concatenate([c * bpc + off // BLOCK, c * bpc + (off + rb - 1) // BLOCK]))
+        with self._lock:
+            stale = self._ok_gen[uc] != ug
+            for ch, gen in zip(uc[stale].tolist(), ug[stale].tolist()):  # flags of another generation
+                self._ok[ch * bpc : (ch + 1) * bpc] = 0
+                self._ok_gen[ch] = gen
+            keys = keys[self._ok[keys] == 0]
+        which = np.searchsorted(uc, keys // bpc)  # each block's chunk among ``uc``
+        file_bytes = nbytes[at]
+        in_file = -(-file_bytes // BLOCK)
+        blocks = np.bincount(which, minlength=len(uc))
+        whole = ((self._first_reads[uc] >= WHOLE_AFTER) | (counts * DENSE_ROWS >= file_bytes // rb)
+                 | ((blocks * DENSE_SHARE >= in_file) & (blocks >= 2)))
+        self._first_reads[uc] += 1
+        start = uc * maps.stride + base[at]  # each chunk's records in the maps
+        total, uncached = self.cache_counts
+        if _FADV_WILLNEED is not None and uncached * 10 > total:
+            # Reads lately waited for the disk: ask for every block this call checks at once
+            # (the checks below then fault on pages already being read), not one fault's read at
+            # a time. Over the page cache this is skipped (a system call per block or chunk).
+            self._ask_blocks(uc, whole, keys, which, base[at])
+        for i in np.flatnonzero(whole).tolist():
+            ch, a, n = int(uc[i]), int(start[i]), int(file_bytes[i])
+            bad = first_bad_block(maps.bytes[a : a + n], crcs[ch])
+            self.map_counts[1] += int(in_file[i])
+            if bad >= 0:
+                raise CorruptStoreError(self.disk.chunk_path(ch, int(ug[i])),
+                                        f"block {bad} of chunk {ch} fails its checksum")
+        if whole.any():
+            part = ~whole[which]
+            keys, which = keys[part], which[part]
+        if len(keys):
+            lo = start[which] + keys % bpc * BLOCK
+            hi = np.minimum(lo + BLOCK, start[which] + file_bytes[which])
+            view = maps.view
+            got = np.fromiter((crc32(view[a:z]) for a, z in zip(lo.tolist(), hi.tolist())), np.uint32, len(keys))
+            self.map_counts[1] += len(keys)
+            for k in np.flatnonzero(got != self._crc_flat[keys]).tolist():
+                ch, b = divmod(int(keys[k]), bpc)
+                if int(got[k]) != crcs[ch][b]:  # (the flat copy may already hold a newer generation's)
+                    raise CorruptStoreError(self.disk.chunk_path(ch, int(ug[which[k]])),
+                                            f"block {b} of chunk {ch} fails its checksum")
+        with self._lock:
+            keep = self._ok_gen[uc] == ug  # (unless another thread moved a chunk to another generation)
+            for i in np.flatnonzero(whole & keep).tolist():
+                ch = int(uc[i])
+                self._ok[ch * bpc : ch * bpc + int(in_file[i])] = 1
+                if self._map_gen[ch] == ug[i] and not self._sparse[ch]:
+                    self._fast_gen[ch] = ug[i]
+            if len(keys):
+                self._ok[keys[keep[which]]] = 1
+
+    def _ask_blocks(self, uc, whole, keys, which, base) -> None:
+        """``posix_fadvise(WILLNEED)`` of the chunks ``uc[whole]`` whole and of blocks ``keys``
+        (of chunks ``uc[which]``) of the others; a hint: a file closed meanwhile is skipped."""
+        for i in np.flatnonzero(whole).tolist():
+            fd = int(self._fd[uc[i]])
+            if fd >= 0:
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
+        rest = ~whole[which]
+        for k, i in zip(keys[rest].tolist(), which[rest].tolist()):
+            fd = int(self._fd[uc[i]])
+            if fd >= 0:
+                try:
+                    os.posix_fadvise(fd, int(base[i]) + k % self.bpc * BLOCK, BLOCK, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
 
     def _read_other(
         self, out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray

@@ -44,7 +44,7 @@ from .initrows import normal_rows
 from .schema import DTYPES, Schema
 from .sharing import Sharing
 from .stats import StoreStats
-from .tiers import SLICE_ROWS, Direct, FromSlab, TieredRows, to_np
+from .tiers import SLICE_ROWS, Direct, FromSlab, Gathered, TieredRows, to_np
 from .validate import (
     MAX_CHUNK_ROWS,
     MAX_ROWS,
@@ -852,6 +852,8 @@ class EmbeddingStore(TieredRows, Versioning):
         """Fields of ``idx``, filling misses; caller holds the lock."""
         self._check_open()
         got = self._resolve(idx, load=True)
+        if isinstance(got, Gathered):
+            return self._fields_of(got.records, names)
         if isinstance(got, FromSlab):
             return self._gather_warm(idx, got.slots, got.missing, got.rows, names)
         if isinstance(got, Direct):

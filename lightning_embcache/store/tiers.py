@@ -28,6 +28,7 @@ from .errors import CorruptStoreError, InvalidArgumentError, StoreBusyError, Sto
 from .holes import dead_rows
 from .hot import SLOT_OVERHEAD
 from .initrows import normal_rows
+from .memory import zeros
 from .rowindex import RowIndex, gather_deltas, trust
 from .validate import budget
 
@@ -39,6 +40,9 @@ PREFETCH_WAIT_S = 1.0
 # One write-back or flush patches the warm copies of at most this many bytes of chunks (the rest
 # of the warm chunks it touches are dropped): in random order a write-back touches every chunk held.
 PATCH_BYTES = 32 << 20
+#: a get that misses rows when the hot tier is full evicts others to install them (True), or
+#: serves the rows it cannot install in free slots without a slot (False: see `_resolve_rows`)
+GETS_EVICT = False
 # Calls larger than this are resolved (and, in disk mode, served) in slices of this many rows, so
 # one call's temporaries stay bounded whatever its batch (docs/store.md, "Memory").
 SLICE_ROWS = 8192
@@ -66,9 +70,16 @@ class FromSlab:
     rows: np.ndarray
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """A read served whole: ``records`` of the ids of the call, in order (`TieredRows._mapped_get`)."""
+
+    records: np.ndarray
+
+
 #: what `TieredRows._resolve` gives: hot slots per id; None for a write that went around the hot
 #: tier; or a read served another way
-Resolved = np.ndarray | Direct | FromSlab | None
+Resolved = np.ndarray | Direct | FromSlab | Gathered | None
 
 
 def np_dtype(dtype: torch.dtype) -> np.dtype:
@@ -138,6 +149,7 @@ class TieredRows:
     _filler: ThreadPoolExecutor | None = None  # memory mode's background fill (`_start_filling`)
     _rows_used_at = -math.inf  # perf_counter when the latest get/update/lookup of rows returned
     _loader_tried: bool = False
+    _chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
 
     def _field_np(self, name: str) -> np.ndarray:
         f = self._schema.fields[name]
@@ -202,7 +214,9 @@ class TieredRows:
         """Whole records of ``idx`` into ``out`` (n, row_bytes), filling misses; caller holds the
         lock. One gather of whole records, whatever the tier: no field-by-field path."""
         got = self._resolve(idx, load=True)
-        if isinstance(got, FromSlab):
+        if isinstance(got, Gathered):
+            out[:] = got.records
+        elif isinstance(got, FromSlab):
             out[:] = self._warm_records(idx, got.slots, got.missing, got.rows)
         elif isinstance(got, Direct):
             out[:] = self._direct_records(idx, got.slots, got.mids, got.records)
@@ -305,6 +319,10 @@ class TieredRows:
         self._stats.hot_hits += len(idx) - n_asked
         self._stats.hot_misses += n_asked
         n_miss = int(missing.sum())
+        if n_miss and load and not for_write and self._plain_below():
+            got = self._mapped_get(idx, slots, missing)
+            if got is not None:
+                return got
         rows = None
         if n_miss and load and not for_write and self._warm.slab is not None:
             # Every missing row in a chunk held raw in the warm tier (`ChunkShuffleSampler`
@@ -368,6 +386,24 @@ class TieredRows:
                 return Direct(slots, mids, records)
             served = (mids[warm], records[warm])
             mids, records = mids[~warm], records[~warm]
+        if not for_write and ahead is None and not GETS_EVICT and hot.free_count < len(mids):
+            # A get installs what fits in free slots and serves the rest without a slot: it evicts
+            # nothing. Reading such a row again costs a gather from the page cache (or a warm
+            # copy), about what its install costs, while evicting for it cost a CLOCK scan, the
+            # install, and perhaps a write-back of a dirty row a training run still wants. So an
+            # evaluation pass (get only) leaves a training run's hot tier as it found it; an
+            # update of rows takes their slots as ever.
+            got = hot.take_free(hot.free_count)
+            if len(got):
+                hot.install(mids[: len(got)], got, records[: len(got)])
+                mids, records = mids[len(got) :], records[len(got) :]
+            if served is not None:
+                both = idsets.union(mids, served[0])
+                recs = np.empty((len(both), self._row_bytes), np.uint8)
+                recs[np.searchsorted(both, mids)] = records
+                recs[np.searchsorted(both, served[0])] = served[1]
+                mids, records = both, recs
+            return Direct(hot.slot_of[idx].astype(np.int64) - 1 if len(got) else slots, mids, records)
         got = self._allocate(len(mids), protect=slots[~missing])
         if len(got) < len(mids):
             # No room even after eviction (everything in flight or in use by this call).
@@ -392,6 +428,57 @@ class TieredRows:
         if served is not None:
             return Direct(hot.slot_of[idx].astype(np.int64) - 1, *served)
         return slots
+
+    def _plain_below(self) -> bool:
+        """Whether a get missing rows may try `_mapped_get` (caller holds the lock): no warm tier,
+        no lookahead window, no prefetch in flight.
+
+        Rows it serves are not installed in the hot tier, free slots or not: reading one again
+        costs a gather from the page cache, about what a hot hit costs, while installing it
+        costs a slot's memory (the budget) and the copy in. Rows that take the general path
+        (first reads of a chunk, rows in delta segments, rows on disk) are installed as before."""
+        warm = self._warm
+        return (not GETS_EVICT and self._hot.want is None and self._fetching is None and not self._hinted
+                and warm.slab is None and not warm.budget and not len(warm) and self._chunkrows is not None
+                and (self._loader is None or not len(self._loader)))
+
+    def _mapped_get(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray) -> Gathered | None:
+        """The steady state of a get over a page-cached table: every missed row lives in its base
+        chunk file (no delta record), mapped and verified whole. One gather serves them, with no
+        plan, no sort and no slot; None (nothing done) if any row needs the general path."""
+        where = np.flatnonzero(missing)
+        ids = idx[where]
+        rows = self._rows
+        if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
+            return None
+        cr = self._chunk_rows
+        chunks = ids // cr
+        t0 = time.perf_counter()
+        recs = self._chunkrows.gather_verified(chunks, ids - chunks * cr, self._cmap[chunks])
+        if recs is None:
+            return None
+        took = time.perf_counter() - t0
+        self._stats.stall_seconds += took
+        self._note_read(took, len(ids))
+        self._stats.cold_reads += self._distinct(chunks)
+        if len(where) == len(idx):
+            return Gathered(recs)
+        out = np.empty((len(idx), self._row_bytes), np.uint8)
+        out[where] = recs
+        hit = np.flatnonzero(~missing)
+        out[hit] = self._hot.pool_np.take(slots[hit], axis=0)
+        return Gathered(out)
+
+    def _distinct(self, chunks: np.ndarray) -> int:
+        """How many distinct values ``chunks`` holds, without a sort (a sort of a batch's 512 ids
+        cost more than the rest of `_mapped_get` here): each chunk's scratch entry keeps one
+        position that wrote it. Caller holds the lock."""
+        scratch = self._chunk_scratch
+        if scratch is None or len(scratch) <= int(chunks.max()):
+            scratch = self._chunk_scratch = zeros(-(-self._num_rows // self._chunk_rows), np.int32)
+        at = np.arange(len(chunks), dtype=np.int32)
+        scratch[chunks] = at
+        return int(np.count_nonzero(scratch[chunks] == at))
 
     def _take_hints(self, mids: np.ndarray) -> np.ndarray | None:
         """Ids of `upcoming` hints no prefetch has taken yet, still expected and not resident
@@ -1020,12 +1107,13 @@ class TieredRows:
             seg[dead] = -1
         return seg, pos
 
-    def _read_below(self, plan: tuple) -> tuple[np.ndarray, list]:
+    def _read_below(self, plan: tuple, mapped: bool = True) -> tuple[np.ndarray, list]:
         """Run a `_plan_below` plan: (records of its ids, [(chunk, records)] read whole).
 
         Touches no mutable store state (the prefetch thread runs it without the lock): rows of
-        base chunks are gathered from maps of their files, delta records with one gather per
-        segment touched, never-written rows computed per row.
+        base chunks are gathered from maps of their files (``mapped``; else read with io_uring,
+        many in flight: the prefetch thread's rows are likely on disk), delta records with one
+        gather per segment touched, never-written rows computed per row.
         """
         ids, chunks, seg, pos, gens, segs, whole = plan
         cr, rb = self._chunk_rows, self._row_bytes
@@ -1048,7 +1136,7 @@ class TieredRows:
         if base.any():
             sel = np.flatnonzero(base)
             c = chunks[sel]
-            out[sel] = self._chunkrows.read(c, ids[sel] - c * cr, gens[sel])
+            out[sel] = self._chunkrows.read(c, ids[sel] - c * cr, gens[sel], mapped=mapped)
         fresh = below & (gens == 0)
         if fresh.any():
             sel = np.flatnonzero(fresh)
@@ -1369,7 +1457,7 @@ class TieredRows:
                 if not uring.available():  # io_uring has every read of the batch in flight at once
                     self._will_need(plan)
                 t0 = time.perf_counter()
-                records, whole = self._read_below(plan)
+                records, whole = self._read_below(plan, mapped=False)
                 self._note_read(time.perf_counter() - t0, len(miss))
         finally:
             if pool is not None:

@@ -7,7 +7,9 @@ then trained two epochs in `ChunkShuffleSampler` order with `LookaheadSampler` (
 ahead whole into the warm tier, within its budget); the peak is that of the epochs.
 
 Prints one JSON line: the RSS before the store was created, the peak RSS while it ran (sampled
-after every batch and from getrusage), and what the store says about its tiers.
+after every batch and from VmHWM), less the pages of the store's maps of its chunk files (page
+cache, reclaimed by the kernel as any cached file page: docs/store.md, "Memory"), and what the
+store says about its tiers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ def _vm_hwm() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _mapped(store) -> int:
+    """Bytes of the store's maps of its chunk files in RSS: page cache pages (the kernel reclaims
+    them as any cached file page), not memory the store holds, so not counted against its budget."""
+    reader = store._chunkrows
+    return reader.mapped_resident_bytes() if reader is not None else 0
 
 
 def main() -> None:
@@ -85,14 +94,16 @@ def main() -> None:
             steps += 1
             if steps % 25 == 0:
                 s.flush()
-            peak = max(peak, proc.memory_info().rss)
+            peak = max(peak, proc.memory_info().rss - _mapped(s))
         st = s.stats()
+        mapped_end = _mapped(s)
         # the compaction process's memory beyond its own interpreter's (it holds no rows of the
         # budget, only a round's buffers): counted on top of this process's
         fp = s._fold_proc
         process_grew = fp.peak_rss() - fp.base_rss if fp is not None and fp.base_rss else 0
     maxrss = _vm_hwm()
-    print(json.dumps({"base": base, "peak": max(peak, maxrss) + process_grew, "peak_sampled": peak,
+    print(json.dumps({"base": base, "peak": max(peak, maxrss - mapped_end) + process_grew, "peak_sampled": peak,
+                      "mapped_end": mapped_end,
                       "compaction_process_grew": process_grew, "steps": steps,
                       "touched": float(touched.mean()), "hot_bytes": st.hot_bytes, "warm_bytes": st.warm_bytes,
                       "cold_reads": st.cold_reads, "chunks_read_ahead": st.chunks_read_ahead}))

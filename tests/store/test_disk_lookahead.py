@@ -11,6 +11,7 @@ from _store_helpers import compacted_store
 from torch.utils.data import BatchSampler, RandomSampler
 
 from lightning_embcache import EmbeddingStore, LookaheadSampler
+from lightning_embcache.store import tiers
 
 N, DIM, CHUNK = 6000, 16, 128
 ROW = DIM * 4
@@ -48,8 +49,10 @@ def test_announced_rows_survive_eviction_pressure_until_read(shm_path):
         assert after.prefetch_hit_rate == 1.0
 
 
-def test_without_the_window_plain_clock_evicts_announced_rows(shm_path):
-    """The counterpart: the same pressure after a plain prefetch loses some of the rows."""
+def test_without_the_window_plain_clock_evicts_announced_rows(shm_path, monkeypatch):
+    """The counterpart: the same pressure after a plain prefetch loses some of the rows (gets
+    that evict, `tiers.GETS_EVICT`: by default a get evicts nothing)."""
+    monkeypatch.setattr(tiers, "GETS_EVICT", True)
     table = _populated(shm_path / "s")
     rng = np.random.default_rng(1)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:

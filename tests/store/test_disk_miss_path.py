@@ -154,6 +154,7 @@ def test_a_miss_batch_looks_up_the_delta_segments_once(shm_path, monkeypatch):
 def test_misses_open_no_file_per_read_and_merge_adjacent_rows(shm_path, monkeypatch):
     """After a chunk file was first read, later misses in it neither open nor close a file, and a
     run of adjacent rows is one read request."""
+    monkeypatch.setattr(chunkrows, "MAPPED_READS", False)  # the read-call path (the prefetch thread's); maps: test_mapped_reads.py
     model, _ = _layered_store(shm_path / "s")
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
         run = torch.arange(CHUNK + 10, CHUNK + 74)  # 64 adjacent base rows with no delta...
@@ -268,6 +269,7 @@ def test_a_call_wanting_many_blocks_of_a_chunk_reads_it_whole_and_verified(shm_p
     """First reads of at least 1/8 of a chunk's 4 KiB blocks (an epoch in ChunkShuffleSampler
     order) read the chunk in one sequential read, from the disk if need be, and check every
     block; a single row reads its block only; a damaged block is still a named corruption."""
+    monkeypatch.setattr(chunkrows, "MAPPED_READS", False)  # the read-call path (the prefetch thread's); maps: test_mapped_reads.py
     from _store_helpers import compacted_store
 
     n, dim, chunk = 4096, 128, 256  # 512-byte rows: 32 blocks per chunk
@@ -296,6 +298,7 @@ def test_a_call_wanting_many_wide_rows_of_a_chunk_reads_it_whole(shm_path, monke
     """Wide rows: 1/32 of a chunk's rows in distinct blocks are only 1/16 of its blocks (under the
     1/8 share), yet an epoch in ChunkShuffleSampler order asks that many per call: they read the
     chunk whole too. A few random rows of a chunk still read only their blocks."""
+    monkeypatch.setattr(chunkrows, "MAPPED_READS", False)  # the read-call path (the prefetch thread's); maps: test_mapped_reads.py
     from _store_helpers import compacted_store
 
     n, dim, chunk = 2048, 512, 512  # 2 KiB rows: 256 blocks per chunk

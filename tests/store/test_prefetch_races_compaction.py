@@ -27,8 +27,8 @@ def test_prefetch_read_before_a_compaction_is_not_installed(shm_path):
         read_below = s._read_below
         new = torch.full((1, DIM), 7.0)
 
-        def racing_read(plan):
-            out = read_below(plan)  # row 5 as it is now: the table's value
+        def racing_read(plan, **kw):
+            out = read_below(plan, **kw)  # row 5 as it is now: the table's value
             s.update(torch.tensor([5]), new)
             s.evict(1 << 30)  # written back to a pending segment
             s.flush()

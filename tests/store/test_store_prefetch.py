@@ -210,8 +210,8 @@ def test_a_whole_chunk_read_during_a_write_back_never_serves_stale_rows(shm_path
         s._disk.write_segment = disk_write
         real_read = s._read_below
 
-        def read_then_let_the_write_back_finish(plan):
-            out = real_read(plan)  # the whole chunk, with the rows' values before the write-back
+        def read_then_let_the_write_back_finish(plan, **kw):
+            out = real_read(plan, **kw)  # the whole chunk, with the rows' values before the write-back
             read_done.set()
             cleaner.join(10)  # segment written and indexed before the prefetch installs
             return out
