@@ -1015,8 +1015,8 @@ class Versioning:
         """``pool``: replaced chunk files go into ``disk.pool`` (the next round overwrites them)
         instead of being deleted, where it has room."""
         with self._lock:
-            if self._closed and not at_open:
-                return
+            if self._closed and not at_open or self._damage is not None:
+                return  # fail-stop: a store that met a damaged file deletes nothing in its folder
             live_segs = {s.seq for s in self._committed + self._pending} | self._writing_seqs
             gens = {self._cmap_gen} | self._writing_gens
             # The chunk files the live layout reads: after two compactions with no flush between,
