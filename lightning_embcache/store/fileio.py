@@ -314,6 +314,20 @@ def _write_all(fd: int, data: bytes | memoryview, name: object, offset: int | No
     return done
 
 
+def overwrite(fd: int, data: bytes | memoryview, name: object, offset: int) -> int:
+    """Write ``data`` at ``offset`` of an existing file (compaction folding rows in place,
+    inplace.py): the one write that changes bytes a version may read, so the fault-injection
+    suite and the power-cut oracle see it as its own operation (``"overwrite"``: until the file is
+    synced, a power cut may keep each of its sectors old or new)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        _before("overwrite", name)
+        done += os.pwrite(fd, view[done:], offset + done)
+        _after("overwrite", name)
+    return done
+
+
 def _write_parts(fd: int, parts: Iterable[bytes | memoryview], name: object) -> int:
     """Write ``parts`` in order: a list in one ``writev`` (each system call of a background thread
     hands the GIL over), the rest of a short write and an iterator of blocks part by part."""

@@ -613,8 +613,8 @@ class TieredRows:
         for i, ld in enumerate(done):
             c = ld.chunk
             try:
-                if int(self._cmap[c]) != ld.gen:
-                    warm.unreserve(c)  # compacted meanwhile
+                if int(self._cmap[c]) != ld.gen or self._disk.pool.moved_since(ld.seq):
+                    warm.unreserve(c)  # compacted meanwhile (into a new file, or this one in place)
                     continue
                 ok = ld.ok
                 if ok:

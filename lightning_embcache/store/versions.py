@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from . import foldproc, sharing
+from . import fileio, foldproc, inplace, sharing
 from .disk import Disk, Manifest, Segment
 from .errors import CorruptStoreError, StoreError, VersionNotFoundError
 from .fold import fold_chunk
@@ -62,6 +62,9 @@ ROUND_SHARE = 1 / 16
 # HARD_RATIO gives them back first): below it a punch buys nothing, and each costs file-system
 # metadata work (journal commits that a flush's fsync may wait for).
 PUNCH_FROM = 0.3
+# A round folds a dense raw chunk file that no other version reads in place (inplace.py): it
+# writes the changed rows, not the chunk. False: every fold writes a new file (tests compare).
+FOLD_IN_PLACE = True
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
@@ -331,6 +334,11 @@ class Versioning:
         disk.resize(self._num_rows)
         # and per chunk the newest segment folded into its base file (see _compact_round)
         self._cmap, self._folded = disk.read_chunkmap_folded(m.chunkmap)
+        # An in-place fold a crash interrupted is finished before anything reads (inplace.py)
+        if self._readonly:
+            inplace.refuse_if_interrupted(disk, self._cmap)
+        else:
+            inplace.redo(disk)
         self._cmap_gen = m.chunkmap
         self._committed = [disk.open_segment(s) for s in m.segments]
         self._published = (m.chunkmap, list(m.segments), self._num_rows)
@@ -557,6 +565,101 @@ class Versioning:
             return np.zeros(0, np.int64)
         return np.sort(np.concatenate(picked)).astype(np.int64)
 
+    def _fold_in_place(
+        self, chunks: np.ndarray, cmap: np.ndarray, folded0: np.ndarray, segs: list[Segment],
+        share: sharing.Sharing, gen: int,
+    ) -> np.ndarray:
+        """Fold those of ``chunks`` whose base file may change in place (inplace.py) and return
+        them: dense raw files that no version on disk reads but the writer's and the pinned
+        versions sharing its chunk files (which list every segment the round folds, so their
+        rows stay the same), while no read-only handle holds any of those versions (their
+        reader locks are held exclusively meanwhile: a handle opening one waits). Each file
+        changes while no read of this process runs (`FilePool.folding`); the files are durable
+        before the intent goes. Caller holds the writer lock."""
+        disk = self._disk
+        none = np.zeros(0, np.int64)
+        cand = chunks[cmap[chunks] > 0] if FOLD_IN_PLACE else none
+        if not len(cand):
+            return none
+        alone = disk.lock_version_alone(self._version)
+        if alone is None:
+            return none
+        locks = [alone]
+        try:
+            listed = disk.list_versions()
+            others = [v for v in listed if v != self._version]
+            for v in share.members:
+                if v in others and (lk := disk.lock_version_alone(v)) is not None:
+                    locks.append(lk)
+                    others.remove(v)
+            for v in others:  # a file another version reads stays as it is: copy on write
+                m = self._manifest_of(v)
+                if m is None:
+                    return none
+                if m.chunkmap:
+                    theirs = self._chunkmap_of(m)
+                    k = cand[cand < len(theirs)]
+                    cand = np.setdiff1d(cand, k[theirs[k] == cmap[k]])
+            cand = np.asarray([c for c in cand.tolist() if inplace.is_raw(disk, c, int(cmap[c]))], np.int64)
+            if not len(cand):
+                return none
+            inplace.write_intent(disk, gen, [(c, int(cmap[c]), int(folded0[c])) for c in cand.tolist()],
+                                 [s.seq for s in segs])
+            done: list[int] = []
+            names: list[str] = []
+            c = -1
+            try:
+                for c in cand.tolist():
+                    g = int(cmap[c])
+                    rows, recs = inplace.newest_records(c, disk, segs, int(folded0[c]))  # (segment reads: outside)
+                    with disk.pool.folding():
+                        disk.bytes_written += inplace.fold_chunk(disk, c, g, rows, recs, verify=g < self._own_gens_from)
+                        self._forget_chunk_file(c, g)
+                    done.append(c)
+                    names.append(disk.chunk_path(c, g).name)
+                if names:
+                    fileio.sync_written(disk._chunks_fd, names, disk.root / "chunks")
+            except CorruptStoreError:
+                # raised before that chunk's first write: the files folded so far are whole
+                if names:
+                    fileio.sync_written(disk._chunks_fd, names, disk.root / "chunks")
+                inplace.drop_intent(disk, durable=True)
+                raise
+            except BaseException:
+                # A write failed half-way: that file's blocks may fail their checksums until the
+                # fold is redone. Redone now where the disk lets it, else at the next writable open.
+                try:
+                    with disk.pool.folding():
+                        inplace.redo(disk, only=set(done) | {c})
+                        for d in [*done, c]:
+                            self._forget_chunk_file(d, int(cmap[d]))
+                except BaseException:
+                    pass
+                raise
+            inplace.drop_intent(disk)
+            return cand
+        finally:
+            for lk in locks:
+                disk.unlock_reader(lk)
+
+    def _chunkmap_of(self, m: Manifest) -> np.ndarray:
+        """Another version's chunk map (files never change: read once per generation)."""
+        seen = self.__dict__.setdefault("_chunkmaps_seen", {})
+        cm = seen.get(m.chunkmap)
+        if cm is None:
+            if len(seen) >= 16:
+                seen.clear()
+            cm = seen[m.chunkmap] = self._disk.read_chunkmap(m.chunkmap, m.num_rows or int(self._meta["num_rows"]))
+        return cm
+
+    def _forget_chunk_file(self, c: int, g: int) -> None:
+        """Chunk file (c, g) changed in place: this handle's cached descriptors and block
+        checksums of it go (the next read reads its new directory)."""
+        self._disk._directories.pop((c, g), None)
+        reader = self._chunkrows
+        if reader is not None:
+            reader.forget([(c, g)])
+
     def _fold_elsewhere(
         self,
         proc: FoldProcess | None,
@@ -760,6 +863,15 @@ class Versioning:
             self._round_done.clear()
         try:
             newest = segs[-1].seq
+            folded_bytes = self._row_bytes * sum(
+                inplace.distinct_rows(c, segs, int(folded0[c])) for c in chunks.tolist())
+            # Chunk files only this version reads are folded in place first, under the writer
+            # lock (no flush publishes a version that reads them meanwhile); the others are
+            # written as new files of ``gen``, by the compaction process where there is one.
+            w0 = disk.bytes_written
+            in_place = self._fold_in_place(chunks, cmap, folded0, segs, share, gen)
+            written = disk.bytes_written - w0
+            chunks = np.setdiff1d(chunks, in_place)
             planned = len(chunks)
             if release:
                 self._flush_lock.release()
@@ -768,14 +880,17 @@ class Versioning:
             finally:
                 if release:
                     self._flush_lock.acquire()
+            w1 = disk.bytes_written  # (a flush may have written meanwhile: not the round's)
             chunks = self._fold_chunks(chunks, cmap, folded0, segs, gen, res)
-            if self._closed and not len(chunks) and planned:
+            if self._closed and not len(chunks) and planned and not len(in_place):
                 return False
+            new_files = chunks
+            chunks = np.union1d(chunks, in_place)
             folding = segs
             with self._lock:  # a flush may have added (or left out) segments meanwhile
                 segs = list(self._committed)
             new_cmap = cmap.copy()  # rounds never overlap: the chunk map is the snapshot's
-            new_cmap[chunks] = gen
+            new_cmap[new_files] = gen  # (a file folded in place keeps its name)
             folded = self._folded.copy()
             folded[chunks] = newest
             drop = 0
@@ -815,11 +930,15 @@ class Versioning:
                 self._rows.note_folded(chunks, self._chunk_rows, folded)
             self._below_token += 1  # same rows, but the folded segments are no longer read
             self._stats.compactions += 1
+            self._stats.chunks_folded_in_place += len(in_place)
+            self._stats.compaction_folded_bytes += folded_bytes
             # Reads planned from here on read the records this round folded from the new base
             # files; those planned before, without the lock, register before this epoch.
             ready = disk.pool.seal()
         # The kept versions that share the chunk files read the new ones too (sharing.py).
         self._repoint(share.members, old_gen, gen, folding, folded)
+        with self._lock:
+            self._stats.compaction_bytes_written += written + disk.bytes_written - w1
         if self._closed:
             return False  # the next open collects what this round replaced
         listed = disk.list_versions()  # (for both: nothing adds or drops a version meanwhile)
@@ -828,8 +947,8 @@ class Versioning:
         # The replaced chunk files and dropped segments are garbage once no kept version uses
         # them: collected now, round by round, so disk use stays near the table plus one round.
         # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
-        disk.pool.limit = len(chunks)  # the next round of the pass rewrites about as many files
-        replaced = [(c, g) for c, g in zip(chunks.tolist(), cmap[chunks].tolist()) if g]
+        disk.pool.limit = len(new_files)  # the next round of the pass rewrites about as many files
+        replaced = [(c, g) for c, g in zip(new_files.tolist(), cmap[new_files].tolist()) if g]
         if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen, listed)):
             self._apply_retention(collect=False)
             self._collect_garbage_locked(disk, at_open=False, pool=True)
