@@ -107,11 +107,13 @@ class FilePool:
     @contextmanager
     def folding(self) -> Iterator[None]:
         """No synchronous read of this process runs inside: waits for those running, holds new
-        ones off (caller holds no lock a reader may wait for: the store's lock is not held)."""
+        ones off (caller holds no lock a reader may wait for: the store's lock is not held).
+        Reads of the calling thread itself are not waited for: they are not running meanwhile."""
+        own = getattr(self._depth, "n", 0)
         with self._lock:
             self._folding = True
             self.inplace_seq += 1
-            while self._sync_reads:
+            while self._sync_reads > own:
                 self._changed.wait()
         try:
             yield

@@ -1334,6 +1334,7 @@ class TieredRows:
             cr = self._chunk_rows
             token = self._below_token
             compactions = self._stats.compactions
+            folds = self._disk.pool.inplace_seq if self._disk is not None else 0
             pinned = False
             if hot.resident:  # memory mode over a store on disk: whole chunks
                 chunks = idsets.unique(idx // cr)
@@ -1389,6 +1390,10 @@ class TieredRows:
                 if hot.resident:
                     return False
                 moved = self._moved_since(plan)
+                if self._disk.pool.moved_since(folds):
+                    # a compaction folded rows into base files in place meanwhile (inplace.py):
+                    # their generation tells nothing, so no row read from a base file is installed
+                    moved |= plan[2] < 0
             if hot.resident:
                 for c, recs in results:
                     self._stats.cold_reads += 1
