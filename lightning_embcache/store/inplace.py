@@ -38,7 +38,7 @@ import numpy as np
 
 from . import fileio
 from .blockcrc import BLOCK, first_bad_block
-from .disk import _CHUNK_HEAD, CHUNK_RE, Disk, Segment
+from .disk import _CHUNK_HEAD, Disk, Segment
 from .errors import CorruptStoreError, StoreError
 from .fileio import HEADER_SIZE, crc32, pack
 
@@ -210,6 +210,9 @@ def redo(disk: Disk, only: set[int] | None = None) -> int:
     if only is None and stale(disk, intent):
         drop_intent(disk, durable=True)
         return 0
+    listed, named = _on_disk(disk)
+    if not set(intent["segments"]) <= listed:
+        raise CorruptStoreError(disk.root / INTENT, "names segments that no version on disk lists")
     segs = []
     for seq in intent["segments"]:
         try:
@@ -222,10 +225,8 @@ def redo(disk: Disk, only: set[int] | None = None) -> int:
         for c, g, folded in intent["files"]:
             if only is not None and c not in only:
                 continue
-            if c >= disk.num_chunks or not CHUNK_RE.match(disk.chunk_path(c, g).name):
-                continue
-            if not disk.chunk_path(c, g).exists():
-                continue  # garbage since (no version reads it)
+            if c >= disk.num_chunks or (c, g) not in named or not disk.chunk_path(c, g).exists():
+                continue  # a file no version reads: nothing to redo
             rows, recs = newest_records(c, disk, segs, folded)
             if len(rows):
                 disk.bytes_written += fold_chunk(disk, c, g, rows, recs, verify=False, redo=True)
@@ -237,6 +238,22 @@ def redo(disk: Disk, only: set[int] | None = None) -> int:
             s.close()
     drop_intent(disk, durable=True)
     return len(done)
+
+
+def _on_disk(disk: Disk) -> tuple[set[int], set[tuple[int, int]]]:
+    """The segments the versions on disk list and the chunk files their chunk maps name."""
+    segs: set[int] = set()
+    files: set[tuple[int, int]] = set()
+    gens = set()
+    for v in disk.list_versions():
+        m = disk.read_manifest(v)
+        segs.update(m.segments)
+        if m.chunkmap and m.chunkmap not in gens:
+            gens.add(m.chunkmap)
+            cmap = disk.read_chunkmap(m.chunkmap, m.num_rows or disk.created_rows)
+            used = np.flatnonzero(cmap)
+            files.update(zip(used.tolist(), cmap[used].tolist()))
+    return segs, files
 
 
 def refuse_if_interrupted(disk: Disk, cmap: np.ndarray) -> None:

@@ -268,3 +268,18 @@ def test_reads_beside_folds_in_place_never_see_a_file_mid_change(tmp_path, monke
             t.join(30)
         assert s.stats().chunks_folded_in_place == N // CHUNK
     assert not errors, errors[:1]
+
+
+def test_an_intent_naming_segments_no_version_lists_is_refused(tmp_path):
+    """A crafted `FOLDING` (valid checksums) naming a segment no version lists would fold rows no
+    version has into a base file: the writable open refuses it by name and changes nothing."""
+    path = tmp_path / "s"
+    s, table = _filled(path)
+    files = sorted(p.name for p in (path / "chunks").iterdir())
+    before = {f: (path / "chunks" / f).read_bytes() for f in files}
+    inplace.write_intent(s._disk, 10**6, [(0, int(s._cmap[0]), 0)], [999_999])
+    s.close()
+    with pytest.raises(CorruptStoreError, match="FOLDING.*no version on disk lists"):
+        EmbeddingStore.open(path)
+    assert {f: (path / "chunks" / f).read_bytes() for f in files} == before
+    del table
