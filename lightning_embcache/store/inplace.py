@@ -127,7 +127,7 @@ def fold_chunk(
         else:
             crcs = disk.raw_chunk_checksums(chunk, gen, head).copy()
         data = np.empty(raw_len, np.uint8)
-        got = os.preadv(fd, [data], data_off)
+        got = os.preadv(fd, [memoryview(data)], data_off)  # type: ignore[arg-type]
         if got != raw_len:
             raise CorruptStoreError(path, f"truncated: wanted {raw_len} bytes at offset {data_off}, got {got}")
         disk.bytes_read += data_off + raw_len
@@ -138,7 +138,7 @@ def fold_chunk(
         table = data.reshape(n, rb)
         table[rows] = records
         touched = np.unique(np.concatenate([(rows * rb) // BLOCK, (rows * rb + rb - 1) // BLOCK]))
-        view = memoryview(data)
+        view = memoryview(data)  # type: ignore[arg-type]
         for b in touched.tolist():
             crcs[b] = crc32(view[b * BLOCK : (b + 1) * BLOCK])
         directory = _CHUNK_HEAD.pack(chunk, n, raw_len, 0) + crcs.tobytes()

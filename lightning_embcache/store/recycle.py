@@ -102,7 +102,7 @@ class FilePool:
 
     def moved_since(self, seq: int) -> bool:
         """Whether a chunk file may have changed in place since `inplace_seq` was ``seq``."""
-        return seq & 1 or self.inplace_seq != seq
+        return bool(seq & 1) or self.inplace_seq != seq
 
     @contextmanager
     def folding(self) -> Iterator[None]:
