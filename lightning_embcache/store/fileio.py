@@ -314,17 +314,23 @@ def _write_all(fd: int, data: bytes | memoryview, name: object, offset: int | No
     return done
 
 
-def overwrite(fd: int, data: bytes | memoryview, name: object, offset: int) -> int:
-    """Write ``data`` at ``offset`` of an existing file (compaction folding rows in place,
-    inplace.py): the one write that changes bytes a version may read, so the fault-injection
-    suite and the power-cut oracle see it as its own operation (``"overwrite"``: until the file is
-    synced, a power cut may keep each of its sectors old or new)."""
+def overwrite(fd: int, data: bytes | memoryview, name: object, ranges: list[tuple[int, int, int]]) -> int:
+    """Write the slices ``data[start:end]`` at file offsets ``offset`` (``ranges`` of ``(start,
+    end, offset)``) of an existing file: compaction folding rows in place (inplace.py), the one
+    write that changes bytes a version may read. The fault-injection suite and the power-cut
+    oracle see the batch as one operation, ``"overwrite"`` (until the file is synced, a power cut
+    may leave each of its sectors old or new)."""
     view = memoryview(data).cast("B")
     done = 0
-    while done < len(view):
-        _before("overwrite", name)
-        done += os.pwrite(fd, view[done:], offset + done)
-        _after("overwrite", name)
+    pwrite = os.pwrite
+    _before("overwrite", name)
+    for start, end, offset in ranges:
+        while start < end:
+            n = pwrite(fd, view[start:end], offset)
+            start += n
+            offset += n
+            done += n
+    _after("overwrite", name)
     return done
 
 
