@@ -899,6 +899,8 @@ class Versioning:
                     break
                 drop += 1
             remaining = segs[drop:]
+            if self._damage is not None:
+                return False  # fail-stop: a damaged file was met meanwhile, nothing more is written
             disk.write_chunkmap(gen, new_cmap, folded)
             version = self._version
             m = self._publish_layout(gen, remaining)
@@ -939,7 +941,7 @@ class Versioning:
         self._repoint(share.members, old_gen, gen, folding, folded)
         with self._lock:
             self._stats.compaction_bytes_written += written + disk.bytes_written - w1
-        if self._closed:
+        if self._closed or self._damage is not None:
             return False  # the next open collects what this round replaced
         listed = disk.list_versions()  # (for both: nothing adds or drops a version meanwhile)
         self._refresh_sharing(listed)
