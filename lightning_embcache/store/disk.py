@@ -3,13 +3,15 @@
     META                     immutable table description (rows, schema, chunking, init)
     manifest-<version>       one per retained version: chunk map generation + segment list
     chunkmap-<gen>           per chunk, the generation of its base file (0 = never written)
-    chunks/c<chunk>-g<gen>   immutable base chunk (raw, LZ4, or sparse: only the rows ever written)
+    chunks/c<chunk>-g<gen>   base chunk (raw, LZ4, or sparse: only the rows ever written); a raw one
+                             only the writer's version reads is folded in place (inplace.py)
     segments/s<seq>          immutable delta segment: the rows one flush (or one write-back) wrote
     PINS                     versions that must never be reclaimed (checkpoints)
     LOCK                     the writer's flock
 
 A flush writes one segment (O(dirty rows)) and one small manifest; background compaction folds
-segments into new base chunk files. Every file is checksummed; every replacement is atomic.
+segments into base chunk files (new ones, or in place: inplace.py). Every file is checksummed;
+every replacement is atomic.
 """
 
 from __future__ import annotations
@@ -631,8 +633,8 @@ class Disk:
         4 KiB blocks that hold them; None for an LZ4 or sparse chunk (read it whole: `read_chunk`).
 
         The per-miss path of random access to a table larger than RAM: one pread per row after the
-        chunk's checksummed directory, which is read and verified once and then kept (files are
-        never modified; a few bytes per block).
+        chunk's checksummed directory, which is read and verified once and then kept (a few bytes
+        per block; dropped when compaction folds the file in place: `Versioning._forget_chunk_file`).
         """
         epoch = self.pool.begin_read()
         try:

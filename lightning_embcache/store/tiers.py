@@ -1092,8 +1092,9 @@ class TieredRows:
     def _layout_of(self, chunk: int) -> tuple[int, tuple]:
         """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =
         never written) and its newest delta records (ids, segment numbers, positions, segments).
-        Files are immutable, so this snapshot can be read without the lock (caller holds it while
-        taking the snapshot)."""
+        Segments never change and a base file changes (folded in place, inplace.py) only in rows
+        newer records of this snapshot's segments hold, so it can be read without the lock (caller
+        holds it while taking the snapshot)."""
         gen = int(self._cmap[chunk]) if self._disk is not None else 0
         rows = self._rows
         if rows is None or not len(rows):
