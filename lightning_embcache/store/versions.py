@@ -603,8 +603,8 @@ class Versioning:
             cand = np.asarray([c for c in cand.tolist() if inplace.is_raw(disk, c, int(cmap[c]))], np.int64)
             if not len(cand):
                 return none
-            inplace.write_intent(disk, gen, [(c, int(cmap[c]), int(folded0[c])) for c in cand.tolist()],
-                                 [s.seq for s in segs])
+            disk.compaction_bytes_written += inplace.write_intent(
+                disk, gen, [(c, int(cmap[c]), int(folded0[c])) for c in cand.tolist()], [s.seq for s in segs])
             done: list[int] = []
             names: list[str] = []
             c = -1
@@ -613,7 +613,9 @@ class Versioning:
                     g = int(cmap[c])
                     rows, recs = inplace.newest_records(c, disk, segs, int(folded0[c]))  # (segment reads: outside)
                     with disk.pool.folding():
-                        disk.bytes_written += inplace.fold_chunk(disk, c, g, rows, recs, verify=g < self._own_gens_from)
+                        n = inplace.fold_chunk(disk, c, g, rows, recs, verify=g < self._own_gens_from)
+                        disk.bytes_written += n
+                        disk.compaction_bytes_written += n
                         self._forget_chunk_file(c, g)
                     done.append(c)
                     names.append(disk.chunk_path(c, g).name)
@@ -709,6 +711,7 @@ class Versioning:
             if res["ok"]:
                 disk.bytes_read += res["bytes_read"]
                 disk.bytes_written += res["bytes_written"]
+                disk.compaction_bytes_written += res["bytes_written"]
                 disk.segment_reads[0] += res["segment_reads"]
                 with self._lock:
                     self._stats.compaction_process_chunks += len(res["done"])
@@ -868,9 +871,8 @@ class Versioning:
             # Chunk files only this version reads are folded in place first, under the writer
             # lock (no flush publishes a version that reads them meanwhile); the others are
             # written as new files of ``gen``, by the compaction process where there is one.
-            w0 = disk.bytes_written
+            written0 = disk.compaction_bytes_written
             in_place = self._fold_in_place(chunks, cmap, folded0, segs, share, gen)
-            written = disk.bytes_written - w0
             chunks = np.setdiff1d(chunks, in_place)
             planned = len(chunks)
             if release:
@@ -880,7 +882,6 @@ class Versioning:
             finally:
                 if release:
                     self._flush_lock.acquire()
-            w1 = disk.bytes_written  # (a flush may have written meanwhile: not the round's)
             chunks = self._fold_chunks(chunks, cmap, folded0, segs, gen, res)
             if self._closed and not len(chunks) and planned and not len(in_place):
                 return False
@@ -940,7 +941,7 @@ class Versioning:
         # The kept versions that share the chunk files read the new ones too (sharing.py).
         self._repoint(share.members, old_gen, gen, folding, folded)
         with self._lock:
-            self._stats.compaction_bytes_written += written + disk.bytes_written - w1
+            self._stats.compaction_bytes_written += disk.compaction_bytes_written - written0
         if self._closed or self._damage is not None:
             return False  # the next open collects what this round replaced
         listed = disk.list_versions()  # (for both: nothing adds or drops a version meanwhile)
@@ -971,7 +972,8 @@ class Versioning:
                 m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version), self._num_rows)
             else:
                 m = Manifest(self._max_version + 1, gen, segs, version, num_rows=self._num_rows)
-            disk.write_manifest(m)  # the commit point: old layout or new, the same rows
+            # the commit point: old layout or new, the same rows
+            disk.compaction_bytes_written += disk.write_manifest(m)
         finally:
             disk.unlock_reader(alone)
         return m
@@ -1078,7 +1080,8 @@ class Versioning:
                         break
                     lead += 1
                 new = Manifest(v, gen, m.segments[lead:], m.parent, m.ident or disk.manifest_checksum(v), m.num_rows)
-                disk.write_manifest(new)  # the commit point of this version's new layout
+                # the commit point of this version's new layout
+                disk.compaction_bytes_written += disk.write_manifest(new)
                 self._manifests_seen[v] = new
             finally:
                 disk.unlock_reader(alone)
