@@ -567,7 +567,7 @@ class Versioning:
 
     def _fold_in_place(
         self, chunks: np.ndarray, cmap: np.ndarray, folded0: np.ndarray, segs: list[Segment],
-        share: sharing.Sharing, gen: int,
+        share: sharing.Sharing, gen: int, yielding: bool = False,
     ) -> np.ndarray:
         """Fold those of ``chunks`` whose base file may change in place (inplace.py) and return
         them: dense raw files that no version on disk reads but the writer's and the pinned
@@ -575,7 +575,12 @@ class Versioning:
         rows stay the same), while no read-only handle holds any of those versions (their
         reader locks are held exclusively meanwhile: a handle opening one waits). Each file
         changes while no read of this process runs (`FilePool.folding`); the files are durable
-        before the intent goes. Caller holds the writer lock."""
+        before the intent goes. Caller holds the writer lock.
+
+        ``yielding`` (a background round, whose caller holds the writer lock once): between two
+        chunks a waiting flush goes first. Its new version reads the same files, which are whole
+        between two chunks; the round then holds that version's reader lock too before it goes
+        on, or, where a read-only handle opened it meanwhile, writes the rest as new files."""
         disk = self._disk
         none = np.zeros(0, np.int64)
         cand = chunks[cmap[chunks] > 0] if FOLD_IN_PLACE else none
@@ -610,6 +615,8 @@ class Versioning:
             c = -1
             try:
                 for c in cand.tolist():
+                    if yielding and self._flush_waiting and not self._let_flush_in(locks, listed):
+                        break
                     g = int(cmap[c])
                     rows, recs = inplace.newest_records(c, disk, segs, int(folded0[c]))  # (segment reads: outside)
                     with disk.pool.folding():
@@ -639,10 +646,34 @@ class Versioning:
                     pass
                 raise
             inplace.drop_intent(disk)
-            return cand
+            return np.asarray(done, np.int64)
         finally:
             for lk in locks:
                 disk.unlock_reader(lk)
+
+    def _let_flush_in(self, locks: list[int], listed: list[int]) -> bool:
+        """Let go of the writer lock until the flushes waiting for it got it and are done, then
+        hold the reader locks of the versions they published (added to ``locks``; ``listed``:
+        the versions on disk before, updated). False where a read-only handle holds one of them,
+        or the store closes: the caller stops folding in place."""
+        self._flush_lock.release()
+        try:
+            with self._lock:
+                while self._flush_waiting and not self._closed:
+                    self._no_flush_waiting.wait(0.1)
+        finally:
+            self._flush_lock.acquire()
+        if self._closed:
+            return False
+        now = self._disk.list_versions()
+        for v in now:
+            if v not in listed:  # published meanwhile: reads the files being folded
+                lk = self._disk.lock_version_alone(v)
+                if lk is None:
+                    return False
+                locks.append(lk)
+                listed.append(v)
+        return True
 
     def _chunkmap_of(self, m: Manifest) -> np.ndarray:
         """Another version's chunk map (files never change: read once per generation)."""
@@ -861,7 +892,7 @@ class Versioning:
             self._writing_gens.add(gen)
         proc = self._fold_process()
         release = unlocked and proc is not None
-        if release:
+        if unlocked:  # the writer lock may be let go of meanwhile: the process folds, or a flush goes first
             self._round_thread = threading.get_ident()
             self._round_done.clear()
         try:
@@ -872,7 +903,7 @@ class Versioning:
             # lock (no flush publishes a version that reads them meanwhile); the others are
             # written as new files of ``gen``, by the compaction process where there is one.
             written0 = disk.compaction_bytes_written
-            in_place = self._fold_in_place(chunks, cmap, folded0, segs, share, gen)
+            in_place = self._fold_in_place(chunks, cmap, folded0, segs, share, gen, yielding=unlocked)
             chunks = np.setdiff1d(chunks, in_place)
             planned = len(chunks)
             if release:
@@ -908,7 +939,7 @@ class Versioning:
         finally:
             with self._lock:
                 self._writing_gens.discard(gen)
-            if release:
+            if unlocked:
                 self._round_thread = None
                 self._round_done.set()
         if m.version >= self._max_version:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -336,3 +337,53 @@ def test_a_write_that_fails_half_way_through_a_fold_is_redone_at_once(tmp_path):
     with EmbeddingStore.open(path, readonly=True) as again:
         assert_bitwise_equal(again.get(torch.arange(N)), table, "rows after reopening")
     assert verify_store(path).ok
+
+
+def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path):
+    """A flush that asks for the writer lock while a background round folds in place goes in at
+    the next chunk boundary, not after the round; the round then holds the new version's reader
+    lock and folds the rest in place. Every row is right after both."""
+    rng = np.random.default_rng(9)
+    s, table = _filled(tmp_path / "s")
+    s.close()
+    with EmbeddingStore.open(tmp_path / "s") as s:
+        _spread_update(s, table, rng)
+        s.flush()
+        flushed: list = []
+        state = {"n": 0, "flush_done_at": None}
+
+        def flush_now() -> None:
+            _spread_update(s, table, rng, share=0.01)
+            flushed.append(s.flush())
+
+        class _FlushMidRound:
+            def before(self, op, name) -> None:
+                if op == "overwrite":
+                    state["n"] += 1
+                    if state["n"] == 3:
+                        t = threading.Thread(target=flush_now)
+                        t.start()
+                        state["thread"] = t
+                        deadline = time.monotonic() + 10
+                        while not s._flush_waiting and time.monotonic() < deadline:
+                            time.sleep(0.001)
+                    elif flushed and state["flush_done_at"] is None:
+                        state["flush_done_at"] = state["n"]
+
+            def after(self, op, name) -> None:
+                pass
+
+        fileio.FAULTS = _FlushMidRound()
+        try:
+            with s._flush_lock:  # as the background pass calls it: the writer lock held once
+                s._compact_round(everything=True, unlocked=True)
+        finally:
+            fileio.FAULTS = None
+        state["thread"].join(10)
+        assert flushed and state["flush_done_at"] is not None and state["flush_done_at"] < 2 * (N // CHUNK)
+        assert s.stats().chunks_folded_in_place == N // CHUNK
+        assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after the round")
+    with EmbeddingStore.open(tmp_path / "s", readonly=True) as again:
+        assert again.version == flushed[0]
+        assert_bitwise_equal(again.get(torch.arange(N)), table, "rows after reopening")
+    assert verify_store(tmp_path / "s").ok
