@@ -615,8 +615,11 @@ class Versioning:
             c = -1
             try:
                 for c in cand.tolist():
-                    if yielding and self._flush_waiting and not self._let_flush_in(locks, listed):
-                        break
+                    if yielding and self._flush_waiting:
+                        if names:  # the flush's manifest names these files: durable first
+                            fileio.sync_written(disk._chunks_fd, names, disk.root / "chunks")
+                        if not self._let_flush_in(locks, listed):
+                            break
                     g = int(cmap[c])
                     rows, recs = inplace.newest_records(c, disk, segs, int(folded0[c]))  # (segment reads: outside)
                     with disk.pool.folding():
