@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from _durability import PowerCutOracle
 from _store_helpers import assert_bitwise_equal
 
 from lightning_embcache import EmbeddingStore, StoreError
@@ -339,10 +340,11 @@ def test_a_write_that_fails_half_way_through_a_fold_is_redone_at_once(tmp_path):
     assert verify_store(path).ok
 
 
-def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path):
+def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path, monkeypatch):
     """A flush that asks for the writer lock while a background round folds in place goes in at
     the next chunk boundary, not after the round; the round then holds the new version's reader
-    lock and folds the rest in place. Every row is right after both."""
+    lock and folds the rest in place. Every row is right after both, and the flush's manifest
+    names only durable files (the power-cut oracle)."""
     rng = np.random.default_rng(9)
     s, table = _filled(tmp_path / "s")
     s.close()
@@ -356,8 +358,9 @@ def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path)
             _spread_update(s, table, rng, share=0.01)
             flushed.append(s.flush())
 
-        class _FlushMidRound:
+        class _FlushMidRound(PowerCutOracle):
             def before(self, op, name) -> None:
+                super().before(op, name)
                 if op == "overwrite":
                     state["n"] += 1
                     if state["n"] == 3:
@@ -370,10 +373,9 @@ def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path)
                     elif flushed and state["flush_done_at"] is None:
                         state["flush_done_at"] = state["n"]
 
-            def after(self, op, name) -> None:
-                pass
-
-        fileio.FAULTS = _FlushMidRound()
+        oracle = _FlushMidRound(tmp_path / "s")
+        oracle.patch(monkeypatch)
+        fileio.FAULTS = oracle
         try:
             with s._flush_lock:  # as the background pass calls it: the writer lock held once
                 s._compact_round(everything=True, unlocked=True)
@@ -382,6 +384,7 @@ def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path)
         state["thread"].join(10)
         assert flushed and state["flush_done_at"] is not None and state["flush_done_at"] < 2 * (N // CHUNK)
         assert s.stats().chunks_folded_in_place == N // CHUNK
+        assert oracle.commits >= 2 and oracle.violations == [], oracle.violations[:3]
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after the round")
     with EmbeddingStore.open(tmp_path / "s", readonly=True) as again:
         assert again.version == flushed[0]
