@@ -281,6 +281,23 @@ def sync_written(dir_fd: int, names: list[str], path: object) -> None:
         raise io_error(exc, "syncing", path) from exc
 
 
+def fsync_files(dir_fd: int, names: list[str], folder: Path) -> None:
+    """``fsync`` each of the files ``names`` in folder ``dir_fd`` (``folder``: its path), whose
+    names are durable already: a few files changed in place (inplace.py), where a ``syncfs``
+    would wait for every other writer of the file system too."""
+    for name in names:
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            raise io_error(exc, "syncing", folder / name) from exc
+        try:
+            fsync(fd, folder / name)
+        except OSError as exc:
+            raise io_error(exc, "syncing", folder / name) from exc
+        finally:
+            os.close(fd)
+
+
 def unlink(name: str, dir_fd: int | None, path: object = None) -> None:
     """Delete ``name`` (in ``dir_fd``); deleting a symlink removes the link, never its target."""
     _before("unlink", path or name)

@@ -612,12 +612,14 @@ class Versioning:
                 disk, gen, [(c, int(cmap[c]), int(folded0[c])) for c in cand.tolist()], [s.seq for s in segs])
             done: list[int] = []
             names: list[str] = []
+            unsynced: list[str] = []
             c = -1
             try:
                 for c in cand.tolist():
                     if yielding and self._flush_waiting:
-                        if names:  # the flush's manifest names these files: durable first
-                            fileio.sync_written(disk._chunks_fd, names, disk.root / "chunks")
+                        if unsynced:  # the flush's manifest names these files: durable first
+                            fileio.fsync_files(disk._chunks_fd, unsynced, disk.root / "chunks")
+                            unsynced.clear()
                         if not self._let_flush_in(locks, listed):
                             break
                     g = int(cmap[c])
@@ -629,8 +631,9 @@ class Versioning:
                         self._forget_chunk_file(c, g)
                     done.append(c)
                     names.append(disk.chunk_path(c, g).name)
-                if names:
-                    fileio.sync_written(disk._chunks_fd, names, disk.root / "chunks")
+                    unsynced.append(names[-1])
+                if unsynced:
+                    fileio.sync_written(disk._chunks_fd, unsynced, disk.root / "chunks")
             except CorruptStoreError:
                 # raised before that chunk's first write: the files folded so far are whole
                 if names:
