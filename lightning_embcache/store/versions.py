@@ -99,6 +99,7 @@ class Versioning:
     _disk: Any
     _row_thread: int  # the thread of the latest get/update (EmbeddingStore._waited)
     _damage: CorruptStoreError | None = None  # the first damaged file met: background work stops (fail-stop)
+    _awaiting_round = 0  # of the flushes waiting, those waiting for the background round to end (`_await_round`)
     _grown_unflushed = False  # grown since the last flush: no compaction round until it publishes the size
 
     # ------------------------------------------------------------------ flush and versions
@@ -616,7 +617,7 @@ class Versioning:
             c = -1
             try:
                 for c in cand.tolist():
-                    if yielding and self._flush_waiting:
+                    if yielding and self._flushes_to_let_in():
                         if unsynced:  # the flush's manifest names these files: durable first
                             fileio.fsync_files(disk._chunks_fd, unsynced, disk.root / "chunks")
                             unsynced.clear()
@@ -665,8 +666,8 @@ class Versioning:
         self._flush_lock.release()
         try:
             with self._lock:
-                while self._flush_waiting and not self._closed:
-                    self._no_flush_waiting.wait(0.1)
+                while self._flushes_to_let_in() and not self._closed:
+                    self._no_flush_waiting.wait(0.01)
         finally:
             self._flush_lock.acquire()
         if self._closed:
@@ -826,6 +827,7 @@ class Versioning:
         # caller got in: each round would otherwise start while this thread waits to be scheduled.
         with self._lock:
             self._flush_waiting += 1
+            self._awaiting_round += 1  # (a round folding in place does not let it in: `_flushes_to_let_in`)
         try:
             while self._round_thread not in (None, me):
                 self._flush_lock.release()
@@ -834,7 +836,13 @@ class Versioning:
                 finally:
                     self._flush_lock.acquire()
         finally:
+            with self._lock:
+                self._awaiting_round -= 1
             self._flush_done_waiting()
+
+    def _flushes_to_let_in(self) -> bool:
+        """Whether a flush waits for the writer lock that does not wait for the round itself."""
+        return self._flush_waiting > self._awaiting_round
 
     def _flush_done_waiting(self) -> None:
         with self._lock:
