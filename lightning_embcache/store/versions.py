@@ -65,6 +65,10 @@ PUNCH_FROM = 0.3
 # A round folds a dense raw chunk file that no other version reads in place (inplace.py): it
 # writes the changed rows, not the chunk. False: every fold writes a new file (tests compare).
 FOLD_IN_PLACE = True
+# A round folding in place lets a waiting flush in once it has folded for this long since it
+# began or last did: each time costs an fsync of the files folded since and a pass of the lock
+# back and forth, which a flush waiting at every chunk (flushes back to back) would pay per chunk.
+YIELD_AFTER_S = 0.05
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
@@ -615,14 +619,16 @@ class Versioning:
             names: list[str] = []
             unsynced: list[str] = []
             c = -1
+            since = time.monotonic()
             try:
                 for c in cand.tolist():
-                    if yielding and self._flushes_to_let_in():
+                    if yielding and self._flushes_to_let_in() and time.monotonic() - since >= YIELD_AFTER_S:
                         if unsynced:  # the flush's manifest names these files: durable first
                             fileio.fsync_files(disk._chunks_fd, unsynced, disk.root / "chunks")
                             unsynced.clear()
                         if not self._let_flush_in(locks, listed):
                             break
+                        since = time.monotonic()
                     g = int(cmap[c])
                     rows, recs = inplace.newest_records(c, disk, segs, int(folded0[c]))  # (segment reads: outside)
                     with disk.pool.folding():

@@ -345,6 +345,7 @@ def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path,
     the next chunk boundary, not after the round; the round then holds the new version's reader
     lock and folds the rest in place. Every row is right after both, and the flush's manifest
     names only durable files (the power-cut oracle)."""
+    monkeypatch.setattr(versions, "YIELD_AFTER_S", 0.0)  # at the first chunk boundary it sees
     rng = np.random.default_rng(9)
     s, table = _filled(tmp_path / "s")
     s.close()
