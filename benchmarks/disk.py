@@ -379,7 +379,10 @@ def _space(cfg: dict) -> dict:
         k = int(n * cfg["flush_frac"])
         # "random": each flush rewrites other rows; "hotset": the same rows every time (a hot set)
         fixed = torch.from_numpy(np.sort(rng.choice(n, k, replace=False))) if cfg.get("pattern") == "hotset" else None
-        written0 = s.stats().bytes_written
+        st0 = s.stats()
+        written0 = st0.bytes_written
+        # (getattr: --store-rev runs this module inside older packages, which count neither)
+        pass0 = getattr(st0, "compaction_bytes_written", 0), getattr(st0, "compaction_folded_bytes", 0)
         t_all = time.perf_counter()
         for i in range(cfg["flushes"]):
             ids = fixed if fixed is not None else torch.from_numpy(np.sort(rng.choice(n, k, replace=False)))
@@ -403,7 +406,12 @@ def _space(cfg: dict) -> dict:
     # inside older packages)
     disk = sum(min(fs.st_size, fs.st_blocks * 512) for p in wd.rglob("*") if p.is_file() and (fs := p.stat()))
     flushed = cfg["flushes"] * k * dim * 4
+    folded = getattr(st, "compaction_folded_bytes", 0) - pass0[1]
+    # compaction's own writes (chunk files, chunk maps, manifests) over the bytes of the rows it folded
+    per_folded = (getattr(st, "compaction_bytes_written", 0) - pass0[0]) / folded if folded else float("nan")
     return {"phase": "space", "system": "store", "pattern": cfg.get("pattern", "random"),
+            "compaction_written_per_folded": per_folded,
+            "chunks_folded_in_place": getattr(st, "chunks_folded_in_place", 0),
             "ratio_after_each_flush": ratios, "max_ratio": max(ratios),
             "final_ratio_after_close": disk / table, "close_s": close_s, "flush_s_median": statistics.median(flush_s),
             "flush_s_max": max(flush_s), "written_per_flushed": (st.bytes_written - written0) / flushed,
@@ -654,7 +662,8 @@ def main(argv=None) -> int:
                     print(f"  rep {rep} space {pattern:6s} {system:14s}: max disk/table {res['max_ratio']:.2f}x over "
                           f"{cfg['flushes']} flushes of {cfg['flush_frac']:.0%}; after close "
                           f"{res['final_ratio_after_close']:.2f}x; close {res['close_s']:.2f} s; written "
-                          f"{res.get('written_per_flushed', float('nan')):.2f}x the flushed bytes in "
+                          f"{res.get('written_per_flushed', float('nan')):.2f}x the flushed bytes (compaction "
+                          f"{res.get('compaction_written_per_folded', float('nan')):.2f}x the rows it folded) in "
                           f"{res.get('seconds_with_background_work', float('nan')):.2f} s", flush=True)
     finally:
         if own:
@@ -710,11 +719,15 @@ def main(argv=None) -> int:
         if r.get("phase") == "space":
             key = f"space-{r['pattern']}/{r['system']}"
             keys = ("max_ratio", "final_ratio_after_close", "close_s", "written_per_flushed",
-                    "seconds_with_background_work", "flush_s_median", "flush_s_max")
+                    "compaction_written_per_folded", "seconds_with_background_work", "flush_s_median",
+                    "flush_s_max")
             rs = [q for q in runs if q.get("phase") == "space" and f"space-{q['pattern']}/{q['system']}" == key]
+            keys = tuple(k for k in keys if all(k in q for q in rs))  # a --store-rev run may predate some
             summary[key] = {k: statistics.median([q[k] for q in rs]) for k in keys}
             summary[key].update({f"{k}_all": [q[k] for q in rs] for k in ("max_ratio", "written_per_flushed",
-                                                                          "seconds_with_background_work")})
+                                                                          "compaction_written_per_folded",
+                                                                          "seconds_with_background_work")
+                                 if k in keys})
     print(json.dumps(summary, indent=1))
     result = {"command": "embcache bench disk " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": cfg, "host": {"cpus": os.cpu_count(), "python": platform.python_version(),

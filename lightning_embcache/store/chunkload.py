@@ -43,6 +43,7 @@ class Load:
     head: np.ndarray  # header and directory
     fd: int
     epoch: int
+    seq: int = 0  # the file pool's `inplace_seq` when the load began (a fold in place since: unusable)
     left: int = 2  # reads not completed yet
     ok: bool = True  # every read got all its bytes
 
@@ -100,14 +101,15 @@ class ChunkLoader:
                 flat = warm.reserve(c, disk.chunk_rows_of(c) * disk.row_bytes)
                 if flat is None:
                     break  # no room without dropping chunks in use: nor for the ones after it
-                epoch = disk.pool.begin_read()  # before the open: a file pooled since is not found
+                epoch = disk.pool.begin_async_read()  # before the open: a file pooled since is not found
+                seq = disk.pool.inplace_seq  # a fold in place meanwhile makes the load useless
                 try:
                     fd = os.open(_chunk_name(c, g), _OPEN_FLAGS, dir_fd=disk._chunks_fd)
                 except OSError:  # replaced by a compaction meanwhile: the miss reads the new file
-                    disk.pool.end_read(epoch)
+                    disk.pool.end_async_read(epoch)
                     warm.unreserve(c)
                     continue
-                new.append(Load(c, g, flat, np.empty(disk.raw_chunk_data_offset(c), np.uint8), fd, epoch))
+                new.append(Load(c, g, flat, np.empty(disk.raw_chunk_data_offset(c), np.uint8), fd, epoch, seq))
         finally:
             if new:
                 self._submit(new)
@@ -164,7 +166,7 @@ class ChunkLoader:
     def _finish(self, ld: Load) -> None:
         del self._loads[ld.chunk]
         os.close(ld.fd)
-        self._disk.pool.end_read(ld.epoch)
+        self._disk.pool.end_async_read(ld.epoch)
         self._disk.bytes_read += len(ld.head) + len(ld.flat)
 
     def cancel(self) -> None:

@@ -1,7 +1,9 @@
 """Rows of base chunk files for a whole batch of misses, through long-lived descriptors.
 
 A raw base chunk (kind ``chunkraw``) is ``header | directory (a crc32 per 4 KiB block) | records``
-and never changes once written. Its descriptor and block checksums are kept after the first read
+and changes only when compaction folds rows into it in place (inplace.py: no read of this
+process runs meanwhile, and `forget` drops what is kept of it). Its descriptor and block
+checksums are kept after the first read
 (no ``open``/``close`` per read), a batch's rows are grouped by file and offset, adjacent rows
 are read with one ``preadv`` straight into the output, and verification stays per 4 KiB block:
 a block's checksum is checked the first time a row in it is read through this handle, and a flag
@@ -142,7 +144,7 @@ class ChunkRows:
     def _open(self, chunk: int, gen: int) -> None:
         disk = self.disk
         if self._fd[chunk] == -1 and self._gen[chunk] == gen and chunk in self._crcs:
-            # Closed by `_trim` and wanted again: the same immutable file, whose header and block
+            # Closed by `_trim` and wanted again: the same file (a fold in place `forget`s it), whose header and block
             # checksums this handle already read and checked. One openat, no re-reading: a table
             # of more chunk files than the descriptor bound reopens files on most misses.
             try:

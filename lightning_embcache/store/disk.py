@@ -3,13 +3,15 @@
     META                     immutable table description (rows, schema, chunking, init)
     manifest-<version>       one per retained version: chunk map generation + segment list
     chunkmap-<gen>           per chunk, the generation of its base file (0 = never written)
-    chunks/c<chunk>-g<gen>   immutable base chunk (raw, LZ4, or sparse: only the rows ever written)
+    chunks/c<chunk>-g<gen>   base chunk (raw, LZ4, or sparse: only the rows ever written); a raw one
+                             only the writer's version reads is folded in place (inplace.py)
     segments/s<seq>          immutable delta segment: the rows one flush (or one write-back) wrote
     PINS                     versions that must never be reclaimed (checkpoints)
     LOCK                     the writer's flock
 
 A flush writes one segment (O(dirty rows)) and one small manifest; background compaction folds
-segments into new base chunk files. Every file is checksummed; every replacement is atomic.
+segments into base chunk files (new ones, or in place: inplace.py). Every file is checksummed;
+every replacement is atomic.
 """
 
 from __future__ import annotations
@@ -229,6 +231,9 @@ class Disk:
         self.row_bytes = row_bytes
         self.num_chunks = (num_rows + chunk_rows - 1) // chunk_rows
         self.bytes_written = 0
+        # of that, by compaction: chunk files and chunk maps here, the rest counted by the rounds
+        # (write-back of evicted rows writes segments meanwhile: not compaction's)
+        self.compaction_bytes_written = 0
         self.write_back_seconds = 0.0  # segments written with durable=False (evicted, cleaned rows)
         self.bytes_read = 0  # of chunk files and segment directories; see total_bytes_read
         self.segment_reads = [0]  # bytes of segment records, counted by the segments themselves
@@ -523,8 +528,10 @@ class Disk:
             return None
         return fd
 
-    def write_manifest(self, m: Manifest) -> None:
-        self.bytes_written += self._write(self.manifest_path(m.version), b"manifest", m.to_bytes())
+    def write_manifest(self, m: Manifest) -> int:
+        n = self._write(self.manifest_path(m.version), b"manifest", m.to_bytes())
+        self.bytes_written += n
+        return n
 
     # ---- chunk map ---------------------------------------------------------------------------
     def read_chunkmap(self, gen: int, num_rows: int = 0) -> np.ndarray:
@@ -554,7 +561,9 @@ class Disk:
         payload = cmap.astype(np.int32).tobytes()
         if folded is not None:
             payload += folded.astype(np.int64).tobytes()
-        self.bytes_written += self._write(self.chunkmap_path(gen), b"chunkmap", payload)
+        n = self._write(self.chunkmap_path(gen), b"chunkmap", payload)
+        self.bytes_written += n
+        self.compaction_bytes_written += n
 
     # ---- base chunks -------------------------------------------------------------------------
     def chunk_rows_of(self, chunk: int) -> int:
@@ -639,8 +648,8 @@ class Disk:
         4 KiB blocks that hold them; None for an LZ4 or sparse chunk (read it whole: `read_chunk`).
 
         The per-miss path of random access to a table larger than RAM: one pread per row after the
-        chunk's checksummed directory, which is read and verified once and then kept (files are
-        never modified; a few bytes per block).
+        chunk's checksummed directory, which is read and verified once and then kept (a few bytes
+        per block; dropped when compaction folds the file in place: `Versioning._forget_chunk_file`).
         """
         epoch = self.pool.begin_read()
         try:
@@ -746,9 +755,10 @@ class Disk:
     def _write_chunk_file(self, chunk: int, gen: int, parts: list, durable: bool) -> None:
         """Create chunk file ``(chunk, gen)`` from ``parts``, overwriting a pooled replaced file
         where one may be reused (recycle.py)."""
-        self.bytes_written += write_parts(
-            self.chunk_path(chunk, gen), parts, dir_fd=self._chunks_fd, durable=durable, reuse=self.pool.take()
-        )
+        n = write_parts(self.chunk_path(chunk, gen), parts, dir_fd=self._chunks_fd, durable=durable,
+                        reuse=self.pool.take())
+        self.bytes_written += n
+        self.compaction_bytes_written += n
 
     def sync_chunks(self, chunks: list[int], gen: int) -> None:
         """Make chunk files written with ``durable=False`` durable (before a manifest names them)."""

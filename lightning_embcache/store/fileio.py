@@ -281,6 +281,23 @@ def sync_written(dir_fd: int, names: list[str], path: object) -> None:
         raise io_error(exc, "syncing", path) from exc
 
 
+def fsync_files(dir_fd: int, names: list[str], folder: Path) -> None:
+    """``fsync`` each of the files ``names`` in folder ``dir_fd`` (``folder``: its path), whose
+    names are durable already: a few files changed in place (inplace.py), where a ``syncfs``
+    would wait for every other writer of the file system too."""
+    for name in names:
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            raise io_error(exc, "syncing", folder / name) from exc
+        try:
+            fsync(fd, folder / name)
+        except OSError as exc:
+            raise io_error(exc, "syncing", folder / name) from exc
+        finally:
+            os.close(fd)
+
+
 def unlink(name: str, dir_fd: int | None, path: object = None) -> None:
     """Delete ``name`` (in ``dir_fd``); deleting a symlink removes the link, never its target."""
     _before("unlink", path or name)
@@ -311,6 +328,26 @@ def _write_all(fd: int, data: bytes | memoryview, name: object, offset: int | No
         else:
             done += os.pwrite(fd, view[done:], offset + done)
         _after("write", name)
+    return done
+
+
+def overwrite(fd: int, data: bytes | memoryview, name: object, ranges: list[tuple[int, int, int]]) -> int:
+    """Write the slices ``data[start:end]`` at file offsets ``offset`` (``ranges`` of ``(start,
+    end, offset)``) of an existing file: compaction folding rows in place (inplace.py), the one
+    write that changes bytes a version may read. The fault-injection suite and the power-cut
+    oracle see the batch as one operation, ``"overwrite"`` (until the file is synced, a power cut
+    may leave each of its sectors old or new)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    pwrite = os.pwrite
+    _before("overwrite", name)
+    for start, end, offset in ranges:
+        while start < end:
+            n = pwrite(fd, view[start:end], offset)
+            start += n
+            offset += n
+            done += n
+    _after("overwrite", name)
     return done
 
 

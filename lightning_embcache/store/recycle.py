@@ -13,6 +13,12 @@ and a pooled file is overwritten only once every read of this process that could
 has ended: each read of a chunk file registers the epoch it began in (`begin_read`), the store
 drops its cached descriptors of the files it pools, then `seal` starts a new epoch; an entry is
 reused once no read that began before its seal is still running (epoch-based reclamation).
+
+The same registry keeps reads away from a chunk file that compaction folds in place (inplace.py):
+`folding` waits until the synchronous reads of this process have ended, lets none begin while
+the file's bytes and block checksums change, and bumps `inplace_seq` before and after (odd while
+a file changes), so a read done by the kernel in the background (`begin_async_read`, the warm
+tier's read-ahead) can tell that it may have seen the file mid-change and must not be used.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from . import fileio
 
@@ -39,24 +47,81 @@ class FilePool:
         self.limit = 0  # files pooled at most (0: garbage is deleted at once)
         self.reused = 0  # files overwritten instead of created
         self._pid = os.getpid()  # a forked child's copy never touches the writer's files
+        # In-place folds (inplace.py): synchronous reads running, a fold waiting for them or
+        # writing, and the count of fold phases begun and ended (odd: a file is changing now).
+        self._changed = threading.Condition(self._lock)
+        self._sync_reads = 0
+        self._folding = False
+        self._depth = threading.local()  # synchronous reads this thread has open (nested reads go on)
+        self.inplace_seq = 0
 
     def __len__(self) -> int:
         return len(self._free)
 
     # ---- reads -------------------------------------------------------------------------------
     def begin_read(self) -> int:
+        """Register a read of chunk files that this thread runs now (ended by `end_read` on the
+        same thread); it waits while compaction changes a file in place (`folding`)."""
+        depth = getattr(self._depth, "n", 0)
+        with self._lock:
+            while self._folding and not depth:  # (a nested read goes on: its outer read holds the fold off)
+                self._changed.wait()
+            self._sync_reads += 1
+            e = self._epoch
+            self._reads[e] = self._reads.get(e, 0) + 1
+        self._depth.n = depth + 1
+        return e
+
+    def end_read(self, epoch: int) -> None:
+        self._depth.n = getattr(self._depth, "n", 1) - 1
+        with self._lock:
+            self._sync_reads -= 1
+            if not self._sync_reads:
+                self._changed.notify_all()
+            self._end(epoch)
+
+    def begin_async_read(self) -> int:
+        """Register a read the kernel does in the background (ended by `end_async_read`, from
+        any thread). It does not hold off in-place folds: its user compares `inplace_seq`
+        before and after (`moved_since`)."""
         with self._lock:
             e = self._epoch
             self._reads[e] = self._reads.get(e, 0) + 1
             return e
 
-    def end_read(self, epoch: int) -> None:
+    def end_async_read(self, epoch: int) -> None:
         with self._lock:
-            n = self._reads[epoch] - 1
-            if n:
-                self._reads[epoch] = n
-            else:
-                del self._reads[epoch]
+            self._end(epoch)
+
+    def _end(self, epoch: int) -> None:  # (caller holds the lock)
+        n = self._reads[epoch] - 1
+        if n:
+            self._reads[epoch] = n
+        else:
+            del self._reads[epoch]
+
+    def moved_since(self, seq: int) -> bool:
+        """Whether a chunk file may have changed in place since `inplace_seq` was ``seq``."""
+        return bool(seq & 1) or self.inplace_seq != seq
+
+    @contextmanager
+    def folding(self) -> Iterator[None]:
+        """No synchronous read of this process runs inside: waits for those running, holds new
+        ones off (caller holds no lock a reader may wait for: the store's lock is not held).
+        Reads of the calling thread itself are not waited for: they are not running meanwhile."""
+        own = getattr(self._depth, "n", 0)
+        with self._lock:
+            self._folding = True
+            self.inplace_seq += 1
+            while self._sync_reads > own:
+                self._changed.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.inplace_seq += 1
+                self._folding = False
+                self._changed.notify_all()
 
     # ---- the pool (callers serialise: compaction and garbage collection hold the writer lock) --
     def room(self) -> int:

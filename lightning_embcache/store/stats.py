@@ -33,6 +33,9 @@ class StoreStats:
     flush_seconds: float = 0.0  # writing flushes: segment, fsyncs, manifest (what a flush costs per byte here)
     write_back_seconds: float = 0.0  # writing evicted or cleaned dirty rows below the hot tier
     compaction_seconds: float = 0.0  # compaction rounds, in the background or in a flush
+    compaction_bytes_written: int = 0  # bytes compaction rounds wrote (chunk files, chunk maps, manifests)
+    compaction_folded_bytes: int = 0  # bytes of the rows rounds folded into base files (each row once a chunk)
+    chunks_folded_in_place: int = 0  # chunk folds that wrote just the changed rows into the file (inplace.py)
     compaction_process_chunks: int = 0  # chunks folded by the compaction process (off this process's GIL)
     compaction_process_failures: int = 0  # rounds it failed or died in (then folded in this process)
     compaction_process_rss_bytes: int = 0  # its peak resident bytes beyond its interpreter's (~30 MiB more)
@@ -65,6 +68,9 @@ class StoreStats:
         "superseded_segments",
         "flush_seconds",
         "compaction_seconds",
+        "compaction_bytes_written",
+        "compaction_folded_bytes",
+        "chunks_folded_in_place",
         "compaction_process_chunks",
         "compaction_process_failures",
         "prefetched_rows",

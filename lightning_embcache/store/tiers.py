@@ -700,8 +700,8 @@ class TieredRows:
         for i, ld in enumerate(done):
             c = ld.chunk
             try:
-                if int(self._cmap[c]) != ld.gen:
-                    warm.unreserve(c)  # compacted meanwhile
+                if int(self._cmap[c]) != ld.gen or self._disk.pool.moved_since(ld.seq):
+                    warm.unreserve(c)  # compacted meanwhile (into a new file, or this one in place)
                     continue
                 ok = ld.ok
                 if ok:
@@ -1180,8 +1180,9 @@ class TieredRows:
     def _layout_of(self, chunk: int) -> tuple[int, tuple]:
         """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =
         never written) and its newest delta records (ids, segment numbers, positions, segments).
-        Files are immutable, so this snapshot can be read without the lock (caller holds it while
-        taking the snapshot)."""
+        Segments never change and a base file changes (folded in place, inplace.py) only in rows
+        newer records of this snapshot's segments hold, so it can be read without the lock (caller
+        holds it while taking the snapshot)."""
         gen = int(self._cmap[chunk]) if self._disk is not None else 0
         rows = self._rows
         if rows is None or not len(rows):
@@ -1422,6 +1423,7 @@ class TieredRows:
             cr = self._chunk_rows
             token = self._below_token
             compactions = self._stats.compactions
+            folds = self._disk.pool.inplace_seq if self._disk is not None else 0
             pinned = False
             if hot.resident:  # memory mode over a store on disk: whole chunks
                 chunks = idsets.unique(idx // cr)
@@ -1477,6 +1479,10 @@ class TieredRows:
                 if hot.resident:
                     return False
                 moved = self._moved_since(plan)
+                if self._disk.pool.moved_since(folds):
+                    # a compaction folded rows into base files in place meanwhile (inplace.py):
+                    # their generation tells nothing, so no row read from a base file is installed
+                    moved |= plan[2] < 0
             if hot.resident:
                 for c, recs in results:
                     self._stats.cold_reads += 1

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from . import foldproc, sharing
+from . import fileio, foldproc, inplace, sharing
 from .disk import Disk, Manifest, Segment
 from .errors import CorruptStoreError, StoreError, VersionNotFoundError
 from .fold import fold_chunk
@@ -62,6 +62,17 @@ ROUND_SHARE = 1 / 16
 # HARD_RATIO gives them back first): below it a punch buys nothing, and each costs file-system
 # metadata work (journal commits that a flush's fsync may wait for).
 PUNCH_FROM = 0.3
+# True: a round folds a dense raw chunk file that no other version reads in place (inplace.py),
+# writing the changed rows, not the chunk. Off by default: a file folded in place keeps its name,
+# and its header does not yet record the newest segment it holds, so an older copy of the same
+# file put back in its place would pass the name check and serve older rows (docs/reliability.md,
+# "Files bound to their names"). The format change that records it turns this on; until then
+# ``EMBCACHE_FOLD_IN_PLACE=1`` in the environment turns it on to measure it.
+FOLD_IN_PLACE = os.environ.get("EMBCACHE_FOLD_IN_PLACE") == "1"
+# A round folding in place lets a waiting flush in once it has folded for this long since it
+# began or last did: each time costs an fsync of the files folded since and a pass of the lock
+# back and forth, which a flush waiting at every chunk (flushes back to back) would pay per chunk.
+YIELD_AFTER_S = 0.05
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
@@ -96,6 +107,7 @@ class Versioning:
     _disk: Any
     _row_thread: int  # the thread of the latest get/update (EmbeddingStore._waited)
     _damage: CorruptStoreError | None = None  # the first damaged file met: background work stops (fail-stop)
+    _awaiting_round = 0  # of the flushes waiting, those waiting for the background round to end (`_await_round`)
     _grown_unflushed = False  # grown since the last flush: no compaction round until it publishes the size
     _table_rows: int  # rows of the whole table when the store is a shard of one (`ShardedStore`); 0: not
     _table_published: int  # the published version's `_table_rows` (a flush of a change of it alone)
@@ -335,6 +347,11 @@ class Versioning:
         disk.resize(self._num_rows)
         # and per chunk the newest segment folded into its base file (see _compact_round)
         self._cmap, self._folded = disk.read_chunkmap_folded(m.chunkmap)
+        # An in-place fold a crash interrupted is finished before anything reads (inplace.py)
+        if self._readonly:
+            inplace.refuse_if_interrupted(disk, self._cmap)
+        else:
+            inplace.redo(disk)
         self._cmap_gen = m.chunkmap
         self._committed = [disk.open_segment(s) for s in m.segments]
         self._published = (m.chunkmap, list(m.segments), self._num_rows)
@@ -562,6 +579,142 @@ class Versioning:
             return np.zeros(0, np.int64)
         return np.sort(np.concatenate(picked)).astype(np.int64)
 
+    def _fold_in_place(
+        self, chunks: np.ndarray, cmap: np.ndarray, folded0: np.ndarray, segs: list[Segment],
+        share: sharing.Sharing, gen: int, yielding: bool = False,
+    ) -> np.ndarray:
+        """Fold those of ``chunks`` whose base file may change in place (inplace.py) and return
+        them: dense raw files that no version on disk reads but the writer's and the pinned
+        versions sharing its chunk files (which list every segment the round folds, so their
+        rows stay the same), while no read-only handle holds any of those versions (their
+        reader locks are held exclusively meanwhile: a handle opening one waits). Each file
+        changes while no read of this process runs (`FilePool.folding`); the files are durable
+        before the intent goes. Caller holds the writer lock.
+
+        ``yielding`` (a background round, whose caller holds the writer lock once): between two
+        chunks a waiting flush goes first. Its new version reads the same files, which are whole
+        between two chunks; the round then holds that version's reader lock too before it goes
+        on, or, where a read-only handle opened it meanwhile, writes the rest as new files."""
+        disk = self._disk
+        none = np.zeros(0, np.int64)
+        cand = chunks[cmap[chunks] > 0] if FOLD_IN_PLACE else none
+        if not len(cand):
+            return none
+        alone = disk.lock_version_alone(self._version)
+        if alone is None:
+            return none
+        locks = [alone]
+        try:
+            listed = disk.list_versions()
+            others = [v for v in listed if v != self._version]
+            for v in share.members:
+                if v in others and (lk := disk.lock_version_alone(v)) is not None:
+                    locks.append(lk)
+                    others.remove(v)
+            for v in others:  # a file another version reads stays as it is: copy on write
+                m = self._manifest_of(v)
+                if m is None:
+                    return none
+                if m.chunkmap:
+                    theirs = self._chunkmap_of(m)
+                    k = cand[cand < len(theirs)]
+                    cand = np.setdiff1d(cand, k[theirs[k] == cmap[k]])
+            cand = np.asarray([c for c in cand.tolist() if inplace.is_raw(disk, c, int(cmap[c]))], np.int64)
+            if not len(cand):
+                return none
+            disk.compaction_bytes_written += inplace.write_intent(
+                disk, gen, [(c, int(cmap[c]), int(folded0[c])) for c in cand.tolist()], [s.seq for s in segs])
+            done: list[int] = []
+            names: list[str] = []
+            unsynced: list[str] = []
+            c = -1
+            since = time.monotonic()
+            try:
+                for c in cand.tolist():
+                    if yielding and self._flushes_to_let_in() and time.monotonic() - since >= YIELD_AFTER_S:
+                        if unsynced:  # the flush's manifest names these files: durable first
+                            fileio.fsync_files(disk._chunks_fd, unsynced, disk.root / "chunks")
+                            unsynced.clear()
+                        if not self._let_flush_in(locks, listed):
+                            break
+                        since = time.monotonic()
+                    g = int(cmap[c])
+                    rows, recs = inplace.newest_records(c, disk, segs, int(folded0[c]))  # (segment reads: outside)
+                    with disk.pool.folding():
+                        n = inplace.fold_chunk(disk, c, g, rows, recs, verify=g < self._own_gens_from)
+                        disk.bytes_written += n
+                        disk.compaction_bytes_written += n
+                        self._forget_chunk_file(c, g)
+                    done.append(c)
+                    names.append(disk.chunk_path(c, g).name)
+                    unsynced.append(names[-1])
+                if unsynced:
+                    fileio.sync_written(disk._chunks_fd, unsynced, disk.root / "chunks")
+            except CorruptStoreError:
+                # raised before that chunk's first write: the files folded so far are whole
+                if names:
+                    fileio.sync_written(disk._chunks_fd, names, disk.root / "chunks")
+                inplace.drop_intent(disk, durable=True)
+                raise
+            except BaseException:
+                # A write failed half-way: that file's blocks may fail their checksums until the
+                # fold is redone. Redone now where the disk lets it, else at the next writable open.
+                try:
+                    with disk.pool.folding():
+                        inplace.redo(disk, only=set(done) | {c})
+                        for d in [*done, c]:
+                            self._forget_chunk_file(d, int(cmap[d]))
+                except BaseException:
+                    pass
+                raise
+            inplace.drop_intent(disk)
+            return np.asarray(done, np.int64)
+        finally:
+            for lk in locks:
+                disk.unlock_reader(lk)
+
+    def _let_flush_in(self, locks: list[int], listed: list[int]) -> bool:
+        """Let go of the writer lock until the flushes waiting for it got it and are done, then
+        hold the reader locks of the versions they published (added to ``locks``; ``listed``:
+        the versions on disk before, updated). False where a read-only handle holds one of them,
+        or the store closes: the caller stops folding in place."""
+        self._flush_lock.release()
+        try:
+            with self._lock:
+                while self._flushes_to_let_in() and not self._closed:
+                    self._no_flush_waiting.wait(0.01)
+        finally:
+            self._flush_lock.acquire()
+        if self._closed:
+            return False
+        now = self._disk.list_versions()
+        for v in now:
+            if v not in listed:  # published meanwhile: reads the files being folded
+                lk = self._disk.lock_version_alone(v)
+                if lk is None:
+                    return False
+                locks.append(lk)
+                listed.append(v)
+        return True
+
+    def _chunkmap_of(self, m: Manifest) -> np.ndarray:
+        """Another version's chunk map (files never change: read once per generation)."""
+        seen = self.__dict__.setdefault("_chunkmaps_seen", {})
+        cm = seen.get(m.chunkmap)
+        if cm is None:
+            if len(seen) >= 16:
+                seen.clear()
+            cm = seen[m.chunkmap] = self._disk.read_chunkmap(m.chunkmap, m.num_rows or int(self._meta["num_rows"]))
+        return cm
+
+    def _forget_chunk_file(self, c: int, g: int) -> None:
+        """Chunk file (c, g) changed in place: this handle's cached descriptors and block
+        checksums of it go (the next read reads its new directory)."""
+        self._disk._directories.pop((c, g), None)
+        reader = self._chunkrows
+        if reader is not None:
+            reader.forget([(c, g)])
+
     def _fold_elsewhere(
         self,
         proc: FoldProcess | None,
@@ -611,6 +764,7 @@ class Versioning:
             if res["ok"]:
                 disk.bytes_read += res["bytes_read"]
                 disk.bytes_written += res["bytes_written"]
+                disk.compaction_bytes_written += res["bytes_written"]
                 disk.segment_reads[0] += res["segment_reads"]
                 with self._lock:
                     self._stats.compaction_process_chunks += len(res["done"])
@@ -688,6 +842,7 @@ class Versioning:
         # caller got in: each round would otherwise start while this thread waits to be scheduled.
         with self._lock:
             self._flush_waiting += 1
+            self._awaiting_round += 1  # (a round folding in place does not let it in: `_flushes_to_let_in`)
         try:
             while self._round_thread not in (None, me):
                 self._flush_lock.release()
@@ -696,7 +851,13 @@ class Versioning:
                 finally:
                     self._flush_lock.acquire()
         finally:
+            with self._lock:
+                self._awaiting_round -= 1
             self._flush_done_waiting()
+
+    def _flushes_to_let_in(self) -> bool:
+        """Whether a flush waits for the writer lock that does not wait for the round itself."""
+        return self._flush_waiting > self._awaiting_round
 
     def _flush_done_waiting(self) -> None:
         with self._lock:
@@ -760,11 +921,19 @@ class Versioning:
             self._writing_gens.add(gen)
         proc = self._fold_process()
         release = unlocked and proc is not None
-        if release:
+        if unlocked:  # the writer lock may be let go of meanwhile: the process folds, or a flush goes first
             self._round_thread = threading.get_ident()
             self._round_done.clear()
         try:
             newest = segs[-1].seq
+            folded_bytes = self._row_bytes * sum(
+                inplace.distinct_rows(c, segs, int(folded0[c])) for c in chunks.tolist())
+            # Chunk files only this version reads are folded in place first, under the writer
+            # lock (no flush publishes a version that reads them meanwhile); the others are
+            # written as new files of ``gen``, by the compaction process where there is one.
+            written0 = disk.compaction_bytes_written
+            in_place = self._fold_in_place(chunks, cmap, folded0, segs, share, gen, yielding=unlocked)
+            chunks = np.setdiff1d(chunks, in_place)
             planned = len(chunks)
             if release:
                 self._flush_lock.release()
@@ -774,13 +943,15 @@ class Versioning:
                 if release:
                     self._flush_lock.acquire()
             chunks = self._fold_chunks(chunks, cmap, folded0, segs, gen, res)
-            if self._closed and not len(chunks) and planned:
+            if self._closed and not len(chunks) and planned and not len(in_place):
                 return False
+            new_files = chunks
+            chunks = np.union1d(chunks, in_place)
             folding = segs
             with self._lock:  # a flush may have added (or left out) segments meanwhile
                 segs = list(self._committed)
             new_cmap = cmap.copy()  # rounds never overlap: the chunk map is the snapshot's
-            new_cmap[chunks] = gen
+            new_cmap[new_files] = gen  # (a file folded in place keeps its name)
             folded = self._folded.copy()
             folded[chunks] = newest
             drop = 0
@@ -789,13 +960,15 @@ class Versioning:
                     break
                 drop += 1
             remaining = segs[drop:]
+            if self._damage is not None:
+                return False  # fail-stop: a damaged file was met meanwhile, nothing more is written
             disk.write_chunkmap(gen, new_cmap, folded)
             version = self._version
             m = self._publish_layout(gen, remaining)
         finally:
             with self._lock:
                 self._writing_gens.discard(gen)
-            if release:
+            if unlocked:
                 self._round_thread = None
                 self._round_done.set()
         if m.version >= self._max_version:
@@ -820,12 +993,16 @@ class Versioning:
                 self._rows.note_folded(chunks, self._chunk_rows, folded)
             self._below_token += 1  # same rows, but the folded segments are no longer read
             self._stats.compactions += 1
+            self._stats.chunks_folded_in_place += len(in_place)
+            self._stats.compaction_folded_bytes += folded_bytes
             # Reads planned from here on read the records this round folded from the new base
             # files; those planned before, without the lock, register before this epoch.
             ready = disk.pool.seal()
         # The kept versions that share the chunk files read the new ones too (sharing.py).
         self._repoint(share.members, old_gen, gen, folding, folded)
-        if self._closed:
+        with self._lock:
+            self._stats.compaction_bytes_written += disk.compaction_bytes_written - written0
+        if self._closed or self._damage is not None:
             return False  # the next open collects what this round replaced
         listed = disk.list_versions()  # (for both: nothing adds or drops a version meanwhile)
         self._refresh_sharing(listed)
@@ -833,8 +1010,8 @@ class Versioning:
         # The replaced chunk files and dropped segments are garbage once no kept version uses
         # them: collected now, round by round, so disk use stays near the table plus one round.
         # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
-        disk.pool.limit = len(chunks)  # the next round of the pass rewrites about as many files
-        replaced = [(c, g) for c, g in zip(chunks.tolist(), cmap[chunks].tolist()) if g]
+        disk.pool.limit = len(new_files)  # the next round of the pass rewrites about as many files
+        replaced = [(c, g) for c, g in zip(new_files.tolist(), cmap[new_files].tolist()) if g]
         if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen, listed)):
             self._apply_retention(collect=False)
             self._collect_garbage_locked(disk, at_open=False, pool=True)
@@ -857,7 +1034,8 @@ class Versioning:
             else:
                 m = Manifest(self._max_version + 1, gen, segs, version, num_rows=self._num_rows,
                              table_rows=self._table_published)
-            disk.write_manifest(m)  # the commit point: old layout or new, the same rows
+            # the commit point: old layout or new, the same rows
+            disk.compaction_bytes_written += disk.write_manifest(m)
         finally:
             disk.unlock_reader(alone)
         return m
@@ -965,7 +1143,8 @@ class Versioning:
                     lead += 1
                 new = Manifest(v, gen, m.segments[lead:], m.parent, m.ident or disk.manifest_checksum(v), m.num_rows,
                                m.table_rows)
-                disk.write_manifest(new)  # the commit point of this version's new layout
+                # the commit point of this version's new layout
+                disk.compaction_bytes_written += disk.write_manifest(new)
                 self._manifests_seen[v] = new
             finally:
                 disk.unlock_reader(alone)

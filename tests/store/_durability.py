@@ -5,7 +5,10 @@ listens to every file operation the store makes (`fileio.FAULTS` hooks, plus `sy
 which is a `syncfs` on Linux) and keeps, as a file system without a cache would:
 
 * data: a file's bytes are durable once fsynced (or synced by a `syncfs`) after its last write;
-* names: a rename, link or unlink is durable once its folder is fsynced (or by a `syncfs`).
+* names: a rename, link or unlink is durable once its folder is fsynced (or by a `syncfs`);
+* overwrites of an existing file in place (``"overwrite"``, compaction folding rows into a chunk
+  file: inplace.py): until the file is synced, a power cut leaves each 512-byte sector the
+  overwrites changed old or new, at random (lost, kept, or torn anywhere).
 
 At every commit point - the rename of a manifest into place - it checks that every file the new
 manifest names (its segments, its chunk map, the chunk files that map names, META) has durable
@@ -15,7 +18,8 @@ durable would leave a version whose files are gone or empty.
 It also keeps the durable state itself: at each folder fsync its names and, for files whose bytes
 were synced since their last write, those bytes (a name renamed over keeps the old file's bytes
 until the folder is synced again). `reconstruct(dst)` writes the folder a power cut would leave
-now: the durable names, each with its durable bytes, empty where they never reached the disk.
+now: the durable names, each with its durable bytes, empty where they never reached the disk,
+files overwritten in place since their last sync a random mix of their old and new sectors.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class PowerCutOracle:
         self.root = Path(root).resolve()
         self.written: set[Path] = set()        # bytes written since their last sync
         self.unsynced_names: set[Path] = set()  # renamed/linked/unlinked since their folder's sync
+        self.overwritten: set[Path] = set()  # overwritten in place since their last sync
+        self.torn = 0  # files a reconstruction mixed old and new sectors of
+        self._rng = np.random.default_rng(11)
         # folder -> name -> bytes (None: the name is durable, its bytes are not), as of its last fsync
         self.durable: dict[Path, dict[str, bytes | None]] = {}
         self.commits = 0
@@ -58,6 +65,7 @@ class PowerCutOracle:
     def syncfs(self) -> None:
         self.written.clear()
         self.unsynced_names.clear()
+        self.overwritten.clear()
         for folder in self._folders():
             self._keep_folder(folder)
 
@@ -69,17 +77,22 @@ class PowerCutOracle:
         """``folder`` was fsynced: its names now are durable, each with its bytes now if those
         were synced since their last write, else torn (None)."""
         names: dict[str, bytes | None] = {}
+        before = self.durable.get(folder, {})
         for name in os.listdir(folder):
             f = folder / name
             if ".tmp" in name or f.is_dir():
                 continue
-            names[name] = None if f in self.written else f.read_bytes()
+            if f in self.overwritten:  # the bytes as of its last sync; the overwrites are pending
+                names[name] = before.get(name)
+            else:
+                names[name] = None if f in self.written else f.read_bytes()
         self.durable[folder] = names
 
     def _file_synced(self, f: Path) -> None:
         names = self.durable.get(f.parent)
-        if names is not None and f.name in names and names[f.name] is None and f.exists():
+        if names is not None and f.name in names and (names[f.name] is None or f in self.overwritten) and f.exists():
             names[f.name] = f.read_bytes()  # the durable name's bytes reached the disk too
+        self.overwritten.discard(f)
 
     def reconstruct(self, dst: Path) -> None:
         """The folder a power cut would leave now, written at ``dst`` (a torn file: empty)."""
@@ -87,9 +100,25 @@ class PowerCutOracle:
             out = dst / folder.relative_to(self.root)
             out.mkdir(parents=True, exist_ok=True)
             for name, data in names.items():
+                f = folder / name
+                if data is not None and f in self.overwritten and f.exists():
+                    data = self._mix(data, f.read_bytes())
                 (out / name).write_bytes(data or b"")
         for sub in ("segments", "chunks"):
             (dst / sub).mkdir(parents=True, exist_ok=True)
+
+    def _mix(self, old: bytes, new: bytes) -> bytes:
+        """What a power cut leaves of a file overwritten in place: each 512-byte sector that the
+        overwrites changed, old or new."""
+        if len(old) != len(new):  # (overwrites never change a file's length)
+            return new
+        a = np.frombuffer(old, np.uint8)
+        b = np.frombuffer(new, np.uint8)
+        sectors = -(-len(a) // 512)
+        pick = np.repeat(self._rng.random(sectors) < 0.5, 512)[: len(a)]
+        if (a != b).any():
+            self.torn += 1
+        return np.where(pick, b, a).tobytes()
 
     def _path(self, name: object) -> Path | None:
         p = Path(str(name))
@@ -112,6 +141,8 @@ class PowerCutOracle:
             return
         if op == "write":
             self.written.add(p)
+        elif op == "overwrite":
+            self.overwritten.add(p)
         elif op == "fsync":
             if p.is_dir():
                 self.unsynced_names = {n for n in self.unsynced_names if n.parent != p}
@@ -141,7 +172,7 @@ class PowerCutOracle:
             gens = np.frombuffer(cmap_path.read_bytes()[HEADER:], np.int32, chunks)
             needed += [root / "chunks" / f"c{c:08d}-g{g:08d}" for c, g in enumerate(gens.tolist()) if g]
         for f in needed:
-            if f in self.written:
+            if f in self.written or f in self.overwritten:
                 self.violations.append(f"{manifest.name} (commit {self.commits}) names {f.name}, whose bytes "
                                        "were not fsynced before the commit")
             if f in self.unsynced_names:

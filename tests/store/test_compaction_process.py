@@ -28,6 +28,13 @@ N, DIM, CHUNK = 4096, 8, 64  # 64 chunks of 2 KiB
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _new_files(monkeypatch):
+    """Every fold writes a new chunk file, as the process does (a fold in place runs in the
+    store's own thread, under the writer lock: inplace.py)."""
+    monkeypatch.setattr(versions, "FOLD_IN_PLACE", False)
+
+
 @pytest.fixture
 def process_mode(monkeypatch):
     monkeypatch.setenv(foldproc.ENV, "always")

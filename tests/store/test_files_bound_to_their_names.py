@@ -42,9 +42,12 @@ def _two_generations(path: Path, aside: Path) -> dict[str, Path]:
         old_map = sorted(path.glob("chunkmap-*"))[-1]
         for f in (old0, old1, old_map):
             shutil.copy(f, aside / f.name)
-        s.update(torch.arange(CHUNK), _rows(5.0, CHUNK))
-        s.flush()
-        s.compact()
+        # a read-only handle holds the version before: its chunk files are rewritten, not folded
+        # in place (a file folded in place keeps its name: see docs/store-format.md)
+        with EmbeddingStore.open(path, readonly=True):
+            s.update(torch.arange(CHUNK), _rows(5.0, CHUNK))
+            s.flush()
+            s.compact()
         s.flush()
         new0 = _chunk_files(path, 0)[-1]
         assert new0.name != old0.name
