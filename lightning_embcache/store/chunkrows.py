@@ -339,16 +339,8 @@ class ChunkRows:
         prefetch) finds them gone, as if deleted, instead of reading another chunk's bytes."""
         with self._lock:
             for c, g in files:
-                if self._gen[c] != g:
-                    continue
-                if self._fd[c] >= 0:
-                    self._retired.append(int(self._fd[c]))
-                if self._fd[c] != -1 and c in self._order:
-                    self._order.remove(c)
-                self._fd[c], self._gen[c] = -1, 0
-                self._crcs.pop(c, None)
-                self._advised.pop((c, g), None)
-                self._forget_blocks(c)
+                if self._gen[c] == g:
+                    self._drop_file(c, g)
             if self._active or not (self._retired or self._unmaps):
                 return
             retired, self._retired = self._retired, []
@@ -366,17 +358,20 @@ class ChunkRows:
         reads under it); the prefetch thread reads without that lock, through descriptors: a
         change in place must also wait for its reads (``disk.pool`` read epochs)."""
         with self._lock:
-            g = int(self._gen[chunk])
-            if self._fd[chunk] >= 0:
-                self._retired.append(int(self._fd[chunk]))
-            if self._fd[chunk] != -1 and chunk in self._order:
-                self._order.remove(chunk)
-            self._fd[chunk], self._gen[chunk] = -1, 0
-            self._crcs.pop(chunk, None)
-            self._advised.pop((chunk, g), None)
-            self._forget_blocks(chunk)
+            self._drop_file(chunk, int(self._gen[chunk]))
         self._enter()
         self._leave()
+
+    def _drop_file(self, chunk: int, gen: int) -> None:
+        """(Caller holds the lock.) Retire ``chunk``'s descriptor, checksums, verified blocks and map."""
+        if self._fd[chunk] >= 0:
+            self._retired.append(int(self._fd[chunk]))
+        if self._fd[chunk] != -1 and chunk in self._order:
+            self._order.remove(chunk)
+        self._fd[chunk], self._gen[chunk] = -1, 0
+        self._crcs.pop(chunk, None)
+        self._advised.pop((chunk, gen), None)
+        self._forget_blocks(chunk)
 
     def _forget_blocks(self, chunk: int) -> None:
         """(Caller holds the lock.) No block of ``chunk`` counts as verified, its map serves no row."""
