@@ -92,16 +92,20 @@ def stream_to_new_world(rank: int, world_size: int, root: str, record: dict, tou
     dist.barrier()
 
 
+def _refusal(mine: Path, record: dict, factory: ShardFactory, streamed: str) -> str:
+    """The StoreError a stream that must not go through raises, as "Type: message"."""
+    try:
+        stream.stream_shards("t", mine, record, factory, "/ck/last.ckpt", store_group())
+    except StoreError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError(streamed)
+
+
 def refuse_missing_shards(rank: int, world_size: int, root: str, record: dict) -> None:
     stream.SLICE = 1 << 16
     mine = Path(root) / f"node{rank}" / "t"
     factory = ShardFactory(N, DIM, {"init": "normal", "seed": SEED, "fields": FIELDS, "chunk_rows": 8})
-    try:
-        stream.stream_shards("t", mine, record, factory, "/ck/last.ckpt", store_group())
-    except StoreError as exc:
-        text = f"{type(exc).__name__}: {exc}"
-    else:
-        raise AssertionError("streamed with a shard missing")
+    text = _refusal(mine, record, factory, "streamed with a shard missing")
     assert "VersionNotFoundError" in text and "rank-00002-of-00003" in text and "rank-00000" not in text, text
     assert not shard_dir(mine, rank, world_size).exists()  # nothing was made
     dist.barrier()
@@ -121,12 +125,7 @@ def refuse_and_leave_nothing(rank: int, world_size: int, root: str, record: dict
     if case == "fields":
         del fields["n"]  # another row optimizer's state than the checkpoint's
     factory = ShardFactory(N, DIM, {"init": "normal", "seed": SEED, "fields": fields, "chunk_rows": 8})
-    try:
-        stream.stream_shards("t", mine, record, factory, "/ck/last.ckpt", store_group())
-    except StoreError as exc:
-        text = f"{type(exc).__name__}: {exc}"
-    else:
-        raise AssertionError(f"{case}: streamed")
+    text = _refusal(mine, record, factory, f"{case}: streamed")
     want = {"existing": ["InvalidArgumentError", "rank 1:", "rank-00001-of-00002 already exists"],
             "checksum": ["InvalidArgumentError", "rank-00002-of-00003", "manifest checksum", "00000000"],
             "fields": ["InvalidArgumentError", "fields", "'n'"]}[case]

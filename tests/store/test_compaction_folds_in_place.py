@@ -77,9 +77,9 @@ def test_a_pass_of_spread_updates_writes_about_the_rows_it_folds(tmp_path, monke
     assert verify_store(tmp_path / "s").ok
 
 
-class _DieAt:
-    """Fault hook: the process exits (as if killed) just before its ``k``-th batch of in-place
-    writes (a chunk's records, then its header and checksums)."""
+class _AtOverwrite:
+    """Fault hook: `act` just before the ``k``-th batch of in-place writes (a chunk's records,
+    then its header and checksums)."""
 
     def __init__(self, k: int) -> None:
         self.k, self.n = k, 0
@@ -88,10 +88,20 @@ class _DieAt:
         if op == "overwrite":
             self.n += 1
             if self.n == self.k:
-                os._exit(9)
+                self.act(name)
+
+    def act(self, name) -> None:
+        raise NotImplementedError
 
     def after(self, op, name) -> None:
         pass
+
+
+class _DieAt(_AtOverwrite):
+    """The process exits there (as if killed)."""
+
+    def act(self, name) -> None:
+        os._exit(9)
 
 
 def _crash_in_a_fold(path, k: int) -> torch.Tensor:
@@ -306,20 +316,11 @@ def test_an_intent_naming_segments_no_version_lists_is_refused(tmp_path):
     del table
 
 
-class _FailAt:
-    """Fault hook: the ``k``-th batch of in-place writes fails with EIO."""
+class _FailAt(_AtOverwrite):
+    """The ``k``-th batch of in-place writes fails with EIO."""
 
-    def __init__(self, k: int) -> None:
-        self.k, self.n = k, 0
-
-    def before(self, op, name) -> None:
-        if op == "overwrite":
-            self.n += 1
-            if self.n == self.k:
-                raise OSError(5, "Input/output error", str(name))
-
-    def after(self, op, name) -> None:
-        pass
+    def act(self, name) -> None:
+        raise OSError(5, "Input/output error", str(name))
 
 
 def test_a_write_that_fails_half_way_through_a_fold_is_redone_at_once(tmp_path):
