@@ -269,9 +269,6 @@ class EmbeddingStoreHandle:
                 store.grow(num_rows)
             finally:
                 self.num_rows = store.num_rows
-                if getattr(store, "sharded", False) and getattr(self._trainable, "tier", None) is not None \
-                        and store.device_rows is None:
-                    self._trainable = None  # the owners' GPU rows were released: made again at the new size
 
     @property
     def io_wait_seconds(self) -> float:
@@ -399,7 +396,9 @@ class EmbeddingStoreHandle:
             )
         store = self._ensure_open(writable=True)
         if getattr(store, "sharded", False):  # rows of a row-sharded store train at their owners (distributed/)
-            if self._trainable is None or self._trainable.store is not store:
+            # rows on the owners' GPUs that the store released (a growth) are made again
+            released = getattr(self._trainable, "tier", None) is not None and store.device_rows is not self._trainable
+            if self._trainable is None or self._trainable.store is not store or released:
                 sharded: Any = store  # a ShardedStore
                 self._trainable = sharded.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm,
                                                          **self._row_options)
