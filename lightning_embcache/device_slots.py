@@ -67,6 +67,10 @@ class SlotMap:
         self.nfree -= k
         return got
 
+    def free_tail(self, k: int) -> np.ndarray:
+        """The ``k`` free slots `take` would give now (a copy; nothing changes)."""
+        return self._free[self.nfree - k : self.nfree].copy()
+
     def assign(self, slots: np.ndarray, ids: np.ndarray) -> None:
         self.id_of[slots] = ids
         self.slot_of[ids] = (slots + 1).astype(np.int32)

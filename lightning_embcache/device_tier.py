@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+import lightning_embcache.mapped_swap as mapped_swap
 from lightning_embcache.device_slots import SlotMap, TooFewSlots
 from lightning_embcache.mapped_host import MappedHost, store_table
 from lightning_embcache.pinned import PinnedRing
@@ -89,6 +90,9 @@ def _entry(method: Any) -> Any:
                 raise self._out_of_memory(exc) from None
 
     return call
+
+
+_NO_SLOTS = np.empty(0, np.int64)
 
 
 class _Down(NamedTuple):
@@ -175,6 +179,8 @@ class DeviceTier:
         self.down_bytes = 0  # records device -> host (evictions and write-downs)
         self._mapped: MappedHost | None = None
         self._nonfinite: Tensor | None = None  # device flag: a mapped write-down met NaN/Inf
+        #: the weight words `mapped_swap` checks for NaN/Inf; False: rows move by separate copies
+        self._swap_check: tuple[int, int, int] | bool = False
         #: the tier's own store calls go through the store's trusted record copies (one GIL release
         #: each; NaN/Inf checked by one sum); False: the checked public calls in `store_spans`
         #: (the distributed benchmark's ``store=checked``)
@@ -193,7 +199,9 @@ class DeviceTier:
             self._window_warned = False
             self._mapped = MappedHost.try_register(store_table(store), device)
             if self._mapped is not None:
-                self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+                self._nonfinite = torch.zeros((), dtype=torch.int32, device=device)
+                if mapped_swap.available(self.pool):
+                    self._swap_check = mapped_swap.weight_words(self.pool, self.view("weight")) or False
 
     def _out_of_memory(self, exc: BaseException) -> OutOfMemoryError:
         """The error for a GPU allocation that failed inside a tier call: the rows are as they
@@ -374,29 +382,28 @@ class DeviceTier:
             if not miss.any():
                 return s
             mids = ids[miss]
-            got = self._allocate(len(mids), keep=np.concatenate([s[~miss], protect])
-                                 if protect is not None and len(protect) else s[~miss])
-            self._upload(mids, got)
+            keep = np.concatenate([s[~miss], protect]) if protect is not None and len(protect) else s[~miss]
+            k = len(mids)
+            victims = self._victims(k - self._map.nfree, keep) if k > self._map.nfree else _NO_SLOTS
+            got = self._swap_mapped(mids, victims)
+            if got is None:  # rows move by separate copies: the evicted ones down first
+                self._drop(victims)
+                got = self._map.take(k)
+                self._upload(mids, got)
             s[miss] = got
             return s
 
-    def _allocate(self, k: int, keep: np.ndarray) -> np.ndarray:
-        if k > self._map.nfree:
-            self._evict(k - self._map.nfree, keep)
-        return self._map.take(k)
-
-    def _evict(self, k: int, keep: np.ndarray) -> None:
-        """Free ``k`` slots not in ``keep`` (`SlotMap.victims`: the announced future first, then
-        CLOCK); dirty ones go down."""
+    def _victims(self, k: int, keep: np.ndarray) -> np.ndarray:
+        """``k`` slots not in ``keep`` to free (`SlotMap.victims`: the announced future first,
+        then CLOCK)."""
         try:
-            victims = self._map.victims(k, keep)
+            return self._map.victims(k, keep)
         except TooFewSlots as exc:
             raise StoreError(
                 f"the device tier holds {self.capacity} rows (device_bytes={self.budget_bytes}) but this step "
                 f"needs {exc.kept + k} at once (the batch plus rows whose gradients are not applied "
                 f"yet); raise device_bytes to at least "
                 f"{(exc.kept + k) * (self.store.row_bytes + SLOT_OVERHEAD)} or use a smaller batch") from None
-        self._drop(victims)
 
     def _drop(self, slots: np.ndarray) -> None:
         d = slots[self.dirty[slots]]
@@ -405,6 +412,48 @@ class DeviceTier:
         self._map.release(slots)
         self.dirty[slots] = False
         self.evicted_rows += len(slots)
+
+    def _swap_mapped(self, ids: np.ndarray, victims: np.ndarray) -> np.ndarray | None:
+        """Bring rows ``ids`` into the free slots and ``victims`` by one kernel that first writes
+        the dirty victims' records into the mapped host table (`mapped_swap`); returns the slots
+        of ``ids``, or None (nothing done) where the table is not mapped, rows of an earlier
+        staged write-down are still on their way, the kernel cannot run, or the store declines
+        (a flush is copying the table, or the rows cannot be read there)."""
+        if self._mapped is None or self._down or self._swap_check is False:
+            return None
+        k, nv = len(ids), len(victims)
+        dirty = self.dirty[victims]
+        out = np.where(dirty, self._map.id_of[victims], -1)
+        written = out[dirty]
+        if not self._timed_store(self.store._device_read, ids):
+            return None
+        got = np.concatenate([self._map.free_tail(k - nv), victims])
+        idx = np.concatenate([got, np.full(k - nv, -1, np.int64), out, ids]).astype(np.int64, copy=False)
+        check = self._swap_check if getattr(self.store, "_check_finite", True) else None
+        assert check is None or isinstance(check, tuple)
+        mapped, flag = self._mapped, self._nonfinite
+
+        def enqueue() -> torch.cuda.Event:
+            mapped_swap.swap_rows(self.pool, mapped.dev, self.to_device(idx), flag, check)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            return done
+
+        if len(written):
+            if not self._timed_store(self.store._device_write, written, enqueue):
+                return None
+        else:
+            enqueue()
+        self._map.release(victims)
+        self._map.take(k)  # == got: the free list's tail, then the victims just released
+        self.dirty[victims] = False
+        self._map.assign(got, ids)
+        self.evicted_rows += nv
+        self.written_down_rows += len(written)
+        self.down_bytes += len(written) * self.pool.shape[1]
+        self.up_bytes += k * self.pool.shape[1]
+        self.loaded_rows += k
+        return got
 
     def _upload(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Bring rows ``ids`` from the host store into device ``slots`` (non-blocking)."""
