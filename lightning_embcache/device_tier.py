@@ -191,6 +191,7 @@ class DeviceTier:
         self.io_seconds = 0.0
         self.store_seconds = 0.0
         self._depth = threading.local()
+        self._own_thread = threading.local()  # on_stream: a thread of the tier's own, on its device and stream
         if self.resident:
             self._load_all()
         else:
@@ -243,8 +244,18 @@ class DeviceTier:
 
     def to_device(self, arr: np.ndarray) -> Tensor:
         """A small host array on the device through a pinned buffer, without waiting."""
+        if getattr(self._own_thread, "on_stream", False):  # the prefetch thread: device and stream set once
+            with self._ring_lock:
+                return self._idx.to_device(arr, self.device, self._stream)
         with self._ring_lock, torch.cuda.stream(self._stream):  # the training and prefetch threads
-            return self._idx.to_device(arr, self.device)
+            return self._idx.to_device(arr, self.device, self._stream)
+
+    def _enter_prefetch_thread(self) -> None:
+        """The prefetch thread's device and stream, set once for all its jobs (entering them
+        per job costs more host time than a job's index upload)."""
+        torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(self._stream)
+        self._own_thread.on_stream = True
 
     @property
     def nbytes(self) -> int:
@@ -265,7 +276,8 @@ class DeviceTier:
             return
         self._join()
         if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-device-prefetch")
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-device-prefetch",
+                                                  initializer=self._enter_prefetch_thread)
         keep = None if protect is None else protect.copy()
         # the rows of this step (protect) stay until the next lookup, which waits for this job
         self._prefetching = self._prefetcher.submit(self._prefetch_job, ids.copy(), keep)
@@ -296,8 +308,7 @@ class DeviceTier:
         ids = idsets.unique(ids)
         if len(ids) > self.capacity // 2:
             ids = ids[: self.capacity // 2]
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            self._slots(ids, keep)
+        self._slots(ids, keep)  # on the tier's device and stream (`_enter_prefetch_thread`)
 
     def _join(self) -> None:
         """Wait for the prefetch in flight (and raise its error, if any).

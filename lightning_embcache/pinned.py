@@ -65,8 +65,10 @@ class PinnedRing:
         self._events[i] = ev
         return ev
 
-    def to_device(self, src: Tensor | np.ndarray, device: torch.device) -> Tensor:
-        """``src`` (host tensor or array) copied to ``device`` through the next buffer, without waiting."""
+    def to_device(self, src: Tensor | np.ndarray, device: torch.device,
+                  stream: torch.cuda.Stream | None = None) -> Tensor:
+        """``src`` (host tensor or array) copied to ``device`` through the next buffer, without
+        waiting; ``stream``: the current stream of ``device``, where the caller knows it."""
         if isinstance(src, np.ndarray) and device.type == "cuda" and src.dtype in _TORCH_DTYPE:
             # index arrays (the tier's slots, several per step): numpy fills the buffer on the
             # calling thread, with no torch dispatch and no release of the GIL that a background
@@ -75,7 +77,7 @@ class PinnedRing:
             staged = buf[: src.nbytes]
             np.copyto(staged.numpy().view(src.dtype).reshape(src.shape), src)
             out = staged.view(_TORCH_DTYPE[src.dtype]).view(src.shape).to(device, non_blocking=True)
-            self.done(i, torch.cuda.current_stream(device))
+            self.done(i, stream if stream is not None else torch.cuda.current_stream(device))
             return out
         t = torch.from_numpy(np.ascontiguousarray(src)) if isinstance(src, np.ndarray) else src.contiguous()
         if device.type != "cuda":
@@ -85,5 +87,5 @@ class PinnedRing:
         staged = buf[:nbytes].view(t.dtype).view(t.shape)
         staged.copy_(t)
         out = staged.to(device, non_blocking=True)
-        self.done(i, torch.cuda.current_stream(device))
+        self.done(i, stream if stream is not None else torch.cuda.current_stream(device))
         return out
