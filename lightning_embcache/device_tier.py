@@ -177,6 +177,9 @@ class DeviceTier:
         self.written_down_rows = 0
         self.up_bytes = 0    # records host -> device (loads), the whole run
         self.down_bytes = 0  # records device -> host (evictions and write-downs)
+        self.staged_ahead_rows = 0  # rows a prefetch or an announced batch brought up before their lookup
+        self.lookup_rows = 0  # rows looked up (positions), and of those, rows already on the device
+        self.lookup_hit_rows = 0
         self._mapped: MappedHost | None = None
         self._nonfinite: Tensor | None = None  # device flag: a mapped write-down met NaN/Inf
         #: the weight words `mapped_swap` checks for NaN/Inf; False: rows move by separate copies
@@ -308,7 +311,7 @@ class DeviceTier:
         ids = idsets.unique(ids)
         if len(ids) > self.capacity // 2:
             ids = ids[: self.capacity // 2]
-        self._slots(ids, keep)  # on the tier's device and stream (`_enter_prefetch_thread`)
+        self._slots(ids, keep, ahead=True)  # on the tier's device and stream (`_enter_prefetch_thread`)
 
     def _join(self) -> None:
         """Wait for the prefetch in flight (and raise its error, if any).
@@ -324,11 +327,16 @@ class DeviceTier:
     def positions(self, ids: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
         """The device slot of every position of validated ``ids`` (duplicates allowed)."""
         if self.resident:
+            self.lookup_rows += len(ids)
+            self.lookup_hit_rows += len(ids)
             return ids
         self._join()
         with self._lock:
             s = self._map.find(ids)
-            if (s >= 0).all():  # every row already on the device (the prefetched case): no unique()
+            hits = np.count_nonzero(s >= 0)
+            self.lookup_rows += len(ids)
+            self.lookup_hit_rows += hits
+            if hits == len(ids):  # every row already on the device (the prefetched case): no unique()
                 self._map.consume(ids)
                 return s
         uniq, inv = np.unique(ids, return_inverse=True)
@@ -386,13 +394,16 @@ class DeviceTier:
         self._join()
         return self._slots(ids, protect)
 
-    def _slots(self, ids: np.ndarray, protect: np.ndarray | None) -> np.ndarray:
+    def _slots(self, ids: np.ndarray, protect: np.ndarray | None, ahead: bool = False) -> np.ndarray:
+        """``ahead``: a prefetch brings the rows before their lookup (counted as staged ahead)."""
         with self._lock:
             s = self._map.find(ids)
             miss = s < 0
             if not miss.any():
                 return s
             mids = ids[miss]
+            if ahead:
+                self.staged_ahead_rows += len(mids)
             keep = np.concatenate([s[~miss], protect]) if protect is not None and len(protect) else s[~miss]
             k = len(mids)
             victims = self._victims(k - self._map.nfree, keep) if k > self._map.nfree else _NO_SLOTS
@@ -695,7 +706,9 @@ class DeviceTier:
         return {"device_rows": used, "device_capacity_rows": self.capacity, "device_bytes": self.nbytes,
                 "device_dirty_rows": int(np.count_nonzero(self.dirty)), "device_loaded_rows": self.loaded_rows,
                 "device_evicted_rows": self.evicted_rows, "device_mapped_host": self._mapped is not None,
-                "host_to_device_bytes": self.up_bytes, "device_to_host_bytes": self.down_bytes}
+                "host_to_device_bytes": self.up_bytes, "device_to_host_bytes": self.down_bytes,
+                "device_staged_ahead_rows": self.staged_ahead_rows, "device_lookup_rows": self.lookup_rows,
+                "device_lookup_hit_rows": self.lookup_hit_rows}
 
     def close(self) -> None:
         """Free the device memory (after `write_down()`: unwritten rows are discarded)."""

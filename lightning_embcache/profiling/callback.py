@@ -594,6 +594,8 @@ class StepProfiler(Callback):
                             segments)
         if self._stores is not None and self._ledger.summaries and self._ledger.summaries[-1].get("epoch") == epoch:
             last = self._ledger.summaries[-1]  # what the GPU tiers moved per step (counters: no sync)
-            moved = per_step(self._tiers_at_start, device_tiers(self._stores.stores), int(last.get("batches") or 0))
+            avg_ms = last.get("avg_batch_ms")
+            moved = per_step(self._tiers_at_start, device_tiers(self._stores.stores), int(last.get("batches") or 0),
+                             avg_ms / 1e3 if avg_ms else None)
             if moved is not None:
                 last["device_tier"] = moved

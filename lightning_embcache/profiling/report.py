@@ -73,10 +73,17 @@ def format_table(epochs: list[dict], rank_rows: list[list[float]] | None = None)
         where = (
             "rows in host RAM, trained in place by the GPU" if tier["rows_in_host_ram"] else "rows cached on the GPU"
         )
+        rate = tier.get("host_to_device_bytes_per_s")
+        speed = "" if rate is None else (
+            f" ({rate / 1e9:.2f} GB/s up, {tier['device_to_host_bytes_per_s'] / 1e9:.2f} GB/s down)")
+        hit = tier.get("lookup_hit_rate")
+        window = "" if hit is None else (
+            f"; {100 * hit:.1f}% of looked-up rows already on the GPU, "
+            f"{tier.get('rows_staged_ahead_per_step', 0.0):.0f} rows/step staged ahead")
         lines.append(
             f"GPU tier (last epoch; {where}): {tier['host_to_device_bytes_per_step'] / 2**20:.2f} MiB/step "
-            f"host->device, {tier['device_to_host_bytes_per_step'] / 2**20:.2f} MiB/step device->host, "
-            f"{tier['rows_loaded_per_step']:.0f} rows loaded/step; waiting for them is store_io"
+            f"host->device, {tier['device_to_host_bytes_per_step'] / 2**20:.2f} MiB/step device->host{speed}, "
+            f"{tier['rows_loaded_per_step']:.0f} rows loaded/step{window}; waiting for them is store_io"
         )
     if tot["world_size"] > 1:
         lines.append(

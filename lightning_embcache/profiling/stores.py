@@ -61,6 +61,9 @@ class DeviceTiers(NamedTuple):
     loaded_rows: float
     evicted_rows: float
     in_host_ram: bool  # every tier keeps its rows in host RAM, trained in place over the bus
+    staged_ahead_rows: float = 0.0  # brought up by a prefetch or an announced batch before their lookup
+    lookup_rows: float = 0.0  # rows looked up, and of those, rows already on the GPU (hits)
+    lookup_hit_rows: float = 0.0
 
 
 def device_tiers(stores: dict[str, Any]) -> DeviceTiers | None:
@@ -73,19 +76,31 @@ def device_tiers(stores: dict[str, Any]) -> DeviceTiers | None:
                        float(sum(st.get("device_to_host_bytes", 0) for st in seen)),
                        float(sum(st.get("device_loaded_rows", 0) for st in seen)),
                        float(sum(st.get("device_evicted_rows", 0) for st in seen)),
-                       all(st.get("device_mapped_host") and not st.get("device_bytes") for st in seen))
+                       all(st.get("device_mapped_host") and not st.get("device_bytes") for st in seen),
+                       float(sum(st.get("device_staged_ahead_rows", 0) for st in seen)),
+                       float(sum(st.get("device_lookup_rows", 0) for st in seen)),
+                       float(sum(st.get("device_lookup_hit_rows", 0) for st in seen)))
 
 
-def per_step(before: DeviceTiers | None, after: DeviceTiers | None, steps: int) -> dict | None:
-    """What the GPU tiers moved per step between two readings (an epoch), for its summary."""
+def per_step(before: DeviceTiers | None, after: DeviceTiers | None, steps: int,
+             step_seconds: float | None = None) -> dict | None:
+    """What the GPU tiers moved per step between two readings (an epoch), for its summary;
+    ``step_seconds`` (the epoch's mean step) turns bytes per step into bytes per second."""
     if after is None or steps <= 0:
         return None
     if before is None or after.host_to_device_bytes < before.host_to_device_bytes:
         before = DeviceTiers(0.0, 0.0, 0.0, 0.0, after.in_host_ram)  # opened during the epoch
-    return {"host_to_device_bytes_per_step": (after.host_to_device_bytes - before.host_to_device_bytes) / steps,
-            "device_to_host_bytes_per_step": (after.device_to_host_bytes - before.device_to_host_bytes) / steps,
-            "rows_loaded_per_step": (after.loaded_rows - before.loaded_rows) / steps,
-            "rows_evicted_per_step": (after.evicted_rows - before.evicted_rows) / steps,
+    d = DeviceTiers(*(a - b for a, b in zip(after, before)))
+    up, down = d.host_to_device_bytes / steps, d.device_to_host_bytes / steps
+    rate = step_seconds is not None and step_seconds > 0
+    return {"host_to_device_bytes_per_step": up,
+            "device_to_host_bytes_per_step": down,
+            "host_to_device_bytes_per_s": up / step_seconds if rate else None,
+            "device_to_host_bytes_per_s": down / step_seconds if rate else None,
+            "rows_loaded_per_step": d.loaded_rows / steps,
+            "rows_evicted_per_step": d.evicted_rows / steps,
+            "rows_staged_ahead_per_step": d.staged_ahead_rows / steps,
+            "lookup_hit_rate": d.lookup_hit_rows / d.lookup_rows if d.lookup_rows > 0 else None,
             "rows_in_host_ram": after.in_host_ram}
 
 

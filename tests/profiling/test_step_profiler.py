@@ -405,16 +405,20 @@ def test_torch_compile_keeps_the_phases():
 
 
 class _TierStore:
-    """A store whose GPU tier moved 3 MiB up, 1 MiB down and 2,000 rows in at every get."""
+    """A store whose GPU tier moved 3 MiB up, 1 MiB down and 2,000 rows in at every get, 1,500 of
+    them staged ahead, and found 3 of every 4 looked-up rows already on the GPU."""
 
     def __init__(self, in_host_ram: bool) -> None:
-        self.up = self.down = self.rows = 0
+        self.up = self.down = self.rows = self.ahead = self.looked = self.hits = 0
         self.in_host_ram = in_host_ram
 
     def get(self, ids):
         self.up += 3 << 20
         self.down += 1 << 20
         self.rows += 2000
+        self.ahead += 1500
+        self.looked += 4000
+        self.hits += 3000
         return torch.zeros(len(ids), 1)
 
     def stats(self):
@@ -425,7 +429,8 @@ class _TierStore:
     def device_stats(self):
         return {"host_to_device_bytes": self.up, "device_to_host_bytes": self.down, "device_loaded_rows": self.rows,
                 "device_evicted_rows": self.rows, "device_mapped_host": self.in_host_ram,
-                "device_bytes": 0 if self.in_host_ram else 1 << 30}
+                "device_bytes": 0 if self.in_host_ram else 1 << 30, "device_staged_ahead_rows": self.ahead,
+                "device_lookup_rows": self.looked, "device_lookup_hit_rows": self.hits}
 
 
 @pytest.mark.parametrize("in_host_ram", [True, False])
@@ -441,8 +446,14 @@ def test_the_gpu_tiers_traffic_per_step_is_in_the_summary_and_the_table(in_host_
         tier = epoch["device_tier"]
         assert tier["host_to_device_bytes_per_step"] == 3 << 20 and tier["device_to_host_bytes_per_step"] == 1 << 20
         assert tier["rows_loaded_per_step"] == 2000 and tier["rows_in_host_ram"] is in_host_ram
+        assert tier["rows_staged_ahead_per_step"] == 1500 and tier["lookup_hit_rate"] == 0.75
+        step_s = epoch["avg_batch_ms"] / 1e3
+        assert tier["host_to_device_bytes_per_s"] == pytest.approx((3 << 20) / step_s)
+        assert tier["device_to_host_bytes_per_s"] == pytest.approx((1 << 20) / step_s)
     line = next(ln for ln in sp.report_table().splitlines() if ln.startswith("GPU tier"))
     assert "3.00 MiB/step host->device" in line and "1.00 MiB/step device->host" in line
+    assert "75.0% of looked-up rows already on the GPU" in line and "1500 rows/step staged ahead" in line
+    assert f"{(3 << 20) / (sp.summary()[-1]['avg_batch_ms'] / 1e3) / 1e9:.2f} GB/s up" in line
     assert ("in host RAM" in line) is in_host_ram
 
 

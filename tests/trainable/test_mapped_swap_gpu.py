@@ -86,3 +86,27 @@ def test_a_tier_over_a_mapped_table_moves_each_miss_set_with_one_kernel_and_trai
     torch.testing.assert_close(store.get(torch.arange(n)).cuda(), emb.weight.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tier.gather(np.arange(n)), emb.weight.detach(), rtol=1e-5, atol=1e-5)
     store.close()
+
+
+def test_the_tier_counts_rows_staged_ahead_and_lookups_that_found_their_rows(tmp_path):
+    """What the profiler reports as the window's hit rate and rows staged ahead (issue: a user
+    sees whether the rows came before the lookup): a prefetched batch is all hits, its misses
+    staged ahead; a batch nobody announced loads at its lookup (no hits, nothing ahead)."""
+    n, dim = 4000, 16
+    opt = make_row_optimizer("adam", lr=0.05)
+    store = EmbeddingStore.create(tmp_path / "s", n, dim, init="normal", seed=1, chunk_rows=128,
+                                  fields=trainable_fields(opt, dim, torch.float32))
+    tier = DeviceTier(store, "cuda", n // 4 * (store.row_bytes + SLOT_OVERHEAD))
+    a = np.arange(0, 600, 2, dtype=np.int64)
+    tier.prefetch(a)
+    tier.positions(np.concatenate([a, a[:10]]))
+    st = tier.stats()
+    assert st["device_staged_ahead_rows"] == len(a)
+    assert st["device_lookup_rows"] == len(a) + 10 and st["device_lookup_hit_rows"] == len(a) + 10
+    b = np.arange(1, 401, 2, dtype=np.int64)
+    tier.positions(b)
+    st = tier.stats()
+    assert st["device_staged_ahead_rows"] == len(a)
+    assert st["device_lookup_rows"] == len(a) + 10 + len(b) and st["device_lookup_hit_rows"] == len(a) + 10
+    tier.close()
+    store.close()
