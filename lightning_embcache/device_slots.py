@@ -43,7 +43,8 @@ class SlotMap:
         self.slot_of = private_zeros(num_rows, np.int32)  # slot + 1; 0 = not on the device
         self.id_of = private_zeros(capacity, np.int64)
         self.id_of[:] = -1
-        self.ref = private_zeros(capacity, np.uint8)
+        # one more than the slots: `find` sets the bit of every position, misses (-1) on the last
+        self.ref = private_zeros(capacity + 1, np.uint8)
         self._free = private_zeros(capacity, np.int64)
         self._free[:] = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self.nfree = capacity
@@ -57,8 +58,9 @@ class SlotMap:
     # ------------------------------------------------------------------ where rows are
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each of ``ids`` (int64), -1 where not on the device; hits get their reference bit."""
-        s = self.slot_of[ids].astype(np.int64) - 1
-        self.ref[s[s >= 0]] = 1
+        s = self.slot_of[ids].astype(np.int64)
+        s -= 1
+        self.ref[s] = 1  # a miss (-1) sets the spare last bit, which no slot reads
         return s
 
     def take(self, k: int) -> np.ndarray:
@@ -67,9 +69,20 @@ class SlotMap:
         self.nfree -= k
         return got
 
-    def free_tail(self, k: int) -> np.ndarray:
-        """The ``k`` free slots `take` would give now (a copy; nothing changes)."""
-        return self._free[self.nfree - k : self.nfree].copy()
+    def replace(self, victims: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Put rows ``ids`` (not held) in free slots, then in ``victims`` (held slots whose rows
+        leave), and return their slots: the same as `release`, `take` and `assign` with fewer
+        passes over the batch (the victims never pass through the free list)."""
+        got = self.slots_for(victims, len(ids))
+        self.nfree -= len(ids) - len(victims)
+        self.slot_of[self.id_of[victims]] = 0
+        self.assign(got, ids)
+        return got
+
+    def slots_for(self, victims: np.ndarray, k: int) -> np.ndarray:
+        """The slots `replace` gives ``k`` rows with ``victims`` (nothing changes): the free
+        list's last ``k - len(victims)``, then the victims."""
+        return np.concatenate([self._free[self.nfree - (k - len(victims)) : self.nfree], victims])
 
     def assign(self, slots: np.ndarray, ids: np.ndarray) -> None:
         self.id_of[slots] = ids

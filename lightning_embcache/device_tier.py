@@ -449,7 +449,7 @@ class DeviceTier:
         written = out[dirty]
         if not self._timed_store(self.store._device_read, ids):
             return None
-        got = np.concatenate([self._map.free_tail(k - nv), victims])
+        got = self._map.slots_for(victims, k)
         idx = np.concatenate([got, np.full(k - nv, -1, np.int64), out, ids]).astype(np.int64, copy=False)
         check = self._swap_check if getattr(self.store, "_check_finite", True) else None
         assert check is None or isinstance(check, tuple)
@@ -466,10 +466,8 @@ class DeviceTier:
                 return None
         else:
             enqueue()
-        self._map.release(victims)
-        self._map.take(k)  # == got: the free list's tail, then the victims just released
+        self._map.replace(victims, ids)
         self.dirty[victims] = False
-        self._map.assign(got, ids)
         self.evicted_rows += nv
         self.written_down_rows += len(written)
         self.down_bytes += len(written) * self.pool.shape[1]

@@ -20,17 +20,23 @@ def _check_bijection(m: SlotMap) -> None:
     assert np.count_nonzero(m.slot_of) == m.used
 
 
-def _bring(m: SlotMap, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """What the tier does for a batch: find, make room, assign the misses."""
+def _bring(m: SlotMap, ids: np.ndarray, keep: np.ndarray, replace: bool = False) -> np.ndarray:
+    """What the tier does for a batch: find, make room, assign the misses (``replace``: in one
+    call, as the tier over a mapped table does)."""
     ids = np.unique(ids)
     s = m.find(ids)
     miss = s < 0
     if miss.any():
         k = int(miss.sum())
-        if k > m.nfree:
-            m.release(m.victims(k - m.nfree, np.concatenate([s[~miss], keep])))
-        got = m.take(k)
-        m.assign(got, ids[miss])
+        victims = m.victims(k - m.nfree, np.concatenate([s[~miss], keep])) if k > m.nfree else np.empty(0, np.int64)
+        if replace:
+            planned = m.slots_for(victims, k)
+            got = m.replace(victims, ids[miss])
+            assert (got == planned).all()
+        else:
+            m.release(victims)
+            got = m.take(k)
+            m.assign(got, ids[miss])
         s[miss] = got
     return s
 
@@ -38,8 +44,8 @@ def _bring(m: SlotMap, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
 @settings(max_examples=60, deadline=None)
 # batches of at most 20 ids: a kept batch and a new one always fit the 40 slots together
 @given(st.lists(st.tuples(st.lists(st.integers(0, 199), min_size=1, max_size=20), st.booleans()),
-                min_size=1, max_size=40))
-def test_any_sequence_keeps_slots_and_ids_a_bijection_and_spares_kept_slots(ops):
+                min_size=1, max_size=40), st.booleans())
+def test_any_sequence_keeps_slots_and_ids_a_bijection_and_spares_kept_slots(ops, replace):
     m = SlotMap(200, 40)
     prev = np.empty(0, np.int64)
     for ids, announce in ops:
@@ -48,7 +54,7 @@ def test_any_sequence_keeps_slots_and_ids_a_bijection_and_spares_kept_slots(ops)
             m.announce(ids)
             continue
         before = {int(i): int(m.slot_of[i]) for i in prev}
-        s = _bring(m, ids, keep=m.find(prev)[m.find(prev) >= 0] if len(prev) else prev)
+        s = _bring(m, ids, keep=m.find(prev)[m.find(prev) >= 0] if len(prev) else prev, replace=replace)
         assert (m.id_of[s] == np.unique(ids)).all()
         for i, slot in before.items():  # the previous batch (kept) did not move
             assert m.slot_of[i] == slot
