@@ -53,6 +53,7 @@ class SlotMap:
         self._stamp_id = 0
         self.want: np.ndarray | None = None  # per id: announced uses still to come
         self._window: deque[np.ndarray] = deque()
+        self._raw: deque[np.ndarray] = deque()  # each announced batch's ids as given (a cheap `consume` match)
         self.window_rows = 0  # distinct rows of the announced batches (summed per batch)
 
     # ------------------------------------------------------------------ where rows are
@@ -102,16 +103,17 @@ class SlotMap:
         return self.capacity - self.nfree
 
     # ------------------------------------------------------------------ the announced future
-    def announce(self, ids: np.ndarray) -> np.ndarray:
+    def announce(self, ids: np.ndarray, unique: np.ndarray | None = None) -> np.ndarray:
         """A coming batch reads ``ids``: protect them until it is looked up (`consume`); returns
-        them unique and sorted."""
-        u = idsets.unique(ids)
+        them unique and sorted (``unique``: already computed by the caller)."""
+        u = idsets.unique(ids) if unique is None else unique
         if self.want is None:
             self.want = private_zeros(self.num_rows, np.int32)
         if len(self._window) == MAX_WINDOW:
             self._forget()
         self.want[u] += 1
         self._window.append(u)
+        self._raw.append(ids.copy())
         self.window_rows += len(u)
         return u
 
@@ -119,13 +121,19 @@ class SlotMap:
         """A batch was looked up: if it is the oldest announced one, its rows stop being protected."""
         if not self._window:
             return False
-        oldest = self._window[0]
-        if len(ids) < len(oldest) or not np.array_equal(idsets.unique(ids), oldest):
+        oldest, raw = self._window[0], self._raw[0]
+        same = len(ids) == len(raw) and np.array_equal(ids, raw)  # the batch as announced: no sort
+        if not same and (len(ids) < len(oldest) or not np.array_equal(idsets.unique(ids), oldest)):
             return False
         self._forget()
         return True
 
+    def announced(self, batch: np.ndarray) -> bool:
+        """Whether ``batch`` (an array `announce` returned) is still in the window."""
+        return any(u is batch for u in self._window)
+
     def _forget(self) -> None:
+        self._raw.popleft()
         u = self._window.popleft()
         assert self.want is not None
         self.want[u] -= 1

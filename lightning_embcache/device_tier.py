@@ -195,6 +195,7 @@ class DeviceTier:
         self.store_seconds = 0.0
         self._depth = threading.local()
         self._own_thread = threading.local()  # on_stream: a thread of the tier's own, on its device and stream
+        self._staging: list[np.ndarray] = []  # announced batches (`upcoming`) whose rows no job staged yet
         if self.resident:
             self._load_all()
         else:
@@ -288,13 +289,15 @@ class DeviceTier:
     @_entry
     def upcoming(self, ids: np.ndarray, protect: np.ndarray | None = None) -> None:
         """A coming batch reads validated ``ids`` (`LookaheadSampler`'s window): bring them up
-        in the background now and keep them until that batch is looked up; eviction meanwhile
-        takes rows no announced batch reads. A window of more rows than half the tier is not
-        announced past that point (a warning names both sizes); its rows load when looked up."""
+        in the background and keep them until that batch is looked up; eviction meanwhile takes
+        rows no announced batch reads. The rows are staged by a background job started right
+        after the next lookup (`_stage_announced`), so the job overlaps a whole training step and
+        that lookup never waits for it. A window of more rows than half the tier is not announced
+        past that point (a warning names both sizes); its rows load when looked up."""
         if self.resident:
             return
+        u = idsets.unique(ids)
         with self._lock:
-            u = idsets.unique(ids)
             if self._map.window_rows + len(u) > self.capacity // 2:
                 if not self._window_warned:
                     self._window_warned = True
@@ -304,8 +307,19 @@ class DeviceTier:
                         f"{self.budget_bytes}); batches past that load their rows when looked up: raise "
                         f"device_bytes or lower the lookahead", stacklevel=3)
                 return
-            self._map.announce(u)
-        self.prefetch(u, protect)
+            self._map.announce(ids, unique=u)
+            self._staging.append(u)
+
+    def _stage_announced(self, keep: np.ndarray) -> None:
+        """Start staging the announced batches not staged yet, as one background job; ``keep``:
+        the slots the training step uses until its next lookup (never evicted by the job)."""
+        if not self._staging:
+            return
+        with self._lock:
+            todo = [u for u in self._staging if self._map.announced(u)]  # looked up already: nothing to stage
+            self._staging = []
+        if todo:
+            self.prefetch(todo[0] if len(todo) == 1 else idsets.unique(np.concatenate(todo)), keep)
 
     def _prefetch_job(self, ids: np.ndarray, keep: np.ndarray | None) -> None:
         ids = idsets.unique(ids)
@@ -338,11 +352,14 @@ class DeviceTier:
             self.lookup_hit_rows += hits
             if hits == len(ids):  # every row already on the device (the prefetched case): no unique()
                 self._map.consume(ids)
-                return s
-        uniq, inv = np.unique(ids, return_inverse=True)
-        out = self._slots(uniq, protect)[inv]
-        with self._lock:
-            self._map.consume(uniq)
+                out = s
+        if hits != len(ids):
+            uniq, inv = np.unique(ids, return_inverse=True)
+            out = self._slots(uniq, protect)[inv]
+            with self._lock:
+                self._map.consume(ids)
+        if self._staging:  # the window's next batches, staged while this step runs
+            self._stage_announced(out if protect is None or not len(protect) else np.concatenate([protect, out]))
         return out
 
     @_entry

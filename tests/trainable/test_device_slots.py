@@ -96,6 +96,18 @@ def test_a_batch_looked_up_ends_its_protection_and_a_stale_window_is_bounded():
     assert m.window_rows == MAX_WINDOW and m.want[:5].sum() == 0
 
 
+def test_a_batch_is_matched_to_its_announcement_as_given_or_in_any_order():
+    m = SlotMap(1000, 100)
+    first = m.announce(np.array([9, 2, 9, 4]))
+    second = m.announce(np.array([7, 1]))
+    assert m.announced(first) and m.announced(second) and not m.announced(np.array([9, 2, 4]))
+    assert not m.consume(np.array([7, 1]))  # the newer batch first: not matched
+    assert m.consume(np.array([4, 9, 2, 2]))  # the same rows in another order
+    assert not m.announced(first) and m.announced(second)
+    assert m.consume(np.array([7, 1]))  # as announced
+    assert m.window_rows == 0 and m.want[[1, 2, 4, 7, 9]].sum() == 0
+
+
 def _misses(trace, capacity, k):
     """Misses of a batch trace through a SlotMap, announcing each batch ``k`` batches ahead."""
     m = SlotMap(int(max(b.max() for b in trace)) + 1, capacity)

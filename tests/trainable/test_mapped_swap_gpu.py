@@ -110,3 +110,29 @@ def test_the_tier_counts_rows_staged_ahead_and_lookups_that_found_their_rows(tmp
     assert st["device_lookup_rows"] == len(a) + 10 + len(b) and st["device_lookup_hit_rows"] == len(a) + 10
     tier.close()
     store.close()
+
+
+def test_announced_batches_are_staged_after_the_next_lookup_and_then_found_on_the_gpu(tmp_path):
+    """`upcoming` only announces; the lookup that follows starts one job staging every announced
+    batch after it, so that lookup does not wait for their rows and theirs find them."""
+    n, dim = 4000, 16
+    opt = make_row_optimizer("adam", lr=0.05)
+    store = EmbeddingStore.create(tmp_path / "s", n, dim, init="normal", seed=1, chunk_rows=128,
+                                  fields=trainable_fields(opt, dim, torch.float32))
+    tier = DeviceTier(store, "cuda", n // 4 * (store.row_bytes + SLOT_OVERHEAD))
+    batches = [np.arange(k * 100, k * 100 + 80, dtype=np.int64)[::-1].copy() for k in range(4)]
+    for b in batches[:3]:
+        tier.upcoming(b)
+    assert tier.stats()["device_staged_ahead_rows"] == 0  # nothing staged before a lookup
+    tier.positions(batches[0])  # loads its own rows, then stages batches 1 and 2
+    tier.upcoming(batches[3])
+    tier.positions(batches[1])  # stages batch 3
+    for b in batches[2:]:
+        tier.positions(b)
+    st = tier.stats()
+    assert st["device_staged_ahead_rows"] == 3 * 80
+    assert st["device_lookup_hit_rows"] == 3 * 80 and st["device_lookup_rows"] == 4 * 80
+    rows = tier.gather(np.concatenate(batches))
+    torch.testing.assert_close(rows.cpu(), store.get(torch.from_numpy(np.concatenate(batches))))
+    tier.close()
+    store.close()
