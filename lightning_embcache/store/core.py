@@ -86,6 +86,7 @@ class StoreCore:
         recs = np.zeros((len(ids), self.row_bytes), np.uint8)
         t = torch.from_numpy(recs)
         if self.init_kind == "callable":
+            assert self.init_fn is not None
             vals = self.init_fn(torch.from_numpy(ids))
             if not isinstance(vals, torch.Tensor) or tuple(vals.shape) != (len(ids), self.dim):
                 raise InvalidArgumentError(

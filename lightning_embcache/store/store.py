@@ -18,7 +18,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -171,7 +171,7 @@ class EmbeddingStore:
         seed = positive_int(seed, "seed", minimum=0, maximum=(1 << 63) // 1_000_004)
         init_std = finite_float(init_std, "init_std")
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
-        warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
+        warm_bytes = cast(int, budget(warm_bytes, "warm_bytes", allow_none=False))
         foldproc.setting()  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
         if not isinstance(dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype; got {dtype!r}")
@@ -211,7 +211,7 @@ class EmbeddingStore:
         if ephemeral and hot_bytes is None:
             root = None
         else:
-            root = Path(tempfile.mkdtemp(prefix="embcache-")) if ephemeral else Path(path)
+            root = Path(tempfile.mkdtemp(prefix="embcache-")) if path is None else Path(path)
             if root.exists() and not root.is_dir():
                 raise InvalidArgumentError(f"path={str(root)!r} is a file; give a new or empty folder for the store")
             if root.exists() and any(root.iterdir()):
@@ -270,7 +270,7 @@ class EmbeddingStore:
             raise InvalidTypeError(f"path must be a str or os.PathLike; got {type(path).__name__}")
         root = Path(path)
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
-        warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
+        warm_bytes = cast(int, budget(warm_bytes, "warm_bytes", allow_none=False))
         foldproc.setting()  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
         if version is not None:
             version = version_arg(version, "version")
@@ -464,7 +464,7 @@ class EmbeddingStore:
                 self._weight_np[idx] = to_np(v)
                 self._tiers.hot.dirty[idx] = 1
             else:
-                self._tiers.scatter(self._tiers.resolve(idx, load=True), {"weight": v})
+                self._tiers.scatter(cast(np.ndarray, self._tiers.resolve(idx, load=True)), {"weight": v})
         self._core.stats.updates += 1
         self._waited(t0)
 
@@ -513,7 +513,7 @@ class EmbeddingStore:
             # making room raises here, with no row of this call applied.
             slots = self._tiers.resolve(idx, load=not full, for_write=True, values=vals)
             if slots is not None:
-                self._tiers.scatter(slots, vals)
+                self._tiers.scatter(cast(np.ndarray, slots), vals)
             self._note_dirty(len(idx))
         self._core.stats.updates += 1
         self._waited(t0)
@@ -784,7 +784,7 @@ class EmbeddingStore:
             return self._tiers.gather_warm(idx, got.slots, got.missing, got.rows, names)
         if isinstance(got, Direct):
             return self._tiers.gather_direct(idx, got.slots, got.mids, got.records, names)
-        return self._tiers.gather(got, names)
+        return self._tiers.gather(cast(np.ndarray, got), names)
 
     def _sliced_get(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         out = {n: torch.empty((len(idx), self.field_spec(n)[1]), dtype=self.field_spec(n)[0]) for n in names}
@@ -989,7 +989,7 @@ class EmbeddingStore:
         """Free the tiers and close every file but the writer lock (caller holds both locks)."""
         self._versions.close_files()
         self._tiers.close()
-        self._weight_np = self._weight_t = None
+        self._weight_np = self._weight_t = None  # type: ignore[assignment]  # views of the pool just freed
 
     def __enter__(self) -> EmbeddingStore:
         return self

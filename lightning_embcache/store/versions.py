@@ -197,6 +197,13 @@ class Versions:
             self._fold_proc_failed, self._fold_proc_restarts = kept.fold_proc_failed, kept.fold_proc_restarts
             self.version = kept.version
 
+    @property
+    def _disk(self) -> Disk:
+        """``disk``, where the caller runs only for a store with files."""
+        disk = self.disk
+        assert disk is not None, "a store without files has no disk"
+        return disk
+
     def attach(self, tiers: WriteBack) -> None:
         """The tiers above these files, made once the version is open (they need its size). Held
         weakly: the tiers hold this, and without a cycle a dropped store frees its parts (memory,
@@ -274,7 +281,7 @@ class Versions:
             # Files kept for a pass's next round go before this flush adds its segment: disk use
             # peaks at a flush (segments at their most), and the pass they were kept for may not
             # go on (a round after this flush writes new files instead).
-            self.disk.pool.drain()
+            self._disk.pool.drain()
             version = self._flush_locked()
         finally:
             self.flush_lock.release()
@@ -314,12 +321,12 @@ class Versions:
             segs = [g.seq for g in kept]
         try:
             # one no manifest will list need not be durable
-            self.disk.sync_segments([p for p in pending if p.seq not in gone])
-            new = [self.disk.write_segment(seq, ids, records)] if len(ids) else []
+            self._disk.sync_segments([p for p in pending if p.seq not in gone])
+            new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
             m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self.version,
                          num_rows=self._c.num_rows, table_rows=self.table_rows)
             self._parent = self.version
-            self.disk.write_manifest(m)  # the commit point (of a growth too: `EmbeddingStore.grow`)
+            self._disk.write_manifest(m)  # the commit point (of a growth too: `EmbeddingStore.grow`)
             self._published = (m.chunkmap, list(m.segments), m.num_rows)
             self._table_published = m.table_rows
             self._grown_unflushed = False
@@ -327,7 +334,7 @@ class Versions:
             self._t.end_write_back(slots, seq, ok=False)
             raise
         try:
-            self.disk.write_latest(version)
+            self._disk.write_latest(version)
         except StoreError:
             pass  # the version is published; the record only lags (open's check stays sound)
         with self._c.lock:
@@ -354,7 +361,7 @@ class Versions:
         """Versions still on disk (openable with ``open(path, version=v)``)."""
         if self.disk is None:
             return [self.version]
-        return self.disk.list_versions()
+        return self._disk.list_versions()
 
     def pin(self, version: int) -> None:
         """Never reclaim ``version`` (until unpinned); persisted across opens."""
@@ -406,11 +413,11 @@ class Versions:
         assert self.disk is not None
         if self._c.readonly:
             return
-        versions = self.disk.list_versions()
+        versions = self._disk.list_versions()
         keep = set(versions[-KEEP_VERSIONS:]) | self._pins | {self.version}
         dropped = False
         for v in versions:
-            if v not in keep and self.disk.drop_version_unless_read(v):
+            if v not in keep and self._disk.drop_version_unless_read(v):
                 dropped = True
         if dropped and collect:
             self._collect_due = True
@@ -589,7 +596,7 @@ class Versions:
             self.await_round()
             while self.committed and self._compact_round(everything=True):
                 pass
-            self.disk.pool.drain()
+            self._disk.pool.drain()
 
     def _compact(self) -> None:
         """Background compaction: passes of bounded rounds. A pass goes on until every segment
@@ -629,7 +636,7 @@ class Versions:
         with self.flush_lock:
             if self._collect_due:
                 self._collect_due = False
-                self._collect_garbage_locked(self.disk, at_open=False)
+                self._collect_garbage_locked(self._disk, at_open=False)
             if not self.committed or self.committed[0].seq > target:
                 # Round once: sweep again while segments are over the threshold, or over half
                 # of it while flushes add rows that stay (none of their segments left out).
@@ -640,15 +647,15 @@ class Versions:
                 ):
                     # The pass is over: the files kept for the next round's reuse go, and
                     # disk use drops to what the versions hold.
-                    self.disk.pool.drain()
+                    self._disk.pool.drain()
                     return None
                 foldable = self._foldable()
                 if not foldable:
-                    self.disk.pool.drain()
+                    self._disk.pool.drain()
                     return None
                 target, superseded = foldable[-1].seq, self._c.stats.superseded_segments
             if not self._compact_round(unlocked=True):
-                self.disk.pool.drain()
+                self._disk.pool.drain()
                 return None
         return target, superseded
 
@@ -710,7 +717,7 @@ class Versions:
         chunks a waiting flush goes first. Its new version reads the same files, which are whole
         between two chunks; the round then holds that version's reader lock too before it goes
         on, or, where a read-only handle opened it meanwhile, writes the rest as new files."""
-        disk = self.disk
+        disk = self._disk
         none = np.zeros(0, np.int64)
         cand = chunks[cmap[chunks] > 0] if FOLD_IN_PLACE else none
         if not len(cand):
@@ -802,10 +809,10 @@ class Versions:
             self.flush_lock.acquire()
         if self._c.closed:
             return False
-        now = self.disk.list_versions()
+        now = self._disk.list_versions()
         for v in now:
             if v not in listed:  # published meanwhile: reads the files being folded
-                lk = self.disk.lock_version_alone(v)
+                lk = self._disk.lock_version_alone(v)
                 if lk is None:
                     return False
                 locks.append(lk)
@@ -819,13 +826,13 @@ class Versions:
         if cm is None:
             if len(seen) >= 16:
                 seen.clear()
-            cm = seen[m.chunkmap] = self.disk.read_chunkmap(m.chunkmap, m.num_rows or int(self._c.meta["num_rows"]))
+            cm = seen[m.chunkmap] = self._disk.read_chunkmap(m.chunkmap, m.num_rows or int(self._c.meta["num_rows"]))
         return cm
 
     def _forget_chunk_file(self, c: int, g: int) -> None:
         """Chunk file (c, g) changed in place: this handle's cached descriptors and block
         checksums of it go (the next read reads its new directory)."""
-        self.disk._directories.pop((c, g), None)
+        self._disk._directories.pop((c, g), None)
         reader = self.chunkrows
         if reader is not None:
             reader.forget([(c, g)])
@@ -842,10 +849,10 @@ class Versions:
         """Have the compaction process ``proc`` fold ``chunks`` into files of ``gen``; its result,
         or None where there is no process. Runs without the writer lock for a background round:
         it touches nothing of the store but the file pool (which has its own lock)."""
-        disk = self.disk
+        disk = self._disk
         if proc is None or not len(chunks):
             return None
-        reuse = []
+        reuse: list[Any] = []
         while len(reuse) < len(chunks) and (name := disk.pool.take()) is not None:
             reuse.append(name)
         ok, res = proc.fold(
@@ -872,7 +879,7 @@ class Versions:
         process left (those that need initial values, which only the
         store can compute), every chunk of a round it failed, or all where there is none.
         Caller holds the writer lock."""
-        disk = self.disk
+        disk = self._disk
         own: list[int] = []
         done = np.zeros(0, np.int64)
         if res is not None:
@@ -928,12 +935,12 @@ class Versions:
                 return None
             try:
                 proc = self.fold_proc = FoldProcess(
-                    self._c.root,
+                    self._disk.root,
                     self._c.num_rows,
                     self._c.chunk_rows,
                     self._c.row_bytes,
-                    self.disk.uid,
-                    unbound=self.disk.unbound,
+                    self._disk.uid,
+                    unbound=self._disk.unbound,
                 )
             except Exception:  # no interpreter to start (an embedded Python), no processes allowed
                 self._fold_proc_failed = True
@@ -1138,7 +1145,7 @@ class Versions:
         rows). The version keeps its number: its manifest is rewritten in place (same identity)
         while no reader can open it. Only when a read-only handle holds it does the new layout
         become a new version (the reader keeps its files)."""
-        disk = self.disk
+        disk = self._disk
         version = self.version
         segs = [s.seq for s in remaining]
         alone = disk.lock_version_alone(version)
@@ -1173,7 +1180,7 @@ class Versions:
         """Segments listed by a version on disk other than ``version`` whose chunk map is not
         ``gen`` (pinned, or held by a read-only handle): their records stay whole, since that
         version's chunk map may not count them as folded."""
-        disk = self.disk
+        disk = self._disk
         out: set[int] = set()
         cache = self._manifests_seen
         if listed is None:
@@ -1193,7 +1200,7 @@ class Versions:
         m = self._manifests_seen.get(version)
         if m is None:
             try:
-                m = self._manifests_seen[version] = self.disk.read_manifest(version)
+                m = self._manifests_seen[version] = self._disk.read_manifest(version)
             except (StoreError, OSError):
                 return None
         return m
@@ -1213,8 +1220,10 @@ class Versions:
         members = []
         for v in listed:
             m = self._manifest_of(v) if v in pins and v != version else None
+            if m is None:
+                continue
             # a version of another size (before a growth) never shares: its chunk map has its size
-            same_size = m is not None and (m.num_rows or int(self._c.meta["num_rows"])) == self._c.num_rows
+            same_size = (m.num_rows or int(self._c.meta["num_rows"])) == self._c.num_rows
             if same_size and sharing.shares(m, gen, seqs) and self._unread(v):
                 members.append(m)
         self._sharing = sharing.plan(segs, members, self._c.num_rows * self._c.row_bytes)
@@ -1222,8 +1231,8 @@ class Versions:
     def _unread(self, version: int) -> bool:
         """No read-only handle holds ``version`` now (one that opens it later finds it published
         again, or waits for that: `_repoint` holds its lock exclusively)."""
-        alone = self.disk.lock_version_alone(version)
-        self.disk.unlock_reader(alone)
+        alone = self._disk.lock_version_alone(version)
+        self._disk.unlock_reader(alone)
         return alone is not None
 
     def _repoint(
@@ -1233,7 +1242,7 @@ class Versions:
         files hold the segments ``folding`` that it lists too (same rows, number and identity),
         without the leading segments every chunk of which is folded now. One a read-only handle
         opened, that was unpinned or moved meanwhile keeps its layout (and its files)."""
-        disk = self.disk
+        disk = self._disk
         folded_seqs = {s.seq for s in folding}
         newest = max(folded_seqs)
         by_seq = {s.seq: s for s in folding}
@@ -1386,7 +1395,7 @@ class Versions:
         self.rows = RowIndex(sorted(self.committed + self.pending, key=lambda g: g.seq), self._c.num_rows,
                               self.folded)
 
-    def layout_of(self, chunk: int) -> tuple[int, tuple]:
+    def layout_of(self, chunk: int) -> tuple[int, tuple | None]:
         """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =
         never written) and its newest delta records (ids, segment numbers, positions, segments).
         Segments never change and a base file changes (folded in place, inplace.py) only in rows
@@ -1428,9 +1437,9 @@ class Versions:
             fileio.uuid_bytes(c.meta["uuid"]),
             unbound=c.meta.get("names_bound") is not True,
         )
-        self.disk.set_init_rows(c.init_rows)  # the rows a sparse chunk file does not hold
+        self._disk.set_init_rows(c.init_rows)  # the rows a sparse chunk file does not hold
         if create:
-            self.disk.write_manifest(Manifest(0, 0, []))
+            self._disk.write_manifest(Manifest(0, 0, []))
         self._load_version(version)  # the version's size: ``core.num_rows`` from its manifest
         if grown_rows is not None and grown_rows != c.num_rows:
             self._grow_layout(grown_rows)
@@ -1445,7 +1454,7 @@ class Versions:
         if self.disk is not None:
             for seg in self.committed:
                 seg.close()
-            self.disk.close()
+            self._disk.close()
 
     def _grow_layout(self, num_rows: int) -> None:
         """The layout of the version at ``num_rows`` rows (a grown store, before its tiers are
@@ -1488,7 +1497,7 @@ class Versions:
         if self.chunkrows is not None:
             self.chunkrows.close()
         if self.disk is not None:
-            self.disk.close()
+            self._disk.close()
 
     def release(self) -> None:
         """Let go of the LOCK file and of the reader lock of a read-only handle (`close`)."""
