@@ -11,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,8 +21,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import fileio, foldproc, growth, rowcopy
+from . import creation, foldproc, growth, rowcopy
 from .core import InitFn, StoreCore
+from .creation import StridedNormal, strided_normal_spec
 from .disk import Disk
 from .errors import (
     CorruptStoreError,
@@ -33,10 +32,8 @@ from .errors import (
     InvalidTypeError,
     ReadOnlyError,
     StoreClosedError,
-    StoreError,
 )
 from .hot import SLOT_OVERHEAD, HotTier
-from .initrows import normal_rows
 from .schema import DTYPES, Schema
 from .stats import StoreStats
 from .tiers import SLICE_ROWS, Direct, FromSlab, Gathered, Tiers, to_np
@@ -59,32 +56,6 @@ PathLike = str | os.PathLike | None
 
 
 _LIVE: weakref.WeakSet[EmbeddingStore] = weakref.WeakSet()
-
-
-def strided_normal_spec(spec: Any) -> dict | None:
-    """``spec`` if it describes a strided normal init (see `StridedNormal`), else None."""
-    if not isinstance(spec, dict) or spec.get("kind") != "strided_normal":
-        return None
-    stride, offset = spec.get("stride"), spec.get("offset")
-    if type(stride) is not int or type(offset) is not int or not 0 <= offset < stride:
-        return None
-    return {"kind": "strided_normal", "stride": stride, "offset": offset}
-
-
-class StridedNormal:
-    """``init="normal"`` of a whole table evaluated at rows ``local * stride + offset``: the rows a
-    row-sharded table's shard holds (its META records it, so tools reopen the shard alone)."""
-
-    def __init__(self, stride: int, offset: int, dim: int, seed: int, std: float) -> None:
-        self.stride, self.offset, self.dim, self.seed, self.std = stride, offset, dim, seed, std
-
-    @property
-    def init_spec(self) -> dict:
-        return {"kind": "strided_normal", "stride": self.stride, "offset": self.offset}
-
-    def __call__(self, local_ids: torch.Tensor) -> torch.Tensor:
-        ids = local_ids.to(torch.int64).numpy() * self.stride + self.offset
-        return torch.from_numpy(normal_rows(ids, self.dim, self.seed, self.std))
 
 
 class EmbeddingStore:
@@ -173,56 +144,9 @@ class EmbeddingStore:
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
         warm_bytes = cast(int, budget(warm_bytes, "warm_bytes", allow_none=False))
         foldproc.setting()  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidTypeError(f"dtype must be a torch.dtype; got {dtype!r}")
-        if fields is not None and not isinstance(fields, Mapping):
-            raise InvalidTypeError(
-                f"fields must be a mapping name -> (dtype, cols[, fill]); got {type(fields).__name__}")
-        try:
-            schema = Schema(dim, dtype, dict(fields or {}))
-        except (TypeError, ValueError, OverflowError) as exc:
-            if isinstance(exc, StoreError):
-                raise
-            raise InvalidArgumentError(f"fields={fields!r} is not name -> (dtype, cols[, fill]): {exc}") from None
-        if compression not in (None, "lz4"):
-            raise InvalidArgumentError(f"compression must be None or 'lz4'; got {compression!r}")
-        if isinstance(init, str):
-            if init not in ("zeros", "normal"):
-                raise InvalidArgumentError(f"init must be 'zeros', 'normal' or a callable f(ids) -> rows; got {init!r}")
-        elif not callable(init):
-            raise InvalidTypeError(f"init must be 'zeros', 'normal' or a callable; got {type(init).__name__}")
-        meta = {
-            "format": "lightning_embcache",
-            "uuid": uuid.uuid4().hex,
-            "num_rows": num_rows,
-            "chunk_rows": chunk_rows,
-            "schema": schema.to_json(),
-            "compression": compression,
-            "init": init if isinstance(init, str) else "callable",
-            "seed": int(seed),
-            "init_std": float(init_std),
-            "init_version": 2,  # init="normal" per row from (seed, id); absent = per chunk (older stores)
-            "names_bound": True,  # every file is bound to its name (format 3); absent: files of 0.1 may be read
-        }
-        spec = strided_normal_spec(getattr(init, "init_spec", None)) if callable(init) else None
-        if spec is not None:  # a callable the store can rebuild itself (a shard of init="normal")
-            meta["init_spec"] = spec
+        meta = creation.new_meta(num_rows, dim, dtype, chunk_rows, compression, init, seed, init_std, fields)
         ephemeral = path is None
-        if ephemeral and hot_bytes is None:
-            root = None
-        else:
-            root = Path(tempfile.mkdtemp(prefix="embcache-")) if path is None else Path(path)
-            if root.exists() and not root.is_dir():
-                raise InvalidArgumentError(f"path={str(root)!r} is a file; give a new or empty folder for the store")
-            if root.exists() and any(root.iterdir()):
-                if (root / "META").exists():
-                    raise InvalidArgumentError(f"path={str(root)!r} already holds a store; use EmbeddingStore.open()")
-                raise InvalidArgumentError(f"path={str(root)!r} exists and is not empty; give a new or empty folder")
-            made = not root.exists()
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise fileio.io_error(exc, "creating", root) from exc
+        root, made = creation.new_folder(path, hot_bytes)
         try:
             store = cls(
                 root,
@@ -244,13 +168,7 @@ class EmbeddingStore:
                     raise
             return store
         except BaseException:
-            # A failed create leaves nothing behind: a correct create at the same path must work.
-            if root is not None:
-                if ephemeral or made:
-                    shutil.rmtree(root, ignore_errors=True)
-                else:  # the folder was the caller's (empty): remove only what we put in it
-                    for p in list(root.iterdir()):
-                        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
+            creation.remove_failed(root, made, ephemeral)  # a correct create at the same path must work
             raise
 
     @classmethod

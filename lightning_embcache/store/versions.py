@@ -36,6 +36,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -133,6 +134,45 @@ class WriteBack(Protocol):
     def patch_warm(self, ids: np.ndarray) -> None: ...
 
     def clean(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Round:
+    """A compaction round's snapshot (`Versions._plan_round`): the segments it folds, the chunk
+    map and folded marks as they were, its chunks and the new chunk map generation."""
+
+    share: Sharing
+    segs: list[Segment]
+    cmap: np.ndarray
+    folded: np.ndarray
+    old_gen: int
+    chunks: np.ndarray
+    gen: int
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What a round wrote (`Versions._fold_planned`): new chunk files, chunks folded in place,
+    both, the bytes of rows folded and the compaction byte count before."""
+
+    new_files: np.ndarray
+    in_place: np.ndarray
+    chunks: np.ndarray
+    folded_bytes: int
+    written0: int
+
+
+@dataclass(frozen=True)
+class _Published:
+    """A round's published layout (`Versions._publish_round`): its manifest, the version before,
+    the new chunk map and folded marks, the committed segments then and how many it dropped."""
+
+    manifest: Manifest
+    version: int
+    cmap: np.ndarray
+    folded: np.ndarray
+    segs: list[Segment]
+    drop: int
 
 
 class Versions:
@@ -1025,116 +1065,150 @@ class Versions:
         chunk that already holds it (a store written before chunk maps recorded this) gives the
         same rows.
         """
-        disk = self.disk
-        assert disk is not None
+        plan = self._plan_round(everything)
+        if plan is None:
+            return False
+        proc = self._fold_process()
+        if unlocked:  # the writer lock may be let go of meanwhile: the process folds, or a flush goes first
+            self._round_thread = threading.get_ident()
+            self._round_done.clear()
+        try:
+            done = self._fold_planned(plan, proc, unlocked)
+            if done is None:
+                return False
+            new = self._publish_round(plan, done)
+            if new is None:
+                return False  # fail-stop: a damaged file was met meanwhile, nothing more is written
+        finally:
+            with self._c.lock:
+                self._writing_gens.discard(plan.gen)
+            if unlocked:
+                self._round_thread = None
+                self._round_done.set()
+        ready = self._adopt_round(plan, done, new)
+        return self._collect_round(plan, done, new, ready)
+
+    def _plan_round(self, everything: bool) -> _Round | None:
+        """What a round folds, taken under the lock (caller holds the writer lock), with a new
+        chunk map generation; None if there is nothing to fold, the store closed or it grew."""
         with self._c.lock:
             share = self._sharing
             segs = [s for s in self.committed if share.foldable(s)]
             # A grown table's layout is published by its next flush, never by a round: a round
             # rewrites the manifest of the version it folds, which has the size before the growth.
             if self._c.closed or not segs or self._grown_unflushed:
-                return False
+                return None
             cmap = self.cmap.copy()
-            folded0 = self.folded  # replaced, never changed in place: only rounds move it
+            folded = self.folded  # replaced, never changed in place: only rounds move it
             old_gen = self._cmap_gen
             chunks = self._round_chunks(segs, everything)
             gen = self._next_gen
             self._next_gen += 1
             self._writing_gens.add(gen)
-        proc = self._fold_process()
+        return _Round(share, segs, cmap, folded, old_gen, chunks, gen)
+
+    def _fold_planned(self, r: _Round, proc: FoldProcess | None, unlocked: bool) -> _Written | None:
+        """Fold the round's chunks. Chunk files only this version reads are folded in place first,
+        under the writer lock (no flush publishes a version that reads them meanwhile); the others
+        are written as new files of ``r.gen``, by the compaction process where there is one (a
+        background round lets go of the writer lock meanwhile). None: the store closed first."""
+        disk = self._disk
         release = unlocked and proc is not None
-        if unlocked:  # the writer lock may be let go of meanwhile: the process folds, or a flush goes first
-            self._round_thread = threading.get_ident()
-            self._round_done.clear()
+        folded_bytes = self._c.row_bytes * sum(
+            inplace.distinct_rows(c, r.segs, int(r.folded[c])) for c in r.chunks.tolist())
+        written0 = disk.compaction_bytes_written
+        in_place = self._fold_in_place(r.chunks, r.cmap, r.folded, r.segs, r.share, r.gen, yielding=unlocked)
+        chunks = np.setdiff1d(r.chunks, in_place)
+        planned = len(chunks)
+        if release:
+            self.flush_lock.release()
         try:
-            newest = segs[-1].seq
-            folded_bytes = self._c.row_bytes * sum(
-                inplace.distinct_rows(c, segs, int(folded0[c])) for c in chunks.tolist())
-            # Chunk files only this version reads are folded in place first, under the writer
-            # lock (no flush publishes a version that reads them meanwhile); the others are
-            # written as new files of ``gen``, by the compaction process where there is one.
-            written0 = disk.compaction_bytes_written
-            in_place = self._fold_in_place(chunks, cmap, folded0, segs, share, gen, yielding=unlocked)
-            chunks = np.setdiff1d(chunks, in_place)
-            planned = len(chunks)
-            if release:
-                self.flush_lock.release()
-            try:
-                res = self._fold_elsewhere(proc, chunks, cmap, folded0, segs, gen)
-            finally:
-                if release:
-                    self.flush_lock.acquire()
-            chunks = self._fold_chunks(chunks, cmap, folded0, segs, gen, res)
-            if self._c.closed and not len(chunks) and planned and not len(in_place):
-                return False
-            new_files = chunks
-            chunks = np.union1d(chunks, in_place)
-            folding = segs
-            with self._c.lock:  # a flush may have added (or left out) segments meanwhile
-                segs = list(self.committed)
-            new_cmap = cmap.copy()  # rounds never overlap: the chunk map is the snapshot's
-            new_cmap[new_files] = gen  # (a file folded in place keeps its name)
-            folded = self.folded.copy()
-            folded[chunks] = newest
-            drop = 0
-            for s in segs:
-                if not (folded[s.idx_chunk] >= s.seq).all():
-                    break
-                drop += 1
-            remaining = segs[drop:]
-            if self.damage is not None:
-                return False  # fail-stop: a damaged file was met meanwhile, nothing more is written
-            disk.write_chunkmap(gen, new_cmap, folded)
-            version = self.version
-            m = self._publish_layout(gen, remaining)
+            res = self._fold_elsewhere(proc, chunks, r.cmap, r.folded, r.segs, r.gen)
         finally:
-            with self._c.lock:
-                self._writing_gens.discard(gen)
-            if unlocked:
-                self._round_thread = None
-                self._round_done.set()
+            if release:
+                self.flush_lock.acquire()
+        new_files = self._fold_chunks(chunks, r.cmap, r.folded, r.segs, r.gen, res)
+        if self._c.closed and not len(new_files) and planned and not len(in_place):
+            return None
+        return _Written(new_files, in_place, np.union1d(new_files, in_place), folded_bytes, written0)
+
+    def _publish_round(self, r: _Round, w: _Written) -> _Published | None:
+        """Publish the layout with the round's chunks folded: new chunk map, and without the
+        leading segments now folded everywhere. Over the layout as it is now: a flush may have
+        added (or left out) segments meanwhile. None where a damaged file was met meanwhile."""
+        newest = r.segs[-1].seq
+        with self._c.lock:
+            segs = list(self.committed)
+        new_cmap = r.cmap.copy()  # rounds never overlap: the chunk map is the snapshot's
+        new_cmap[w.new_files] = r.gen  # (a file folded in place keeps its name)
+        folded = self.folded.copy()
+        folded[w.chunks] = newest
+        drop = 0
+        for s in segs:
+            if not (folded[s.idx_chunk] >= s.seq).all():
+                break
+            drop += 1
+        if self.damage is not None:
+            return None
+        self._disk.write_chunkmap(r.gen, new_cmap, folded)
+        version = self.version
+        m = self._publish_layout(r.gen, segs[drop:])
+        return _Published(m, version, new_cmap, folded, segs, drop)
+
+    def _adopt_round(self, r: _Round, w: _Written, p: _Published) -> int:
+        """The published round becomes the live layout (and the shared versions' too); returns
+        the file pool's epoch from which reads see it (`holes.py`)."""
+        disk = self._disk
+        m, remaining = p.manifest, p.segs[p.drop:]
         if m.version >= self._max_version:
             try:
                 disk.write_latest(m.version)  # LATEST links to the newest manifest's file
             except StoreError:
                 pass  # the record only lags (open's check stays sound)
         with self._c.lock:  # the caller holds the writer lock: the committed segments are those read above
-            assert [s.seq for s in self.committed] == [s.seq for s in segs], "layout moved during compaction"
-            self.cmap, self._cmap_gen, self.committed, self.folded = new_cmap, gen, remaining, folded
-            self._published = (gen, [s.seq for s in remaining], self._c.num_rows)
-            if m.version != version:
-                self._parent = version
+            assert [s.seq for s in self.committed] == [s.seq for s in p.segs], "layout moved during compaction"
+            self.cmap, self._cmap_gen, self.committed, self.folded = p.cmap, r.gen, remaining, p.folded
+            self._published = (r.gen, [s.seq for s in remaining], self._c.num_rows)
+            if m.version != p.version:
+                self._parent = p.version
                 self.version = self._max_version = m.version
-            if drop:
+            if p.drop:
                 # Segments left the layout: renumber the index. A round that dropped none leaves
                 # it as it is (it indexes segments only; rebuilding it over every delta record,
                 # under the store lock, would make a training thread's get wait every round),
                 # dropping the entries of the chunks it folded only once they are many.
                 self.index_rebuild()
             elif self.rows is not None:
-                self.rows.note_folded(chunks, self._c.chunk_rows, folded)
+                self.rows.note_folded(w.chunks, self._c.chunk_rows, p.folded)
             self.below_token += 1  # same rows, but the folded segments are no longer read
             self._c.stats.compactions += 1
-            self._c.stats.chunks_folded_in_place += len(in_place)
-            self._c.stats.compaction_folded_bytes += folded_bytes
+            self._c.stats.chunks_folded_in_place += len(w.in_place)
+            self._c.stats.compaction_folded_bytes += w.folded_bytes
             # Reads planned from here on read the records this round folded from the new base
             # files; those planned before, without the lock, register before this epoch.
             ready = disk.pool.seal()
         # The kept versions that share the chunk files read the new ones too (sharing.py).
-        self._repoint(share.members, old_gen, gen, folding, folded)
+        self._repoint(r.share.members, r.old_gen, r.gen, r.segs, p.folded)
         with self._c.lock:
-            self._c.stats.compaction_bytes_written += disk.compaction_bytes_written - written0
+            self._c.stats.compaction_bytes_written += disk.compaction_bytes_written - w.written0
+        return ready
+
+    def _collect_round(self, r: _Round, w: _Written, p: _Published, ready: int) -> bool:
+        """Give back what the round replaced: dead records, the replaced chunk files and dropped
+        segments once no kept version uses them (round by round, so disk use stays near the table
+        plus one round; the dropped segments' descriptors close when the last reader lets go).
+        False if the store closed or met damage meanwhile (the next open collects it)."""
         if self._c.closed or self.damage is not None:
-            return False  # the next open collects what this round replaced
+            return False
+        disk = self._disk
         listed = disk.list_versions()  # (for both: nothing adds or drops a version meanwhile)
         self._refresh_sharing(listed)
         self._kill_dead(ready, listed)
-        # The replaced chunk files and dropped segments are garbage once no kept version uses
-        # them: collected now, round by round, so disk use stays near the table plus one round.
-        # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
-        disk.pool.limit = len(new_files)  # the next round of the pass rewrites about as many files
-        replaced = [(c, g) for c, g in zip(new_files.tolist(), cmap[new_files].tolist()) if g]
-        if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen, listed)):
+        disk.pool.limit = len(w.new_files)  # the next round of the pass rewrites about as many files
+        replaced = [(c, g) for c, g in zip(w.new_files.tolist(), r.cmap[w.new_files].tolist()) if g]
+        version = p.version
+        if not (p.manifest.version == version
+                and self._collect_replaced(disk, version, replaced, p.segs[: p.drop], r.old_gen, listed)):
             self._apply_retention(collect=False)
             self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
