@@ -381,54 +381,20 @@ class Tiers:
                       values: dict[str, torch.Tensor] | None = None) -> Resolved:
         hot = self.hot
         if hot.resident:  # slots are the ids: resolving means loading missing rows, slice by slice
-            if hot.all_loaded:
-                return idx
-            n_miss = 0
-            for a in range(0, len(idx), SLICE_ROWS):
-                part = idx[a : a + SLICE_ROWS]
-                slots = hot.lookup(part)
-                if slots is not part:
-                    miss = part[slots < 0]
-                    self._load_resident(miss)
-                    n_miss += len(miss)
-            if n_miss:  # a scan of the chunk flags only on a step that loaded chunks, never per step
-                hot.all_loaded = bool(hot.loaded.all())
-            self._c.stats.hot_misses += n_miss
-            self._c.stats.hot_hits += len(idx) - n_miss
-            return idx
-        slots = hot.lookup(idx)
-        missing = slots < 0
-        asked = missing  # rows not hot when the call came (the hit statistics count these)
-        if self._fetching is not None and not for_write and missing.any():
-            if self._await_prefetch(idx[missing]) is not None:
-                slots = hot.lookup(idx)  # rows the prefetch brought in while we waited
-                missing = slots < 0
-        n_asked = int(asked.sum())
-        self._c.stats.hot_hits += len(idx) - n_asked
-        self._c.stats.hot_misses += n_asked
+            return self._resolve_resident(idx)
+        slots, missing, asked = self._lookup(idx, for_write)
         n_miss = int(missing.sum())
-        if n_miss and load and not for_write and self._plain_below():
+        reading = bool(n_miss) and load and not for_write
+        if reading and self._plain_below():
             got = self._mapped_get(idx, slots, missing)
             if got is not None:
                 return got
-        rows = None
-        if n_miss and load and not for_write and self.warm.slab is not None:
-            # Every missing row in a chunk held raw in the warm tier (`ChunkShuffleSampler`
-            # order once its window is read): one gather in request order serves them, with no
-            # plan below the hot tier and no slot (each such row is read once an epoch). The
-            # copies are current: see `served` below.
-            where = np.flatnonzero(missing)
-            ids = idx[where]
-            chunks = ids // self._c.chunk_rows
-            rows = self.warm.rows_of(chunks, ids - chunks * self._c.chunk_rows)
-            if rows is None and self._loader is not None and len(self._loader):
-                self._adopt_loads(idsets.unique(chunks))  # chunks being read ahead: wait for them
-                rows = self.warm.rows_of(chunks, ids - chunks * self._c.chunk_rows)
+        slab = self._slab_rows(idx, missing) if reading and self.warm.slab is not None else None
         if hot.want is not None:
             # rows served from warm chunks were in memory when read: the lookahead did its work
-            self._follow_window(idx, slots, asked if rows is None else asked & ~missing, for_write)
-        if rows is not None:
-            return FromSlab(slots, where, rows)
+            self._follow_window(idx, slots, asked if slab is None else asked & ~missing, for_write)
+        if slab is not None:
+            return FromSlab(slots, *slab)
         if not n_miss:
             return slots
         mids = idsets.unique(idx[missing])
@@ -438,37 +404,72 @@ class Tiers:
                 return None
         if len(mids) > hot.limit and not for_write:
             return Direct(slots, mids, self._fetch(mids))
-        ahead = self._take_hints(mids) if load and not for_write and self._hinted else None
-        if ahead is not None and (len(self.warm) or (self._loader is not None and len(self._loader))):
-            # announced rows of chunks held warm (or being read into it) are served from there
-            # when their get comes: reading them ahead would only gather rows to drop (see
-            # `served` below), or wait for reads a later batch wants
-            chunks = ahead // self._c.chunk_rows
-            keep = ~idsets.isin(chunks, self.warm.chunks(), b_sorted_unique=True)
-            if self._loader is not None:
-                keep &= ~self._loader.loading(chunks)
-            ahead = ahead[keep] if keep.any() else None
-        warm = None  # which rows were served by whole chunks (warm copies, or read whole now)
-        if ahead is not None:  # this miss reads the announced rows of coming batches with its own
-            both = idsets.union(mids, ahead)
-            records, warm = self._fetch(both, whole_rows=True)
-            mine = idsets.isin(both, mids, b_sorted_unique=True)
-            ahead, ahead_records, records = both[~mine], records[~mine], records[mine]
-            # announced rows of warm chunks are served from those when their get comes
-            ahead_warm, warm = warm[~mine], warm[mine]
-            if ahead_warm.any():
-                ahead, ahead_records = ahead[~ahead_warm], ahead_records[~ahead_warm]
-        elif load:
-            records, warm = self._fetch(mids, whole_rows=True)
-        else:
-            records = np.zeros((len(mids), self._c.row_bytes), np.uint8)
+        return self._fill_misses(idx, slots, missing, mids, load=load, for_write=for_write, values=values)
+
+    def _resolve_resident(self, idx: np.ndarray) -> np.ndarray:
+        """Memory mode: the slots are the ids; rows not made yet are loaded, a slice at a time."""
+        hot = self.hot
+        if hot.all_loaded:
+            return idx
+        n_miss = 0
+        for a in range(0, len(idx), SLICE_ROWS):
+            part = idx[a : a + SLICE_ROWS]
+            slots = hot.lookup(part)
+            if slots is not part:
+                miss = part[slots < 0]
+                self._load_resident(miss)
+                n_miss += len(miss)
+        if n_miss:  # a scan of the chunk flags only on a step that loaded chunks, never per step
+            hot.all_loaded = bool(hot.loaded.all())
+        self._c.stats.hot_misses += n_miss
+        self._c.stats.hot_hits += len(idx) - n_miss
+        return idx
+
+    def _lookup(self, idx: np.ndarray, for_write: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Hot slots of ``idx`` (-1: not hot), which are missing, and which were missing when the
+        call came (the hit statistics count these): a read waits for rows a prefetch is reading."""
+        hot = self.hot
+        slots = hot.lookup(idx)
+        missing = slots < 0
+        asked = missing
+        if self._fetching is not None and not for_write and missing.any():
+            if self._await_prefetch(idx[missing]) is not None:
+                slots = hot.lookup(idx)  # rows the prefetch brought in while we waited
+                missing = slots < 0
+        n_asked = int(asked.sum())
+        self._c.stats.hot_hits += len(idx) - n_asked
+        self._c.stats.hot_misses += n_asked
+        return slots, missing, asked
+
+    def _slab_rows(self, idx: np.ndarray, missing: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where every missing row lies in a chunk held raw in the warm tier (`ChunkShuffleSampler`
+        order once its window is read): their positions and rows in the slab, so one gather in
+        request order serves them, with no plan below the hot tier and no slot (each such row is
+        read once an epoch); else None. The copies are current (see `_fill_misses`)."""
+        where = np.flatnonzero(missing)
+        ids = idx[where]
+        cr = self._c.chunk_rows
+        chunks = ids // cr
+        rows = self.warm.rows_of(chunks, ids - chunks * cr)
+        if rows is None and self._loader is not None and len(self._loader):
+            self._adopt_loads(idsets.unique(chunks))  # chunks being read ahead: wait for them
+            rows = self.warm.rows_of(chunks, ids - chunks * cr)
+        return None if rows is None else (where, rows)
+
+    def _fill_misses(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray, mids: np.ndarray, *,
+                     load: bool, for_write: bool, values: dict[str, torch.Tensor] | None) -> Resolved:
+        """Read the missing rows ``mids`` (with announced ones of coming batches) and install them
+        in hot slots, evicting as needed; or serve a get without slots where that is cheaper."""
+        hot = self.hot
+        ahead = self._hints_to_read(mids) if load and not for_write and self._hinted else None
+        records, warm, ahead, ahead_records = self._fetch_misses(mids, ahead, load)
         served = None
         if not for_write and warm is not None and warm.any():
             # A get's rows whose chunk is held whole in memory (a warm copy, or read whole just
             # now and kept warm) are served from it and not installed: in `ChunkShuffleSampler`
             # order each row is read once an epoch, so a slot (allocation, eviction, the copy in
             # and out) would be pure cost. The copy is current: every change below the hot tier
-            # patches (or drops) the warm copies of its chunks (`_patch_warm`), and rows hot here
+            # patches (or drops) the warm copies of its chunks (`patch_warm`), and rows hot here
             # (dirty or not) are served from the hot tier. An update of such a row takes a slot as usual.
             if warm.all():
                 return Direct(slots, mids, records)
@@ -485,12 +486,7 @@ class Tiers:
             if len(got):
                 hot.install(mids[: len(got)], got, records[: len(got)])
                 mids, records = mids[len(got) :], records[len(got) :]
-            if served is not None:
-                both = idsets.union(mids, served[0])
-                recs = np.empty((len(both), self._c.row_bytes), np.uint8)
-                recs[np.searchsorted(both, mids)] = records
-                recs[np.searchsorted(both, served[0])] = served[1]
-                mids, records = both, recs
+            mids, records = _with_served(mids, records, served, self._c.row_bytes)
             return Direct(hot.slot_of[idx].astype(np.int64) - 1 if len(got) else slots, mids, records)
         got = self._allocate(len(mids), protect=slots[~missing])
         if len(got) < len(mids):
@@ -499,13 +495,8 @@ class Tiers:
             if for_write:
                 self.write_around(idx, mids, values or {}, load)
                 return None
-            if served is not None:  # the rows served from warm copies join the direct read
-                both = idsets.union(mids, served[0])
-                recs = np.empty((len(both), self._c.row_bytes), np.uint8)
-                recs[np.searchsorted(both, mids)] = records
-                recs[np.searchsorted(both, served[0])] = served[1]
-                mids, records = both, recs
-            return Direct(slots, mids, records)
+            # the rows served from warm copies join the direct read
+            return Direct(slots, *_with_served(mids, records, served, self._c.row_bytes))
         hot.install(mids, got, records)
         slots = hot.slot_of[idx].astype(np.int64) - 1
         if ahead is not None and len(ahead):
@@ -516,6 +507,39 @@ class Tiers:
         if served is not None:
             return Direct(hot.slot_of[idx].astype(np.int64) - 1, *served)
         return slots
+
+    def _hints_to_read(self, mids: np.ndarray) -> np.ndarray | None:
+        """Announced rows a miss of ``mids`` reads with its own (`_take_hints`), but for rows of
+        chunks held warm (or being read into it): those are served from there when their get
+        comes, so reading them ahead would only gather rows to drop, or wait for reads a later
+        batch wants."""
+        ahead = self._take_hints(mids)
+        if ahead is not None and (len(self.warm) or (self._loader is not None and len(self._loader))):
+            chunks = ahead // self._c.chunk_rows
+            keep = ~idsets.isin(chunks, self.warm.chunks(), b_sorted_unique=True)
+            if self._loader is not None:
+                keep &= ~self._loader.loading(chunks)
+            ahead = ahead[keep] if keep.any() else None
+        return ahead
+
+    def _fetch_misses(self, mids: np.ndarray, ahead: np.ndarray | None, load: bool) -> tuple:
+        """(records of ``mids``, which came from whole chunks or None, announced rows ``ahead``
+        still to install and their records). ``load`` False (a write of every field): zeros."""
+        if ahead is None:
+            if not load:
+                return np.zeros((len(mids), self._c.row_bytes), np.uint8), None, None, None
+            records, warm = self._fetch(mids, whole_rows=True)
+            return records, warm, None, None
+        # this miss reads the announced rows of coming batches with its own
+        both = idsets.union(mids, ahead)
+        records, warm = self._fetch(both, whole_rows=True)
+        mine = idsets.isin(both, mids, b_sorted_unique=True)
+        ahead, ahead_records, records = both[~mine], records[~mine], records[mine]
+        # announced rows of warm chunks are served from those when their get comes
+        ahead_warm, warm = warm[~mine], warm[mine]
+        if ahead_warm.any():
+            ahead, ahead_records = ahead[~ahead_warm], ahead_records[~ahead_warm]
+        return records, warm, ahead, ahead_records
 
     def _plain_below(self) -> bool:
         """Whether a get missing rows may try `_mapped_get` (caller holds the lock): no warm tier,
@@ -1564,3 +1588,15 @@ def _prefetch_weakly(ref: weakref.ReferenceType[Tiers], idx: np.ndarray) -> None
     tiers = ref()
     if tiers is not None and not tiers._c.closed:
         tiers._prefetch(idx)
+
+
+def _with_served(mids: np.ndarray, records: np.ndarray, served: tuple | None,
+                 row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``mids`` and their ``records`` joined by the rows ``served`` from warm copies, sorted."""
+    if served is None:
+        return mids, records
+    both = idsets.union(mids, served[0])
+    recs = np.empty((len(both), row_bytes), np.uint8)
+    recs[np.searchsorted(both, mids)] = records
+    recs[np.searchsorted(both, served[0])] = served[1]
+    return both, recs
