@@ -133,6 +133,22 @@ def _fill_weakly(ref: weakref.ReferenceType[Tiers]) -> None:
             time.sleep((t1 - t0) * (1 - FILL_SHARE) / FILL_SHARE)
 
 
+@dataclass(frozen=True)
+class _Fetch:
+    """A prefetch planned under the lock (`Tiers._plan_fetch`) and read without it: the state
+    below the hot tier when planned (token, compactions, in-place folds), the file pool epoch the
+    read holds, and what to read: whole chunks' layouts (memory mode) or rows and their plan."""
+
+    token: int
+    compactions: int
+    folds: int
+    pool: Any
+    epoch: int
+    layouts: list | None
+    miss: np.ndarray | None
+    plan: tuple | None
+
+
 class Tiers:
     """The hot and warm tiers over the store's files: reads that fill them, eviction, write-back.
 
@@ -1398,97 +1414,115 @@ class Tiers:
         with self._c.lock:
             if self._c.closed:
                 return True
-            hot = self.hot
-            cr = self._c.chunk_rows
-            token = self._v.below_token
-            compactions = self._c.stats.compactions
-            folds = self._v.disk.pool.inplace_seq if self._v.disk is not None else 0
-            pinned = False
-            if hot.resident:  # memory mode over a store on disk: whole chunks
-                chunks = idsets.unique(idx // cr)
-                chunks = chunks[~hot.loaded[chunks]]
-                if not len(chunks):
-                    return True
-                layouts = [(c, self._v.layout_of(c)) for c in chunks.tolist()]
-            else:
-                if upcoming:  # rows a get already read (the hint's batch went by): skip them
-                    idx = idx[hot.want[idx] > 0]
-                miss = idsets.unique(idx[hot.lookup(idx) < 0])
-                if len(miss) > hot.limit // 2:
-                    miss = miss[: hot.limit // 2]
-                if not len(miss):
-                    return True
-                self.warm.pin()  # warm copies the plan reads stay put until this read ends
-                pinned = True
-                try:
-                    plan = self._plan_below(miss)
-                except BaseException:
-                    self.warm.unpin()
-                    raise
-                self._fetching = miss  # a get missing these waits for this read (`_await_prefetch`)
-            # Planned under the lock, read without it: no delta record the plan names is punched
-            # until this read ends (holes.py), though a compaction round may kill it meanwhile.
-            pool = self._v.disk.pool if self._v.disk is not None else None
-            epoch = pool.begin_read() if pool is not None else 0
-        # -- the reads, without the lock ------------------------------------------------
+            fetch = self._plan_fetch(idx, upcoming)
+            if fetch is None:
+                return True
+        got = self._read_fetch(fetch)  # without the lock
+        with self._c.lock:
+            return self._c.closed or self._install_fetch(fetch, got)
+
+    def _plan_fetch(self, idx: np.ndarray, upcoming: bool) -> _Fetch | None:
+        """What a prefetch of ``idx`` reads, and the state below the hot tier it read it in
+        (caller holds the lock); None if there is nothing to read."""
+        hot = self.hot
+        cr = self._c.chunk_rows
+        token = self._v.below_token
+        compactions = self._c.stats.compactions
+        folds = self._v.disk.pool.inplace_seq if self._v.disk is not None else 0
+        layouts = miss = plan = None
+        if hot.resident:  # memory mode over a store on disk: whole chunks
+            chunks = idsets.unique(idx // cr)
+            chunks = chunks[~hot.loaded[chunks]]
+            if not len(chunks):
+                return None
+            layouts = [(c, self._v.layout_of(c)) for c in chunks.tolist()]
+        else:
+            if upcoming:  # rows a get already read (the hint's batch went by): skip them
+                idx = idx[hot.want[idx] > 0]
+            miss = idsets.unique(idx[hot.lookup(idx) < 0])
+            if len(miss) > hot.limit // 2:
+                miss = miss[: hot.limit // 2]
+            if not len(miss):
+                return None
+            self.warm.pin()  # warm copies the plan reads stay put until this read ends
+            try:
+                plan = self._plan_below(miss)
+            except BaseException:
+                self.warm.unpin()
+                raise
+            self._fetching = miss  # a get missing these waits for this read (`_await_prefetch`)
+        # Planned under the lock, read without it: no delta record the plan names is punched
+        # until this read ends (holes.py), though a compaction round may kill it meanwhile.
+        pool = self._v.disk.pool if self._v.disk is not None else None
+        epoch = pool.begin_read() if pool is not None else 0
+        return _Fetch(token, compactions, folds, pool, epoch, layouts, miss, plan)
+
+    def _read_fetch(self, f: _Fetch) -> Any:
+        """Run a prefetch's reads without the lock: [(chunk, records)] in memory mode, else
+        (records of ``f.miss``, [(chunk, records)] read whole)."""
         try:
-            if hot.resident:
-                results = [(c, self._read_chunk_below(c, *layout)) for c, layout in layouts]
-            else:
-                if not uring.available():  # io_uring has every read of the batch in flight at once
-                    self._will_need(plan)
-                t0 = time.perf_counter()
-                records, whole = self._read_below(plan, mapped=False)
-                self._note_read(time.perf_counter() - t0, len(miss))
+            if f.layouts is not None:
+                return [(c, self._read_chunk_below(c, *layout)) for c, layout in f.layouts]
+            assert f.plan is not None and f.miss is not None
+            if not uring.available():  # io_uring has every read of the batch in flight at once
+                self._will_need(f.plan)
+            t0 = time.perf_counter()
+            got = self._read_below(f.plan, mapped=False)
+            self._note_read(time.perf_counter() - t0, len(f.miss))
+            return got
         finally:
-            if pool is not None:
-                pool.end_read(epoch)
-            if pinned:
+            if f.pool is not None:
+                f.pool.end_read(f.epoch)
+            if f.miss is not None:
                 with self._c.lock:
                     self.warm.unpin()
-        # -- install, if still wanted and still current ------------------------------------
-        with self._c.lock:
-            if self._c.closed:
-                return True
-            moved = None
-            if self._v.below_token - token != self._c.stats.compactions - compactions:
-                # Rows below changed (a write-back or flush) while we read: a row whose newest
-                # record is no longer where the plan found it may have been read stale, so it is
-                # not installed; the others are (a compaction alone changes no row).
-                if hot.resident:
-                    return False
-                moved = self._moved_since(plan)
-                if self._v.disk.pool.moved_since(folds):
-                    # a compaction folded rows into base files in place meanwhile (inplace.py):
-                    # their generation tells nothing, so no row read from a base file is installed
-                    moved |= plan[2] < 0
+
+    def _install_fetch(self, f: _Fetch, got: Any) -> bool:
+        """Install what a prefetch read, if still wanted and still current (caller holds the
+        lock); False if rows below the hot tier changed meanwhile and nothing was installed."""
+        hot = self.hot
+        moved = None
+        if self._v.below_token - f.token != self._c.stats.compactions - f.compactions:
+            # Rows below changed (a write-back or flush) while we read: a row whose newest
+            # record is no longer where the plan found it may have been read stale, so it is
+            # not installed; the others are (a compaction alone changes no row).
             if hot.resident:
-                for c, recs in results:
-                    self._c.stats.cold_reads += 1
-                    if self.warm.budget:
-                        self.warm.put(c, recs)
-                    if not hot.loaded[c]:
-                        lo, hi = hot.chunk_range(c)
-                        hot.fill_chunk(c, recs)
-                        self._c.stats.prefetched_rows += hi - lo
-                hot.all_loaded = bool(hot.loaded.all())
-                return True
-            self._c.stats.cold_reads += self._chunks_read(plan)
-            if self.warm.budget and moved is None:  # whole chunks read stale stay out of warm
-                for c, recs in whole:
+                return False
+            assert f.plan is not None and self._v.disk is not None
+            moved = self._moved_since(f.plan)
+            if self._v.disk.pool.moved_since(f.folds):
+                # a compaction folded rows into base files in place meanwhile (inplace.py):
+                # their generation tells nothing, so no row read from a base file is installed
+                moved |= f.plan[2] < 0
+        if hot.resident:
+            for c, recs in got:
+                self._c.stats.cold_reads += 1
+                if self.warm.budget:
                     self.warm.put(c, recs)
-            want = hot.lookup(miss) < 0  # the training thread may have loaded some meanwhile
-            if moved is not None:
-                want &= ~moved
-            if not want.any():
-                return True
-            mids, records = miss[want], records[want]
-            got = self._allocate(len(mids))
-            if len(got) < len(mids):  # no room now (rows in flight or in use): drop the hint
-                hot.give_back(got)
-                return True
-            hot.install(mids, got, records)
-            self._c.stats.prefetched_rows += len(mids)
+                if not hot.loaded[c]:
+                    lo, hi = hot.chunk_range(c)
+                    hot.fill_chunk(c, recs)
+                    self._c.stats.prefetched_rows += hi - lo
+            hot.all_loaded = bool(hot.loaded.all())
+            return True
+        assert f.plan is not None and f.miss is not None
+        records, whole = got
+        self._c.stats.cold_reads += self._chunks_read(f.plan)
+        if self.warm.budget and moved is None:  # whole chunks read stale stay out of warm
+            for c, recs in whole:
+                self.warm.put(c, recs)
+        want = hot.lookup(f.miss) < 0  # the training thread may have loaded some meanwhile
+        if moved is not None:
+            want &= ~moved
+        if not want.any():
+            return True
+        mids, records = f.miss[want], records[want]
+        room = self._allocate(len(mids))
+        if len(room) < len(mids):  # no room now (rows in flight or in use): drop the hint
+            hot.give_back(room)
+            return True
+        hot.install(mids, room, records)
+        self._c.stats.prefetched_rows += len(mids)
         return True
 
     def evict(self, nbytes: int) -> int:
