@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -24,8 +24,9 @@ import torch
 from . import idsets, rowcopy, uring
 from .blockcrc import first_bad_block
 from .chunkload import ChunkLoader
-from .chunkrows import DENSE_ROWS
+from .chunkrows import DENSE_ROWS, ChunkRows
 from .core import StoreCore, stop_executor
+from .disk import Disk
 from .errors import CorruptStoreError, StoreBusyError, StoreClosedError, StoreError
 from .hot import SLOT_OVERHEAD, HotTier
 from .initrows import normal_rows
@@ -178,7 +179,8 @@ class Tiers:
         self._read_s_per_row = float("nan")  # recent wall seconds per row read below the hot tier
         self._cache_seen: tuple[int, int] = (0, 0)  # the reader's ``cache_counts`` when last looked at
         self._fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
-        self._fetch_cond: threading.Condition | None = None
+        self._fetch_cond: threading.Condition | None = None  # `_fetch_done`, on the lock ``_fetch_lock``
+        self._fetch_lock: Any = None
         self._loader: ChunkLoader | None = None  # announced chunks read whole into the warm slab (chunkload.py)
         self._loader_tried = False
         self._chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
@@ -186,6 +188,20 @@ class Tiers:
             hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
             hot.all_loaded = True
         self.np_views = {n: self._field_np(n) for n in core.schema.names}
+
+    @property
+    def _disk(self) -> Disk:
+        """The store's disk, where the caller runs only for a store with files."""
+        disk = self._v.disk
+        assert disk is not None, "a store without files has no disk"
+        return disk
+
+    @property
+    def _chunkrows(self) -> ChunkRows:
+        """The reader of base chunk files, where a plan made it (`Versions.chunkrows_reader`)."""
+        reader = self._v.chunkrows
+        assert reader is not None, "no plan made the chunk reader"
+        return reader
 
     # ------------------------------------------------------------------ what Versions asks (WriteBack)
     def dirty_count(self) -> int:
@@ -281,7 +297,9 @@ class Tiers:
 
     def _warm_records(self, idx, slots, missing, rows) -> np.ndarray:
         """Whole records of ``idx``: ``missing`` positions from the warm slab's ``rows``, the rest hot."""
-        rec = self.warm.slab.rows.take(rows, axis=0)
+        slab = self.warm.slab
+        assert slab is not None
+        rec = slab.rows.take(rows, axis=0)
         if len(missing) < len(idx):  # some rows are hot (updated this epoch, or read ahead)
             full = np.empty((len(idx), self._c.row_bytes), np.uint8)
             full[missing] = rec
@@ -325,13 +343,13 @@ class Tiers:
         elif isinstance(got, Direct):
             out[:] = self._direct_records(idx, got.slots, got.mids, got.records)
         else:
-            rowcopy.gather(self.hot.pool_np, got, out)
+            rowcopy.gather(self.hot.pool_np, cast(np.ndarray, got), out)
 
     def write_records_into(self, idx: np.ndarray, records: np.ndarray) -> None:
         """Write whole ``records`` of unique ``idx``; caller holds the lock. Resolved before
         anything is written (a write-back that fails making room raises with nothing applied)."""
         values = {n: self._c.schema.view(torch.from_numpy(records), n) for n in self._c.schema.names}
-        slots = self.resolve(idx, load=False, for_write=True, values=values)
+        slots = cast("np.ndarray | None", self.resolve(idx, load=False, for_write=True, values=values))
         if slots is None:  # too large for the hot tier: written around it
             return
         if self.cow is not None:
@@ -364,10 +382,12 @@ class Tiers:
 
     def save_cow(self, slots: np.ndarray) -> None:
         """Before overwriting rows a flush is still writing, keep their snapshot records."""
+        cow = self.cow
+        assert cow is not None
         hit = slots[self.hot.inflight[slots]]
         for s in idsets.unique(hit).tolist():
-            if s not in self.cow:
-                self.cow[s] = self.hot.pool_np[s].copy()
+            if s not in cow:
+                cow[s] = self.hot.pool_np[s].copy()
 
     def scatter(self, slots: np.ndarray, vals: dict[str, torch.Tensor]) -> None:
         """Write rows into hot slots and mark them dirty; of duplicate slots the last write wins
@@ -582,7 +602,7 @@ class Tiers:
         cr = self._c.chunk_rows
         chunks = ids // cr
         t0 = time.perf_counter()
-        recs = self._v.chunkrows.gather_verified(chunks, ids - chunks * cr, self._v.cmap[chunks])
+        recs = self._chunkrows.gather_verified(chunks, ids - chunks * cr, self._v.cmap[chunks])
         if recs is None:
             return None
         took = time.perf_counter() - t0
@@ -603,7 +623,7 @@ class Tiers:
         position that wrote it. Caller holds the lock."""
         scratch = self._chunk_scratch
         if scratch is None or len(scratch) <= int(chunks.max()):
-            scratch = self._chunk_scratch = zeros(-(-self._c.num_rows // self._c.chunk_rows), np.int32)
+            scratch = self._chunk_scratch = zeros(-(-self._c.num_rows // self._c.chunk_rows), np.dtype(np.int32))
         at = np.arange(len(chunks), dtype=np.int32)
         scratch[chunks] = at
         return int(np.count_nonzero(scratch[chunks] == at))
@@ -616,9 +636,9 @@ class Tiers:
         would compete with the training thread for the GIL, has nothing left to do). None if
         there is none."""
         hot = self.hot
-        hinted = np.concatenate(self._hinted)
+        hinted = np.concatenate(cast(list, self._hinted))
         self._hinted = []
-        cand = idsets.unique(hinted[hot.want[hinted] > 0])
+        cand = idsets.unique(hinted[cast(np.ndarray, hot.want)[hinted] > 0])
         cand = cand[hot.slot_of[cand] == 0]
         fetching = self._fetching
         if fetching is not None and len(cand):  # rows the prefetch thread is reading now
@@ -635,7 +655,7 @@ class Tiers:
         them first (rows read once per epoch do not fill the cache)."""
         hot = self.hot
         if for_write:
-            done = hot.want[idx] == 0
+            done = cast(np.ndarray, hot.want)[idx] == 0
             if done.any():
                 hot.ref[slots[done & ~missing]] = 0
             return
@@ -788,9 +808,9 @@ class Tiers:
         tier can hold chunks (caller holds the lock)."""
         if self._loader is None and not self._loader_tried and self._v.disk is not None:
             self._loader_tried = True
-            loader = ChunkLoader(self._v.disk, self.warm)
-            if loader.usable:
-                self._loader = loader
+            made = ChunkLoader(self._v.disk, self.warm)
+            if made.usable:
+                self._loader = made
         loader = self._loader
         return loader if loader is not None and loader.usable else None
 
@@ -807,7 +827,7 @@ class Tiers:
         if not dense.any():
             return ids
         self._adopt_loads()  # completed loads first: their slots may be what the next ones need
-        going = self._loader.start(uc[dense].tolist(), gens[dense].tolist())
+        going = cast(ChunkLoader, self._loader).start(uc[dense].tolist(), gens[dense].tolist())
         if not going:
             return ids
         return ids[~idsets.isin(chunks, np.fromiter(going, np.int64, len(going)))]
@@ -818,21 +838,22 @@ class Tiers:
         newer delta records, or given up where they fail or a compaction replaced the file (a
         miss then reads the chunk as usual and names any damage). Caller holds the lock."""
         loader = self._loader
+        assert loader is not None
         t0 = time.perf_counter()
-        done = loader.done(() if wait_for is None else wait_for)
+        done = loader.done() if wait_for is None else loader.done(wait_for)
         if wait_for is not None:
             self._c.stats.stall_seconds += time.perf_counter() - t0
         warm = self.warm
         for i, ld in enumerate(done):
             c = ld.chunk
             try:
-                if int(self._v.cmap[c]) != ld.gen or self._v.disk.pool.moved_since(ld.seq):
+                if int(self._v.cmap[c]) != ld.gen or self._disk.pool.moved_since(ld.seq):
                     warm.unreserve(c)  # compacted meanwhile (into a new file, or this one in place)
                     continue
                 ok = ld.ok
                 if ok:
                     try:
-                        crcs = self._v.disk.raw_chunk_checksums(c, ld.gen, ld.head.tobytes())
+                        crcs = self._disk.raw_chunk_checksums(c, ld.gen, ld.head.tobytes())
                         ok = first_bad_block(ld.flat, crcs) < 0
                     except CorruptStoreError:  # a sparse or LZ4 file (or damage: the miss names it)
                         ok = False
@@ -1039,7 +1060,7 @@ class Tiers:
 
         seq = self._v.take_seq()
         # a write that fails raises here, with nothing applied
-        self._add_pending(self._v.disk.write_segment(seq, uniq, records, durable=False))
+        self._add_pending(self._disk.write_segment(seq, uniq, records, durable=False))
         # Resident copies take the write too (the hot tier is read first); they stay dirty. In
         # call order, a slice at a time: of duplicate ids the last still wins, temporaries stay small.
         for a in range(0, len(idx), SLICE_ROWS):
@@ -1244,7 +1265,7 @@ class Tiers:
         if base.any():
             sel = np.flatnonzero(base)
             c = chunks[sel]
-            out[sel] = self._v.chunkrows.read(c, ids[sel] - c * cr, gens[sel], mapped=mapped)
+            out[sel] = self._chunkrows.read(c, ids[sel] - c * cr, gens[sel], mapped=mapped)
         fresh = below & (gens == 0)
         if fresh.any():
             sel = np.flatnonzero(fresh)
@@ -1262,7 +1283,7 @@ class Tiers:
     def _read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
         """A whole chunk's records from a `_layout_of` snapshot; touches no mutable store state."""
         rows = min(self._c.chunk_rows, self._c.num_rows - chunk * self._c.chunk_rows)
-        recs = self._v.disk.read_chunk(chunk, gen) if gen else self._c.init_records(chunk, rows)
+        recs = self._disk.read_chunk(chunk, gen) if gen else self._c.init_records(chunk, rows)
         if delta is not None:
             ids, seg, pos, segs = delta
             gather_deltas(recs, ids - chunk * self._c.chunk_rows, seg, pos, segs)
@@ -1384,9 +1405,10 @@ class Tiers:
 
     def _fetch_done(self) -> threading.Condition:
         """Signalled when the rows of ``_fetching`` are installed or dropped (caller holds the lock)."""
-        cond = self._fetch_cond
-        if cond is None or cond._lock is not self._c.lock:  # a forked child has a lock of its own
-            cond = self._fetch_cond = threading.Condition(self._c.lock)
+        cond, lock = self._fetch_cond, self._c.lock
+        if cond is None or self._fetch_lock is not lock:  # a forked child has a lock of its own
+            cond = self._fetch_cond = threading.Condition(lock)
+            self._fetch_lock = lock
         return cond
 
     def _await_prefetch(self, ids: np.ndarray) -> np.ndarray | None:
@@ -1438,7 +1460,7 @@ class Tiers:
             layouts = [(c, self._v.layout_of(c)) for c in chunks.tolist()]
         else:
             if upcoming:  # rows a get already read (the hint's batch went by): skip them
-                idx = idx[hot.want[idx] > 0]
+                idx = idx[cast(np.ndarray, hot.want)[idx] > 0]
             miss = idsets.unique(idx[hot.lookup(idx) < 0])
             if len(miss) > hot.limit // 2:
                 miss = miss[: hot.limit // 2]
@@ -1527,7 +1549,7 @@ class Tiers:
 
     def evict(self, nbytes: int) -> int:
         """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""
-        nbytes = budget(nbytes, "nbytes", allow_none=False)
+        nbytes = cast(int, budget(nbytes, "nbytes", allow_none=False))
         freed = 0
         with self._c.lock:
             if self._c.closed:
@@ -1575,11 +1597,11 @@ class Tiers:
             if warm_bytes is not None:
                 if self._loader is not None:  # reads ahead land in the slab the new budget replaces
                     self._loader.cancel()
-                self.warm.budget = budget(warm_bytes, "warm_bytes", allow_none=False)
+                self.warm.budget = cast(int, budget(warm_bytes, "warm_bytes", allow_none=False))
                 self.warm.shrink(self.warm.budget)
             if hot_bytes is None:
                 return
-            hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=False)
+            hot_bytes = cast(int, budget(hot_bytes, "hot_bytes", allow_none=False))
             hot = self.hot
             if hot.resident:
                 over = hot.nbytes() - hot_bytes
