@@ -117,6 +117,7 @@ def grow(store: Any, num_rows: int) -> None:
             ids = unflushed_ids(store)
             carried = store.read_records(torch.from_numpy(ids)) if len(ids) else None
             core.closed = True  # from here calls of other threads refuse (as during close())
+    versions.wake()
     store._stop_background()
     old_rows = core.num_rows
     with versions.flush_lock, core.lock:
@@ -149,6 +150,7 @@ def _reopen(store: Any, kept: Kept, settings: dict, num_rows: int, ids: np.ndarr
             store.write_records(torch.from_numpy(ids), carried)
     except BaseException:
         store._core.closed = True  # its threads stop at their next look (the caller holds the locks they take)
+        store._versions.wake()
         store._tiers.stop_prefetch(wait=False)
         store._versions.stop_threads(wait=False)
         store._tiers.stop_fill(wait=False)

@@ -883,6 +883,7 @@ class EmbeddingStore:
             if c.closed:
                 return
             c.closed = True  # from here every call (and every call waiting for the lock) refuses
+        self._versions.wake()
         same_process = c.pid == os.getpid()
         self._stop_background()
         with self._versions.flush_lock:  # a flush or compaction of another thread finishes first

@@ -88,6 +88,9 @@ FOLD_IN_PLACE = os.environ.get("EMBCACHE_FOLD_IN_PLACE") == "1"
 # began or last did: each time costs an fsync of the files folded since and a pass of the lock
 # back and forth, which a flush waiting at every chunk (flushes back to back) would pay per chunk.
 YIELD_AFTER_S = 0.05
+# Waits for flushes to get in are notified (`_flush_done_waiting`, `wake`); this bounds one only
+# as a safety net, should a store be dropped without its close running.
+WAKE_S = 1.0
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
@@ -215,7 +218,7 @@ class Versions:
         self._round_thread: int | None = None  # a background round folding without the writer lock
         self._round_done = threading.Event()
         self._flush_waiting = 0  # flushes waiting for the writer lock (compaction yields to them)
-        self._no_flush_waiting = threading.Condition(core.lock)  # notified when that count drops to 0
+        self._no_flush_waiting = threading.Condition(core.lock)  # notified when that count drops, and at close
         self._awaiting_round = 0  # of the flushes waiting, those waiting for the background round to end
         self._dead: DeadRecords | None = None  # a writer's punching of dead delta records (holes.py)
         # other versions' manifests (only this writer's compaction rounds change them: `_repoint`)
@@ -668,7 +671,7 @@ class Versions:
         target, superseded = state
         with self._c.lock:  # a flush asked for the writer lock: it goes first
             while self._flush_waiting and not self._c.closed:
-                self._no_flush_waiting.wait(0.1)  # notified when none waits; the timeout sees close()
+                self._no_flush_waiting.wait(WAKE_S)  # notified as flushes get in, and by `wake` (close)
         if self._c.closed or self.damage is not None:
             return None
         if self.clean_due:
@@ -844,7 +847,7 @@ class Versions:
         try:
             with self._c.lock:
                 while self._flushes_to_let_in() and not self._c.closed:
-                    self._no_flush_waiting.wait(0.01)
+                    self._no_flush_waiting.wait(WAKE_S)  # notified as flushes get in, and by `wake`
         finally:
             self.flush_lock.acquire()
         if self._c.closed:
@@ -1009,7 +1012,7 @@ class Versions:
             while self._round_thread not in (None, me):
                 self.flush_lock.release()
                 try:
-                    self._round_done.wait(0.05)
+                    self._round_done.wait()  # set when the round ends, however it ends (`_fold_round`)
                 finally:
                     self.flush_lock.acquire()
         finally:
@@ -1022,10 +1025,17 @@ class Versions:
         return self._flush_waiting > self._awaiting_round
 
     def _flush_done_waiting(self) -> None:
+        """A flush waiting for the writer lock got it: wake whoever waits for fewer waiting
+        (a compaction pass before its next round, a round folding in place letting flushes in)."""
         with self._c.lock:
             self._flush_waiting -= 1
-            if not self._flush_waiting:
-                self._no_flush_waiting.notify_all()
+            self._no_flush_waiting.notify_all()
+
+    def wake(self) -> None:
+        """The store closed (``core.closed`` was just set): background work waiting for flushes to
+        get in looks again and stops."""
+        with self._c.lock:
+            self._no_flush_waiting.notify_all()
 
     def _compact_round(self, everything: bool = False, unlocked: bool = False) -> bool:
         """One round of compaction (`_fold_round`), its time counted in ``stats().compaction_seconds``."""
