@@ -1,10 +1,10 @@
 """Tier mechanics of EmbeddingStore: filling the hot tier from warm/disk, eviction, write-back.
 
 `Tiers` is the component of `EmbeddingStore` that owns the hot and warm tiers and moves rows
-between them and the files below. It reads the layout through the store's `Versions`
-(`layout_of`, `find_below`, `rows`, `cmap`, ``disk``) and hands it the segments its write-back
-writes (`Versions.add_pending`); `Versions` drives the write-back of a flush through the methods
-of `versions.WriteBack`. Methods assume the caller holds ``core.lock`` where they say so.
+between them and the files below. It sees the store's `Versions` only as a `Layout` (where rows
+live, the writer lock, the segments its write-back adds: the whole surface, checked by mypy);
+`Versions` sees it only as a `versions.WriteBack` (the write-back of a flush). Methods assume
+the caller holds ``core.lock`` where they say so.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -36,7 +36,8 @@ from .validate import budget
 from .warm import WarmTier
 
 if TYPE_CHECKING:
-    from .versions import Versions
+    from .disk import Segment
+    from .rowindex import RowIndex
 
 # While fewer reads than this share miss the page cache, lookahead hints are read by the training
 # thread's next miss, not by the prefetch thread (see `upcoming`).
@@ -150,16 +151,45 @@ class _Fetch:
     plan: tuple | None
 
 
+class Layout(Protocol):
+    """All `Tiers` uses of the files below it (`Versions` implements it): where rows live, the
+    writer lock, and the segments its write-back adds."""
+
+    disk: Disk | None  # None: a store without files
+    cmap: np.ndarray  # per chunk: generation of its base file (0: never written)
+    rows: RowIndex | None  # newest delta record of each id
+    chunkrows: ChunkRows | None  # reads of base chunk files (`chunkrows_reader` makes it)
+    below_token: int  # moves whenever rows below the hot tier change
+    clean_due: bool  # a background write-back was asked for
+    flush_lock: Any  # the writer lock (taken before ``core.lock``)
+
+    def layout_of(self, chunk: int) -> tuple[int, tuple | None]: ...
+
+    def find_below(self, rows: RowIndex, ids: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def chunkrows_reader(self) -> ChunkRows | None: ...
+
+    def take_seq(self) -> int: ...
+
+    def begin_segment(self) -> int: ...
+
+    def end_segment(self, seq: int) -> None: ...
+
+    def add_pending(self, seg: Segment) -> None: ...
+
+    def saw_damage(self, exc: CorruptStoreError) -> None: ...
+
+
 class Tiers:
     """The hot and warm tiers over the store's files: reads that fill them, eviction, write-back.
 
-    Holds the shared `StoreCore` and the store's `Versions` (the layout it reads and appends
-    pending segments to), never the `EmbeddingStore` itself."""
+    Holds the shared `StoreCore` and the store's `Versions` seen as a `Layout` (what it reads
+    and appends pending segments to), never the `EmbeddingStore` itself."""
 
-    def __init__(self, core: StoreCore, versions: Versions, hot: HotTier, warm: WarmTier,
+    def __init__(self, core: StoreCore, layout: Layout, hot: HotTier, warm: WarmTier,
                  hot_budget: int | None) -> None:
         self._c = core
-        self._v = versions
+        self._v = layout
         self.hot = hot
         self.warm = warm
         self.hot_budget = hot_budget
