@@ -74,7 +74,7 @@ class StoreCore:
         self.lock = threading.RLock()
     # ------------------------------------------------------------------ guards
     def check_open(self) -> None:
-        """Inside the lock: a close() of another thread may have run since `_check_usable`."""
+        """Inside the lock: a close() of another thread may have run since `EmbeddingStore._check_usable`."""
         if self.closed:
             raise StoreClosedError(
                 "this EmbeddingStore was closed (by another thread) during the call; "

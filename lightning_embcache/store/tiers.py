@@ -84,7 +84,7 @@ class Gathered:
     records: np.ndarray
 
 
-#: what `Tiers._resolve` gives: hot slots per id; None for a write that went around the hot
+#: what `Tiers.resolve` gives: hot slots per id; None for a write that went around the hot
 #: tier; or a read served another way
 Resolved = np.ndarray | Direct | FromSlab | Gathered | None
 
@@ -440,7 +440,7 @@ class Tiers:
         try:
             return self._resolve_rows(idx, load=load, for_write=for_write, values=values)
         except CorruptStoreError as exc:
-            self._v.saw_damage(exc)  # fail-stop (Versioning._saw_damage)
+            self._v.saw_damage(exc)  # fail-stop (Versions.saw_damage)
             raise
 
     def _resolve_rows(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
@@ -974,7 +974,7 @@ class Tiers:
     def _add_pending(self, seg: Any) -> None:
         """A segment this handle just wrote without publishing it (write-back, a write around the
         hot tier) becomes part of the rows below the hot tier: indexed, and its rows' warm chunks
-        patched (`_patch_warm`). Caller holds the lock."""
+        patched (`patch_warm`). Caller holds the lock."""
         self._v.add_pending(seg)
         self.patch_warm(seg.ids)
 
@@ -1042,7 +1042,7 @@ class Tiers:
     def begin_write_back(self, slots: np.ndarray):
         """Start writing dirty ``slots`` out (caller holds the lock): their ids sorted, a
         copy-on-write reader of their records, a segment number. They stop being dirty and cannot
-        be evicted until `_end_write_back`."""
+        be evicted until `end_write_back`."""
         hot = self.hot
         ids = slots if hot.resident else hot.id_of[slots]
         order = np.argsort(ids, kind="stable")
@@ -1054,7 +1054,7 @@ class Tiers:
         return ids, slots, records, seq
 
     def end_write_back(self, slots: np.ndarray, seq: int, *, ok: bool) -> None:
-        """Finish `_begin_write_back`; on failure the rows are dirty again (nothing is lost)."""
+        """Finish `begin_write_back`; on failure the rows are dirty again (nothing is lost)."""
         with self._c.lock:
             if not ok:
                 self.hot.dirty[slots] = 1
@@ -1142,7 +1142,7 @@ class Tiers:
         t0 = time.perf_counter()
         if self._loader is not None and len(self._loader):
             # what was read ahead is taken in (the plan finds it warm), without waiting: chunks
-            # still in flight that this get needs were waited for in `_resolve`; others (rows
+            # still in flight that this get needs were waited for in `resolve`; others (rows
             # read around the hot tier) are read here as usual
             self._adopt_loads()
         self.warm.pin()  # the plan's warm copies stay put until read
@@ -1311,7 +1311,7 @@ class Tiers:
         return out, read_whole
 
     def _read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
-        """A whole chunk's records from a `_layout_of` snapshot; touches no mutable store state."""
+        """A whole chunk's records from a `Layout.layout_of` snapshot; touches no mutable store state."""
         rows = min(self._c.chunk_rows, self._c.num_rows - chunk * self._c.chunk_rows)
         recs = self._disk.read_chunk(chunk, gen) if gen else self._c.init_records(chunk, rows)
         if delta is not None:
