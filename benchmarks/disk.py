@@ -339,7 +339,7 @@ def _loop(cfg: dict) -> dict:
     if system != "memmap":
         # the chunk files' maps (page cache pages, which the kernel reclaims as any cached file
         # page; docs/store.md, "Memory"): in RSS, as memmap's whole table is, but not the store's
-        reader = getattr(store, "_chunkrows", None)
+        reader = getattr(getattr(store, "_versions", None), "chunkrows", None)
         mapped = getattr(reader, "mapped_resident_bytes", None)
         out["mapped_mib_end"] = mapped() / MiB if mapped is not None else 0.0
     t1 = time.perf_counter()

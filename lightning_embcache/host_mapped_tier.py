@@ -49,7 +49,7 @@ class HostMappedTier(DeviceTier):
             return None
         # a first batch makes its own rows, not their whole chunks (a 4096-id batch of a 20M-row
         # table would make a fifth of it); the background fill makes the rest
-        store._rows_on_first_touch = True  # type: ignore[attr-defined]  # a switch of the store's tiers
+        store._tiers.rows_on_first_touch = True  # a switch of the store's tiers
         return cls(store, device, mapped)
 
     def _make_pool(self, capacity: int, row_bytes: int) -> Tensor:

@@ -283,8 +283,8 @@ def _read_every_row(root: Path, version: int, check: VersionCheck, progress: Pro
     fails is read again chunk by chunk, so every damaged file is named, not only the first."""
     with EmbeddingStore.open(root, version=version, readonly=True, hot_bytes=64 << 20) as store:
         names, chunk, num_rows = tuple(store.field_names), store.chunk_rows, store.num_rows
-        filed = np.asarray(store._cmap) != 0  # chunks with a base file at this version
-        held = [s.ids for s in store._committed]
+        filed = np.asarray(store._versions.cmap) != 0  # chunks with a base file at this version
+        held = [s.ids for s in store._versions.committed]
         in_segments = np.unique(np.concatenate(held)) if held else np.zeros(0, np.int64)
         batch = max(chunk, VERIFY_BATCH_ROWS // chunk * chunk)
         for lo in range(0, num_rows, batch):

@@ -89,7 +89,7 @@ def _reshard_store(name: str, ref: dict[str, Any], world_size: int, new_path: st
     sources = _open_sources(name, ref, table, old_world)
     try:
         first = sources[0][1]
-        meta = first._meta
+        meta = first._core.meta
         kind = shards["init"] if shards else meta["init"]
         if kind == "callable":
             raise InvalidArgumentError(
@@ -112,7 +112,7 @@ def _reshard_store(name: str, ref: dict[str, Any], world_size: int, new_path: st
                 chunk_rows=int(meta["chunk_rows"]), compression=meta.get("compression"), init=init, seed=seed,
                 init_std=std, fields=fields or None))
             if world_size > 1:
-                targets[-1]._table_rows = num_rows  # its manifests record the table's size (`ShardedStore`)
+                targets[-1]._versions.table_rows = num_rows  # its manifests record the table's size (`ShardedStore`)
         names = tuple(first.field_names)
         old = RowSharding(num_rows, old_world)
         for r, store in sources:

@@ -400,11 +400,11 @@ class ShardedStore:
             # that gives them ids (their initial values, as they were never written). One that
             # failed was reopened at its last flush's size record: the table's is this one's.
             if not self.local.closed:
-                self.local._table_rows = self.num_rows
+                self.local._versions.table_rows = self.num_rows
             raise StoreError(
                 f"grow(num_rows={n}) failed: {'; '.join(e for e in every if e is not None)}. The table keeps its "
                 f"{self.num_rows} rows on every rank")
-        self.local._table_rows = n  # the next flush's manifest records the table's size
+        self.local._versions.table_rows = n  # the next flush's manifest records the table's size
         self.num_rows, self.sharding = n, RowSharding(n, self.world_size)
 
     def _grow_target(self, num_rows: Any) -> int:
@@ -483,7 +483,7 @@ class ShardFactory:
 
     def create(self, path: Path | None, num_rows: int, dim: int, **_: Any) -> ShardedStore:
         local = EmbeddingStore.create(path, self.local_rows, dim, init=self.init, **self.options)
-        local._table_rows = self.num_rows  # recorded by its flushes: a reopen knows the table's size
+        local._versions.table_rows = self.num_rows  # recorded by its flushes: a reopen knows the table's size
         return self._wrap(path, local)
 
     def open(self, path: Path, version: int | None = None, readonly: bool = False, **_: Any) -> ShardedStore:
@@ -498,14 +498,14 @@ class ShardFactory:
         table = None if path is None else Path(path).parent
         # The table's size at the shard's version, as its manifest records it (a grown table's
         # differs from the size declared); shards flushed before sizes were recorded: as declared.
-        num_rows = local._table_rows or self.num_rows
+        num_rows = local._versions.table_rows or self.num_rows
         if local.num_rows < max(RowSharding(num_rows, self.world_size).shard_rows(self.rank), 1):
             local.close()
             raise InvalidArgumentError(
                 f"{path}: this shard holds {local.num_rows} rows, fewer than rank {self.rank}'s share of a table of "
                 f"num_rows={num_rows} over {self.world_size} ranks; open it with the num_rows it was made with")
         if not local.readonly:
-            local._table_rows = num_rows
+            local._versions.table_rows = num_rows
         store = ShardedStore(table, num_rows, local, self.group, self.rank, self.world_size, self.ahead_group)
         store.device_bytes = self.device_bytes
         return store

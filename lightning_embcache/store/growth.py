@@ -14,18 +14,55 @@ the old table may be short; its base file holds the old rows only, so the grown 
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from .errors import InvalidArgumentError, InvalidTypeError, StoreError
+from .stats import StoreStats
 from .validate import MAX_ROWS
 
-# Attributes a grown store keeps from before: its locks (other threads may wait on them), the
-# writer lock's descriptor (never let go of) and its counters.
-KEPT = ("_lock", "_flush_lock", "_no_flush_waiting", "_flush_waiting", "_lock_fd", "_stats", "_io_wait",
-        "_io_wait_by_thread", "_row_thread", "_fold_proc_failed", "_fold_proc_restarts", "_version")
+
+@dataclass(frozen=True)
+class Kept:
+    """What a grown store keeps from before: its locks (other threads may wait on them), the
+    writer lock's descriptor (never let go of), its counters and its version."""
+
+    lock: threading.RLock
+    stats: StoreStats
+    row_thread: int
+    io_wait: float
+    io_wait_by_thread: dict[int, float]
+    flush_lock: threading.RLock
+    no_flush_waiting: threading.Condition
+    flush_waiting: int
+    lock_fd: int | None
+    fold_proc_failed: bool
+    fold_proc_restarts: int
+    version: int
+
+    @classmethod
+    def of(cls, store: Any) -> Kept:
+        core = store._core
+        return cls(lock=core.lock, stats=core.stats, row_thread=core.row_thread, io_wait=store._io_wait,
+                   io_wait_by_thread=store._io_wait_by_thread, **store._versions.kept())
+
+    def apply(self, store: Any) -> None:
+        """Onto the store being reconstructed (its new `StoreCore` made, its `Versions` not yet)."""
+        core = store._core
+        core.lock, core.stats, core.row_thread = self.lock, self.stats, self.row_thread
+        store._io_wait, store._io_wait_by_thread = self.io_wait, self.io_wait_by_thread
+
+
+@dataclass(frozen=True)
+class Grown:
+    """The constructor's ``grown`` argument: the new size and what is kept (`grow`)."""
+
+    num_rows: int
+    kept: Kept
 
 
 def check_rows(store: Any, num_rows: Any) -> int:
@@ -40,7 +77,7 @@ def check_rows(store: Any, num_rows: Any) -> int:
         )
     if n > MAX_ROWS:
         raise InvalidArgumentError(f"num_rows must be in [{now}, {MAX_ROWS}] (the id limit); got {n}")
-    if n > now and store._init_kind == "normal" and store._meta.get("init_version", 1) < 2:
+    if n > now and store._core.init_kind == "normal" and store._core.meta.get("init_version", 1) < 2:
         raise InvalidArgumentError(
             "grow() needs initial values made per row; this store was created by lightning_embcache 0.1 with "
             "init='normal', whose values are drawn per chunk (a grown last chunk would differ from a store "
@@ -53,64 +90,40 @@ def unflushed_ids(store: Any) -> np.ndarray:
     """Sorted ids whose rows a reopened store would not find on disk as they are now: rows not
     flushed (dirty, or written back since the last flush), every row of an in-memory table, and
     the rows of a short last chunk whose base file the grown layout drops. Caller holds the lock."""
-    hot, n, cr = store._hot, store._num_rows, store._chunk_rows
+    hot, n, cr = store._tiers.hot, store._core.num_rows, store._core.chunk_rows
+    versions = store._versions
     slots = np.flatnonzero(hot.dirty)
     parts = [slots if hot.resident else hot.id_of[slots]]
-    parts += [seg.ids for seg in store._pending]
-    if store._disk is None:  # nothing below the pool: the rows made so far are all there is
+    parts += [seg.ids for seg in versions.pending]
+    if versions.disk is None:  # nothing below the pool: the rows made so far are all there is
         if hot.all_loaded or hot.loaded.all():
             return np.arange(n, dtype=np.int64)
         for c in np.flatnonzero(hot.loaded).tolist():
             parts.append(np.arange(c * cr, min(n, (c + 1) * cr), dtype=np.int64))
         if hot.row_ok is not None:
             parts.append(np.flatnonzero(hot.row_ok))
-    elif n % cr and store._cmap[n // cr]:
+    elif n % cr and versions.cmap[n // cr]:
         parts.append(np.arange(n // cr * cr, n, dtype=np.int64))
     return np.unique(np.concatenate(parts).astype(np.int64)) if parts else np.zeros(0, np.int64)
 
 
-def resize_layout(store: Any, num_rows: int) -> None:
-    """The layout of the store's version at ``num_rows`` rows (called by the constructor of a
-    grown store, before its tiers are made): chunk map padded with never-written chunks, a short
-    last chunk's base file dropped, all published by the next flush."""
-    old, cr, disk = store._num_rows, store._chunk_rows, store._disk
-    chunks = (num_rows + cr - 1) // cr
-    cmap = np.zeros(chunks, np.int32)
-    cmap[: len(store._cmap)] = store._cmap
-    folded = np.zeros(chunks, np.int64)
-    folded[: len(store._folded)] = store._folded
-    if old % cr:
-        # its base file holds the old rows only; `unflushed_ids` carried them, the rest is init.
-        # The records it folded stay dead (the folded mark stays): the carried rows are newer.
-        cmap[old // cr] = 0
-    store._num_rows = num_rows
-    disk.resize(num_rows)
-    if store._cmap_gen:  # a chunk map file has its table's size: the grown layout gets its own
-        gen = store._next_gen
-        store._next_gen += 1
-        disk.write_chunkmap(gen, cmap, folded)
-        store._cmap_gen = gen
-    store._cmap, store._folded = cmap, folded
-    store._index_rebuild()
-    store._grown_unflushed = True
-    store._refresh_sharing()
-
-
 def grow(store: Any, num_rows: int) -> None:
     """`EmbeddingStore.grow` (validated): reopen the store at ``num_rows`` rows in place."""
-    with store._flush_lock:
-        store._await_round()
-        with store._lock:
-            store._check_open()
+    versions, core = store._versions, store._core
+    with versions.flush_lock:
+        versions.await_round()
+        with core.lock:
+            core.check_open()
             ids = unflushed_ids(store)
             carried = store.read_records(torch.from_numpy(ids)) if len(ids) else None
-            store._closed = True  # from here calls of other threads refuse (as during close())
+            core.closed = True  # from here calls of other threads refuse (as during close())
+    versions.wake()
     store._stop_background()
-    old_rows = store._num_rows
-    with store._flush_lock, store._lock:
+    old_rows = core.num_rows
+    with versions.flush_lock, core.lock:
         settings = store._reopen_settings()
         store._close_files()
-        kept = {k: store.__dict__[k] for k in KEPT if k in store.__dict__}
+        kept = Kept.of(store)
         try:
             _reopen(store, kept, settings, num_rows, ids, carried)
         except BaseException as exc:
@@ -118,8 +131,8 @@ def grow(store: Any, num_rows: int) -> None:
             try:
                 _reopen(store, kept, settings, old_rows, ids, carried)
             except BaseException:
-                store._closed = True
-                store._release_lock()
+                store._core.closed = True
+                store._versions.release_lock()
                 raise StoreError(
                     f"grow(num_rows={num_rows}) failed ({exc}) and the store could not be reopened as it was; "
                     "it is closed: reopen it with EmbeddingStore.open(path) (its last flush is intact)"
@@ -127,19 +140,19 @@ def grow(store: Any, num_rows: int) -> None:
             raise
 
 
-def _reopen(store: Any, kept: dict, settings: dict, num_rows: int, ids: np.ndarray, carried: Any) -> None:
+def _reopen(store: Any, kept: Kept, settings: dict, num_rows: int, ids: np.ndarray, carried: Any) -> None:
     """The store reopened at ``num_rows`` with the carried rows written again (dirty); on failure
     what it opened is closed again, but for the writer lock (a failed constructor closes its own)."""
-    for k in [k for k in store.__dict__ if k not in kept]:
-        delattr(store, k)
-    type(store).__init__(store, **settings, grown={"num_rows": num_rows, "kept": kept})
+    store.__dict__.clear()  # nothing of the store before survives but what ``kept`` holds
+    type(store).__init__(store, **settings, grown=Grown(num_rows, kept))
     try:
         if carried is not None:
             store.write_records(torch.from_numpy(ids), carried)
     except BaseException:
-        store._closed = True  # its threads stop at their next look (the caller holds the locks they take)
-        for ex in (store._prefetcher, store._bg, store._filler):
-            if ex is not None:
-                ex.shutdown(wait=False, cancel_futures=True)
+        store._core.closed = True  # its threads stop at their next look (the caller holds the locks they take)
+        store._versions.wake()
+        store._tiers.stop_prefetch(wait=False)
+        store._versions.stop_threads(wait=False)
+        store._tiers.stop_fill(wait=False)
         store._close_files()
         raise

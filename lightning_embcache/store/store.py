@@ -9,24 +9,22 @@ chunks. The store never imports Lightning.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
-import tempfile
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from . import fileio, foldproc, growth, rowcopy
-from .disk import Disk, Manifest, Segment
+from . import creation, foldproc, growth, rowcopy
+from .core import InitFn, StoreCore
+from .creation import StridedNormal, strided_normal_spec
+from .disk import Disk
 from .errors import (
     CorruptStoreError,
     ForkedWriterError,
@@ -34,17 +32,11 @@ from .errors import (
     InvalidTypeError,
     ReadOnlyError,
     StoreClosedError,
-    StoreError,
-    StoreLockedError,
 )
-from .foldproc import FoldProcess
-from .holes import DeadRecords
 from .hot import SLOT_OVERHEAD, HotTier
-from .initrows import normal_rows
 from .schema import DTYPES, Schema
-from .sharing import Sharing
 from .stats import StoreStats
-from .tiers import SLICE_ROWS, Direct, FromSlab, Gathered, TieredRows, to_np
+from .tiers import SLICE_ROWS, Direct, FromSlab, Gathered, Tiers, to_np
 from .validate import (
     MAX_CHUNK_ROWS,
     MAX_ROWS,
@@ -56,10 +48,9 @@ from .validate import (
     positive_int,
     version_arg,
 )
-from .versions import Versioning
+from .versions import Versions
 from .warm import WarmTier
 
-InitFn = Callable[[torch.Tensor], torch.Tensor]
 Init = str | InitFn
 PathLike = str | os.PathLike | None
 
@@ -67,33 +58,33 @@ PathLike = str | os.PathLike | None
 _LIVE: weakref.WeakSet[EmbeddingStore] = weakref.WeakSet()
 
 
-def strided_normal_spec(spec: Any) -> dict | None:
-    """``spec`` if it describes a strided normal init (see `StridedNormal`), else None."""
-    if not isinstance(spec, dict) or spec.get("kind") != "strided_normal":
-        return None
-    stride, offset = spec.get("stride"), spec.get("offset")
-    if type(stride) is not int or type(offset) is not int or not 0 <= offset < stride:
-        return None
-    return {"kind": "strided_normal", "stride": stride, "offset": offset}
+class EmbeddingStore:
+    """Rows keyed by int id with byte-budgeted tiers and crash-safe, versioned flushes.
+
+    Example::
+
+        with EmbeddingStore.create("runs/latents", num_rows=10_000_000, dim=64,
+                                   hot_bytes=256 << 20, warm_bytes=128 << 20) as store:
+            z = store.get(ids)              # (len(ids), 64) float32
+            store.update(ids, z - 0.1 * g)  # last write of a duplicate id wins
+            version = store.flush()         # durable when it returns
+
+    Notes:
+        ``hot_bytes=None`` keeps the whole table resident (memory mode); a budget turns on disk
+        mode, where RAM use stays within ``hot_bytes + warm_bytes`` plus 4 bytes per table row
+        for the id map (allocated only where touched). One writer per path; a writable store
+        cannot be used in a forked child (open a ``readonly=True`` handle there).
+
+    Raises:
+        StoreError: and its subclasses, each naming the argument, its value and what is allowed.
+    """
+
+    # Composed of three parts (docs/architecture.md): ``_core`` (`StoreCore`: shape, initial
+    # values, the state lock), ``_versions`` (`Versions`: the files, the writer lock, flushes,
+    # compaction) and ``_tiers`` (`Tiers`: the hot and warm tiers). This class checks arguments
+    # and state, then delegates; the parts never hold the store.
 
 
-class StridedNormal:
-    """``init="normal"`` of a whole table evaluated at rows ``local * stride + offset``: the rows a
-    row-sharded table's shard holds (its META records it, so tools reopen the shard alone)."""
-
-    def __init__(self, stride: int, offset: int, dim: int, seed: int, std: float) -> None:
-        self.stride, self.offset, self.dim, self.seed, self.std = stride, offset, dim, seed, std
-
-    @property
-    def init_spec(self) -> dict:
-        return {"kind": "strided_normal", "stride": self.stride, "offset": self.offset}
-
-    def __call__(self, local_ids: torch.Tensor) -> torch.Tensor:
-        ids = local_ids.to(torch.int64).numpy() * self.stride + self.offset
-        return torch.from_numpy(normal_rows(ids, self.dim, self.seed, self.std))
-
-
-class EmbeddingStore(TieredRows, Versioning):
     """Rows keyed by int id with byte-budgeted tiers and crash-safe, versioned flushes.
 
     Example::
@@ -151,58 +142,11 @@ class EmbeddingStore(TieredRows, Versioning):
         seed = positive_int(seed, "seed", minimum=0, maximum=(1 << 63) // 1_000_004)
         init_std = finite_float(init_std, "init_std")
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
-        warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
+        warm_bytes = cast(int, budget(warm_bytes, "warm_bytes", allow_none=False))
         foldproc.setting()  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidTypeError(f"dtype must be a torch.dtype; got {dtype!r}")
-        if fields is not None and not isinstance(fields, Mapping):
-            raise InvalidTypeError(
-                f"fields must be a mapping name -> (dtype, cols[, fill]); got {type(fields).__name__}")
-        try:
-            schema = Schema(dim, dtype, dict(fields or {}))
-        except (TypeError, ValueError, OverflowError) as exc:
-            if isinstance(exc, StoreError):
-                raise
-            raise InvalidArgumentError(f"fields={fields!r} is not name -> (dtype, cols[, fill]): {exc}") from None
-        if compression not in (None, "lz4"):
-            raise InvalidArgumentError(f"compression must be None or 'lz4'; got {compression!r}")
-        if isinstance(init, str):
-            if init not in ("zeros", "normal"):
-                raise InvalidArgumentError(f"init must be 'zeros', 'normal' or a callable f(ids) -> rows; got {init!r}")
-        elif not callable(init):
-            raise InvalidTypeError(f"init must be 'zeros', 'normal' or a callable; got {type(init).__name__}")
-        meta = {
-            "format": "lightning_embcache",
-            "uuid": uuid.uuid4().hex,
-            "num_rows": num_rows,
-            "chunk_rows": chunk_rows,
-            "schema": schema.to_json(),
-            "compression": compression,
-            "init": init if isinstance(init, str) else "callable",
-            "seed": int(seed),
-            "init_std": float(init_std),
-            "init_version": 2,  # init="normal" per row from (seed, id); absent = per chunk (older stores)
-            "names_bound": True,  # every file is bound to its name (format 3); absent: files of 0.1 may be read
-        }
-        spec = strided_normal_spec(getattr(init, "init_spec", None)) if callable(init) else None
-        if spec is not None:  # a callable the store can rebuild itself (a shard of init="normal")
-            meta["init_spec"] = spec
+        meta = creation.new_meta(num_rows, dim, dtype, chunk_rows, compression, init, seed, init_std, fields)
         ephemeral = path is None
-        if ephemeral and hot_bytes is None:
-            root = None
-        else:
-            root = Path(tempfile.mkdtemp(prefix="embcache-")) if ephemeral else Path(path)
-            if root.exists() and not root.is_dir():
-                raise InvalidArgumentError(f"path={str(root)!r} is a file; give a new or empty folder for the store")
-            if root.exists() and any(root.iterdir()):
-                if (root / "META").exists():
-                    raise InvalidArgumentError(f"path={str(root)!r} already holds a store; use EmbeddingStore.open()")
-                raise InvalidArgumentError(f"path={str(root)!r} exists and is not empty; give a new or empty folder")
-            made = not root.exists()
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise fileio.io_error(exc, "creating", root) from exc
+        root, made = creation.new_folder(path, hot_bytes)
         try:
             store = cls(
                 root,
@@ -218,19 +162,13 @@ class EmbeddingStore(TieredRows, Versioning):
             )
             if materialize:
                 try:
-                    store._materialize()
+                    store._tiers.materialize()
                 except BaseException:
                     store.close()
                     raise
             return store
         except BaseException:
-            # A failed create leaves nothing behind: a correct create at the same path must work.
-            if root is not None:
-                if ephemeral or made:
-                    shutil.rmtree(root, ignore_errors=True)
-                else:  # the folder was the caller's (empty): remove only what we put in it
-                    for p in list(root.iterdir()):
-                        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
+            creation.remove_failed(root, made, ephemeral)  # a correct create at the same path must work
             raise
 
     @classmethod
@@ -250,7 +188,7 @@ class EmbeddingStore(TieredRows, Versioning):
             raise InvalidTypeError(f"path must be a str or os.PathLike; got {type(path).__name__}")
         root = Path(path)
         hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=True)
-        warm_bytes = budget(warm_bytes, "warm_bytes", allow_none=False)
+        warm_bytes = cast(int, budget(warm_bytes, "warm_bytes", allow_none=False))
         foldproc.setting()  # a bad EMBCACHE_COMPACTION_PROCESS is named before anything is made
         if version is not None:
             version = version_arg(version, "version")
@@ -300,161 +238,73 @@ class EmbeddingStore(TieredRows, Versioning):
         init_fn: InitFn | None,
         ephemeral: bool,
         create: bool,
-        grown: dict | None = None,
+        grown: growth.Grown | None = None,
     ) -> None:
-        """``grown`` (`grow`, growth.py): {"num_rows": the new size, "kept": attributes kept from
-        before, the writer lock among them}."""
-        self._closed = True  # until fully constructed
-        self._root = root
-        self._ephemeral = ephemeral
-        self._meta = meta
-        self._schema = Schema.from_json(meta["schema"])
-        self._num_rows = int(meta["num_rows"])
-        self._chunk_rows = int(meta["chunk_rows"])
-        self._row_bytes = self._schema.row_bytes
-        self._compress = meta["compression"] == "lz4"
-        self._init_kind = meta["init"]
-        self._init_fn = init_fn
-        self._seed = int(meta["seed"])
-        self._init_std = float(meta["init_std"])
-        self._readonly = bool(readonly)
-        self._check_finite = bool(check_finite)
-        self._pid = os.getpid()
-        self._lock = threading.RLock()
-        self._flush_lock = threading.RLock()  # the writer lock: see versions.py
-        self._lock_fd: int | None = None
-        self._reader_fd: int | None = None  # read-only handles: shared flock on their version
-        self._stats = StoreStats()
+        """``grown`` (`grow`, growth.py): the new size and what the store keeps from before, the
+        writer lock among them."""
+        core = self._core = StoreCore(root, meta, readonly=readonly, check_finite=check_finite, init_fn=init_fn,
+                                      ephemeral=ephemeral)
         self._io_wait = 0.0
         self._io_wait_by_thread: dict[int, float] = {}  # threading.get_ident() -> seconds
-        self._row_thread = 0  # the thread of the latest get/update (compaction hands it the GIL)
-        self._seg_index: dict[int, list[Segment]] = {}  # chunk -> segments holding its rows
-        self._committed: list[Segment] = []
-        self._pending: list[Segment] = []
-        self._pins: set[int] = set()
-        self._disk: Disk | None = None
-        self._version = 0
-        self._max_version = 0
-        self._parent = 0
-        self._cmap_gen = 0
-        self._next_seq = 1
-        self._next_gen = 1
-        self._bg: ThreadPoolExecutor | None = None
-        self._fold_proc: FoldProcess | None = None  # the compaction process (foldproc.py), started by `_maybe_compact`
-        self._fold_proc_failed = False
-        self._fold_proc_restarts = 0
-        self._round_thread: int | None = None  # a background round folding without the writer lock
-        self._round_done = threading.Event()
-        self._prefetcher: ThreadPoolExecutor | None = None
-        self._bg_futures: dict[str, Future] = {}
-        self._bg_error: BaseException | None = None
-        self._below_token = 0  # moves whenever rows below the hot tier change (see _prefetch)
-        self._flush_waiting = 0  # flushes waiting for the writer lock (compaction yields to them)
-        self._no_flush_waiting = threading.Condition(self._lock)  # notified when that count drops to 0
-        self._folded = np.zeros(0, np.int64)  # per chunk: newest segment folded into its base file
-        self._dead: DeadRecords | None = None  # a writer's punching of dead delta records (holes.py)
-        # other versions' manifests (only this writer's compaction rounds change them: `_repoint`)
-        self._manifests_seen: dict[int, Manifest] = {}
-        self._sharing = Sharing()  # kept versions sharing the chunk files, what rounds fold (sharing.py)
-        self._cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
-        # the newest device write into the table still running (`_device_write`): anything with
-        # `synchronize()`; host reads of the table wait for it first
-        self._device_pending: Any = None
         self._dirty_estimate = 0  # rows written since the last background clean (an upper bound)
-        self._clean_due = False  # a background clean was asked for (a running compaction runs it between rounds)
-        self._collect_due = False  # a garbage collection was asked for (likewise)
-        self._writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
-        self._writing_gens: set[int] = set()  # compaction generations being written
-        # rows of the whole table when this store is a shard of one (`ShardedStore` sets it; the
-        # manifests record it); the published version's, to flush a change of it alone
-        self._table_rows = self._table_published = 0
         if grown is not None:
-            self.__dict__.update(grown["kept"])
-        capacity = None if hot_bytes is None else max(1, hot_bytes // (self._row_bytes + SLOT_OVERHEAD))
-        self._hot_budget = hot_bytes
+            grown.kept.apply(self)
+        versions = self._versions = Versions(core, grown.kept if grown is not None else None)
+        capacity = None if hot_bytes is None else max(1, hot_bytes // (core.row_bytes + SLOT_OVERHEAD))
         try:
-            if root is not None:
-                if not readonly and self._lock_fd is None:
-                    self._take_lock(root)
-                if create:
-                    Disk.write_meta(root, meta)
-                self._disk = Disk(
-                    root,
-                    self._num_rows,
-                    self._chunk_rows,
-                    self._row_bytes,
-                    fileio.uuid_bytes(meta["uuid"]),
-                    unbound=meta.get("names_bound") is not True,
-                )
-                self._disk.set_init_rows(self._init_rows)  # the rows a sparse chunk file does not hold
-                if create:
-                    self._disk.write_manifest(Manifest(0, 0, []))
-                self._load_version(version)  # the version's size: `_num_rows` from its manifest
-                if grown is not None and grown["num_rows"] != self._num_rows:
-                    growth.resize_layout(self, grown["num_rows"])
-            else:
-                if grown is not None:
-                    self._num_rows = grown["num_rows"]
-                self._cmap = np.zeros((self._num_rows + self._chunk_rows - 1) // self._chunk_rows, np.int32)
-            if capacity is not None and capacity >= self._num_rows:
-                capacity = self._num_rows
+            versions.open(version, create=create, grown_rows=grown.num_rows if grown is not None else None)
+            if capacity is not None and capacity >= core.num_rows:
+                capacity = core.num_rows
             try:
-                self._hot = HotTier(
-                    self._num_rows, self._row_bytes, self._chunk_rows, capacity, private=not self._readonly
-                )
+                hot = HotTier(core.num_rows, core.row_bytes, core.chunk_rows, capacity, private=not readonly)
             except (MemoryError, OverflowError, ValueError, OSError) as exc:
-                need = (capacity if capacity is not None else self._num_rows) * self._row_bytes
+                need = (capacity if capacity is not None else core.num_rows) * core.row_bytes
                 raise InvalidArgumentError(
-                    f"num_rows={self._num_rows} x {self._row_bytes}-byte records "
+                    f"num_rows={core.num_rows} x {core.row_bytes}-byte records "
                     f"({'memory mode' if capacity is None else f'hot_bytes={hot_bytes}'}) needs {need} bytes of "
                     f"address space, which this machine cannot map ({type(exc).__name__}); give hot_bytes= "
                     f"(disk mode) or fewer rows"
                 ) from None
         except BaseException as exc:
-            if grown is None:  # a growth's writer lock stays with the store (growth.py reopens it)
-                self._release_lock()
-            Disk.unlock_reader(self._reader_fd)
-            self._reader_fd = None
-            if self._disk is not None:
-                for seg in self._committed:
-                    seg.close()
-                self._disk.close()
+            versions.abandon(keep_lock=grown is not None)  # a growth's writer lock stays (growth.py reopens)
             if isinstance(exc, MemoryError):  # bookkeeping per chunk of an enormous table
                 raise InvalidArgumentError(
-                    f"num_rows={self._num_rows} with chunk_rows={self._chunk_rows} needs more memory for its "
+                    f"num_rows={core.num_rows} with chunk_rows={core.chunk_rows} needs more memory for its "
                     f"bookkeeping than this machine has; give fewer rows or larger chunks"
                 ) from None
             raise
-        num_chunks = (self._num_rows + self._chunk_rows - 1) // self._chunk_rows
-        self._warm = WarmTier(warm_bytes if root is not None else 0, self._chunk_rows, self._row_bytes, num_chunks)
-        if root is None and self._init_kind == "zeros" and not any(f.fill for f in self._schema.fields.values()):
-            self._hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
-            self._hot.all_loaded = True
-        self._np_views = {n: self._field_np(n) for n in self._schema.names}
+        warm = WarmTier(warm_bytes if root is not None else 0, core.chunk_rows, core.row_bytes, core.num_chunks)
+        tiers = self._tiers = Tiers(core, versions, hot, warm, hot_bytes)
+        versions.attach(tiers)
         # memory mode's per-step paths read these instead of walking the schema on every call
-        self._weight_np = self._np_views["weight"]
+        self._weight_np = tiers.np_views["weight"]
         self._weight_t = torch.from_numpy(self._weight_np)
-        self._weight_bf16 = self._schema.dtype == torch.bfloat16
-        self._weight_only = len(self._schema.fields) == 1
-        self._closed = False
+        self._weight_bf16 = core.schema.dtype == torch.bfloat16
+        self._weight_only = len(core.schema.fields) == 1
+        core.closed = False
         _LIVE.add(self)
         if root is not None and not readonly:
-            self._maybe_compact()  # many short runs must not pile up segments no flush compacts
+            versions.maybe_compact()  # many short runs must not pile up segments no flush compacts
         if not readonly:
-            self._start_filling()
+            tiers.start_filling()
 
     # ------------------------------------------------------------------ properties
-    path = property(lambda self: None if self._ephemeral else self._root, doc="Store directory (None if ephemeral).")
-    num_rows = property(lambda self: self._num_rows, doc="Rows in the table: ids are in [0, num_rows).")
-    dim = property(lambda self: self._schema.dim, doc="Width of a row's weight vector.")
-    dtype = property(lambda self: self._schema.dtype, doc="dtype of the weight vectors.")
-    chunk_rows = property(lambda self: self._chunk_rows, doc="Rows per chunk file (the unit of disk reads).")
-    readonly = property(lambda self: self._readonly, doc="True for a handle opened with readonly=True.")
-    closed = property(lambda self: self._closed, doc="True once close() ran.")
-    hot_bytes = property(lambda self: self._hot_budget, doc="Hot budget in bytes; None = whole table resident.")
-    warm_bytes = property(lambda self: self._warm.budget, doc="Warm (compressed chunk) budget in bytes; 0 = none.")
-    version = property(lambda self: self._version, doc="Version of the last completed flush (0 = as created).")
-    field_names = property(lambda self: self._schema.names, doc="Names of a record's fields, 'weight' first.")
+    path = property(lambda self: None if self._core.ephemeral else self._core.root,
+                    doc="Store directory (None if ephemeral).")
+    num_rows = property(lambda self: self._core.num_rows, doc="Rows in the table: ids are in [0, num_rows).")
+    dim = property(lambda self: self._core.schema.dim, doc="Width of a row's weight vector.")
+    dtype = property(lambda self: self._core.schema.dtype, doc="dtype of the weight vectors.")
+    chunk_rows = property(lambda self: self._core.chunk_rows, doc="Rows per chunk file (the unit of disk reads).")
+    readonly = property(lambda self: self._core.readonly, doc="True for a handle opened with readonly=True.")
+    closed = property(lambda self: self._core.closed, doc="True once close() ran.")
+    hot_bytes = property(lambda self: self._tiers.hot_budget, doc="Hot budget in bytes; None = whole table resident.")
+    warm_bytes = property(lambda self: self._tiers.warm.budget,
+                          doc="Warm (compressed chunk) budget in bytes; 0 = none.")
+    version = property(lambda self: self._versions.version, doc="Version of the last completed flush (0 = as created).")
+    field_names = property(lambda self: self._core.schema.names, doc="Names of a record's fields, 'weight' first.")
+    # read by the layers over a store (device tiers, trainable rows), which also take other stores
+    _check_finite = property(lambda self: self._core.check_finite, doc="Whether writes are checked for NaN/Inf.")
+    _seed = property(lambda self: self._core.seed, doc="The seed of init='normal'.")
 
     @property
     def io_wait_seconds(self) -> float:
@@ -478,14 +328,14 @@ class EmbeddingStore(TieredRows, Versioning):
         me = threading.get_ident()
         by[me] = by.get(me, 0.0) + dt
         if rows:
-            self._row_thread = me
-            self._rows_used_at = now
+            self._core.row_thread = me
+            self._core.rows_used_at = now
 
     def field_spec(self, name: str) -> tuple[torch.dtype, int]:
         """(dtype, columns) of field ``name``."""
-        f = self._schema.fields.get(name) if isinstance(name, str) else None
+        f = self._core.schema.fields.get(name) if isinstance(name, str) else None
         if f is None:
-            raise InvalidArgumentError(f"field {name!r} does not exist; this store has {list(self._schema.names)}")
+            raise InvalidArgumentError(f"field {name!r} does not exist; this store has {list(self._core.schema.names)}")
         return f.dtype, f.cols
 
     # ------------------------------------------------------------------ public row API
@@ -493,47 +343,47 @@ class EmbeddingStore(TieredRows, Versioning):
         """Rows of ``ids`` as a new (len(ids), dim) CPU tensor in the storage dtype."""
         t0 = time.perf_counter()
         self._check_usable()
-        hot = self._hot
+        hot = self._tiers.hot
         if hot.all_loaded and type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.is_cpu and ids.dim() == 1:
             # Memory mode's steady state: one gather that checks its own bounds (negative ids too),
             # so the ids are validated without a pass of their own, on torch's intra-op threads.
             out = self._gather_checked(ids)
-            self._stats.gets += 1
+            self._core.stats.gets += 1
             self._waited(t0)
             return out
-        idx = as_ids(ids, self._num_rows)
+        idx = as_ids(ids, self._core.num_rows)
         if hot.all_loaded:  # other id forms (lists, numpy arrays), already validated
-            with self._lock:
-                self._check_open()
-                out = self._take(idx, "weight")
+            with self._core.lock:
+                self._core.check_open()
+                out = self._tiers.take(idx, "weight")
         elif not hot.resident and len(idx) > SLICE_ROWS:
             out = self._sliced_get(idx, ("weight",))["weight"]
         else:
-            with self._lock:
+            with self._core.lock:
                 out = self._read_rows(idx, ("weight",))["weight"]
-        self._stats.gets += 1
+        self._core.stats.gets += 1
         self._waited(t0)
         return out
 
     def update(self, ids: Any, values: Any) -> None:
         """Write rows; of duplicate ids in one call the last one wins. Not durable until flush()."""
-        if not self._weight_only or not self._hot.resident:
+        if not self._weight_only or not self._tiers.hot.resident:
             return self.update_fields(ids, {"weight": values})
         # Memory mode, weights only: the per-step path, kept to one validation pass per argument.
         t0 = time.perf_counter()
         self._check_usable(write=True)
-        idx = as_ids(ids, self._num_rows)  # the store's own copy, checked: see as_ids
+        idx = as_ids(ids, self._core.num_rows)  # the store's own copy, checked: see as_ids
         v = as_values(
-            values, len(idx), self._schema.dim, self._schema.dtype, arg="values", check_finite=self._check_finite
+            values, len(idx), self._core.dim, self._core.dtype, arg="values", check_finite=self._core.check_finite
         )
-        with self._lock:
-            self._check_open()
-            if self._hot.all_loaded and self._cow is None:  # steady state: one scatter + dirty marks
+        with self._core.lock:
+            self._core.check_open()
+            if self._tiers.hot.all_loaded and self._tiers.cow is None:  # steady state: one scatter + dirty marks
                 self._weight_np[idx] = to_np(v)
-                self._hot.dirty[idx] = 1
+                self._tiers.hot.dirty[idx] = 1
             else:
-                self._scatter(self._resolve(idx, load=True), {"weight": v})
-        self._stats.updates += 1
+                self._tiers.scatter(cast(np.ndarray, self._tiers.resolve(idx, load=True)), {"weight": v})
+        self._core.stats.updates += 1
         self._waited(t0)
 
     def get_fields(self, ids: Any, names: Sequence[str] = ("weight",)) -> dict[str, torch.Tensor]:
@@ -541,13 +391,13 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable()
         names = self._check_names(names)
-        idx = as_ids(ids, self._num_rows)
-        if not self._hot.resident and len(idx) > SLICE_ROWS:
+        idx = as_ids(ids, self._core.num_rows)
+        if not self._tiers.hot.resident and len(idx) > SLICE_ROWS:
             out = self._sliced_get(idx, names)
         else:
-            with self._lock:
+            with self._core.lock:
                 out = self._read_rows(idx, names)
-        self._stats.gets += 1
+        self._core.stats.gets += 1
         self._waited(t0)
         return out
 
@@ -558,64 +408,64 @@ class EmbeddingStore(TieredRows, Versioning):
         if not isinstance(values, Mapping) or not values:
             raise InvalidTypeError("values must be a non-empty mapping of field name -> tensor")
         names = self._check_names(tuple(values))
-        idx = as_ids(ids, self._num_rows)
+        idx = as_ids(ids, self._core.num_rows)
         vals = {}
         for n in names:
             dtype, cols = self.field_spec(n)
             arg = "values" if n == "weight" and len(names) == 1 else f"values[{n!r}]"
-            vals[n] = as_values(values[n], len(idx), cols, dtype, arg=arg, check_finite=self._check_finite)
-        full = set(names) == set(self._schema.names)
-        if not self._hot.resident and len(idx) > SLICE_ROWS:
+            vals[n] = as_values(values[n], len(idx), cols, dtype, arg=arg, check_finite=self._core.check_finite)
+        full = set(names) == set(self._core.schema.names)
+        if not self._tiers.hot.resident and len(idx) > SLICE_ROWS:
             # Disk mode stages a big call as one pending segment, streamed in blocks (bounded
             # temporaries), and applies it to resident rows only once that file is whole: a call
             # that fails on a full disk leaves none of its rows applied.
-            with self._lock:
-                self._check_open()
-                self._write_around(idx, None, vals, load=not full)
-            self._stats.updates += 1
+            with self._core.lock:
+                self._core.check_open()
+                self._tiers.write_around(idx, None, vals, load=not full)
+            self._core.stats.updates += 1
             self._waited(t0)
             return
-        with self._lock:
-            self._check_open()
+        with self._core.lock:
+            self._core.check_open()
             # Validated and resolved before anything is written: a write-back that fails while
             # making room raises here, with no row of this call applied.
-            slots = self._resolve(idx, load=not full, for_write=True, values=vals)
+            slots = self._tiers.resolve(idx, load=not full, for_write=True, values=vals)
             if slots is not None:
-                self._scatter(slots, vals)
+                self._tiers.scatter(cast(np.ndarray, slots), vals)
             self._note_dirty(len(idx))
-        self._stats.updates += 1
+        self._core.stats.updates += 1
         self._waited(t0)
 
     def _resident_rows(self, idx: np.ndarray) -> bool:
         """Memory mode: make sure rows ``idx`` (validated) are in the pool, whose slots are the
         ids, making those not made yet; False in disk mode. Caller holds the lock. O(batch): a
         table touched only in part keeps the one-gather paths."""
-        hot = self._hot
+        hot = self._tiers.hot
         if not hot.resident:
             return False
         if not hot.all_loaded:  # checked a slice at a time: a huge batch's temporaries stay bounded
             for a in range(0, len(idx), SLICE_ROWS):
                 part = idx[a : a + SLICE_ROWS]
                 if hot.lookup(part) is not part:
-                    self._resolve(part, load=True)
+                    self._tiers.resolve(part, load=True)
         return True
 
     def _note_dirty(self, n: int) -> None:
         """Keep evictions cheap for the training thread: once about half the hot slots may be
         dirty, write the cold ones back in the background (disk mode; caller holds the lock)."""
-        if self._hot.resident:
+        if self._tiers.hot.resident:
             return
         self._dirty_estimate += n
-        if self._dirty_estimate > self._hot.limit // 2:
+        if self._dirty_estimate > self._tiers.hot.limit // 2:
             self._dirty_estimate = 0
-            self._clean_due = True
-            self._submit_bg(self._clean)
+            self._versions.clean_due = True
+            self._versions.submit_bg("clean")
 
     # ------------------------------------------------------------------ whole records (trainers)
     def record_view(self, records: torch.Tensor, name: str) -> torch.Tensor:
         """Typed ``(n, cols)`` view of field ``name`` inside uint8 records from `read_records`."""
         self._check_names((name,))
-        return self._schema.view(records, name)
+        return self._core.schema.view(records, name)
 
     @property
     def unflushed_share(self) -> float:
@@ -623,12 +473,12 @@ class EmbeddingStore(TieredRows, Versioning):
         tier), as a share of the table's bytes. They sit beside the last flushed version, which
         stays whole until the next flush commits them, so disk use grows with them between
         flushes (`DeferredSync(unflushed_share=...)` flushes before they pass a bound). O(1)."""
-        return self._pending_bytes / max(1, self._num_rows * self._row_bytes)
+        return self._versions.pending_bytes / max(1, self._core.num_rows * self._core.row_bytes)
 
     @property
     def row_bytes(self) -> int:
         """Bytes of one record: the weight and every per-row field, packed and aligned."""
-        return self._row_bytes
+        return self._core.row_bytes
 
     def read_records(self, ids: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """Whole records of ``ids`` (weight and every field) as a ``(n, row_bytes)`` uint8 tensor.
@@ -641,7 +491,7 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable()
         idx = self._valid_ids(ids)
-        shape = (len(idx), self._row_bytes)
+        shape = (len(idx), self._core.row_bytes)
         if out is not None and (
             type(out) is not torch.Tensor
             or out.dtype != torch.uint8
@@ -657,18 +507,18 @@ class EmbeddingStore(TieredRows, Versioning):
         if out is None:
             out = torch.empty(shape, dtype=torch.uint8)
         dest = out.numpy()
-        if self._hot.resident:  # memory mode: the rows' pool slots are their ids, once made
-            with self._lock:
-                self._check_open()
+        if self._tiers.hot.resident:  # memory mode: the rows' pool slots are their ids, once made
+            with self._core.lock:
+                self._core.check_open()
                 self._resident_rows(idx)
-                rowcopy.gather(self._hot.pool_np, idx, dest)
+                rowcopy.gather(self._tiers.hot.pool_np, idx, dest)
         else:  # rows to bring in first: whole records through the tiers, in slices (bounded memory)
-            step = len(idx) if self._hot.resident else SLICE_ROWS
+            step = len(idx) if self._tiers.hot.resident else SLICE_ROWS
             for a in range(0, len(idx), max(step, 1)):
-                with self._lock:
-                    self._check_open()
-                    self._records_into(idx[a : a + step], dest[a : a + step])
-        self._stats.gets += 1
+                with self._core.lock:
+                    self._core.check_open()
+                    self._tiers.records_into(idx[a : a + step], dest[a : a + step])
+        self._core.stats.gets += 1
         self._waited(t0)
         return out
 
@@ -684,30 +534,31 @@ class EmbeddingStore(TieredRows, Versioning):
             type(records) is not torch.Tensor
             or records.dtype != torch.uint8
             or records.is_cuda
-            or tuple(records.shape) != (len(idx), self._row_bytes)
+            or tuple(records.shape) != (len(idx), self._core.row_bytes)
         ):
             raise InvalidArgumentError(
-                f"records must be a CPU uint8 tensor of shape ({len(idx)}, {self._row_bytes}) from "
+                f"records must be a CPU uint8 tensor of shape ({len(idx)}, {self._core.row_bytes}) from "
                 f"read_records(); got {getattr(records, 'dtype', type(records).__name__)} of shape "
                 f"{tuple(getattr(records, 'shape', ()))}"
             )
-        w = self._schema.view(records, "weight")
-        if self._check_finite and len(idx):
-            as_values(w.contiguous(), len(idx), self.dim, self.dtype, arg="records (weight)", check_finite=True)
-        big = not self._hot.resident and len(idx) > SLICE_ROWS
+        w = self._core.schema.view(records, "weight")
+        if self._core.check_finite and len(idx):
+            as_values(w.contiguous(), len(idx), self._core.dim, self._core.dtype, arg="records (weight)",
+                      check_finite=True)
+        big = not self._tiers.hot.resident and len(idx) > SLICE_ROWS
         if big:  # staged as one pending segment, all or nothing (see update_fields)
-            self.update_fields(idx, {n: self._schema.view(records, n) for n in self._schema.names})
-            self._stats.updates -= 1  # counted once, below
+            self.update_fields(idx, {n: self._core.schema.view(records, n) for n in self._core.schema.names})
+            self._core.stats.updates -= 1  # counted once, below
         else:
-            with self._lock:
-                self._check_open()
-                if self._cow is None and self._resident_rows(idx):
-                    rowcopy.scatter(self._hot.pool_np, idx, records.numpy())
-                    self._hot.dirty[idx] = 1
+            with self._core.lock:
+                self._core.check_open()
+                if self._tiers.cow is None and self._resident_rows(idx):
+                    rowcopy.scatter(self._tiers.hot.pool_np, idx, records.numpy())
+                    self._tiers.hot.dirty[idx] = 1
                 else:  # whole records through the tiers: no field-by-field path
-                    self._write_records_into(idx, records.numpy())
+                    self._tiers.write_records_into(idx, records.numpy())
                     self._note_dirty(len(idx))
-        self._stats.updates += 1
+        self._core.stats.updates += 1
         self._waited(t0)
 
     # Trusted record copies for the device tier's own rows (ids it validated, unique; weights it
@@ -717,24 +568,24 @@ class EmbeddingStore(TieredRows, Versioning):
     def _read_records_trusted(self, idx: torch.Tensor, out: torch.Tensor) -> bool:
         t0 = time.perf_counter()
         self._check_usable()
-        with self._lock:
-            if self._closed or not self._resident_rows(idx.numpy()):
+        with self._core.lock:
+            if self._core.closed or not self._resident_rows(idx.numpy()):
                 return False
-            torch.index_select(self._hot.pool, 0, idx, out=out)  # bounds-checked, intra-op threads
-        self._stats.gets += 1
+            torch.index_select(self._tiers.hot.pool, 0, idx, out=out)  # bounds-checked, intra-op threads
+        self._core.stats.gets += 1
         self._waited(t0)
         return True
 
     def _write_records_trusted(self, idx: torch.Tensor, records: torch.Tensor) -> bool:
         t0 = time.perf_counter()
         self._check_usable(write=True)
-        with self._lock:
+        with self._core.lock:
             i = idx.numpy()
-            if self._closed or self._cow is not None or not self._resident_rows(i):
+            if self._core.closed or self._tiers.cow is not None or not self._resident_rows(i):
                 return False
-            self._hot.pool_np[i] = records.numpy()
-            self._hot.dirty[i] = 1
-        self._stats.updates += 1
+            self._tiers.hot.pool_np[i] = records.numpy()
+            self._tiers.hot.dirty[i] = 1
+        self._core.stats.updates += 1
         self._waited(t0)
         return True
 
@@ -742,9 +593,9 @@ class EmbeddingStore(TieredRows, Versioning):
     def _resident_table(self) -> torch.Tensor | None:
         """Memory mode: the ``(num_rows, row_bytes)`` host tensor holding every record at its id,
         which a device may read and write in place (`mapped_host`); None in disk mode."""
-        if self._closed or self._readonly or not self._hot.resident:
+        if self._core.closed or self._core.readonly or not self._tiers.hot.resident:
             return None
-        return self._hot.pool
+        return self._tiers.hot.pool
 
     def _device_write(self, idx: np.ndarray, enqueue: Callable[[], Any]) -> bool:
         """Let a device write the records of validated ``idx`` into `_resident_table` in place.
@@ -756,8 +607,8 @@ class EmbeddingStore(TieredRows, Versioning):
         (`_await_device_writes`), so no reader sees a row half written.
         """
         self._check_state(write=True)  # no wait: the device orders its own writes
-        with self._lock:
-            if self._closed or self._cow is not None or not self._hot.resident:
+        with self._core.lock:
+            if self._core.closed or self._tiers.cow is not None or not self._tiers.hot.resident:
                 return False
             with self._device_writing(idx) as queued:
                 queued(enqueue())
@@ -770,34 +621,30 @@ class EmbeddingStore(TieredRows, Versioning):
         it yields. Under the lock: rows a flush is still copying out are saved first (its snapshot
         stays one moment), the rows are dirty afterwards, and host reads wait for the kernels."""
         self._check_state(write=True)
-        with self._lock:
-            if self._closed:
+        with self._core.lock:
+            if self._core.closed:
                 raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
             self._resident_rows(idx)  # made first: making them later would overwrite the device's rows
-            if self._cow is not None:
-                self._save_cow(idx)
+            if self._tiers.cow is not None:
+                self._tiers.save_cow(idx)
             queued: list[Any] = []
             yield queued.append
             if queued:
-                self._device_pending = queued[-1]
-            self._hot.dirty[idx] = 1
-        self._stats.updates += 1
+                self._tiers.device_pending = queued[-1]
+            self._tiers.hot.dirty[idx] = 1
+        self._core.stats.updates += 1
 
     def _device_read(self, idx: np.ndarray) -> bool:
         """Whether a device may read the records of validated ``idx`` from `_resident_table` now
         (memory mode; rows not made yet are made first). The device orders its reads after its
         own writes; the host writes nothing to these rows meanwhile but `update` calls."""
         self._check_state()
-        with self._lock:
-            return not self._closed and self._resident_rows(idx)
+        with self._core.lock:
+            return not self._core.closed and self._resident_rows(idx)
 
     def _await_device_writes(self) -> None:
         """Wait for the device writes queued into the table so far (`_device_write`)."""
-        pending = self._device_pending
-        if pending is not None:
-            pending.synchronize()
-            if self._device_pending is pending:
-                self._device_pending = None
+        self._tiers.await_device_writes()
 
     def export(
         self, out: str | os.PathLike, field: str = "weight", version: int | None = None, *, overwrite: bool = False
@@ -822,48 +669,45 @@ class EmbeddingStore(TieredRows, Versioning):
         self._check_names((field,))
         if version is not None:
             version = version_arg(version, "version")
-            if self._root is None or self._ephemeral:
+            if self._core.root is None or self._core.ephemeral:
                 raise InvalidArgumentError(
                     f"version={version}: an in-memory store keeps no versions; "
                     "pass version=None to export its rows as they are"
                 )
             with EmbeddingStore.open(
-                self._root, version=version, readonly=True, hot_bytes=export.EXPORT_BLOCK_BYTES, init=self._init_fn
+                self._core.root, version=version, readonly=True, hot_bytes=export.EXPORT_BLOCK_BYTES,
+                init=self._core.init_fn,
             ) as old:
                 return old.export(path, field, overwrite=overwrite)
         dtype, cols = self.field_spec(field)
         return export.write_npy(
-            path, (self._num_rows, cols), export.numpy_dtype(dtype), export.store_blocks(self, field)
+            path, (self._core.num_rows, cols), export.numpy_dtype(dtype), export.store_blocks(self, field)
         )
 
     def prefetch(self, ids: Any) -> None:
         """Hint: bring these rows into the hot tier in the background; returns at once."""
         self._check_usable()
-        idx = as_ids(ids, self._num_rows)
-        if self._disk is None:
+        idx = as_ids(ids, self._core.num_rows)
+        if self._versions.disk is None:
             return
-        with self._lock:
-            self._check_open()
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
-            self._prefetcher.submit(_prefetch_weakly, weakref.ref(self), idx)
+        self._tiers.prefetch_later(idx)
 
     def _read_rows(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Fields of ``idx``, filling misses; caller holds the lock."""
-        self._check_open()
-        got = self._resolve(idx, load=True)
+        self._core.check_open()
+        got = self._tiers.resolve(idx, load=True)
         if isinstance(got, Gathered):
-            return self._fields_of(got.records, names)
+            return self._tiers.fields_of(got.records, names)
         if isinstance(got, FromSlab):
-            return self._gather_warm(idx, got.slots, got.missing, got.rows, names)
+            return self._tiers.gather_warm(idx, got.slots, got.missing, got.rows, names)
         if isinstance(got, Direct):
-            return self._gather_direct(idx, got.slots, got.mids, got.records, names)
-        return self._gather(got, names)
+            return self._tiers.gather_direct(idx, got.slots, got.mids, got.records, names)
+        return self._tiers.gather(cast(np.ndarray, got), names)
 
     def _sliced_get(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         out = {n: torch.empty((len(idx), self.field_spec(n)[1]), dtype=self.field_spec(n)[0]) for n in names}
         for a in range(0, len(idx), SLICE_ROWS):
-            with self._lock:
+            with self._core.lock:
                 part = self._read_rows(idx[a : a + SLICE_ROWS], names)
             for n in names:
                 out[n][a : a + SLICE_ROWS] = part[n]
@@ -873,21 +717,99 @@ class EmbeddingStore(TieredRows, Versioning):
         """One gather that bounds-checks each id as it reads it (so an id changed by another
         thread meanwhile can fail the call but never reach a row it was not checked for)."""
         try:
-            with self._lock:
-                self._check_open()
+            with self._core.lock:
+                self._core.check_open()
                 out = torch.index_select(self._weight_t, 0, ids)
         except (IndexError, RuntimeError):
-            as_ids(ids, self._num_rows)  # raises the store's own error, naming the bad id
+            as_ids(ids, self._core.num_rows)  # raises the store's own error, naming the bad id
             raise InvalidArgumentError(  # the ids changed while the gather read them
-                f"ids must be in [0, {self._num_rows}); an id out of range was read (the ids tensor "
+                f"ids must be in [0, {self._core.num_rows}); an id out of range was read (the ids tensor "
                 f"changed while get() ran)"
             ) from None
         return out.view(torch.bfloat16) if self._weight_bf16 else out
 
     def _valid_ids(self, ids: Any) -> np.ndarray:
         """``as_ids`` for this store: the store's own checked copy (no cache: see as_ids)."""
-        return as_ids(ids, self._num_rows)
+        return as_ids(ids, self._core.num_rows)
 
+    # ------------------------------------------------------------------ growing
+
+    # ------------------------------------------------------------------ flush and versions (Versions)
+    def flush(self) -> int:
+        """Make every update so far durable as a new version and return it.
+
+        Thread-safe: may run in a background thread while another thread calls get/update;
+        rows updated during the flush go into the next version.
+        """
+        t0 = time.perf_counter()
+        self._check_usable(write=True)
+        version = self._versions.flush()
+        if self._versions.disk is not None:
+            self._waited(t0, rows=False)
+        return version
+
+    def versions(self) -> list[int]:
+        """Versions still on disk (openable with ``open(path, version=v)``)."""
+        return self._versions.versions()
+
+    def pin(self, version: int) -> None:
+        """Never reclaim ``version`` (until unpinned); persisted across opens."""
+        self._check_usable(write=True)
+        self._versions.pin(version)
+
+    def unpin(self, version: int) -> None:
+        """Release a version kept by `pin`; retention may then reclaim it (not a reader's)."""
+        self._check_usable(write=True)
+        self._versions.unpin(version)
+
+    def pinned(self) -> list[int]:
+        """The pinned versions, oldest first."""
+        return self._versions.pinned()
+
+    def manifest_checksum(self, version: int) -> str:
+        """Hex checksum of a version's manifest (checkpoints record it to detect a foreign store)."""
+        return self._versions.manifest_checksum(version)
+
+    def compact(self) -> None:
+        """Fold every committed delta segment into base chunks now (normally automatic, in the
+        background, a bounded round at a time). Each round is published at once (the version's
+        manifest names the new layout of the same rows), so reopening and disk use follow.
+        Segments newer than a pinned version that shares the chunk files stay: they hold the
+        rows changed since it (docs/store-format.md, "Versions, pins and space")."""
+        self._check_usable(write=True)
+        self._versions.compact()
+
+    # ------------------------------------------------------------------ budgets and hints (Tiers)
+    def evict(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""
+        self._check_usable()
+        return self._tiers.evict(nbytes)
+
+    def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
+        """Change the budgets at run time (a lower budget evicts at once). None keeps a budget.
+
+        Waits for a flush or background write-back in progress (rows they write cannot move)."""
+        self._check_usable()
+        self._tiers.set_budget(hot_bytes, warm_bytes)
+
+    def upcoming(self, ids: Any) -> None:
+        """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
+        entering its window). They are loaded ahead of that get, and until it reads them,
+        eviction prefers rows no coming batch reads. Returns at once. While rows come from the
+        disk a prefetch thread loads them in the background; while they come from the page
+        cache the next get that misses loads them with its own rows in one batch. With a warm
+        tier, the kernel is asked for their chunks instead and the get reads them from the page
+        cache (rows of chunks held warm are served from there, not the hot tier). In memory
+        mode, or for a store without a path, this is `prefetch`."""
+        self._check_usable()
+        self._tiers.upcoming(self._valid_ids(ids))
+
+    def read_seconds_per_row(self) -> float:
+        """Recent wall time per row that `get` or the prefetch thread read below the hot tier
+        (from the warm tier, the page cache or the disk); NaN before any such read.
+        `LookaheadSampler` sizes its window from it: batches announced ahead cover the time a
+        batch's rows take to arrive."""
+        return self._tiers.read_seconds_per_row()
     # ------------------------------------------------------------------ growing
     def grow(self, num_rows: int) -> None:
         """Raise the table to ``num_rows`` rows; ids ``[old num_rows, num_rows)`` hold their initial
@@ -909,45 +831,39 @@ class EmbeddingStore(TieredRows, Versioning):
         t0 = time.perf_counter()
         self._check_usable(write=True)
         n = growth.check_rows(self, num_rows)
-        self._raise_bg_error()
-        if n == self._num_rows:
+        self._versions.raise_bg_error()
+        if n == self._core.num_rows:
             return
         growth.grow(self, n)
         self._waited(t0, rows=False)
 
+    def _wait_bg(self) -> None:
+        """Wait for the background jobs queued so far (write-back, compaction, garbage collection):
+        for tools and tests that report what stays once they are done."""
+        self._versions.wait_bg()
+
     def _reopen_settings(self) -> dict:
         """The constructor's arguments that reopen this store as it is (`grow`)."""
+        c = self._core
         return {
-            "root": self._root, "meta": self._meta, "version": self._version, "readonly": self._readonly,
-            "hot_bytes": self._hot_budget, "warm_bytes": self._warm.budget, "check_finite": self._check_finite,
-            "init_fn": self._init_fn, "ephemeral": self._ephemeral, "create": False,
+            "root": c.root, "meta": c.meta, "version": self._versions.version, "readonly": c.readonly,
+            "hot_bytes": self._tiers.hot_budget, "warm_bytes": self._tiers.warm.budget,
+            "check_finite": c.check_finite, "init_fn": c.init_fn, "ephemeral": c.ephemeral, "create": False,
         }
 
     # ------------------------------------------------------------------ stats, lifecycle
     def stats(self) -> StoreStats:
         """A snapshot of tier sizes, hit/miss counts, dirty rows and I/O totals."""
         self._check_owner()  # (a closed store still reports: no _check_usable)
-        with self._lock:
-            s = StoreStats(**{k: getattr(self._stats, k) for k in StoreStats.counter_fields()})
-            s.hot_bytes = self._hot.nbytes() if not self._closed else 0
-            s.hot_budget_bytes = self._hot.budget_bytes() if not self._closed else 0
-            s.warm_bytes = self._warm.nbytes
-            s.warm_budget_bytes = self._warm.budget
-            s.warm_hits, s.warm_misses = self._warm.hits, self._warm.misses
-            s.warm_bytes_read, s.warm_bytes_written = self._warm.bytes_read, self._warm.bytes_written
-            s.table_bytes = self._num_rows * self._row_bytes
-            s.damaged = int(self._damage is not None)
-            s.dirty_rows = int(np.count_nonzero(self._hot.dirty)) if not self._closed else 0
-            s.compression_ratio = self._warm.compression_ratio
-            s.bytes_read = self._disk.total_bytes_read if self._disk else 0
-            s.bytes_written = self._disk.bytes_written if self._disk else 0
-            s.write_back_seconds = self._disk.write_back_seconds if self._disk else 0.0
+        c, versions = self._core, self._versions
+        with c.lock:
+            s = StoreStats(**{k: getattr(c.stats, k) for k in StoreStats.counter_fields()})
+            self._tiers.fill_stats(s)
+            versions.fill_stats(s)
+            s.table_bytes = c.num_rows * c.row_bytes
             s.io_wait_seconds = self._io_wait
-            s.version = self._version
-            s.pending_segments = len(self._pending)
-            s.segments = len(self._committed)
-            disk = self._disk if not self._closed else None
-            fold = self._fold_proc
+            disk = versions.disk if not c.closed else None
+            fold = versions.fold_proc
         if fold is not None and fold.base_rss:  # /proc reads: outside the lock
             s.compaction_process_rss_bytes = max(0, fold.peak_rss() - fold.base_rss)
         # a scan of the store's folders: outside the lock, which get/update need every step
@@ -962,52 +878,37 @@ class EmbeddingStore(TieredRows, Versioning):
 
         Safe while other threads are inside calls: those finish first or raise StoreClosedError.
         """
-        with self._lock:
-            if self._closed:
+        c = self._core
+        with c.lock:
+            if c.closed:
                 return
-            self._closed = True  # from here every call (and every call waiting for the lock) refuses
-        same_process = self._pid == os.getpid()
+            c.closed = True  # from here every call (and every call waiting for the lock) refuses
+        self._versions.wake()
+        same_process = c.pid == os.getpid()
         self._stop_background()
-        with self._flush_lock:  # a flush or compaction of another thread finishes first
-            with self._lock:
+        with self._versions.flush_lock:  # a flush or compaction of another thread finishes first
+            with c.lock:
                 self._close_files()
-        self._release_lock()
-        Disk.unlock_reader(self._reader_fd)
-        self._reader_fd = None
+        self._versions.release()
         # An ephemeral store's folder belongs to the process that made it: a forked child that
         # closes its copy must not delete the parent's files.
-        if self._ephemeral and self._root is not None and same_process:
-            shutil.rmtree(self._root, ignore_errors=True)
+        if c.ephemeral and c.root is not None and same_process:
+            shutil.rmtree(c.root, ignore_errors=True)
 
     def _stop_background(self) -> None:
         """Let the device's writes finish and stop the store's threads (`close`, `grow`)."""
-        if self._pid != os.getpid():
+        if self._core.pid != os.getpid():
             return
         self._await_device_writes()  # a device still writing the table finishes before it is freed
-        me = threading.current_thread()
-        for ex in (self._prefetcher, self._bg, self._filler):
-            if ex is not None:
-                # The last reference may drop on one of these very threads (a prefetch finishing):
-                # it cannot join itself, and the rest of close() must still run.
-                own = any(t is me for t in getattr(ex, "_threads", ()))
-                ex.shutdown(wait=not own, cancel_futures=True)
+        self._tiers.stop_prefetch()
+        self._versions.stop_threads()
+        self._tiers.stop_fill()
 
     def _close_files(self) -> None:
         """Free the tiers and close every file but the writer lock (caller holds both locks)."""
-        if self._fold_proc is not None and self._pid == os.getpid():
-            self._fold_proc.close()
-        for s in self._committed + self._pending:
-            s.close()
-        if self._loader is not None:
-            self._loader.close()
-        if self._chunkrows is not None:
-            self._chunkrows.close()
-        self._hot.close()
-        self._warm.close()
-        self._np_views = {}
-        self._weight_np = self._weight_t = None
-        if self._disk is not None:
-            self._disk.close()
+        self._versions.close_files()
+        self._tiers.close()
+        self._weight_np = self._weight_t = None  # type: ignore[assignment]  # views of the pool just freed
 
     def __enter__(self) -> EmbeddingStore:
         return self
@@ -1017,45 +918,39 @@ class EmbeddingStore(TieredRows, Versioning):
 
     def __del__(self) -> None:
         try:
-            if not self._closed:
-                if self._pid == os.getpid():
+            core = self._core
+            if not core.closed:
+                if core.pid == os.getpid():
                     self.close()
                 else:  # a forked child's copy: drop our descriptors only, never the parent's files
-                    self._closed = True
+                    core.closed = True
         except Exception:
             pass
 
     def __repr__(self) -> str:
-        mode = "memory" if self._hot_budget is None else f"disk, hot_bytes={self._hot_budget}"
+        hot_budget = self._tiers.hot_budget
+        mode = "memory" if hot_budget is None else f"disk, hot_bytes={hot_budget}"
         return (
-            f"EmbeddingStore(path={str(self.path) if self.path else None!r}, num_rows={self._num_rows}, "
-            f"dim={self.dim}, dtype={self.dtype}, {mode}, version={self._version})"
+            f"EmbeddingStore(path={str(self.path) if self.path else None!r}, num_rows={self._core.num_rows}, "
+            f"dim={self.dim}, dtype={self.dtype}, {mode}, version={self._versions.version})"
         )
 
     # ------------------------------------------------------------------ guards
-    def _check_open(self) -> None:
-        """Inside the lock: a close() of another thread may have run since `_check_usable`."""
-        if self._closed:
-            raise StoreClosedError(
-                "this EmbeddingStore was closed (by another thread) during the call; "
-                "open it again with EmbeddingStore.open(path)"
-            )
-
     def _check_usable(self, write: bool = False) -> None:
-        if self._device_pending is not None:  # every public call sees the device's writes whole
+        if self._tiers.device_pending is not None:  # every public call sees the device's writes whole
             self._await_device_writes()
         self._check_state(write)
 
     def _check_state(self, write: bool = False) -> None:
-        if self._closed:
+        if self._core.closed:
             raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
-        if write and self._readonly:
+        if write and self._core.readonly:
             raise ReadOnlyError("this store was opened with readonly=True; open it with readonly=False to write")
         self._check_owner()
 
     def _check_owner(self) -> None:
         """A writable store's memory is not mapped in a forked child (memory.PageBuffer): refuse there."""
-        if not self._readonly and os.getpid() != self._pid:
+        if not self._core.readonly and os.getpid() != self._core.pid:
             raise ForkedWriterError(
                 "a writable EmbeddingStore cannot be used in a forked child process (e.g. a DataLoader "
                 "worker); open a readonly handle there: EmbeddingStore.open(path, readonly=True)"
@@ -1069,63 +964,16 @@ class EmbeddingStore(TieredRows, Versioning):
         except TypeError:
             raise InvalidTypeError(f"names must be a sequence of field names; got {type(names).__name__}") from None
         for n in names:
-            if not isinstance(n, str) or n not in self._schema.fields:
-                raise InvalidArgumentError(f"field {n!r} does not exist; this store has {list(self._schema.names)}")
+            if not isinstance(n, str) or n not in self._core.schema.fields:
+                raise InvalidArgumentError(
+                    f"field {n!r} does not exist; this store has {list(self._core.schema.names)}")
         return names
-
-    def _take_lock(self, root: Path) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise fileio.io_error(exc, "opening", root / "LOCK") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreLockedError(
-                f"the store at {str(root)!r} is open for writing elsewhere (one writer per path); "
-                f"close it there or open this one with readonly=True"
-            ) from None
-        self._lock_fd = fd
-
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            try:
-                if self._pid == os.getpid():
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                os.close(self._lock_fd)
-            except OSError:
-                pass
-            self._lock_fd = None
 
     def _after_fork_in_child(self) -> None:
         # Threads do not survive fork and a lock may have been held: start clean in the child.
-        if self._lock_fd is not None:
-            # The child's copy of the writer lock's descriptor would hold the flock after the
-            # parent died (a DataLoader worker outliving a killed trainer): close it, without
-            # unlocking (the open file is the parent's too), so the lock lives as long as the parent.
-            try:
-                os.close(self._lock_fd)
-            except OSError:
-                pass
-            self._lock_fd = None
-        self._lock = threading.RLock()
-        self._no_flush_waiting = threading.Condition(self._lock)
-        self._flush_lock = threading.RLock()
-        self._round_thread, self._round_done = None, threading.Event()
-        self._fold_proc = None  # the parent's; its handle refuses to serve another process anyway
-        self._bg = None
-        self._prefetcher = None
-        self._filler = None
-        self._bg_futures = {}
-
-
-def _prefetch_weakly(ref: weakref.ReferenceType[EmbeddingStore], idx: np.ndarray) -> None:
-    """A queued prefetch holds its store weakly: a store dropped meanwhile is collected, not kept."""
-    store = ref()
-    if store is not None and not store._closed:
-        store._prefetch(idx)
+        self._core.after_fork()
+        self._versions.after_fork()
+        self._tiers.after_fork()
 
 
 def _reinit_after_fork() -> None:

@@ -1,13 +1,14 @@
 """Tier mechanics of EmbeddingStore: filling the hot tier from warm/disk, eviction, write-back.
 
-A private base class of `EmbeddingStore` (split out to keep each module about one thing); it works
-on the state `EmbeddingStore.__init__` sets up and assumes the caller holds `self._lock` where a
-method says so.
+`Tiers` is the component of `EmbeddingStore` that owns the hot and warm tiers and moves rows
+between them and the files below. It sees the store's `Versions` only as a `Layout` (where rows
+live, the writer lock, the segments its write-back adds: the whole surface, checked by mypy);
+`Versions` sees it only as a `versions.WriteBack` (the write-back of a flush). Methods assume
+the caller holds ``core.lock`` where they say so.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -24,13 +25,19 @@ from . import idsets, rowcopy, uring
 from .blockcrc import first_bad_block
 from .chunkload import ChunkLoader
 from .chunkrows import DENSE_ROWS, ChunkRows
-from .errors import CorruptStoreError, InvalidArgumentError, StoreBusyError, StoreClosedError, StoreError
-from .holes import dead_rows
-from .hot import SLOT_OVERHEAD
+from .core import StoreCore, stop_executor
+from .disk import Disk
+from .errors import CorruptStoreError, StoreBusyError, StoreClosedError, StoreError
+from .hot import SLOT_OVERHEAD, HotTier
 from .initrows import normal_rows
 from .memory import zeros
-from .rowindex import RowIndex, gather_deltas, trust
+from .rowindex import gather_deltas
 from .validate import budget
+from .warm import WarmTier
+
+if TYPE_CHECKING:
+    from .disk import Segment
+    from .rowindex import RowIndex
 
 # While fewer reads than this share miss the page cache, lookahead hints are read by the training
 # thread's next miss, not by the prefetch thread (see `upcoming`).
@@ -52,7 +59,7 @@ SLICE_ROWS = 8192
 class Direct:
     """A read served without installing rows ``mids`` (sorted, unique) in the hot tier: too many
     for it, or rows of chunks held whole in the warm tier. ``slots`` for the ids of the call (-1
-    where not hot), ``records`` for ``mids`` (`TieredRows._direct_records`)."""
+    where not hot), ``records`` for ``mids`` (`Tiers._direct_records`)."""
 
     slots: np.ndarray
     mids: np.ndarray
@@ -63,7 +70,7 @@ class Direct:
 class FromSlab:
     """A read whose missing rows all lie in chunks held raw in the warm tier's slab: ``slots``
     for the ids of the call (-1 where not hot), and for the positions ``missing`` of the others
-    their ``rows`` in the slab (`TieredRows._warm_records`)."""
+    their ``rows`` in the slab (`Tiers._warm_records`)."""
 
     slots: np.ndarray
     missing: np.ndarray
@@ -72,12 +79,12 @@ class FromSlab:
 
 @dataclass(frozen=True)
 class Gathered:
-    """A read served whole: ``records`` of the ids of the call, in order (`TieredRows._mapped_get`)."""
+    """A read served whole: ``records`` of the ids of the call, in order (`Tiers._mapped_get`)."""
 
     records: np.ndarray
 
 
-#: what `TieredRows._resolve` gives: hot slots per id; None for a write that went around the hot
+#: what `Tiers.resolve` gives: hot slots per id; None for a write that went around the hot
 #: tier; or a read served another way
 Resolved = np.ndarray | Direct | FromSlab | Gathered | None
 
@@ -91,7 +98,7 @@ def to_np(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-#: memory mode makes never-written chunks in a background thread (`TieredRows._start_filling`);
+#: memory mode makes never-written chunks in a background thread (`Tiers._start_filling`);
 #: tests that count first touches turn it off
 BACKGROUND_FILL = True
 #: memory mode's first touch of a never-written chunk makes only the rows read (True) or the
@@ -108,94 +115,239 @@ FILL_SHARE = 0.5
 FILL_IDLE_S = 0.05
 
 
-def _fill_weakly(ref: Any) -> None:
-    """The background fill, holding its store only during a step (a dropped store is collected)."""
+def _fill_weakly(ref: weakref.ReferenceType[Tiers]) -> None:
+    """The background fill, holding the tiers only during a step (a dropped store is collected)."""
     start: int | None = 0
     while start is not None:
-        store = ref()
-        if store is None:
+        tiers = ref()
+        if tiers is None:
             return
         try:
             t0 = time.perf_counter()
-            start = store._fill_step(start)
+            start = tiers._fill_step(start)
             t1 = time.perf_counter()
-            training = t1 - store._rows_used_at < FILL_IDLE_S
+            training = t1 - tiers._c.rows_used_at < FILL_IDLE_S
         except Exception:  # the fill is an optimisation: a first touch still makes any row
             return
         finally:
-            del store
+            del tiers
         if training and start is not None:
             time.sleep((t1 - t0) * (1 - FILL_SHARE) / FILL_SHARE)
 
 
-class TieredRows:
-    """Hot/warm/cold row movement (private base of EmbeddingStore)."""
+@dataclass(frozen=True)
+class _Fetch:
+    """A prefetch planned under the lock (`Tiers._plan_fetch`) and read without it: the state
+    below the hot tier when planned (token, compactions, in-place folds), the file pool epoch the
+    read holds, and what to read: whole chunks' layouts (memory mode) or rows and their plan."""
 
-    _hot: Any
-    _warm: Any
-    _disk: Any
-    _rows: RowIndex | None = None  # newest delta record of each id (built at open)
-    _chunkrows: ChunkRows | None = None  # batched reads of base chunk files (made on first miss)
-    _pending_bytes: int = 0  # bytes of the segments in ``_pending`` (written since the last flush)
-    _hinted: list | None = None  # ids of `upcoming` hints the prefetch thread has not taken yet
-    _hint_task: bool = False  # a `_prefetch_hinted` task is queued or running
-    _held_advice: np.ndarray | None = None  # announced rows `_advise` asks the kernel for next time
-    _uncached_share: float = float("nan")  # of recent reads below the hot tier, the share not cached
-    _read_s_per_row: float = float("nan")  # recent wall seconds per row read below the hot tier
-    _cache_seen: tuple[int, int] = (0, 0)  # the reader's ``cache_counts`` when last looked at
-    _fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
-    _fetch_cond: threading.Condition | None = None
-    _loader: ChunkLoader | None = None  # announced chunks read whole into the warm slab (chunkload.py)
-    _filler: ThreadPoolExecutor | None = None  # memory mode's background fill (`_start_filling`)
-    _rows_used_at = -math.inf  # perf_counter when the latest get/update/lookup of rows returned
-    _loader_tried: bool = False
-    _chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
+    token: int
+    compactions: int
+    folds: int
+    pool: Any
+    epoch: int
+    layouts: list | None
+    miss: np.ndarray | None
+    plan: tuple | None
+
+
+class Layout(Protocol):
+    """All `Tiers` uses of the files below it (`Versions` implements it): where rows live, the
+    writer lock, and the segments its write-back adds."""
+
+    disk: Disk | None  # None: a store without files
+    cmap: np.ndarray  # per chunk: generation of its base file (0: never written)
+    rows: RowIndex | None  # newest delta record of each id
+    chunkrows: ChunkRows | None  # reads of base chunk files (`chunkrows_reader` makes it)
+    below_token: int  # moves whenever rows below the hot tier change
+    clean_due: bool  # a background write-back was asked for
+    flush_lock: Any  # the writer lock (taken before ``core.lock``)
+
+    def layout_of(self, chunk: int) -> tuple[int, tuple | None]: ...
+
+    def find_below(self, rows: RowIndex, ids: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def chunkrows_reader(self) -> ChunkRows | None: ...
+
+    def take_seq(self) -> int: ...
+
+    def begin_segment(self) -> int: ...
+
+    def end_segment(self, seq: int) -> None: ...
+
+    def add_pending(self, seg: Segment) -> None: ...
+
+    def saw_damage(self, exc: CorruptStoreError) -> None: ...
+
+
+class Tiers:
+    """The hot and warm tiers over the store's files: reads that fill them, eviction, write-back.
+
+    Holds the shared `StoreCore` and the store's `Versions` seen as a `Layout` (what it reads
+    and appends pending segments to), never the `EmbeddingStore` itself."""
+
+    def __init__(self, core: StoreCore, layout: Layout, hot: HotTier, warm: WarmTier,
+                 hot_budget: int | None) -> None:
+        self._c = core
+        self._v = layout
+        self.hot = hot
+        self.warm = warm
+        self.hot_budget = hot_budget
+        self.cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
+        # the newest device write into the table still running (`EmbeddingStore._device_write`):
+        # anything with `synchronize()`; host reads of the table wait for it first
+        self.device_pending: Any = None
+        self.prefetcher: ThreadPoolExecutor | None = None
+        self.filler: ThreadPoolExecutor | None = None  # memory mode's background fill (`start_filling`)
+        #: memory mode's first touch makes only the rows read (True) or whole chunks (False);
+        #: None: `ROWS_ON_FIRST_TOUCH`. A table the GPU trains in place sets it (`HostMappedTier`).
+        self.rows_on_first_touch: bool | None = None
+        self._hinted: list | None = None  # ids of `upcoming` hints the prefetch thread has not taken yet
+        self._hint_task = False  # a `_prefetch_hinted` task is queued or running
+        self._held_advice: np.ndarray | None = None  # announced rows `_advise` asks the kernel for next time
+        self._uncached_share = float("nan")  # of recent reads below the hot tier, the share not cached
+        self._read_s_per_row = float("nan")  # recent wall seconds per row read below the hot tier
+        self._cache_seen: tuple[int, int] = (0, 0)  # the reader's ``cache_counts`` when last looked at
+        self._fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
+        self._fetch_cond: threading.Condition | None = None  # `_fetch_done`, on the lock ``_fetch_lock``
+        self._fetch_lock: Any = None
+        self._loader: ChunkLoader | None = None  # announced chunks read whole into the warm slab (chunkload.py)
+        self._loader_tried = False
+        self._chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
+        if core.root is None and core.init_kind == "zeros" and not any(f.fill for f in core.schema.fields.values()):
+            hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
+            hot.all_loaded = True
+        self.np_views = {n: self._field_np(n) for n in core.schema.names}
+
+    @property
+    def _disk(self) -> Disk:
+        """The store's disk, where the caller runs only for a store with files."""
+        disk = self._v.disk
+        assert disk is not None, "a store without files has no disk"
+        return disk
+
+    @property
+    def _chunkrows(self) -> ChunkRows:
+        """The reader of base chunk files, where a plan made it (`Versions.chunkrows_reader`)."""
+        reader = self._v.chunkrows
+        assert reader is not None, "no plan made the chunk reader"
+        return reader
+
+    # ------------------------------------------------------------------ what Versions asks (WriteBack)
+    def dirty_count(self) -> int:
+        """Rows written since they were last written out (caller holds the lock)."""
+        return int(np.count_nonzero(self.hot.dirty))
+
+    def dirty_slots(self) -> np.ndarray:
+        """The hot slots of those rows (caller holds the lock)."""
+        return np.flatnonzero(self.hot.dirty)
+
+    def forget_dirty(self) -> bool:
+        """A store with no files "flushes" by forgetting which rows changed; whether any had."""
+        if not self.hot.dirty.any():
+            return False
+        self.hot.dirty[:] = 0
+        return True
+
+    def resident(self) -> bool:
+        """Whether the whole table lives in the pool (memory mode)."""
+        return bool(self.hot.resident)
+
+    # ------------------------------------------------------------------ lifecycle
+    def prefetch_later(self, idx: np.ndarray) -> None:
+        """Queue a prefetch of validated ``idx`` on the prefetch thread; returns at once."""
+        with self._c.lock:
+            self._c.check_open()
+            if self.prefetcher is None:
+                self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
+            self.prefetcher.submit(_prefetch_weakly, weakref.ref(self), idx)
+
+    def stop_prefetch(self, wait: bool = True) -> None:
+        stop_executor(self.prefetcher, wait)
+
+    def stop_fill(self, wait: bool = True) -> None:
+        stop_executor(self.filler, wait)
+
+    def close(self) -> None:
+        """Free the tiers (caller holds both locks, every thread stopped)."""
+        if self._loader is not None:
+            self._loader.close()
+        self.hot.close()
+        self.warm.close()
+        self.np_views = {}
+
+    def after_fork(self) -> None:
+        """In a forked child: no thread survived the fork."""
+        self.prefetcher = None
+        self.filler = None
+
+    def fill_stats(self, s: Any) -> None:
+        """The tiers' share of `EmbeddingStore.stats` (caller holds the lock)."""
+        open_ = not self._c.closed
+        s.hot_bytes = self.hot.nbytes() if open_ else 0
+        s.hot_budget_bytes = self.hot.budget_bytes() if open_ else 0
+        s.warm_bytes = self.warm.nbytes
+        s.warm_budget_bytes = self.warm.budget
+        s.warm_hits, s.warm_misses = self.warm.hits, self.warm.misses
+        s.warm_bytes_read, s.warm_bytes_written = self.warm.bytes_read, self.warm.bytes_written
+        s.dirty_rows = int(np.count_nonzero(self.hot.dirty)) if open_ else 0
+        s.compression_ratio = self.warm.compression_ratio
+
+    def await_device_writes(self) -> None:
+        """Wait for the device writes queued into the table so far (`_device_write`)."""
+        pending = self.device_pending
+        if pending is not None:
+            pending.synchronize()
+            if self.device_pending is pending:
+                self.device_pending = None
 
     def _field_np(self, name: str) -> np.ndarray:
-        f = self._schema.fields[name]
-        pool = self._hot.pool_np
-        if len(self._schema.fields) == 1:
+        f = self._c.schema.fields[name]
+        pool = self.hot.pool_np
+        if len(self._c.schema.fields) == 1:
             return pool.view(np_dtype(f.dtype))
         return pool[:, f.offset : f.offset + f.nbytes].view(np_dtype(f.dtype))
 
-    def _gather(self, slots: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        return {n: self._take(slots, n) for n in names}
+    def gather(self, slots: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {n: self.take(slots, n) for n in names}
 
-    def _take(self, slots: np.ndarray, name: str) -> torch.Tensor:
+    def take(self, slots: np.ndarray, name: str) -> torch.Tensor:
         # numpy's take beat torch's index_select by ~30% on these 512-byte row gathers (bench store,
         # one thread); memory mode's per-step get uses index_select for its built-in bounds check.
         # A field of a multi-field record is a strided view of the pool, and `take` on a
         # non-contiguous array first copies the *whole* array (cost would follow the table):
         # plain fancy indexing gathers only the rows asked for.
-        view = self._np_views[name]
+        view = self.np_views[name]
         out = torch.from_numpy(view.take(slots, axis=0) if view.flags.c_contiguous else view[slots])
-        return out.view(torch.bfloat16) if self._schema.fields[name].dtype == torch.bfloat16 else out
+        return out.view(torch.bfloat16) if self._c.schema.fields[name].dtype == torch.bfloat16 else out
 
-    def _gather_warm(self, idx, slots, missing, rows, names) -> dict[str, torch.Tensor]:
+    def gather_warm(self, idx, slots, missing, rows, names) -> dict[str, torch.Tensor]:
         """Serve a read whose missing rows lie in the warm tier's slab (`FromSlab`)."""
-        return self._fields_of(self._warm_records(idx, slots, missing, rows), names)
+        return self.fields_of(self._warm_records(idx, slots, missing, rows), names)
 
     def _warm_records(self, idx, slots, missing, rows) -> np.ndarray:
         """Whole records of ``idx``: ``missing`` positions from the warm slab's ``rows``, the rest hot."""
-        rec = self._warm.slab.rows.take(rows, axis=0)
+        slab = self.warm.slab
+        assert slab is not None
+        rec = slab.rows.take(rows, axis=0)
         if len(missing) < len(idx):  # some rows are hot (updated this epoch, or read ahead)
-            full = np.empty((len(idx), self._row_bytes), np.uint8)
+            full = np.empty((len(idx), self._c.row_bytes), np.uint8)
             full[missing] = rec
             hit = np.flatnonzero(slots >= 0)
-            full[hit] = self._hot.pool_np.take(slots[hit], axis=0)
+            full[hit] = self.hot.pool_np.take(slots[hit], axis=0)
             rec = full
         return rec
 
-    def _fields_of(self, rec: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    def fields_of(self, rec: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         t = torch.from_numpy(rec)
-        if len(self._schema.fields) == 1:  # the record is the weight: a view of this new buffer
-            return {n: self._schema.view(t, n) for n in names}
-        return {n: self._schema.view(t, n).clone() for n in names}
+        if len(self._c.schema.fields) == 1:  # the record is the weight: a view of this new buffer
+            return {n: self._c.schema.view(t, n) for n in names}
+        return {n: self._c.schema.view(t, n).clone() for n in names}
 
-    def _gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
+    def gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
         """Serve a read without installing rows ``mids`` (`Direct`): hot rows from their
         slots, the others from ``records``."""
-        return self._fields_of(self._direct_records(idx, slots, mids, records), names)
+        return self.fields_of(self._direct_records(idx, slots, mids, records), names)
 
     def _direct_records(self, idx, slots, mids, records) -> np.ndarray:
         """Whole records of ``idx``: hot rows from their slots, the others from ``records`` of ``mids``."""
@@ -207,13 +359,13 @@ class TieredRows:
             at[hit] = 0
         rec = records.take(at, axis=0)
         if len(hit):
-            rec[hit] = self._hot.pool_np.take(slots[hit], axis=0)
+            rec[hit] = self.hot.pool_np.take(slots[hit], axis=0)
         return rec
 
-    def _records_into(self, idx: np.ndarray, out: np.ndarray) -> None:
+    def records_into(self, idx: np.ndarray, out: np.ndarray) -> None:
         """Whole records of ``idx`` into ``out`` (n, row_bytes), filling misses; caller holds the
         lock. One gather of whole records, whatever the tier: no field-by-field path."""
-        got = self._resolve(idx, load=True)
+        got = self.resolve(idx, load=True)
         if isinstance(got, Gathered):
             out[:] = got.records
         elif isinstance(got, FromSlab):
@@ -221,19 +373,19 @@ class TieredRows:
         elif isinstance(got, Direct):
             out[:] = self._direct_records(idx, got.slots, got.mids, got.records)
         else:
-            rowcopy.gather(self._hot.pool_np, got, out)
+            rowcopy.gather(self.hot.pool_np, cast(np.ndarray, got), out)
 
-    def _write_records_into(self, idx: np.ndarray, records: np.ndarray) -> None:
+    def write_records_into(self, idx: np.ndarray, records: np.ndarray) -> None:
         """Write whole ``records`` of unique ``idx``; caller holds the lock. Resolved before
         anything is written (a write-back that fails making room raises with nothing applied)."""
-        values = {n: self._schema.view(torch.from_numpy(records), n) for n in self._schema.names}
-        slots = self._resolve(idx, load=False, for_write=True, values=values)
+        values = {n: self._c.schema.view(torch.from_numpy(records), n) for n in self._c.schema.names}
+        slots = cast("np.ndarray | None", self.resolve(idx, load=False, for_write=True, values=values))
         if slots is None:  # too large for the hot tier: written around it
             return
-        if self._cow is not None:
-            self._save_cow(slots)
-        rowcopy.scatter(self._hot.pool_np, slots, records)
-        self._hot.dirty[slots] = 1
+        if self.cow is not None:
+            self.save_cow(slots)
+        rowcopy.scatter(self.hot.pool_np, slots, records)
+        self.hot.dirty[slots] = 1
 
     def _snapshot_reader(self, slots: np.ndarray):
         """Start a copy-on-write snapshot of ``slots`` (caller holds the lock and marks them
@@ -243,38 +395,40 @@ class TieredRows:
         row, yet writes one consistent moment: a row updated while the flush is writing first
         saves its old record here.
         """
-        self._await_device_writes()  # rows a device is still writing are read whole
-        self._cow = {}
+        self.await_device_writes()  # rows a device is still writing are read whole
+        self.cow = {}
 
         def read(a: int, b: int) -> np.ndarray:
-            with self._lock:
+            with self._c.lock:
                 part = slots[a:b]
-                recs = self._hot.pool_np.take(part, axis=0)  # contiguous pool: take gathers fastest
-                if self._cow:
-                    saved = np.fromiter(self._cow, np.int64, len(self._cow))
+                recs = self.hot.pool_np.take(part, axis=0)  # contiguous pool: take gathers fastest
+                if self.cow:
+                    saved = np.fromiter(self.cow, np.int64, len(self.cow))
                     for pos in np.flatnonzero(idsets.isin(part, saved)).tolist():
-                        recs[pos] = self._cow[int(part[pos])]
+                        recs[pos] = self.cow[int(part[pos])]
                 return recs
 
         return read
 
-    def _save_cow(self, slots: np.ndarray) -> None:
+    def save_cow(self, slots: np.ndarray) -> None:
         """Before overwriting rows a flush is still writing, keep their snapshot records."""
-        hit = slots[self._hot.inflight[slots]]
+        cow = self.cow
+        assert cow is not None
+        hit = slots[self.hot.inflight[slots]]
         for s in idsets.unique(hit).tolist():
-            if s not in self._cow:
-                self._cow[s] = self._hot.pool_np[s].copy()
+            if s not in cow:
+                cow[s] = self.hot.pool_np[s].copy()
 
-    def _scatter(self, slots: np.ndarray, vals: dict[str, torch.Tensor]) -> None:
+    def scatter(self, slots: np.ndarray, vals: dict[str, torch.Tensor]) -> None:
         """Write rows into hot slots and mark them dirty; of duplicate slots the last write wins
         (numpy's fancy assignment runs in order, unlike index_copy_, whose duplicates are undefined)."""
-        if self._cow is not None:
-            self._save_cow(slots)
+        if self.cow is not None:
+            self.save_cow(slots)
         for n, v in vals.items():
-            self._np_views[n][slots] = to_np(v)
-        self._hot.dirty[slots] = 1
+            self.np_views[n][slots] = to_np(v)
+        self.hot.dirty[slots] = 1
 
-    def _resolve(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
+    def resolve(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
                  values: dict[str, torch.Tensor] | None = None) -> Resolved:
         """Slots holding ``idx``, filling misses from below. Caller holds the lock.
 
@@ -286,101 +440,102 @@ class TieredRows:
         try:
             return self._resolve_rows(idx, load=load, for_write=for_write, values=values)
         except CorruptStoreError as exc:
-            self._saw_damage(exc)  # fail-stop (Versioning._saw_damage)
+            self._v.saw_damage(exc)  # fail-stop (Versions.saw_damage)
             raise
 
     def _resolve_rows(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
                       values: dict[str, torch.Tensor] | None = None) -> Resolved:
-        hot = self._hot
+        hot = self.hot
         if hot.resident:  # slots are the ids: resolving means loading missing rows, slice by slice
-            if hot.all_loaded:
-                return idx
-            n_miss = 0
-            for a in range(0, len(idx), SLICE_ROWS):
-                part = idx[a : a + SLICE_ROWS]
-                slots = hot.lookup(part)
-                if slots is not part:
-                    miss = part[slots < 0]
-                    self._load_resident(miss)
-                    n_miss += len(miss)
-            if n_miss:  # a scan of the chunk flags only on a step that loaded chunks, never per step
-                hot.all_loaded = bool(hot.loaded.all())
-            self._stats.hot_misses += n_miss
-            self._stats.hot_hits += len(idx) - n_miss
-            return idx
-        slots = hot.lookup(idx)
-        missing = slots < 0
-        asked = missing  # rows not hot when the call came (the hit statistics count these)
-        if self._fetching is not None and not for_write and missing.any():
-            if self._await_prefetch(idx[missing]) is not None:
-                slots = hot.lookup(idx)  # rows the prefetch brought in while we waited
-                missing = slots < 0
-        n_asked = int(asked.sum())
-        self._stats.hot_hits += len(idx) - n_asked
-        self._stats.hot_misses += n_asked
+            return self._resolve_resident(idx)
+        slots, missing, asked = self._lookup(idx, for_write)
         n_miss = int(missing.sum())
-        if n_miss and load and not for_write and self._plain_below():
+        reading = bool(n_miss) and load and not for_write
+        if reading and self._plain_below():
             got = self._mapped_get(idx, slots, missing)
             if got is not None:
                 return got
-        rows = None
-        if n_miss and load and not for_write and self._warm.slab is not None:
-            # Every missing row in a chunk held raw in the warm tier (`ChunkShuffleSampler`
-            # order once its window is read): one gather in request order serves them, with no
-            # plan below the hot tier and no slot (each such row is read once an epoch). The
-            # copies are current: see `served` below.
-            where = np.flatnonzero(missing)
-            ids = idx[where]
-            chunks = ids // self._chunk_rows
-            rows = self._warm.rows_of(chunks, ids - chunks * self._chunk_rows)
-            if rows is None and self._loader is not None and len(self._loader):
-                self._adopt_loads(idsets.unique(chunks))  # chunks being read ahead: wait for them
-                rows = self._warm.rows_of(chunks, ids - chunks * self._chunk_rows)
+        slab = self._slab_rows(idx, missing) if reading and self.warm.slab is not None else None
         if hot.want is not None:
             # rows served from warm chunks were in memory when read: the lookahead did its work
-            self._follow_window(idx, slots, asked if rows is None else asked & ~missing, for_write)
-        if rows is not None:
-            return FromSlab(slots, where, rows)
+            self._follow_window(idx, slots, asked if slab is None else asked & ~missing, for_write)
+        if slab is not None:
+            return FromSlab(slots, *slab)
         if not n_miss:
             return slots
         mids = idsets.unique(idx[missing])
         if len(mids) > hot.limit or (for_write and len(mids) > hot.limit // 2):
             if for_write:
-                self._write_around(idx, mids, values or {}, load)
+                self.write_around(idx, mids, values or {}, load)
                 return None
         if len(mids) > hot.limit and not for_write:
             return Direct(slots, mids, self._fetch(mids))
-        ahead = self._take_hints(mids) if load and not for_write and self._hinted else None
-        if ahead is not None and (len(self._warm) or (self._loader is not None and len(self._loader))):
-            # announced rows of chunks held warm (or being read into it) are served from there
-            # when their get comes: reading them ahead would only gather rows to drop (see
-            # `served` below), or wait for reads a later batch wants
-            chunks = ahead // self._chunk_rows
-            keep = ~idsets.isin(chunks, self._warm.chunks(), b_sorted_unique=True)
-            if self._loader is not None:
-                keep &= ~self._loader.loading(chunks)
-            ahead = ahead[keep] if keep.any() else None
-        warm = None  # which rows were served by whole chunks (warm copies, or read whole now)
-        if ahead is not None:  # this miss reads the announced rows of coming batches with its own
-            both = idsets.union(mids, ahead)
-            records, warm = self._fetch(both, whole_rows=True)
-            mine = idsets.isin(both, mids, b_sorted_unique=True)
-            ahead, ahead_records, records = both[~mine], records[~mine], records[mine]
-            # announced rows of warm chunks are served from those when their get comes
-            ahead_warm, warm = warm[~mine], warm[mine]
-            if ahead_warm.any():
-                ahead, ahead_records = ahead[~ahead_warm], ahead_records[~ahead_warm]
-        elif load:
-            records, warm = self._fetch(mids, whole_rows=True)
-        else:
-            records = np.zeros((len(mids), self._row_bytes), np.uint8)
+        return self._fill_misses(idx, slots, missing, mids, load=load, for_write=for_write, values=values)
+
+    def _resolve_resident(self, idx: np.ndarray) -> np.ndarray:
+        """Memory mode: the slots are the ids; rows not made yet are loaded, a slice at a time."""
+        hot = self.hot
+        if hot.all_loaded:
+            return idx
+        n_miss = 0
+        for a in range(0, len(idx), SLICE_ROWS):
+            part = idx[a : a + SLICE_ROWS]
+            slots = hot.lookup(part)
+            if slots is not part:
+                miss = part[slots < 0]
+                self._load_resident(miss)
+                n_miss += len(miss)
+        if n_miss:  # a scan of the chunk flags only on a step that loaded chunks, never per step
+            hot.all_loaded = bool(hot.loaded.all())
+        self._c.stats.hot_misses += n_miss
+        self._c.stats.hot_hits += len(idx) - n_miss
+        return idx
+
+    def _lookup(self, idx: np.ndarray, for_write: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Hot slots of ``idx`` (-1: not hot), which are missing, and which were missing when the
+        call came (the hit statistics count these): a read waits for rows a prefetch is reading."""
+        hot = self.hot
+        slots = hot.lookup(idx)
+        missing = slots < 0
+        asked = missing
+        if self._fetching is not None and not for_write and missing.any():
+            if self._await_prefetch(idx[missing]) is not None:
+                slots = hot.lookup(idx)  # rows the prefetch brought in while we waited
+                missing = slots < 0
+        n_asked = int(asked.sum())
+        self._c.stats.hot_hits += len(idx) - n_asked
+        self._c.stats.hot_misses += n_asked
+        return slots, missing, asked
+
+    def _slab_rows(self, idx: np.ndarray, missing: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where every missing row lies in a chunk held raw in the warm tier (`ChunkShuffleSampler`
+        order once its window is read): their positions and rows in the slab, so one gather in
+        request order serves them, with no plan below the hot tier and no slot (each such row is
+        read once an epoch); else None. The copies are current (see `_fill_misses`)."""
+        where = np.flatnonzero(missing)
+        ids = idx[where]
+        cr = self._c.chunk_rows
+        chunks = ids // cr
+        rows = self.warm.rows_of(chunks, ids - chunks * cr)
+        if rows is None and self._loader is not None and len(self._loader):
+            self._adopt_loads(idsets.unique(chunks))  # chunks being read ahead: wait for them
+            rows = self.warm.rows_of(chunks, ids - chunks * cr)
+        return None if rows is None else (where, rows)
+
+    def _fill_misses(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray, mids: np.ndarray, *,
+                     load: bool, for_write: bool, values: dict[str, torch.Tensor] | None) -> Resolved:
+        """Read the missing rows ``mids`` (with announced ones of coming batches) and install them
+        in hot slots, evicting as needed; or serve a get without slots where that is cheaper."""
+        hot = self.hot
+        ahead = self._hints_to_read(mids) if load and not for_write and self._hinted else None
+        records, warm, ahead, ahead_records = self._fetch_misses(mids, ahead, load)
         served = None
         if not for_write and warm is not None and warm.any():
             # A get's rows whose chunk is held whole in memory (a warm copy, or read whole just
             # now and kept warm) are served from it and not installed: in `ChunkShuffleSampler`
             # order each row is read once an epoch, so a slot (allocation, eviction, the copy in
             # and out) would be pure cost. The copy is current: every change below the hot tier
-            # patches (or drops) the warm copies of its chunks (`_patch_warm`), and rows hot here
+            # patches (or drops) the warm copies of its chunks (`patch_warm`), and rows hot here
             # (dirty or not) are served from the hot tier. An update of such a row takes a slot as usual.
             if warm.all():
                 return Direct(slots, mids, records)
@@ -397,37 +552,60 @@ class TieredRows:
             if len(got):
                 hot.install(mids[: len(got)], got, records[: len(got)])
                 mids, records = mids[len(got) :], records[len(got) :]
-            if served is not None:
-                both = idsets.union(mids, served[0])
-                recs = np.empty((len(both), self._row_bytes), np.uint8)
-                recs[np.searchsorted(both, mids)] = records
-                recs[np.searchsorted(both, served[0])] = served[1]
-                mids, records = both, recs
+            mids, records = _with_served(mids, records, served, self._c.row_bytes)
             return Direct(hot.slot_of[idx].astype(np.int64) - 1 if len(got) else slots, mids, records)
         got = self._allocate(len(mids), protect=slots[~missing])
         if len(got) < len(mids):
             # No room even after eviction (everything in flight or in use by this call).
             hot.give_back(got)
             if for_write:
-                self._write_around(idx, mids, values or {}, load)
+                self.write_around(idx, mids, values or {}, load)
                 return None
-            if served is not None:  # the rows served from warm copies join the direct read
-                both = idsets.union(mids, served[0])
-                recs = np.empty((len(both), self._row_bytes), np.uint8)
-                recs[np.searchsorted(both, mids)] = records
-                recs[np.searchsorted(both, served[0])] = served[1]
-                mids, records = both, recs
-            return Direct(slots, mids, records)
+            # the rows served from warm copies join the direct read
+            return Direct(slots, *_with_served(mids, records, served, self._c.row_bytes))
         hot.install(mids, got, records)
         slots = hot.slot_of[idx].astype(np.int64) - 1
         if ahead is not None and len(ahead):
             room = self._allocate(len(ahead), protect=slots)
             if len(room):
                 hot.install(ahead[: len(room)], room, ahead_records[: len(room)])
-                self._stats.prefetched_rows += len(room)
+                self._c.stats.prefetched_rows += len(room)
         if served is not None:
             return Direct(hot.slot_of[idx].astype(np.int64) - 1, *served)
         return slots
+
+    def _hints_to_read(self, mids: np.ndarray) -> np.ndarray | None:
+        """Announced rows a miss of ``mids`` reads with its own (`_take_hints`), but for rows of
+        chunks held warm (or being read into it): those are served from there when their get
+        comes, so reading them ahead would only gather rows to drop, or wait for reads a later
+        batch wants."""
+        ahead = self._take_hints(mids)
+        if ahead is not None and (len(self.warm) or (self._loader is not None and len(self._loader))):
+            chunks = ahead // self._c.chunk_rows
+            keep = ~idsets.isin(chunks, self.warm.chunks(), b_sorted_unique=True)
+            if self._loader is not None:
+                keep &= ~self._loader.loading(chunks)
+            ahead = ahead[keep] if keep.any() else None
+        return ahead
+
+    def _fetch_misses(self, mids: np.ndarray, ahead: np.ndarray | None, load: bool) -> tuple:
+        """(records of ``mids``, which came from whole chunks or None, announced rows ``ahead``
+        still to install and their records). ``load`` False (a write of every field): zeros."""
+        if ahead is None:
+            if not load:
+                return np.zeros((len(mids), self._c.row_bytes), np.uint8), None, None, None
+            records, warm = self._fetch(mids, whole_rows=True)
+            return records, warm, None, None
+        # this miss reads the announced rows of coming batches with its own
+        both = idsets.union(mids, ahead)
+        records, warm = self._fetch(both, whole_rows=True)
+        mine = idsets.isin(both, mids, b_sorted_unique=True)
+        ahead, ahead_records, records = both[~mine], records[~mine], records[mine]
+        # announced rows of warm chunks are served from those when their get comes
+        ahead_warm, warm = warm[~mine], warm[mine]
+        if ahead_warm.any():
+            ahead, ahead_records = ahead[~ahead_warm], ahead_records[~ahead_warm]
+        return records, warm, ahead, ahead_records
 
     def _plain_below(self) -> bool:
         """Whether a get missing rows may try `_mapped_get` (caller holds the lock): no warm tier,
@@ -437,9 +615,9 @@ class TieredRows:
         costs a gather from the page cache, about what a hot hit costs, while installing it
         costs a slot's memory (the budget) and the copy in. Rows that take the general path
         (first reads of a chunk, rows in delta segments, rows on disk) are installed as before."""
-        warm = self._warm
-        return (not GETS_EVICT and self._hot.want is None and self._fetching is None and not self._hinted
-                and warm.slab is None and not warm.budget and not len(warm) and self._chunkrows is not None
+        warm = self.warm
+        return (not GETS_EVICT and self.hot.want is None and self._fetching is None and not self._hinted
+                and warm.slab is None and not warm.budget and not len(warm) and self._v.chunkrows is not None
                 and (self._loader is None or not len(self._loader)))
 
     def _mapped_get(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray) -> Gathered | None:
@@ -448,25 +626,25 @@ class TieredRows:
         plan, no sort and no slot; None (nothing done) if any row needs the general path."""
         where = np.flatnonzero(missing)
         ids = idx[where]
-        rows = self._rows
+        rows = self._v.rows
         if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
             return None
-        cr = self._chunk_rows
+        cr = self._c.chunk_rows
         chunks = ids // cr
         t0 = time.perf_counter()
-        recs = self._chunkrows.gather_verified(chunks, ids - chunks * cr, self._cmap[chunks])
+        recs = self._chunkrows.gather_verified(chunks, ids - chunks * cr, self._v.cmap[chunks])
         if recs is None:
             return None
         took = time.perf_counter() - t0
-        self._stats.stall_seconds += took
+        self._c.stats.stall_seconds += took
         self._note_read(took, len(ids))
-        self._stats.cold_reads += self._distinct(chunks)
+        self._c.stats.cold_reads += self._distinct(chunks)
         if len(where) == len(idx):
             return Gathered(recs)
-        out = np.empty((len(idx), self._row_bytes), np.uint8)
+        out = np.empty((len(idx), self._c.row_bytes), np.uint8)
         out[where] = recs
         hit = np.flatnonzero(~missing)
-        out[hit] = self._hot.pool_np.take(slots[hit], axis=0)
+        out[hit] = self.hot.pool_np.take(slots[hit], axis=0)
         return Gathered(out)
 
     def _distinct(self, chunks: np.ndarray) -> int:
@@ -475,7 +653,7 @@ class TieredRows:
         position that wrote it. Caller holds the lock."""
         scratch = self._chunk_scratch
         if scratch is None or len(scratch) <= int(chunks.max()):
-            scratch = self._chunk_scratch = zeros(-(-self._num_rows // self._chunk_rows), np.int32)
+            scratch = self._chunk_scratch = zeros(-(-self._c.num_rows // self._c.chunk_rows), np.dtype(np.int32))
         at = np.arange(len(chunks), dtype=np.int32)
         scratch[chunks] = at
         return int(np.count_nonzero(scratch[chunks] == at))
@@ -487,10 +665,10 @@ class TieredRows:
         coming batches (cheaper per row than one read per batch, and the prefetch thread, which
         would compete with the training thread for the GIL, has nothing left to do). None if
         there is none."""
-        hot = self._hot
-        hinted = np.concatenate(self._hinted)
+        hot = self.hot
+        hinted = np.concatenate(cast(list, self._hinted))
         self._hinted = []
-        cand = idsets.unique(hinted[hot.want[hinted] > 0])
+        cand = idsets.unique(hinted[cast(np.ndarray, hot.want)[hinted] > 0])
         cand = cand[hot.slot_of[cand] == 0]
         fetching = self._fetching
         if fetching is not None and len(cand):  # rows the prefetch thread is reading now
@@ -505,17 +683,17 @@ class TieredRows:
         counts whether the prefetch had them hot; a write of rows no coming batch reads marks
         them not recently used, so the background write-back cleans them and eviction drops
         them first (rows read once per epoch do not fill the cache)."""
-        hot = self._hot
+        hot = self.hot
         if for_write:
-            done = hot.want[idx] == 0
+            done = cast(np.ndarray, hot.want)[idx] == 0
             if done.any():
                 hot.ref[slots[done & ~missing]] = 0
             return
         hinted = hot.consumed(idx)
         if hinted is not None:
             late = int(np.count_nonzero(hinted & missing))
-            self._stats.prefetch_misses += late
-            self._stats.prefetch_hits += int(np.count_nonzero(hinted)) - late
+            self._c.stats.prefetch_misses += late
+            self._c.stats.prefetch_hits += int(np.count_nonzero(hinted)) - late
 
     def _note_read(self, seconds: float, rows: int) -> None:
         if rows:
@@ -530,7 +708,7 @@ class TieredRows:
         batch's rows take to arrive."""
         return self._read_s_per_row
 
-    def upcoming(self, ids: Any) -> None:
+    def upcoming(self, idx: np.ndarray) -> None:
         """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
         entering its window). They are loaded ahead of that get, and until it reads them,
         eviction prefers rows no coming batch reads. Returns at once. While rows come from the
@@ -539,16 +717,14 @@ class TieredRows:
         tier, the kernel is asked for their chunks instead and the get reads them from the page
         cache (rows of chunks held warm are served from there, not the hot tier). In memory
         mode, or for a store without a path, this is `prefetch`."""
-        self._check_usable()
-        idx = self._valid_ids(ids)
-        if self._disk is None:
+        if self._v.disk is None:
             return
-        if self._hot.resident:
-            self.prefetch(idx)
+        if self.hot.resident:
+            self.prefetch_later(idx)
             return
-        with self._lock:
-            self._check_open()
-            self._hot.expect(idx)
+        with self._c.lock:
+            self._c.check_open()
+            self.hot.expect(idx)
             if self._hinted is None:
                 self._hinted = []
             cached = not self._hint_task and self._reads_cached()
@@ -556,7 +732,7 @@ class TieredRows:
             # a chunk held warm serves its rows without a hot slot, so reading announced rows
             # ahead into the hot tier (below) would only copy rows twice; and reads that look
             # cached (the share counts rows read one by one) may be whole chunks the disk serves.
-            if not self._hint_task and self._warm.budget and self._advise(idx, cached):
+            if not self._hint_task and self.warm.budget and self._advise(idx, cached):
                 # Rows wait for the disk and each lies in a raw base chunk: the kernel reads them
                 # ahead (whole chunks where the coming batches want a good part of one, as in
                 # `ChunkShuffleSampler` order), and the get that first wants a chunk reads it from
@@ -574,13 +750,13 @@ class TieredRows:
                 # with this one for the GIL (each hand-over a wake-up, on a loaded host a time
                 # slice), so it reads only while rows come from the disk, where its reads overlap
                 # the training step.
-                if sum(len(h) for h in self._hinted) > self._hot.limit // 4:
+                if sum(len(h) for h in self._hinted) > self.hot.limit // 4:
                     del self._hinted[0]  # a hint only: its rows are read when their get comes
                 return
             self._hint_task = True
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
-            self._prefetcher.submit(self._prefetch_hinted)
+            if self.prefetcher is None:
+                self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
+            self.prefetcher.submit(self._prefetch_hinted)
 
     def _advise(self, idx: np.ndarray, cached: bool = False) -> bool:
         """Start the kernel reading the base-chunk blocks of announced rows that are not hot
@@ -589,23 +765,23 @@ class TieredRows:
         `ChunkRows.will_need`). ``cached``: recent reads came from the page cache; rows the
         kernel would be asked for block by block are then left to a miss that reads them ahead
         with its own (False; whole chunks are still asked for). Caller holds the lock."""
-        reader = self._chunkrows_reader()
+        reader = self._v.chunkrows_reader()
         if reader is None:
             return False
-        cr = self._chunk_rows
-        slab = self._warm.slab
+        cr = self._c.chunk_rows
+        slab = self.warm.slab
         if slab is not None and self._held_advice is None and slab.locate(idx // cr) is not None:
             return True  # every row in a chunk held raw in memory: nothing to ask (most hints in chunk order)
         ids = idsets.unique(idx)
-        ids = ids[self._hot.slot_of[ids] == 0]
+        ids = ids[self.hot.slot_of[ids] == 0]
         if len(ids) and self._chunk_loader() is not None:
             # Chunks this hint (with the rows held from the last one, below) wants a good part of
             # are read whole into the warm tier, whether or not rows of them have newer records
             # in delta segments (applied when taken in)
             held = self._held_advice
             both = ids if held is None else idsets.union(ids, held)
-            if len(self._warm):
-                both = both[~idsets.isin(both // cr, self._warm.chunks(), b_sorted_unique=True)]
+            if len(self.warm):
+                both = both[~idsets.isin(both // cr, self.warm.chunks(), b_sorted_unique=True)]
             left = self._load_ahead(both, both // cr)
             if len(left) < len(both):
                 ids = ids[idsets.isin(ids, left, b_sorted_unique=True)]
@@ -614,18 +790,18 @@ class TieredRows:
                     self._held_advice = held if len(held) else None
             if not len(ids) and self._held_advice is None:
                 return True
-        rows = self._rows
+        rows = self._v.rows
         if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
             return False
         if self._held_advice is None:
             c = ids // cr
-            if reader.asked_whole(c, self._cmap[c]):
+            if reader.asked_whole(c, self._v.cmap[c]):
                 return True  # every chunk of these rows was asked for whole lately (a window's later hints)
         held, self._held_advice = self._held_advice, None
         if held is not None:
             ids = idsets.union(ids, held)
-        if len(self._warm):  # chunks held whole in memory need no disk read
-            ids = ids[~idsets.isin(ids // cr, self._warm.chunks(), b_sorted_unique=True)]
+        if len(self.warm):  # chunks held whole in memory need no disk read
+            ids = ids[~idsets.isin(ids // cr, self.warm.chunks(), b_sorted_unique=True)]
         chunks = ids // cr
 
         def thin(chunks: np.ndarray) -> np.ndarray:
@@ -650,7 +826,7 @@ class TieredRows:
             sparse = thin(chunks)
             if sparse.any():  # (a random order's rows, a row or two per chunk)
                 ids, chunks, covered = ids[~sparse], chunks[~sparse], False
-        gens = self._cmap[chunks]
+        gens = self._v.cmap[chunks]
         base = gens > 0
         if not base.any():
             return covered
@@ -660,11 +836,11 @@ class TieredRows:
     def _chunk_loader(self) -> ChunkLoader | None:
         """The loader of announced chunks, made at first need where io_uring is there and the warm
         tier can hold chunks (caller holds the lock)."""
-        if self._loader is None and not self._loader_tried and self._disk is not None:
+        if self._loader is None and not self._loader_tried and self._v.disk is not None:
             self._loader_tried = True
-            loader = ChunkLoader(self._disk, self._warm)
-            if loader.usable:
-                self._loader = loader
+            made = ChunkLoader(self._v.disk, self.warm)
+            if made.usable:
+                self._loader = made
         loader = self._loader
         return loader if loader is not None and loader.usable else None
 
@@ -676,12 +852,12 @@ class TieredRows:
             return ids
         bounds = idsets.runs(chunks)
         uc = chunks[bounds[:-1]]
-        gens = self._cmap[uc]
-        dense = (np.diff(bounds) * DENSE_ROWS >= self._chunk_rows) & (gens > 0)
+        gens = self._v.cmap[uc]
+        dense = (np.diff(bounds) * DENSE_ROWS >= self._c.chunk_rows) & (gens > 0)
         if not dense.any():
             return ids
         self._adopt_loads()  # completed loads first: their slots may be what the next ones need
-        going = self._loader.start(uc[dense].tolist(), gens[dense].tolist())
+        going = cast(ChunkLoader, self._loader).start(uc[dense].tolist(), gens[dense].tolist())
         if not going:
             return ids
         return ids[~idsets.isin(chunks, np.fromiter(going, np.int64, len(going)))]
@@ -692,15 +868,16 @@ class TieredRows:
         newer delta records, or given up where they fail or a compaction replaced the file (a
         miss then reads the chunk as usual and names any damage). Caller holds the lock."""
         loader = self._loader
+        assert loader is not None
         t0 = time.perf_counter()
-        done = loader.done(() if wait_for is None else wait_for)
+        done = loader.done() if wait_for is None else loader.done(wait_for)
         if wait_for is not None:
-            self._stats.stall_seconds += time.perf_counter() - t0
-        warm = self._warm
+            self._c.stats.stall_seconds += time.perf_counter() - t0
+        warm = self.warm
         for i, ld in enumerate(done):
             c = ld.chunk
             try:
-                if int(self._cmap[c]) != ld.gen or self._disk.pool.moved_since(ld.seq):
+                if int(self._v.cmap[c]) != ld.gen or self._disk.pool.moved_since(ld.seq):
                     warm.unreserve(c)  # compacted meanwhile (into a new file, or this one in place)
                     continue
                 ok = ld.ok
@@ -714,24 +891,24 @@ class TieredRows:
                     loader.refuse(c, ld.gen)
                     warm.unreserve(c)
                     continue
-                _, delta = self._layout_of(c)
+                _, delta = self._v.layout_of(c)
                 if delta is not None:
                     ids, seg, pos, segs = delta
-                    gather_deltas(ld.flat.reshape(-1, self._row_bytes), ids - c * self._chunk_rows, seg, pos, segs)
+                    gather_deltas(ld.flat.reshape(-1, self._c.row_bytes), ids - c * self._c.chunk_rows, seg, pos, segs)
             except BaseException:  # (a delta segment unreadable): no slot stays reserved for nothing
                 for rest in done[i:]:
                     if warm.loading(rest.chunk):
                         warm.unreserve(rest.chunk)
                 raise
             warm.adopt(c)
-            self._stats.cold_reads += 1
-            self._stats.chunks_read_ahead += 1
+            self._c.stats.cold_reads += 1
+            self._c.stats.chunks_read_ahead += 1
 
     def _reads_cached(self) -> bool:
         """Whether this store's recent reads below the hot tier came from the page cache (under
         10% of them had to wait for the disk); False until some hundred reads tell (caller holds
         the lock)."""
-        reader = self._chunkrows
+        reader = self._v.chunkrows
         if reader is None:
             return False
         total, uncached = reader.cache_counts
@@ -755,8 +932,8 @@ class TieredRows:
         thread skips the rows a get already read (``want``), so catching up costs a filter per
         stale hint, not its reads."""
         while True:
-            with self._lock:
-                if self._closed or not self._hinted or self._reads_cached():
+            with self._c.lock:
+                if self._c.closed or not self._hinted or self._reads_cached():
                     self._hint_task = False  # (reads from the page cache: see `upcoming`)
                     return
                 hint = self._hinted.pop(0)
@@ -764,7 +941,7 @@ class TieredRows:
 
     def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
         """n free slots, evicting (and writing back) cold rows by CLOCK as needed."""
-        hot = self._hot
+        hot = self.hot
         got = hot.take_free(n)
         if len(got) < n:
             victims = hot.victims(n - len(got), protect)
@@ -779,33 +956,29 @@ class TieredRows:
         return got
 
     def _evict_slots(self, slots: np.ndarray) -> None:
-        hot = self._hot
+        hot = self.hot
         d = slots[hot.dirty[slots] != 0]
         if len(d):
             self._write_back(hot.id_of[d], hot.pool_np[d])
-        self._stats.evicted_bytes += len(slots) * self._row_bytes
+        self._c.stats.evicted_bytes += len(slots) * self._c.row_bytes
         hot.drop(slots)
 
     def _write_back(self, ids: np.ndarray, records: np.ndarray) -> None:
         """Write evicted dirty rows to a pending segment (part of the next flush's version)."""
-        assert self._disk is not None
+        assert self._v.disk is not None
         order = np.argsort(ids, kind="stable")
-        seq = self._next_seq
-        self._next_seq += 1
-        self._add_pending(self._disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]),
+        seq = self._v.take_seq()
+        self._add_pending(self._v.disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]),
                                                    durable=False))
 
     def _add_pending(self, seg: Any) -> None:
         """A segment this handle just wrote without publishing it (write-back, a write around the
         hot tier) becomes part of the rows below the hot tier: indexed, and its rows' warm chunks
-        patched (`_patch_warm`). Caller holds the lock."""
-        self._pending.append(seg)
-        self._pending.sort(key=lambda g: g.seq)
-        self._pending_bytes += seg.nbytes
-        self._index_add(seg)
-        self._patch_warm(seg.ids)
+        patched (`patch_warm`). Caller holds the lock."""
+        self._v.add_pending(seg)
+        self.patch_warm(seg.ids)
 
-    def _patch_warm(self, ids: np.ndarray) -> None:
+    def patch_warm(self, ids: np.ndarray) -> None:
         """Rows ``ids`` (sorted) just got a new record below the hot tier, and they are hot with
         that value (a write-back, a flush) or newer (updated since: dirty again, so they reach
         the tier below again before they can leave the hot tier): the warm copies of their
@@ -814,16 +987,16 @@ class TieredRows:
         and flush. A chunk with a row not hot (a write around the hot tier), held compressed
         (`WarmTier.patch`), or past PATCH_BYTES of copies in one call is dropped. Caller holds the
         lock."""
-        warm = self._warm
+        warm = self.warm
         if not len(warm) or not len(ids):
             return
-        cr = self._chunk_rows
+        cr = self._c.chunk_rows
         chunks = ids // cr
         held = idsets.isin(chunks, warm.chunks(), b_sorted_unique=True)
         if not held.any():
             return
         ids, chunks = ids[held], chunks[held]
-        hot = self._hot
+        hot = self.hot
         if hot.resident:
             warm.discard_many(chunks)
             return
@@ -835,64 +1008,61 @@ class TieredRows:
             if room <= 0 or (s < 0).any() or not warm.patch(c, ids[a:b] - c * cr, hot.pool_np[s]):
                 warm.discard(c)
             else:
-                room -= cr * self._row_bytes
+                room -= cr * self._c.row_bytes
 
-    def _clean(self) -> None:
+    def clean(self) -> None:
         """Background write-back: turn dirty hot rows that are not recently used into clean ones.
 
         The rows stay resident; their values go to a pending segment (part of the next flush), so
         a later eviction of them is free. Holds the flush lock so no flush can publish a version
         while cleaned rows are neither dirty nor in a published segment.
         """
-        with self._flush_lock:
-            with self._lock:
-                self._clean_due = False
-                hot = self._hot
-                if self._closed or hot.resident or self._disk is None:
+        with self._v.flush_lock:
+            with self._c.lock:
+                self._v.clean_due = False
+                hot = self.hot
+                if self._c.closed or hot.resident or self._v.disk is None:
                     return
                 slots = np.flatnonzero(hot.dirty[: hot.limit])
                 cold = slots[hot.ref[slots] == 0]
                 take = cold if len(cold) >= len(slots) // 2 else slots
                 if len(take) < max(1, hot.limit // 8):
                     return
-                ids, take, records, seq = self._begin_write_back(take)
+                ids, take, records, seq = self.begin_write_back(take)
             try:
-                seg = self._disk.write_segment(seq, ids, records, durable=False)
+                seg = self._v.disk.write_segment(seq, ids, records, durable=False)
             except BaseException:
-                self._end_write_back(take, seq, ok=False)
+                self.end_write_back(take, seq, ok=False)
                 raise
-            with self._lock:
-                self._end_write_back(take, seq, ok=True)
+            with self._c.lock:
+                self.end_write_back(take, seq, ok=True)
                 self._add_pending(seg)
-                self._stats.cleaned_rows += len(ids)
+                self._c.stats.cleaned_rows += len(ids)
 
-    def _begin_write_back(self, slots: np.ndarray):
+    def begin_write_back(self, slots: np.ndarray):
         """Start writing dirty ``slots`` out (caller holds the lock): their ids sorted, a
         copy-on-write reader of their records, a segment number. They stop being dirty and cannot
-        be evicted until `_end_write_back`."""
-        hot = self._hot
+        be evicted until `end_write_back`."""
+        hot = self.hot
         ids = slots if hot.resident else hot.id_of[slots]
         order = np.argsort(ids, kind="stable")
         ids, slots = ids[order], slots[order]
         records = self._snapshot_reader(slots)
         hot.dirty[slots] = 0
         hot.inflight[slots] = True
-        self._below_token += 1  # these rows' values below the hot tier change
-        seq = self._next_seq
-        self._next_seq += 1
-        self._writing_seqs.add(seq)
+        seq = self._v.begin_segment()  # these rows' values below the hot tier change
         return ids, slots, records, seq
 
-    def _end_write_back(self, slots: np.ndarray, seq: int, *, ok: bool) -> None:
-        """Finish `_begin_write_back`; on failure the rows are dirty again (nothing is lost)."""
-        with self._lock:
+    def end_write_back(self, slots: np.ndarray, seq: int, *, ok: bool) -> None:
+        """Finish `begin_write_back`; on failure the rows are dirty again (nothing is lost)."""
+        with self._c.lock:
             if not ok:
-                self._hot.dirty[slots] = 1
-            self._hot.inflight[slots] = False
-            self._cow = None
-            self._writing_seqs.discard(seq)
+                self.hot.dirty[slots] = 1
+            self.hot.inflight[slots] = False
+            self.cow = None
+            self._v.end_segment(seq)
 
-    def _write_around(self, idx, mids, values, load: bool) -> None:
+    def write_around(self, idx, mids, values, load: bool) -> None:
         """A write too large for the hot tier (or larger than one slice): staged, then applied.
 
         Every row of the call, merged with its stored record where fields are missing, is written
@@ -900,12 +1070,12 @@ class TieredRows:
         whole are resident copies updated in place. A write that fails (full disk, permissions)
         therefore leaves no row of the call applied. Caller holds the lock.
         """
-        hot = self._hot
+        hot = self.hot
         uniq, pos = _last_of_each(idx)  # of duplicate ids the last wins
 
         def records(a: int, b: int) -> np.ndarray:
             ids = uniq[a:b]
-            recs = np.zeros((len(ids), self._row_bytes), np.uint8)
+            recs = np.zeros((len(ids), self._c.row_bytes), np.uint8)
             slots = hot.lookup(ids)
             res = slots >= 0
             if res.any():
@@ -915,11 +1085,10 @@ class TieredRows:
             rec_t = torch.from_numpy(recs)
             p = torch.from_numpy(pos[a:b])
             for n, v in values.items():
-                self._schema.view(rec_t, n)[:] = v[p]
+                self._c.schema.view(rec_t, n)[:] = v[p]
             return recs
 
-        seq = self._next_seq
-        self._next_seq += 1
+        seq = self._v.take_seq()
         # a write that fails raises here, with nothing applied
         self._add_pending(self._disk.write_segment(seq, uniq, records, durable=False))
         # Resident copies take the write too (the hot tier is read first); they stay dirty. In
@@ -928,11 +1097,11 @@ class TieredRows:
             slots = hot.lookup(idx[a : a + SLICE_ROWS])
             res = slots >= 0
             if res.any():
-                if self._cow is not None:
-                    self._save_cow(slots[res])
+                if self.cow is not None:
+                    self.save_cow(slots[res])
                 at = torch.from_numpy(np.flatnonzero(res) + a)
                 for n, v in values.items():
-                    self._np_views[n][slots[res]] = to_np(v[at])
+                    self.np_views[n][slots[res]] = to_np(v[at])
                 hot.dirty[slots[res]] = 1
 
     def _load_resident(self, miss: np.ndarray) -> None:
@@ -942,27 +1111,27 @@ class TieredRows:
         if not len(miss):
             return
         t0 = time.perf_counter()
-        cr = self._chunk_rows
+        cr = self._c.chunk_rows
         chunks = idsets.unique(miss // cr)
-        if not getattr(self, "_rows_on_first_touch", ROWS_ON_FIRST_TOUCH):
+        if not (ROWS_ON_FIRST_TOUCH if self.rows_on_first_touch is None else self.rows_on_first_touch):
             fresh = chunks[:0]
-        elif self._rows is None or not len(self._rows):  # no delta records: only the chunk map decides
-            fresh = chunks if self._disk is None else chunks[self._cmap[chunks] == 0]
+        elif self._v.rows is None or not len(self._v.rows):  # no delta records: only the chunk map decides
+            fresh = chunks if self._v.disk is None else chunks[self._v.cmap[chunks] == 0]
         else:
-            fresh = np.asarray([c for c in chunks.tolist() if self._layout_of(c) == (0, None)], np.int64)
+            fresh = np.asarray([c for c in chunks.tolist() if self._v.layout_of(c) == (0, None)], np.int64)
         if len(fresh) < len(chunks):
             for c in np.setdiff1d(chunks, fresh, assume_unique=True).tolist():
-                self._hot.fill_chunk(c, self._below(c))
+                self.hot.fill_chunk(c, self._below(c))
         if len(fresh):
             rows = idsets.unique(miss[idsets.isin(miss // cr, fresh, b_sorted_unique=True)])
-            self._hot.pool_np[rows] = self._init_rows(rows)
-            self._hot.mark_rows(rows)
-        self._stats.stall_seconds += time.perf_counter() - t0
+            self.hot.pool_np[rows] = self._c.init_rows(rows)
+            self.hot.mark_rows(rows)
+        self._c.stats.stall_seconds += time.perf_counter() - t0
 
     def _load_chunk_resident(self, chunk: int) -> None:
         t0 = time.perf_counter()
-        self._hot.fill_chunk(chunk, self._below(chunk))
-        self._stats.stall_seconds += time.perf_counter() - t0
+        self.hot.fill_chunk(chunk, self._below(chunk))
+        self._c.stats.stall_seconds += time.perf_counter() - t0
 
     # ---- the miss path: one plan per batch, vectorised reads ----------------------------------
     def _fetch(self, ids: np.ndarray, whole_rows: bool = False):
@@ -973,27 +1142,27 @@ class TieredRows:
         t0 = time.perf_counter()
         if self._loader is not None and len(self._loader):
             # what was read ahead is taken in (the plan finds it warm), without waiting: chunks
-            # still in flight that this get needs were waited for in `_resolve`; others (rows
+            # still in flight that this get needs were waited for in `resolve`; others (rows
             # read around the hot tier) are read here as usual
             self._adopt_loads()
-        self._warm.pin()  # the plan's warm copies stay put until read
+        self.warm.pin()  # the plan's warm copies stay put until read
         try:
             plan = self._plan_below(ids)
             records, whole = self._read_below(plan)
         finally:
-            self._warm.unpin()
-        self._stats.cold_reads += self._chunks_read(plan)
+            self.warm.unpin()
+        self._c.stats.cold_reads += self._chunks_read(plan)
         took = time.perf_counter() - t0
-        self._stats.stall_seconds += took
+        self._c.stats.stall_seconds += took
         self._note_read(took, len(ids))
-        if self._warm.budget:
+        if self.warm.budget:
             for c, recs in whole:
-                self._warm.put(c, recs)
+                self.warm.put(c, recs)
         if not whole_rows:
             return records
         mask = np.zeros(len(ids), np.bool_)
         for c, a, b, cached, _ in plan[6]:
-            if cached is not None or c in self._warm:  # (not a chunk too large for the tier)
+            if cached is not None or c in self.warm:  # (not a chunk too large for the tier)
                 mask[a:b] = True
         return records, mask
 
@@ -1003,9 +1172,9 @@ class TieredRows:
         row below the hot tier writes a new record (records are never modified in place), so a
         row whose record is where the plan found it still has the value that was read."""
         ids, chunks, seg, pos, gens, segs, whole = plan
-        rows = self._rows
+        rows = self._v.rows
         if rows is not None and len(rows):
-            now_seg, now_pos = self._find_below(rows, ids, chunks)
+            now_seg, now_pos = self._v.find_below(rows, ids, chunks)
         else:
             now_seg, now_pos = np.full(len(ids), -1, np.int32), np.zeros(len(ids), np.int32)
 
@@ -1016,10 +1185,10 @@ class TieredRows:
         before = seqs(segs, seg)
         after = seqs(rows.segs if rows is not None else [], now_seg)
         moved = before != after
-        if self._disk is not None:
+        if self._v.disk is not None:
             # A row read from its base chunk, whose chunk a compaction rewrote since (folding a
             # delta written after the plan), is found in a base chunk before and after: -1 both.
-            moved |= self._cmap[chunks] != gens
+            moved |= self._v.cmap[chunks] != gens
         if pos is not None:
             moved |= (now_pos != pos) & (after >= 0)
         for _c, a, b, _cached, _ in whole:  # whole chunks (warm copies) carry no positions: redo
@@ -1032,9 +1201,9 @@ class TieredRows:
         batch then waits about one disk latency, not one per row."""
         ids, chunks, seg, _, gens, _, _ = plan
         base = (seg < 0) & (gens > 0)
-        if self._chunkrows is not None and np.count_nonzero(base) > 1:
+        if self._v.chunkrows is not None and np.count_nonzero(base) > 1:
             c = chunks[base]
-            self._chunkrows.will_need(c, ids[base] - c * self._chunk_rows, gens[base])
+            self._v.chunkrows.will_need(c, ids[base] - c * self._c.chunk_rows, gens[base])
 
     @staticmethod
     def _chunks_read(plan: tuple) -> int:
@@ -1056,16 +1225,16 @@ class TieredRows:
         it names is punched only after every read planned before its round ended: holes.py), so
         `_read_below` runs without the lock.
         """
-        cr = self._chunk_rows
+        cr = self._c.chunk_rows
         chunks = ids // cr
-        rows = self._rows
+        rows = self._v.rows
         if rows is not None and len(rows):
-            seg, pos = self._find_below(rows, ids, chunks)
+            seg, pos = self._v.find_below(rows, ids, chunks)
         else:
             seg, pos = np.full(len(ids), -1, np.int32), None
-        gens = self._cmap[chunks] if self._disk is not None else np.zeros(len(ids), np.int32)
+        gens = self._v.cmap[chunks] if self._v.disk is not None else np.zeros(len(ids), np.int32)
         whole = []
-        warm = self._warm
+        warm = self.warm
         if len(ids) and (warm.budget or len(warm)):
             bounds = idsets.runs(chunks)
             uc = chunks[bounds[:-1]]
@@ -1075,7 +1244,7 @@ class TieredRows:
             if warm.budget:
                 counts = np.diff(bounds)
                 pick |= counts * DENSE_ROWS >= cr  # dense: read whole and keep it warm
-                want = self._hot.want
+                want = self.hot.want
                 if want is not None and not pick.all():
                     # Chunks of which coming batches announced enough rows (`upcoming`) are
                     # read whole now too: the first batch of a `ChunkShuffleSampler` window
@@ -1083,7 +1252,7 @@ class TieredRows:
                     # opened each file for them just before the next batch read it whole.
                     # Only where that scans few bytes per row asked (not a random order's
                     # hundreds of chunks with a row each).
-                    full = self._num_rows // cr
+                    full = self._c.num_rows // cr
                     few = np.flatnonzero(~pick)
                     few = few[uc[few] < full]
                     if len(few) and len(few) * cr <= 64 * len(ids):
@@ -1093,19 +1262,9 @@ class TieredRows:
                 c = int(uc[i])
                 cached = warm.get(c)
                 whole.append((c, int(bounds[i]), int(bounds[i + 1]), cached,
-                              None if cached is not None else self._layout_of(c)))
-        self._chunkrows_reader()
+                              None if cached is not None else self._v.layout_of(c)))
+        self._v.chunkrows_reader()
         return ids, chunks, seg, pos, gens, (rows.segs if rows is not None else []), whole
-
-    def _find_below(self, rows: RowIndex, ids: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(segment number, row position) of each id's newest delta record in ``rows``, -1 where it
-        has none or the record is dead: its chunk's base file holds it (holes.py; the record may
-        be punched out of its segment, so it is never read). Caller holds the lock."""
-        seg, pos = rows.find(ids)
-        dead = dead_rows(rows.seqs, seg, chunks, self._folded)
-        if dead.any():
-            seg[dead] = -1
-        return seg, pos
 
     def _read_below(self, plan: tuple, mapped: bool = True) -> tuple[np.ndarray, list]:
         """Run a `_plan_below` plan: (records of its ids, [(chunk, records)] read whole).
@@ -1116,7 +1275,7 @@ class TieredRows:
         gather per segment touched, never-written rows computed per row.
         """
         ids, chunks, seg, pos, gens, segs, whole = plan
-        cr, rb = self._chunk_rows, self._row_bytes
+        cr, rb = self._c.chunk_rows, self._c.row_bytes
         out = np.empty((len(ids), rb), np.uint8)
         read_whole = []
         if whole:
@@ -1140,7 +1299,7 @@ class TieredRows:
         fresh = below & (gens == 0)
         if fresh.any():
             sel = np.flatnonzero(fresh)
-            out[sel] = self._init_rows(ids[sel])
+            out[sel] = self._c.init_rows(ids[sel])
         if pos is not None:
             delta = seg >= 0
             if whole:
@@ -1148,107 +1307,28 @@ class TieredRows:
             if delta.any():
                 sel = np.flatnonzero(delta)
                 gather_deltas(out, sel, seg[sel], pos[sel], segs,
-                              self._chunkrows.cache_counts if self._chunkrows is not None else None)
+                              self._v.chunkrows.cache_counts if self._v.chunkrows is not None else None)
         return out, read_whole
 
-    def _chunkrows_reader(self) -> ChunkRows | None:
-        r = self._chunkrows
-        if r is None and self._disk is not None:
-            r = ChunkRows(self._disk)
-            # generations numbered from here on are written by this handle's compactions
-            r.trusted_from_gen = self._next_gen
-            self._chunkrows = r
-        return r
-
-    # ---- the delta segments: one index over all of them ----------------------------------------
-    def _index_add(self, seg: Any) -> None:
-        """Index a segment this handle just wrote (a flush or a write-back): newest of all.
-
-        Rows below the hot tier change here too: a prefetch that read a whole chunk before this
-        segment existed must not keep that copy (warm tier), even when the write began before
-        the prefetch planned its reads (`_begin_write_back` moved the token then)."""
-        self._below_token += 1
-        trust(seg)  # written by us a moment ago: the page cache holds what was checksummed
-        if self._rows is None:
-            self._rows = RowIndex(num_rows=self._num_rows)
-        self._rows.add(seg)
-
-    def _index_rebuild(self) -> None:
-        self._rows = RowIndex(sorted(self._committed + self._pending, key=lambda g: g.seq), self._num_rows,
-                              self._folded)
-
-    def _layout_of(self, chunk: int) -> tuple[int, tuple]:
-        """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =
-        never written) and its newest delta records (ids, segment numbers, positions, segments).
-        Segments never change and a base file changes (folded in place, inplace.py) only in rows
-        newer records of this snapshot's segments hold, so it can be read without the lock (caller
-        holds it while taking the snapshot)."""
-        gen = int(self._cmap[chunk]) if self._disk is not None else 0
-        rows = self._rows
-        if rows is None or not len(rows):
-            return gen, None
-        lo = chunk * self._chunk_rows
-        ids, seg, pos = rows.in_range(lo, lo + self._chunk_rows)
-        if len(ids) and len(self._folded):
-            live = rows.seqs[seg] > self._folded[chunk]  # the others are dead: the base holds them
-            ids, seg, pos = ids[live], seg[live], pos[live]
-        return gen, (ids, seg, pos, rows.segs) if len(ids) else None
-
     def _read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
-        """A whole chunk's records from a `_layout_of` snapshot; touches no mutable store state."""
-        rows = min(self._chunk_rows, self._num_rows - chunk * self._chunk_rows)
-        recs = self._disk.read_chunk(chunk, gen) if gen else self._init_records(chunk, rows)
+        """A whole chunk's records from a `Layout.layout_of` snapshot; touches no mutable store state."""
+        rows = min(self._c.chunk_rows, self._c.num_rows - chunk * self._c.chunk_rows)
+        recs = self._disk.read_chunk(chunk, gen) if gen else self._c.init_records(chunk, rows)
         if delta is not None:
             ids, seg, pos, segs = delta
-            gather_deltas(recs, ids - chunk * self._chunk_rows, seg, pos, segs)
+            gather_deltas(recs, ids - chunk * self._c.chunk_rows, seg, pos, segs)
         return recs
 
-    def _init_rows(self, ids: np.ndarray) -> np.ndarray:
-        """Records of never-written ``ids`` (sorted), computed per row (no whole chunk needed)."""
-        recs = np.zeros((len(ids), self._row_bytes), np.uint8)
-        t = torch.from_numpy(recs)
-        if self._init_kind == "callable":
-            vals = self._init_fn(torch.from_numpy(ids))
-            if not isinstance(vals, torch.Tensor) or tuple(vals.shape) != (len(ids), self.dim):
-                raise InvalidArgumentError(
-                    f"init(ids) must return a tensor of shape ({len(ids)}, {self.dim}); got "
-                    f"{tuple(vals.shape) if isinstance(vals, torch.Tensor) else type(vals).__name__}"
-                )
-            self._schema.view(t, "weight")[:] = vals.detach().cpu().to(self.dtype)
-        elif self._init_kind == "normal":
-            if self._meta.get("init_version", 1) >= 2:
-                self._normal_into(self._schema.view(t, "weight"), ids)
-            else:  # a store created before per-row init: its rows come from a per-chunk generator
-                cr = self._chunk_rows
-                chunks = ids // cr
-                bounds = idsets.runs(chunks)
-                for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-                    c = int(chunks[a])
-                    rows = min(cr, self._num_rows - c * cr)
-                    recs[a:b] = self._init_records(c, rows)[ids[a:b] - c * cr]
-                return recs
-        for f in self._schema.fields.values():
-            if f.name != "weight" and f.fill:
-                self._schema.view(t, f.name)[:] = f.fill
-        return recs
-
-    def _normal_into(self, w: torch.Tensor, ids: np.ndarray) -> None:
-        """The seeded normal initial values of ``ids`` into ``w`` (a weight view of records)."""
-        if self.dtype == torch.float32:  # straight into the records: no temporary, no copy
-            normal_rows(ids, self.dim, self._seed, self._init_std, out=w.numpy())
-        else:
-            w[:] = torch.from_numpy(normal_rows(ids, self.dim, self._seed, self._init_std)).to(self.dtype)
-
-    def _materialize(self) -> None:
+    def materialize(self) -> None:
         """Bring every chunk of a memory-mode table into its pool now (never-written rows from
         their initial values, made in large vectorised blocks), so no step pays a first touch."""
-        with self._lock:
-            self._check_open()
-            hot = self._hot
+        with self._c.lock:
+            self._c.check_open()
+            hot = self.hot
             todo = np.flatnonzero(~hot.loaded)
-            fresh = todo if self._disk is None else todo[self._cmap[todo] == 0]
-            if (self._rows is not None and len(self._rows)) or hot.row_ok is not None \
-                    or not self._init_in_place():
+            fresh = todo if self._v.disk is None else todo[self._v.cmap[todo] == 0]
+            if (self._v.rows is not None and len(self._v.rows)) or hot.row_ok is not None \
+                    or not self._c.init_in_place():
                 fresh = fresh[:0]  # rows exist below or in the pool: each chunk the usual way
             for c in np.setdiff1d(todo, fresh, assume_unique=True).tolist():
                 self._load_chunk_resident(c)
@@ -1262,25 +1342,25 @@ class TieredRows:
                 hot.loaded[fresh] = True
             hot.all_loaded = True
 
-    def _start_filling(self) -> None:
+    def start_filling(self) -> None:
         """Memory mode over never-written chunks: make them in a background thread, a few MiB
         of rows at a time, so a table whose first batch made only its own rows reaches the
         one-gather steady state soon (and faults its pages in off the training thread), instead
         of after a whole epoch of first touches. Chunks with rows on disk load on demand."""
-        hot = self._hot
-        if not BACKGROUND_FILL or not hot.resident or hot.all_loaded or self._init_kind == "callable":
+        hot = self.hot
+        if not BACKGROUND_FILL or not hot.resident or hot.all_loaded or self._c.init_kind == "callable":
             return
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="embcache-fill")
-        self._filler.submit(_fill_weakly, weakref.ref(self))
+        self.filler = ThreadPoolExecutor(1, thread_name_prefix="embcache-fill")
+        self.filler.submit(_fill_weakly, weakref.ref(self))
 
     def _fill_step(self, start: int) -> int | None:
         """Make the next few never-written, not yet loaded chunks from ``start``; returns where
         to go on, or None when done. Records are made outside the lock; installed under it,
         keeping rows made or changed meanwhile (`HotTier.fill_chunk`)."""
-        hot, cr = self._hot, self._chunk_rows
-        group = max(1, FILL_BYTES // (cr * self._row_bytes))
-        with self._lock:
-            if self._closed or hot.all_loaded:
+        hot, cr = self.hot, self._c.chunk_rows
+        group = max(1, FILL_BYTES // (cr * self._c.row_bytes))
+        with self._c.lock:
+            if self._c.closed or hot.all_loaded:
                 return None
             n = len(hot.loaded)
             picked: list[int] = []
@@ -1294,9 +1374,9 @@ class TieredRows:
             if not picked:
                 hot.all_loaded = bool(hot.loaded.all())
                 return None
-        made = [(k, self._init_records(k, min(cr, self._num_rows - k * cr))) for k in picked]
-        with self._lock:
-            if self._closed:
+        made = [(k, self._c.init_records(k, min(cr, self._c.num_rows - k * cr))) for k in picked]
+        with self._c.lock:
+            if self._c.closed:
                 return None
             for k, recs in made:
                 if not hot.loaded[k] and self._fresh_chunk(k):
@@ -1307,65 +1387,31 @@ class TieredRows:
 
     def _fresh_chunk(self, chunk: int) -> bool:
         """No row of ``chunk`` was ever written below the pool (no base file, no delta record)."""
-        if self._disk is not None and self._cmap[chunk] != 0:
+        if self._v.disk is not None and self._v.cmap[chunk] != 0:
             return False
-        return self._rows is None or not len(self._rows) or self._layout_of(chunk) == (0, None)
-
-    def _init_in_place(self) -> bool:
-        """Whether initial values can be written straight into a fresh (zeroed) pool, from any
-        thread: zeros, or the per-row seeded normals, in float32."""
-        if self._init_kind == "zeros":
-            return True
-        return (self._init_kind == "normal" and self._meta.get("init_version", 1) >= 2
-                and self.dtype == torch.float32)
+        return self._v.rows is None or not len(self._v.rows) or self._v.layout_of(chunk) == (0, None)
 
     def _init_chunks_in_place(self, chunks: np.ndarray) -> None:
-        weight = self._np_views["weight"]
-        fills = [(self._np_views[f.name], f.fill) for f in self._schema.fields.values()
+        weight = self.np_views["weight"]
+        fills = [(self.np_views[f.name], f.fill) for f in self._c.schema.fields.values()
                  if f.name != "weight" and f.fill]
         for c in chunks.tolist():
-            lo, hi = self._hot.chunk_range(c)
-            if self._init_kind == "normal":
-                normal_rows(np.arange(lo, hi), self.dim, self._seed, self._init_std, out=weight[lo:hi])
+            lo, hi = self.hot.chunk_range(c)
+            if self._c.init_kind == "normal":
+                normal_rows(np.arange(lo, hi), self._c.dim, self._c.seed, self._c.init_std, out=weight[lo:hi])
             for view, value in fills:
                 view[lo:hi] = value
 
     def _below(self, chunk: int) -> np.ndarray:
         """A chunk's records as stored below the hot tier: warm copy, else base + deltas."""
-        rows = min(self._chunk_rows, self._num_rows - chunk * self._chunk_rows)
-        cached = self._warm.get(chunk)
+        rows = min(self._c.chunk_rows, self._c.num_rows - chunk * self._c.chunk_rows)
+        cached = self.warm.get(chunk)
         if cached is not None:
-            return cached.reshape(rows, self._row_bytes)
-        recs = self._read_chunk_below(chunk, *self._layout_of(chunk))
-        self._stats.cold_reads += 1
-        if self._warm.budget:
-            self._warm.put(chunk, recs)
-        return recs
-
-    def _init_records(self, chunk: int, rows: int) -> np.ndarray:
-        recs = np.zeros((rows, self._row_bytes), np.uint8)
-        t = torch.from_numpy(recs)
-        lo = chunk * self._chunk_rows
-        w = self._schema.view(t, "weight")
-        if self._init_kind == "normal":
-            if self._meta.get("init_version", 1) >= 2:
-                self._normal_into(w, np.arange(lo, lo + rows))
-            else:  # stores created before per-row init keep their per-chunk generator
-                g = torch.Generator().manual_seed(self._seed * 1_000_003 + chunk)
-                w[:] = (torch.randn(rows, self.dim, generator=g, dtype=torch.float32) * self._init_std).to(self.dtype)
-        elif self._init_kind == "callable":
-            assert self._init_fn is not None
-            ids = torch.arange(lo, lo + rows)
-            vals = self._init_fn(ids)
-            if not isinstance(vals, torch.Tensor) or tuple(vals.shape) != (rows, self.dim):
-                raise InvalidArgumentError(
-                    f"init(ids) must return a tensor of shape ({rows}, {self.dim}); got "
-                    f"{tuple(vals.shape) if isinstance(vals, torch.Tensor) else type(vals).__name__}"
-                )
-            w[:] = vals.detach().cpu().to(self.dtype)
-        for f in self._schema.fields.values():
-            if f.name != "weight" and f.fill:
-                self._schema.view(t, f.name)[:] = f.fill
+            return cached.reshape(rows, self._c.row_bytes)
+        recs = self._read_chunk_below(chunk, *self._v.layout_of(chunk))
+        self._c.stats.cold_reads += 1
+        if self.warm.budget:
+            self.warm.put(chunk, recs)
         return recs
 
     def _prefetch(self, idx: np.ndarray, upcoming: bool = False) -> None:
@@ -1383,15 +1429,16 @@ class TieredRows:
             pass  # a hint: the foreground read will report the problem
         finally:
             if self._fetching is not None:
-                with self._lock:
+                with self._c.lock:
                     self._fetching = None
                     self._fetch_done().notify_all()
 
     def _fetch_done(self) -> threading.Condition:
         """Signalled when the rows of ``_fetching`` are installed or dropped (caller holds the lock)."""
-        cond = self._fetch_cond
-        if cond is None or cond._lock is not self._lock:  # a forked child has a lock of its own
-            cond = self._fetch_cond = threading.Condition(self._lock)
+        cond, lock = self._fetch_cond, self._c.lock
+        if cond is None or self._fetch_lock is not lock:  # a forked child has a lock of its own
+            cond = self._fetch_cond = threading.Condition(lock)
+            self._fetch_lock = lock
         return cond
 
     def _await_prefetch(self, ids: np.ndarray) -> np.ndarray | None:
@@ -1399,7 +1446,7 @@ class TieredRows:
         read them a second time (caller holds the lock; waiting releases it). Returns which of
         ``ids`` were in flight, or None if none was."""
         fetching = self._fetching
-        if fetching is None or self._prefetcher is None or not len(ids):
+        if fetching is None or self.prefetcher is None or not len(ids):
             return None
         pos = np.minimum(fetching.searchsorted(ids), len(fetching) - 1)
         late = fetching[pos] == ids
@@ -1407,123 +1454,140 @@ class TieredRows:
             return None
         t0 = time.perf_counter()
         cond = self._fetch_done()
-        while self._fetching is fetching and not self._closed:
+        while self._fetching is fetching and not self._c.closed:
             if not cond.wait(timeout=PREFETCH_WAIT_S) or time.perf_counter() - t0 > PREFETCH_WAIT_S:
                 break  # never wait on a prefetch without bound: read the rows here instead
-        self._stats.stall_seconds += time.perf_counter() - t0
-        self._check_open()
+        self._c.stats.stall_seconds += time.perf_counter() - t0
+        self._c.check_open()
         return late
 
     def _prefetch_once(self, idx: np.ndarray, upcoming: bool = False) -> bool:
         """One attempt of `_prefetch`; False if rows below the hot tier changed during the read."""
-        with self._lock:
-            if self._closed:
+        with self._c.lock:
+            if self._c.closed:
                 return True
-            hot = self._hot
-            cr = self._chunk_rows
-            token = self._below_token
-            compactions = self._stats.compactions
-            folds = self._disk.pool.inplace_seq if self._disk is not None else 0
-            pinned = False
-            if hot.resident:  # memory mode over a store on disk: whole chunks
-                chunks = idsets.unique(idx // cr)
-                chunks = chunks[~hot.loaded[chunks]]
-                if not len(chunks):
-                    return True
-                layouts = [(c, self._layout_of(c)) for c in chunks.tolist()]
-            else:
-                if upcoming:  # rows a get already read (the hint's batch went by): skip them
-                    idx = idx[hot.want[idx] > 0]
-                miss = idsets.unique(idx[hot.lookup(idx) < 0])
-                if len(miss) > hot.limit // 2:
-                    miss = miss[: hot.limit // 2]
-                if not len(miss):
-                    return True
-                self._warm.pin()  # warm copies the plan reads stay put until this read ends
-                pinned = True
-                try:
-                    plan = self._plan_below(miss)
-                except BaseException:
-                    self._warm.unpin()
-                    raise
-                self._fetching = miss  # a get missing these waits for this read (`_await_prefetch`)
-            # Planned under the lock, read without it: no delta record the plan names is punched
-            # until this read ends (holes.py), though a compaction round may kill it meanwhile.
-            pool = self._disk.pool if self._disk is not None else None
-            epoch = pool.begin_read() if pool is not None else 0
-        # -- the reads, without the lock ------------------------------------------------
+            fetch = self._plan_fetch(idx, upcoming)
+            if fetch is None:
+                return True
+        got = self._read_fetch(fetch)  # without the lock
+        with self._c.lock:
+            return self._c.closed or self._install_fetch(fetch, got)
+
+    def _plan_fetch(self, idx: np.ndarray, upcoming: bool) -> _Fetch | None:
+        """What a prefetch of ``idx`` reads, and the state below the hot tier it read it in
+        (caller holds the lock); None if there is nothing to read."""
+        hot = self.hot
+        cr = self._c.chunk_rows
+        token = self._v.below_token
+        compactions = self._c.stats.compactions
+        folds = self._v.disk.pool.inplace_seq if self._v.disk is not None else 0
+        layouts = miss = plan = None
+        if hot.resident:  # memory mode over a store on disk: whole chunks
+            chunks = idsets.unique(idx // cr)
+            chunks = chunks[~hot.loaded[chunks]]
+            if not len(chunks):
+                return None
+            layouts = [(c, self._v.layout_of(c)) for c in chunks.tolist()]
+        else:
+            if upcoming:  # rows a get already read (the hint's batch went by): skip them
+                idx = idx[cast(np.ndarray, hot.want)[idx] > 0]
+            miss = idsets.unique(idx[hot.lookup(idx) < 0])
+            if len(miss) > hot.limit // 2:
+                miss = miss[: hot.limit // 2]
+            if not len(miss):
+                return None
+            self.warm.pin()  # warm copies the plan reads stay put until this read ends
+            try:
+                plan = self._plan_below(miss)
+            except BaseException:
+                self.warm.unpin()
+                raise
+            self._fetching = miss  # a get missing these waits for this read (`_await_prefetch`)
+        # Planned under the lock, read without it: no delta record the plan names is punched
+        # until this read ends (holes.py), though a compaction round may kill it meanwhile.
+        pool = self._v.disk.pool if self._v.disk is not None else None
+        epoch = pool.begin_read() if pool is not None else 0
+        return _Fetch(token, compactions, folds, pool, epoch, layouts, miss, plan)
+
+    def _read_fetch(self, f: _Fetch) -> Any:
+        """Run a prefetch's reads without the lock: [(chunk, records)] in memory mode, else
+        (records of ``f.miss``, [(chunk, records)] read whole)."""
         try:
-            if hot.resident:
-                results = [(c, self._read_chunk_below(c, *layout)) for c, layout in layouts]
-            else:
-                if not uring.available():  # io_uring has every read of the batch in flight at once
-                    self._will_need(plan)
-                t0 = time.perf_counter()
-                records, whole = self._read_below(plan, mapped=False)
-                self._note_read(time.perf_counter() - t0, len(miss))
+            if f.layouts is not None:
+                return [(c, self._read_chunk_below(c, *layout)) for c, layout in f.layouts]
+            assert f.plan is not None and f.miss is not None
+            if not uring.available():  # io_uring has every read of the batch in flight at once
+                self._will_need(f.plan)
+            t0 = time.perf_counter()
+            got = self._read_below(f.plan, mapped=False)
+            self._note_read(time.perf_counter() - t0, len(f.miss))
+            return got
         finally:
-            if pool is not None:
-                pool.end_read(epoch)
-            if pinned:
-                with self._lock:
-                    self._warm.unpin()
-        # -- install, if still wanted and still current ------------------------------------
-        with self._lock:
-            if self._closed:
-                return True
-            moved = None
-            if self._below_token - token != self._stats.compactions - compactions:
-                # Rows below changed (a write-back or flush) while we read: a row whose newest
-                # record is no longer where the plan found it may have been read stale, so it is
-                # not installed; the others are (a compaction alone changes no row).
-                if hot.resident:
-                    return False
-                moved = self._moved_since(plan)
-                if self._disk.pool.moved_since(folds):
-                    # a compaction folded rows into base files in place meanwhile (inplace.py):
-                    # their generation tells nothing, so no row read from a base file is installed
-                    moved |= plan[2] < 0
+            if f.pool is not None:
+                f.pool.end_read(f.epoch)
+            if f.miss is not None:
+                with self._c.lock:
+                    self.warm.unpin()
+
+    def _install_fetch(self, f: _Fetch, got: Any) -> bool:
+        """Install what a prefetch read, if still wanted and still current (caller holds the
+        lock); False if rows below the hot tier changed meanwhile and nothing was installed."""
+        hot = self.hot
+        moved = None
+        if self._v.below_token - f.token != self._c.stats.compactions - f.compactions:
+            # Rows below changed (a write-back or flush) while we read: a row whose newest
+            # record is no longer where the plan found it may have been read stale, so it is
+            # not installed; the others are (a compaction alone changes no row).
             if hot.resident:
-                for c, recs in results:
-                    self._stats.cold_reads += 1
-                    if self._warm.budget:
-                        self._warm.put(c, recs)
-                    if not hot.loaded[c]:
-                        lo, hi = hot.chunk_range(c)
-                        hot.fill_chunk(c, recs)
-                        self._stats.prefetched_rows += hi - lo
-                hot.all_loaded = bool(hot.loaded.all())
-                return True
-            self._stats.cold_reads += self._chunks_read(plan)
-            if self._warm.budget and moved is None:  # whole chunks read stale stay out of warm
-                for c, recs in whole:
-                    self._warm.put(c, recs)
-            want = hot.lookup(miss) < 0  # the training thread may have loaded some meanwhile
-            if moved is not None:
-                want &= ~moved
-            if not want.any():
-                return True
-            mids, records = miss[want], records[want]
-            got = self._allocate(len(mids))
-            if len(got) < len(mids):  # no room now (rows in flight or in use): drop the hint
-                hot.give_back(got)
-                return True
-            hot.install(mids, got, records)
-            self._stats.prefetched_rows += len(mids)
+                return False
+            assert f.plan is not None and self._v.disk is not None
+            moved = self._moved_since(f.plan)
+            if self._v.disk.pool.moved_since(f.folds):
+                # a compaction folded rows into base files in place meanwhile (inplace.py):
+                # their generation tells nothing, so no row read from a base file is installed
+                moved |= f.plan[2] < 0
+        if hot.resident:
+            for c, recs in got:
+                self._c.stats.cold_reads += 1
+                if self.warm.budget:
+                    self.warm.put(c, recs)
+                if not hot.loaded[c]:
+                    lo, hi = hot.chunk_range(c)
+                    hot.fill_chunk(c, recs)
+                    self._c.stats.prefetched_rows += hi - lo
+            hot.all_loaded = bool(hot.loaded.all())
+            return True
+        assert f.plan is not None and f.miss is not None
+        records, whole = got
+        self._c.stats.cold_reads += self._chunks_read(f.plan)
+        if self.warm.budget and moved is None:  # whole chunks read stale stay out of warm
+            for c, recs in whole:
+                self.warm.put(c, recs)
+        want = hot.lookup(f.miss) < 0  # the training thread may have loaded some meanwhile
+        if moved is not None:
+            want &= ~moved
+        if not want.any():
+            return True
+        mids, records = f.miss[want], records[want]
+        room = self._allocate(len(mids))
+        if len(room) < len(mids):  # no room now (rows in flight or in use): drop the hint
+            hot.give_back(room)
+            return True
+        hot.install(mids, room, records)
+        self._c.stats.prefetched_rows += len(mids)
         return True
 
     def evict(self, nbytes: int) -> int:
         """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""
-        self._check_usable()
-        nbytes = budget(nbytes, "nbytes", allow_none=False)
+        nbytes = cast(int, budget(nbytes, "nbytes", allow_none=False))
         freed = 0
-        with self._lock:
-            if self._closed:
+        with self._c.lock:
+            if self._c.closed:
                 raise StoreClosedError("this EmbeddingStore was closed during evict()")
-            freed += self._warm.shrink(max(0, self._warm.nbytes - nbytes))
-            if freed >= nbytes or self._disk is None:
+            freed += self.warm.shrink(max(0, self.warm.nbytes - nbytes))
+            if freed >= nbytes or self._v.disk is None:
                 return freed
-            hot = self._hot
+            hot = self.hot
             if hot.resident:
                 held = hot.loaded if hot.row_count is None else hot.loaded | (hot.row_count > 0)
                 for c in np.flatnonzero(held).tolist():
@@ -1537,9 +1601,9 @@ class TieredRows:
                     if len(d):
                         self._write_back(d, hot.pool_np[d])
                     hot.unload_chunk(c)
-                    freed += rows * self._row_bytes
+                    freed += rows * self._c.row_bytes
             else:
-                per = self._row_bytes + SLOT_OVERHEAD
+                per = self._c.row_bytes + SLOT_OVERHEAD
                 want = min(hot.used, -(-(nbytes - freed) // per))
                 victims = hot.victims(want)
                 if len(victims) < want:  # everything was recently used: take any idle slot
@@ -1553,29 +1617,28 @@ class TieredRows:
         """Change the budgets at run time (a lower budget evicts at once). None keeps a budget.
 
         Waits for a flush or background write-back in progress (rows they write cannot move)."""
-        self._check_usable()
         if warm_bytes is not None:
             budget(warm_bytes, "warm_bytes", allow_none=False)
         if hot_bytes is not None:
             budget(hot_bytes, "hot_bytes", allow_none=False)
-        with self._flush_lock, self._lock:
-            if self._closed:
+        with self._v.flush_lock, self._c.lock:
+            if self._c.closed:
                 raise StoreClosedError("this EmbeddingStore was closed during set_budget()")
             if warm_bytes is not None:
                 if self._loader is not None:  # reads ahead land in the slab the new budget replaces
                     self._loader.cancel()
-                self._warm.budget = budget(warm_bytes, "warm_bytes", allow_none=False)
-                self._warm.shrink(self._warm.budget)
+                self.warm.budget = cast(int, budget(warm_bytes, "warm_bytes", allow_none=False))
+                self.warm.shrink(self.warm.budget)
             if hot_bytes is None:
                 return
-            hot_bytes = budget(hot_bytes, "hot_bytes", allow_none=False)
-            hot = self._hot
+            hot_bytes = cast(int, budget(hot_bytes, "hot_bytes", allow_none=False))
+            hot = self.hot
             if hot.resident:
                 over = hot.nbytes() - hot_bytes
                 if over > 0:
                     self.evict(over)
                 return
-            slots = max(1, hot_bytes // (self._row_bytes + SLOT_OVERHEAD))
+            slots = max(1, hot_bytes // (self._c.row_bytes + SLOT_OVERHEAD))
             if slots < hot.limit:
                 tail = np.flatnonzero(hot.id_of[slots : hot.limit] >= 0) + slots
                 if hot.inflight[tail].any():  # not while holding the writer lock; kept as a guard
@@ -1586,8 +1649,7 @@ class TieredRows:
                 hot.set_limit(slots)
             else:
                 hot.grow_limit(slots)
-            self._hot_budget = hot_bytes
-
+            self.hot_budget = hot_bytes
 
 def _last_of_each(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct ids of ``idx`` and the position of each one's last occurrence.
@@ -1605,3 +1667,22 @@ def _last_of_each(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     uniq = srt[last]
     del srt
     return uniq, order[last]
+
+
+def _prefetch_weakly(ref: weakref.ReferenceType[Tiers], idx: np.ndarray) -> None:
+    """A queued prefetch holds its tiers weakly: a store dropped meanwhile is collected, not kept."""
+    tiers = ref()
+    if tiers is not None and not tiers._c.closed:
+        tiers._prefetch(idx)
+
+
+def _with_served(mids: np.ndarray, records: np.ndarray, served: tuple | None,
+                 row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``mids`` and their ``records`` joined by the rows ``served`` from warm copies, sorted."""
+    if served is None:
+        return mids, records
+    both = idsets.union(mids, served[0])
+    recs = np.empty((len(both), row_bytes), np.uint8)
+    recs[np.searchsorted(both, mids)] = records
+    recs[np.searchsorted(both, served[0])] = served[1]
+    return both, recs

@@ -1,10 +1,15 @@
 """Durability of EmbeddingStore: flush, versions and pins, background compaction and GC.
 
-A private base class of `EmbeddingStore`; see docs/store-format.md for the protocol.
+`Versions` is the component of `EmbeddingStore` that owns what is on disk: the writer lock (and
+the LOCK file), the `Disk`, and the live layout (committed and pending segments, chunk map, the
+row index over the segments, segment and generation numbers). The hot and warm tiers (`Tiers`,
+tiers.py) read through it (`layout_of`, `find_below`, `rows`, `cmap`) and add the segments their
+write-back writes (`take_seq`, `add_pending`); it drives their write-back through a few named
+methods (`WriteBack`). See docs/store-format.md for the protocol.
 
 Concurrency design (docs/store.md, "Threads"): two locks, always taken in this order.
 
-* ``self._flush_lock``, the *writer lock* (re-entrant): held for the whole of every job that
+* ``self.flush_lock``, the *writer lock* (re-entrant): held for the whole of every job that
   changes what is on disk or which files the live layout reads: `flush`, the background
   write-back `_clean`, each compaction round (snapshot, reading the segments, writing chunks,
   publishing, collecting its garbage), garbage collection, retention and `pin`/`unpin`. So these
@@ -24,24 +29,34 @@ go of it (`Segment.__del__`); `close()` closes the rest after every thread stopp
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
 from . import fileio, foldproc, inplace, sharing
+from .chunkrows import ChunkRows
+from .core import StoreCore, stop_executor
 from .disk import Disk, Manifest, Segment
-from .errors import CorruptStoreError, StoreError, VersionNotFoundError
+from .errors import CorruptStoreError, StoreError, StoreLockedError, VersionNotFoundError
 from .fold import fold_chunk
 from .foldproc import FoldProcess
-from .holes import DeadRecords
+from .holes import DeadRecords, dead_rows
 from .memory import trim_heap
+from .rowindex import RowIndex, trust
+from .sharing import Sharing
 from .validate import version_arg
+
+if TYPE_CHECKING:
+    from .growth import Kept
 
 # Compaction folds delta segments into base chunks once they hold this share of the table's
 # bytes, or once there are this many. Updates spread over the table put rows of every chunk in
@@ -73,44 +88,198 @@ FOLD_IN_PLACE = os.environ.get("EMBCACHE_FOLD_IN_PLACE") == "1"
 # began or last did: each time costs an fsync of the files folded since and a pass of the lock
 # back and forth, which a flush waiting at every chunk (flushes back to back) would pay per chunk.
 YIELD_AFTER_S = 0.05
+# Waits for flushes to get in are notified (`_flush_done_waiting`, `wake`); this bounds one only
+# as a safety net, should a store be dropped without its close running.
+WAKE_S = 1.0
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
 
 
-def _run_bg_weakly(ref: weakref.ReferenceType[Versioning], name: str) -> None:
-    """A background job of the store ``ref`` names. The compaction pass goes a round at a time,
-    holding the store only during a round: a store dropped without close() is collected between
-    two rounds (its finalizer closes it), instead of living on as long as its background work."""
-    store = ref()
-    if store is None or store._closed or store._damage is not None:
+def _run_bg_weakly(ref: weakref.ReferenceType[Versions], name: str) -> None:
+    """A background job of the store whose `Versions` ``ref`` names. The compaction pass goes a
+    round at a time, holding the store's parts only during a round: a store dropped without close()
+    is closed by its finalizer between two rounds, instead of living on as long as its background work."""
+    versions = ref()
+    if versions is None or versions._c.closed or versions.damage is not None:
         return
     if name != "_compact":
-        store._run_bg(getattr(store, name))
+        versions._run_bg(versions._job(name))
         return
     try:
-        state = store._compact_step(None)
+        state = versions._compact_step(None)
         while state is not None:
-            del store
-            store = ref()
-            if store is None or store._closed or store._damage is not None:
+            del versions
+            versions = ref()
+            if versions is None or versions._c.closed or versions.damage is not None:
                 return
-            state = store._compact_step(state)
+            state = versions._compact_step(state)
     except BaseException as exc:  # surfaced on the next flush()
-        if store is not None:
-            store._bg_error = exc
+        if versions is not None:
+            versions._bg_error = exc
             if isinstance(exc, CorruptStoreError):
-                store._saw_damage(exc)
+                versions.saw_damage(exc)
 
 
-class Versioning:
-    """Flush, versions, pins, compaction, garbage collection (private base of EmbeddingStore)."""
+class WriteBack(Protocol):
+    """What `Versions` asks of the hot tier (`Tiers`): write dirty rows out and patch warm copies."""
 
-    _disk: Any
-    _row_thread: int  # the thread of the latest get/update (EmbeddingStore._waited)
-    _damage: CorruptStoreError | None = None  # the first damaged file met: background work stops (fail-stop)
-    _awaiting_round = 0  # of the flushes waiting, those waiting for the background round to end (`_await_round`)
-    _grown_unflushed = False  # grown since the last flush: no compaction round until it publishes the size
-    _table_rows: int  # rows of the whole table when the store is a shard of one (`ShardedStore`); 0: not
-    _table_published: int  # the published version's `_table_rows` (a flush of a change of it alone)
+    def dirty_count(self) -> int: ...
+
+    def forget_dirty(self) -> bool: ...
+
+    def resident(self) -> bool: ...
+
+    def begin_write_back(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, Callable, int]: ...
+
+    def end_write_back(self, slots: np.ndarray, seq: int, *, ok: bool) -> None: ...
+
+    def dirty_slots(self) -> np.ndarray: ...
+
+    def patch_warm(self, ids: np.ndarray) -> None: ...
+
+    def clean(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Round:
+    """A compaction round's snapshot (`Versions._plan_round`): the segments it folds, the chunk
+    map and folded marks as they were, its chunks and the new chunk map generation."""
+
+    share: Sharing
+    segs: list[Segment]
+    cmap: np.ndarray
+    folded: np.ndarray
+    old_gen: int
+    chunks: np.ndarray
+    gen: int
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What a round wrote (`Versions._fold_planned`): new chunk files, chunks folded in place,
+    both, the bytes of rows folded and the compaction byte count before."""
+
+    new_files: np.ndarray
+    in_place: np.ndarray
+    chunks: np.ndarray
+    folded_bytes: int
+    written0: int
+
+
+@dataclass(frozen=True)
+class _Published:
+    """A round's published layout (`Versions._publish_round`): its manifest, the version before,
+    the new chunk map and folded marks, the committed segments then and how many it dropped."""
+
+    manifest: Manifest
+    version: int
+    cmap: np.ndarray
+    folded: np.ndarray
+    segs: list[Segment]
+    drop: int
+
+
+class Versions:
+    """Flush, versions, pins, compaction, garbage collection: the store's files and their layout.
+
+    Holds the writer lock (``flush_lock``, always taken before ``core.lock``) and the LOCK file
+    of a writable handle. Never holds the `EmbeddingStore` itself: only the shared `StoreCore`
+    and, once the tiers exist, the `WriteBack` they offer (`attach`)."""
+
+    def __init__(self, core: StoreCore, kept: Kept | None = None) -> None:
+        self._c = core
+        self.flush_lock = threading.RLock()  # the writer lock: see the module docstring
+        self._lock_fd: int | None = None  # the LOCK file's descriptor (flock held: one writer per path)
+        self._reader_fd: int | None = None  # read-only handles: shared flock on their version
+        self._t: WriteBack  # the tiers (`attach`)
+        self.disk: Disk | None = None
+        self.committed: list[Segment] = []
+        self.pending: list[Segment] = []  # written since the last flush (write-back), not yet published
+        self.pending_bytes = 0  # bytes of the segments in ``pending``
+        self._pins: set[int] = set()
+        self.version = 0
+        self._max_version = 0
+        self._parent = 0
+        self.cmap = np.zeros(0, np.int32)  # per chunk: generation of its base file (0: never written)
+        self._cmap_gen = 0
+        self.folded = np.zeros(0, np.int64)  # per chunk: newest segment folded into its base file
+        self.rows: RowIndex | None = None  # newest delta record of each id (built at open)
+        self.chunkrows: ChunkRows | None = None  # batched reads of base chunk files (made on first miss)
+        self.next_seq = 1
+        self._next_gen = 1
+        self._own_gens_from = 1  # chunk files of these generations are this handle's own
+        self._published: tuple = (0, [], 0)
+        self.below_token = 0  # moves whenever rows below the hot tier change (see `Tiers._prefetch`)
+        self._bg: ThreadPoolExecutor | None = None
+        self._bg_futures: dict[str, Future] = {}
+        self._bg_error: BaseException | None = None
+        self.fold_proc: FoldProcess | None = None  # the compaction process (foldproc.py), started by `_maybe_compact`
+        self._fold_proc_failed = False
+        self._fold_proc_restarts = 0
+        self._round_thread: int | None = None  # a background round folding without the writer lock
+        self._round_done = threading.Event()
+        self._flush_waiting = 0  # flushes waiting for the writer lock (compaction yields to them)
+        self._no_flush_waiting = threading.Condition(core.lock)  # notified when that count drops, and at close
+        self._awaiting_round = 0  # of the flushes waiting, those waiting for the background round to end
+        self._dead: DeadRecords | None = None  # a writer's punching of dead delta records (holes.py)
+        # other versions' manifests (only this writer's compaction rounds change them: `_repoint`)
+        self._manifests_seen: dict[int, Manifest] = {}
+        self._chunkmaps_seen: dict[int, np.ndarray] = {}  # other versions' chunk maps, by generation
+        self._sharing = Sharing()  # kept versions sharing the chunk files, what rounds fold (sharing.py)
+        self.clean_due = False  # a background clean was asked for (a running compaction runs it between rounds)
+        self._collect_due = False  # a garbage collection was asked for (likewise)
+        self.writing_seqs: set[int] = set()  # segments being written: garbage collection skips them
+        self._writing_gens: set[int] = set()  # compaction generations being written
+        self.damage: CorruptStoreError | None = None  # the first damaged file met: background work stops
+        self._grown_unflushed = False  # grown since the last flush: no round until it publishes the size
+        # rows of the whole table when this store is a shard of one (`ShardedStore` sets it; the
+        # manifests record it); the published version's, to flush a change of it alone
+        self.table_rows = self._table_published = 0
+        if kept is not None:  # a grown store (growth.py): the same locks, counters and writer lock
+            self.flush_lock, self._no_flush_waiting = kept.flush_lock, kept.no_flush_waiting
+            self._flush_waiting, self._lock_fd = kept.flush_waiting, kept.lock_fd
+            self._fold_proc_failed, self._fold_proc_restarts = kept.fold_proc_failed, kept.fold_proc_restarts
+            self.version = kept.version
+
+    @property
+    def _disk(self) -> Disk:
+        """``disk``, where the caller runs only for a store with files."""
+        disk = self.disk
+        assert disk is not None, "a store without files has no disk"
+        return disk
+
+    def attach(self, tiers: WriteBack) -> None:
+        """The tiers above these files, made once the version is open (they need its size). Held
+        weakly: the tiers hold this, and without a cycle a dropped store frees its parts (memory,
+        descriptors) at once, not at the next garbage collection."""
+        self._t = cast(WriteBack, weakref.proxy(tiers))
+
+    def take_lock(self, root: Path) -> None:
+        """Hold the LOCK file of ``root`` (one writer per path), or raise StoreLockedError."""
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise fileio.io_error(exc, "opening", root / "LOCK") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLockedError(
+                f"the store at {str(root)!r} is open for writing elsewhere (one writer per path); "
+                f"close it there or open this one with readonly=True"
+            ) from None
+        self._lock_fd = fd
+
+    def release_lock(self) -> None:
+        """Let go of the LOCK file (`close`, a failed open)."""
+        if self._lock_fd is not None:
+            try:
+                if self._c.pid == os.getpid():
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+            except OSError:
+                pass
+            self._lock_fd = None
 
     # ------------------------------------------------------------------ flush and versions
     def flush(self) -> int:
@@ -119,29 +288,26 @@ class Versioning:
         Thread-safe: may run in a background thread while another thread calls get/update;
         rows updated during the flush go into the next version.
         """
-        t0 = time.perf_counter()
-        self._check_usable(write=True)
-        self._raise_bg_error()
-        if self._disk is None:  # ephemeral memory store: nothing to make durable
-            with self._lock:
-                self._check_open()
-                if self._hot.dirty.any():
-                    self._hot.dirty[:] = 0
-                    self._version += 1
-                return self._version
-        with self._lock:
+        self.raise_bg_error()
+        if self.disk is None:  # ephemeral memory store: nothing to make durable
+            with self._c.lock:
+                self._c.check_open()
+                if self._t.forget_dirty():
+                    self.version += 1
+                return self.version
+        with self._c.lock:
             self._flush_waiting += 1  # a background compaction lets go of the writer lock between rounds
         try:
-            self._flush_lock.acquire()
+            self.flush_lock.acquire()
         finally:
             self._flush_done_waiting()
         try:
             # The segments this flush writes or commits count too (disk use peaks right after it),
             # up to half the limit: a flush of most of the table would otherwise have every
             # segment folded first, which costs a table's worth of writes and saves nothing.
-            with self._lock:
-                adding = int(np.count_nonzero(self._hot.dirty)) * self._row_bytes + self._pending_bytes
-            adding = min(adding, int(HARD_RATIO * self._num_rows * self._row_bytes / 2))
+            with self._c.lock:
+                adding = self._t.dirty_count() * self._c.row_bytes + self.pending_bytes
+            adding = min(adding, int(HARD_RATIO * self._c.num_rows * self._c.row_bytes / 2))
 
             def over() -> bool:
                 return self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding)
@@ -149,7 +315,7 @@ class Versioning:
             if self._dead is not None and over():
                 self._dead.run()  # dead records not given back yet go first (holes.py)
             if over():
-                self._await_round()
+                self.await_round()
             while over() and self._compact_round():
                 # Flushes come faster than background compaction folds their rows: this flush
                 # folds rounds itself first, so disk use stays bounded whatever the flush rate
@@ -161,10 +327,9 @@ class Versioning:
             self._disk.pool.drain()
             version = self._flush_locked()
         finally:
-            self._flush_lock.release()
+            self.flush_lock.release()
         self._trim_heap()
-        self._maybe_compact()
-        self._waited(t0, rows=False)
+        self.maybe_compact()
         return version
 
     def _flush_locked(self) -> int:
@@ -173,81 +338,79 @@ class Versioning:
         try:
             return self._flush_writing()
         finally:
-            self._stats.flush_seconds += time.perf_counter() - t0
+            self._c.stats.flush_seconds += time.perf_counter() - t0
 
     def _flush_writing(self) -> int:
-        with self._lock:
-            self._check_open()
-            hot = self._hot
-            slots = np.flatnonzero(hot.dirty)
-            layout = (self._cmap_gen, [s.seq for s in self._committed], self._num_rows)
-            if (not len(slots) and not self._pending and layout == self._published
-                    and self._table_rows == self._table_published):
-                return self._version
-            ids, slots, records, seq = self._begin_write_back(slots)
-            pending = list(self._pending)
+        with self._c.lock:
+            self._c.check_open()
+            slots = self._t.dirty_slots()
+            layout = (self._cmap_gen, [s.seq for s in self.committed], self._c.num_rows)
+            if (not len(slots) and not self.pending and layout == self._published
+                    and self.table_rows == self._table_published):
+                return self.version
+            ids, slots, records, seq = self._t.begin_write_back(slots)
+            pending = list(self.pending)
             # Segments every record of which has a newer one in this manifest (the same rows
             # updated and flushed again) leave the layout now, before compaction ever has to
             # fold them: a hot set of rows flushed over and over keeps one segment, not a pile
             # that a pass of rounds rewrites the whole table to drop.
-            rows = self._rows
-            gone = rows.superseded(self._committed + pending, ids) if rows is not None else set()
+            rows = self.rows
+            gone = rows.superseded(self.committed + pending, ids) if rows is not None else set()
             # A segment a kept version lists stays (its file stays anyway): that version then
             # keeps sharing the chunk files compaction writes (sharing.py).
-            gone = set() if self._version in self._pins else gone - self._sharing.segments
-            kept = [g for g in self._committed + pending if g.seq not in gone]
+            gone = set() if self.version in self._pins else gone - self._sharing.segments
+            kept = [g for g in self.committed + pending if g.seq not in gone]
             version = self._max_version + 1
             segs = [g.seq for g in kept]
         try:
             # one no manifest will list need not be durable
             self._disk.sync_segments([p for p in pending if p.seq not in gone])
             new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
-            m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self._version,
-                         num_rows=self._num_rows, table_rows=self._table_rows)
-            self._parent = self._version
+            m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self.version,
+                         num_rows=self._c.num_rows, table_rows=self.table_rows)
+            self._parent = self.version
             self._disk.write_manifest(m)  # the commit point (of a growth too: `EmbeddingStore.grow`)
             self._published = (m.chunkmap, list(m.segments), m.num_rows)
             self._table_published = m.table_rows
             self._grown_unflushed = False
         except BaseException:
-            self._end_write_back(slots, seq, ok=False)
+            self._t.end_write_back(slots, seq, ok=False)
             raise
         try:
             self._disk.write_latest(version)
         except StoreError:
             pass  # the version is published; the record only lags (open's check stays sound)
-        with self._lock:
-            self._end_write_back(slots, seq, ok=True)
-            self._committed = kept + new
-            self._pending = [p for p in self._pending if p not in pending]
-            self._pending_bytes = sum(p.nbytes for p in self._pending)
+        with self._c.lock:
+            self._t.end_write_back(slots, seq, ok=True)
+            self.committed = kept + new
+            self.pending = [p for p in self.pending if p not in pending]
+            self.pending_bytes = sum(p.nbytes for p in self.pending)
             for seg in new:
-                self._index_add(seg)
+                self.index_add(seg)
             if gone:
                 # renumbered without them: the old index (and the descriptors of the segments
                 # that left) goes when the last plan that holds it lets go
-                self._index_rebuild()
-                self._stats.superseded_segments += len(gone)
-            self._version = self._max_version = version
-            self._patch_warm(ids)  # the flushed rows are hot: their chunks' warm copies take them
-            self._stats.flushes += 1
-            self._stats.flushed_rows += len(ids)
+                self.index_rebuild()
+                self._c.stats.superseded_segments += len(gone)
+            self.version = self._max_version = version
+            self._t.patch_warm(ids)  # the flushed rows are hot: their chunks' warm copies take them
+            self._c.stats.flushes += 1
+            self._c.stats.flushed_rows += len(ids)
         self._apply_retention()
         self._refresh_sharing()
         return version
 
     def versions(self) -> list[int]:
         """Versions still on disk (openable with ``open(path, version=v)``)."""
-        if self._disk is None:
-            return [self._version]
+        if self.disk is None:
+            return [self.version]
         return self._disk.list_versions()
 
     def pin(self, version: int) -> None:
         """Never reclaim ``version`` (until unpinned); persisted across opens."""
-        self._check_usable(write=True)
         version = version_arg(version, "version")
         disk = self._require_disk("pin")
-        with self._flush_lock:
+        with self.flush_lock:
             disk.read_manifest(version)  # raises VersionNotFoundError
             self._pins.add(version)
             try:
@@ -259,10 +422,9 @@ class Versioning:
 
     def unpin(self, version: int) -> None:
         """Release a version kept by `pin`; retention may then reclaim it (not a reader's)."""
-        self._check_usable(write=True)
         version = version_arg(version, "version")
         disk = self._require_disk("unpin")
-        with self._flush_lock:
+        with self.flush_lock:
             was = version in self._pins
             self._pins.discard(version)
             try:
@@ -283,33 +445,33 @@ class Versioning:
         return self._require_disk("manifest_checksum").manifest_checksum(version_arg(version, "version"))
 
     def _require_disk(self, what: str) -> Disk:
-        if self._disk is None:
+        if self.disk is None:
             raise StoreError(f"{what}() needs a store on disk; this one was created with path=None")
-        return self._disk
+        return self.disk
 
     def _apply_retention(self, collect: bool = True) -> None:
         """Drop versions that are not among the newest KEEP_VERSIONS, not pinned and not being read
         by a read-only handle (in any process), then collect their garbage in the background
         (``collect=False``: the caller collects). Caller holds the flush lock."""
-        assert self._disk is not None
-        if self._readonly:
+        assert self.disk is not None
+        if self._c.readonly:
             return
         versions = self._disk.list_versions()
-        keep = set(versions[-KEEP_VERSIONS:]) | self._pins | {self._version}
+        keep = set(versions[-KEEP_VERSIONS:]) | self._pins | {self.version}
         dropped = False
         for v in versions:
             if v not in keep and self._disk.drop_version_unless_read(v):
                 dropped = True
         if dropped and collect:
             self._collect_due = True
-            self._submit_bg(self._collect_garbage)
+            self.submit_bg("_collect_garbage")
 
     def _load_version(self, version: int | None) -> None:
-        disk = self._disk
+        disk = self.disk
         assert disk is not None
         versions = disk.list_versions()
         if not versions:
-            raise CorruptStoreError(self._root, "holds no manifest (an interrupted create?)")
+            raise CorruptStoreError(self._c.root, "holds no manifest (an interrupted create?)")
         latest = disk.read_latest(versions[-1])
         for _ in range(3):
             if versions[-1] >= latest:
@@ -318,7 +480,7 @@ class Versioning:
             # the listing above is in the folder now. Only a manifest still missing is damage.
             versions = disk.list_versions() or versions
             latest = disk.read_latest(versions[-1])
-        if versions[-1] < latest and (version is None or not self._readonly):
+        if versions[-1] < latest and (version is None or not self._c.readonly):
             # Opening the newest manifest left would silently roll back (and a writer would then
             # collect the newer rows' segments as garbage).
             raise CorruptStoreError(
@@ -328,7 +490,7 @@ class Versioning:
                 f"holds, open it read-only: EmbeddingStore.open(path, version=..., readonly=True))",
             )
         v = versions[-1] if version is None else version
-        if self._readonly:
+        if self._c.readonly:
             # Register as a reader first, so the writer keeps this version's files while we read.
             for _ in range(10):
                 self._reader_fd = disk.lock_reader(v)
@@ -340,33 +502,33 @@ class Versioning:
         m = disk.read_manifest(v)
         # the table's rows at this version: a store grown since it was created says so in the
         # manifests from its growth on (older ones keep the size they had)
-        self._num_rows = m.num_rows or int(self._meta["num_rows"])
-        if self._num_rows < int(self._meta["num_rows"]):  # a table only grows
-            raise CorruptStoreError(disk.manifest_path(v), f"names num_rows={self._num_rows}, fewer than META's "
-                                                           f"{self._meta['num_rows']}")
-        disk.resize(self._num_rows)
+        self._c.num_rows = m.num_rows or int(self._c.meta["num_rows"])
+        if self._c.num_rows < int(self._c.meta["num_rows"]):  # a table only grows
+            raise CorruptStoreError(disk.manifest_path(v), f"names num_rows={self._c.num_rows}, fewer than META's "
+                                                           f"{self._c.meta['num_rows']}")
+        disk.resize(self._c.num_rows)
         # and per chunk the newest segment folded into its base file (see _compact_round)
-        self._cmap, self._folded = disk.read_chunkmap_folded(m.chunkmap)
+        self.cmap, self.folded = disk.read_chunkmap_folded(m.chunkmap)
         # An in-place fold a crash interrupted is finished before anything reads (inplace.py)
-        if self._readonly:
-            inplace.refuse_if_interrupted(disk, self._cmap)
+        if self._c.readonly:
+            inplace.refuse_if_interrupted(disk, self.cmap)
         else:
             inplace.redo(disk)
         self._cmap_gen = m.chunkmap
-        self._committed = [disk.open_segment(s) for s in m.segments]
-        self._published = (m.chunkmap, list(m.segments), self._num_rows)
-        self._table_rows = self._table_published = m.table_rows  # a shard's table (distributed/)
-        self._index_rebuild()
-        self._version = v
+        self.committed = [disk.open_segment(s) for s in m.segments]
+        self._published = (m.chunkmap, list(m.segments), self._c.num_rows)
+        self.table_rows = self._table_published = m.table_rows  # a shard's table (distributed/)
+        self.index_rebuild()
+        self.version = v
         self._max_version = versions[-1]
         self._pins = disk.read_pins()
         seq, gen = disk.max_seq_and_gen()
         self._own_gens_from = gen + 1  # chunk files of these generations are this handle's own
         # Segment numbers only grow: the chunk map names segments folded (and deleted) long ago,
         # and a new segment numbered like one of them would count as folded before it is.
-        self._next_seq = max(seq, int(self._folded.max(initial=0)), max(m.segments, default=0)) + 1
+        self.next_seq = max(seq, int(self.folded.max(initial=0)), max(m.segments, default=0)) + 1
         self._next_gen = gen + 1
-        if not self._readonly:
+        if not self._c.readonly:
             # Leftovers of a crash (unreferenced segments, temp files) are removed by the writer.
             self._collect_garbage(at_open=True)
             # and records base chunks already hold give their blocks back (a crash, or a close
@@ -379,14 +541,14 @@ class Versioning:
     def _segment_bytes(self, held: bool = False) -> int:
         """Bytes of the committed segments' files; ``held``: on disk, without the dead records
         punched out of them (holes.py)."""
-        return sum(s.live_bytes if held else s.nbytes for s in self._committed)
+        return sum(s.live_bytes if held else s.nbytes for s in self.committed)
 
     def _foldable(self) -> list[Segment]:
         """The committed segments compaction rounds fold now: not those newer than a kept version
         that shares the chunk files (they hold the rows changed since it, sharing.py). The
         thresholds count these only, so a pass never starts for segments it may not fold."""
         share = self._sharing
-        return [s for s in self._committed if share.foldable(s)]
+        return [s for s in self.committed if share.foldable(s)]
 
     def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
                           floor: int = 0, held: bool = True, adding: int = 0) -> bool:
@@ -395,12 +557,12 @@ class Versioning:
         the bytes on disk, dead records given back (holes.py), which drop as the rounds fold
         chunk after chunk, not once a whole sweep is round; else the files' sizes."""
         ratio = COMPACT_RATIO if ratio is None else ratio  # read now: tests and benchmarks set it
-        table = self._num_rows * self._row_bytes
+        table = self._c.num_rows * self._c.row_bytes
         foldable = self._foldable()
         nbytes = sum(s.live_bytes if held else s.nbytes for s in foldable)
         return len(foldable) > segments or nbytes + adding > max(ratio * table, floor)
 
-    def _maybe_compact(self) -> None:
+    def maybe_compact(self) -> None:
         """Compact in the background once segments pass the thresholds (after a flush, and at a
         writable open: many short open/flush/close runs would otherwise never get there). The
         compaction process starts here once segments hold half the share a pass starts at: ready
@@ -408,26 +570,30 @@ class Versioning:
         read or by short runs that flush a little."""
         if self._grown_unflushed:
             return  # the next flush publishes the grown table first (see `_fold_round`)
-        if self._fold_proc is None and not self._closed:
+        if self.fold_proc is None and not self._c.closed:
             if self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2):
                 self._fold_process()
         if self._needs_compaction():
-            self._submit_bg(self._compact)
+            self.submit_bg("_compact")
 
-    def _submit_bg(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the background I/O thread; a job of the same kind already queued absorbs it."""
-        with self._lock:
-            if self._closed:
+    def submit_bg(self, key: str) -> None:
+        """Run the job ``key`` names (`_job`) on the background I/O thread; a job of the same kind
+        already queued absorbs it."""
+        with self._c.lock:
+            if self._c.closed:
                 return
             if self._bg is None:
                 self._bg = ThreadPoolExecutor(1, thread_name_prefix="embcache-bg")
-            if self._damage is not None:
+            if self.damage is not None:
                 return  # fail-stop: a store that met a damaged file writes nothing more in its folder
-            key = fn.__name__
             fut = self._bg_futures.get(key)
             if fut is not None and not fut.done():
                 return
             self._bg_futures[key] = self._bg.submit(_run_bg_weakly, weakref.ref(self), key)
+
+    def _job(self, key: str) -> Callable[[], None]:
+        """The background job ``key`` names: the tiers' write-back (``"clean"``) or a method of this."""
+        return self._t.clean if key == "clean" else getattr(self, key)
 
     def _run_bg(self, fn: Callable[[], None]) -> None:
         try:
@@ -435,19 +601,19 @@ class Versioning:
         except BaseException as exc:  # surfaced on the next flush()
             self._bg_error = exc
             if isinstance(exc, CorruptStoreError):
-                self._saw_damage(exc)
+                self.saw_damage(exc)
 
-    def _saw_damage(self, exc: CorruptStoreError) -> None:
+    def saw_damage(self, exc: CorruptStoreError) -> None:
         """Fail-stop: from the first damaged file met, no background work writes in this folder
         (compaction, write-back, garbage collection); `stats().damaged` says so. The handle still
         serves what it can read, and flushes (which only append) still run if asked."""
-        if self._damage is None:
-            self._damage = exc
-            if self._fold_proc is not None and self._pid == os.getpid():
-                self._fold_proc.close()
-                self._fold_proc = None
+        if self.damage is None:
+            self.damage = exc
+            if self.fold_proc is not None and self._c.pid == os.getpid():
+                self.fold_proc.close()
+                self.fold_proc = None
 
-    def _raise_bg_error(self) -> None:
+    def raise_bg_error(self) -> None:
         exc, self._bg_error = self._bg_error, None
         if exc is not None:
             raise StoreError(
@@ -463,16 +629,15 @@ class Versioning:
         try:
             self._compact_now()
         except CorruptStoreError as exc:
-            self._saw_damage(exc)
+            self.saw_damage(exc)
             raise
 
     def _compact_now(self) -> None:
-        self._check_usable(write=True)
         self._require_disk("compact")
-        self._wait_bg()
-        with self._flush_lock:
-            self._await_round()
-            while self._committed and self._compact_round(everything=True):
+        self.wait_bg()
+        with self.flush_lock:
+            self.await_round()
+            while self.committed and self._compact_round(everything=True):
                 pass
             self._disk.pool.drain()
 
@@ -491,7 +656,7 @@ class Versioning:
         the training thread, and segments that flushes left out would stay on disk).
         """
         state = self._compact_step(None)
-        while state is not None and not self._closed and self._damage is None:
+        while state is not None and not self._c.closed and self.damage is None:
             state = self._compact_step(state)
 
     def _compact_step(self, state: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -502,23 +667,23 @@ class Versioning:
         rounds (`_run_bg_weakly`)."""
         if state is None:
             self._await_fold_process()
-            state = (-1, self._stats.superseded_segments)
+            state = (-1, self._c.stats.superseded_segments)
         target, superseded = state
-        with self._lock:  # a flush asked for the writer lock: it goes first
-            while self._flush_waiting and not self._closed:
-                self._no_flush_waiting.wait(0.1)  # notified when none waits; the timeout sees close()
-        if self._closed or self._damage is not None:
+        with self._c.lock:  # a flush asked for the writer lock: it goes first
+            while self._flush_waiting and not self._c.closed:
+                self._no_flush_waiting.wait(WAKE_S)  # notified as flushes get in, and by `wake` (close)
+        if self._c.closed or self.damage is not None:
             return None
-        if self._clean_due:
-            self._clean()
-        with self._flush_lock:
+        if self.clean_due:
+            self._t.clean()
+        with self.flush_lock:
             if self._collect_due:
                 self._collect_due = False
                 self._collect_garbage_locked(self._disk, at_open=False)
-            if not self._committed or self._committed[0].seq > target:
+            if not self.committed or self.committed[0].seq > target:
                 # Round once: sweep again while segments are over the threshold, or over half
                 # of it while flushes add rows that stay (none of their segments left out).
-                hot_set = self._stats.superseded_segments != superseded
+                hot_set = self._c.stats.superseded_segments != superseded
                 if not (
                     self._needs_compaction()
                     or (not hot_set and self._needs_compaction(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2))
@@ -531,7 +696,7 @@ class Versioning:
                 if not foldable:
                     self._disk.pool.drain()
                     return None
-                target, superseded = foldable[-1].seq, self._stats.superseded_segments
+                target, superseded = foldable[-1].seq, self._c.stats.superseded_segments
             if not self._compact_round(unlocked=True):
                 self._disk.pool.drain()
                 return None
@@ -542,8 +707,8 @@ class Versioning:
         foldproc.START_WAIT_S): the pass is in the background, and its rounds folded here would
         hold the GIL beside the training thread."""
         deadline = time.monotonic() + foldproc.START_WAIT_S
-        while self._fold_proc is not None and not self._closed and time.monotonic() < deadline:
-            if self._fold_process() is not None or self._fold_proc is None:
+        while self.fold_proc is not None and not self._c.closed and time.monotonic() < deadline:
+            if self._fold_process() is not None or self.fold_proc is None:
                 return
             time.sleep(0.01)
 
@@ -553,12 +718,12 @@ class Versioning:
         order, the records a round kills lie next to those the rounds before it killed, so each
         segment gets one hole a round (holes.py: a punch has a fixed cost however small, and a
         round of scattered chunks would make many a segment)."""
-        chunk_bytes = self._chunk_rows * self._row_bytes
-        table = self._num_rows * self._row_bytes
+        chunk_bytes = self._c.chunk_rows * self._c.row_bytes
+        table = self._c.num_rows * self._c.row_bytes
         limit = max(1, min(ROUND_BYTES, int(table * ROUND_SHARE)) // chunk_bytes)
         if everything:
             limit = max(limit, ROUND_BYTES // chunk_bytes)
-        folded = self._folded
+        folded = self.folded
         taken = np.zeros(len(folded), np.bool_)
         picked: list[np.ndarray] = []
         count = 0
@@ -600,13 +765,13 @@ class Versioning:
         cand = chunks[cmap[chunks] > 0] if FOLD_IN_PLACE else none
         if not len(cand):
             return none
-        alone = disk.lock_version_alone(self._version)
+        alone = disk.lock_version_alone(self.version)
         if alone is None:
             return none
         locks = [alone]
         try:
             listed = disk.list_versions()
-            others = [v for v in listed if v != self._version]
+            others = [v for v in listed if v != self.version]
             for v in share.members:
                 if v in others and (lk := disk.lock_version_alone(v)) is not None:
                     locks.append(lk)
@@ -678,14 +843,14 @@ class Versioning:
         hold the reader locks of the versions they published (added to ``locks``; ``listed``:
         the versions on disk before, updated). False where a read-only handle holds one of them,
         or the store closes: the caller stops folding in place."""
-        self._flush_lock.release()
+        self.flush_lock.release()
         try:
-            with self._lock:
-                while self._flushes_to_let_in() and not self._closed:
-                    self._no_flush_waiting.wait(0.01)
+            with self._c.lock:
+                while self._flushes_to_let_in() and not self._c.closed:
+                    self._no_flush_waiting.wait(WAKE_S)  # notified as flushes get in, and by `wake`
         finally:
-            self._flush_lock.acquire()
-        if self._closed:
+            self.flush_lock.acquire()
+        if self._c.closed:
             return False
         now = self._disk.list_versions()
         for v in now:
@@ -699,19 +864,19 @@ class Versioning:
 
     def _chunkmap_of(self, m: Manifest) -> np.ndarray:
         """Another version's chunk map (files never change: read once per generation)."""
-        seen = self.__dict__.setdefault("_chunkmaps_seen", {})
+        seen = self._chunkmaps_seen
         cm = seen.get(m.chunkmap)
         if cm is None:
             if len(seen) >= 16:
                 seen.clear()
-            cm = seen[m.chunkmap] = self._disk.read_chunkmap(m.chunkmap, m.num_rows or int(self._meta["num_rows"]))
+            cm = seen[m.chunkmap] = self._disk.read_chunkmap(m.chunkmap, m.num_rows or int(self._c.meta["num_rows"]))
         return cm
 
     def _forget_chunk_file(self, c: int, g: int) -> None:
         """Chunk file (c, g) changed in place: this handle's cached descriptors and block
         checksums of it go (the next read reads its new directory)."""
         self._disk._directories.pop((c, g), None)
-        reader = self._chunkrows
+        reader = self.chunkrows
         if reader is not None:
             reader.forget([(c, g)])
 
@@ -730,7 +895,7 @@ class Versioning:
         disk = self._disk
         if proc is None or not len(chunks):
             return None
-        reuse = []
+        reuse: list[Any] = []
         while len(reuse) < len(chunks) and (name := disk.pool.take()) is not None:
             reuse.append(name)
         ok, res = proc.fold(
@@ -739,7 +904,7 @@ class Versioning:
             folded[chunks].tolist(),
             [s.seq for s in segs],
             gen,
-            self._compress,
+            self._c.compress,
             self._own_gens_from,
             reuse,
         )
@@ -766,21 +931,21 @@ class Versioning:
                 disk.bytes_written += res["bytes_written"]
                 disk.compaction_bytes_written += res["bytes_written"]
                 disk.segment_reads[0] += res["segment_reads"]
-                with self._lock:
-                    self._stats.compaction_process_chunks += len(res["done"])
+                with self._c.lock:
+                    self._c.stats.compaction_process_chunks += len(res["done"])
                 if not res["skipped"]:
                     return chunks
                 own = res["skipped"]
                 done = np.asarray(res["done"], np.int64)
             else:
-                with self._lock:
-                    self._stats.compaction_process_failures += 1
+                with self._c.lock:
+                    self._c.stats.compaction_process_failures += 1
         if not own:
             own = chunks.tolist()
-        handover = threading.get_ident() != self._row_thread  # a training thread may want the GIL
+        handover = threading.get_ident() != self._c.row_thread  # a training thread may want the GIL
         written = []
         for c in own:
-            if self._closed:  # close() waits for the writer lock: publish what is done, stop
+            if self._c.closed:  # close() waits for the writer lock: publish what is done, stop
                 break
             recs, present = fold_chunk(
                 disk,
@@ -788,10 +953,10 @@ class Versioning:
                 int(cmap[c]),
                 segs,
                 verify=int(cmap[c]) < self._own_gens_from,
-                init_rows=self._init_rows,
+                init_rows=self._c.init_rows,
                 folded=int(folded[c]),
             )
-            disk.write_chunk(c, gen, recs, self._compress, durable=False, present=present)
+            disk.write_chunk(c, gen, recs, self._c.compress, durable=False, present=present)
             if handover:
                 time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see `_fold_round`)
             written.append(c)
@@ -802,21 +967,21 @@ class Versioning:
         """The store's compaction process, started here on the first call (`_maybe_compact`
         makes it) for a writable disk store the process is wanted for (`foldproc.wanted`); None
         while it starts, after it failed twice, or where it is not wanted."""
-        proc = self._fold_proc
+        proc = self.fold_proc
         if proc is None:
             if (
-                self._disk is None
+                self.disk is None
                 or self._fold_proc_failed
-                or self._readonly
-                or not foldproc.wanted(self._num_rows * self._row_bytes)
+                or self._c.readonly
+                or not foldproc.wanted(self._c.num_rows * self._c.row_bytes)
             ):
                 return None
             try:
-                proc = self._fold_proc = FoldProcess(
-                    self._root,
-                    self._num_rows,
-                    self._chunk_rows,
-                    self._row_bytes,
+                proc = self.fold_proc = FoldProcess(
+                    self._disk.root,
+                    self._c.num_rows,
+                    self._c.chunk_rows,
+                    self._c.row_bytes,
                     self._disk.uid,
                     unbound=self._disk.unbound,
                 )
@@ -827,12 +992,12 @@ class Versioning:
             return proc
         if proc.broken:  # it died or failed: one more start, then this thread for good
             proc.close()
-            self._fold_proc = None
+            self.fold_proc = None
             self._fold_proc_failed = self._fold_proc_restarts >= 1
             self._fold_proc_restarts += 1
         return None
 
-    def _await_round(self) -> None:
+    def await_round(self) -> None:
         """Wait until no background round is folding without the writer lock (caller holds the
         writer lock exactly once, and lets go of it meanwhile: the round publishes under it)."""
         me = threading.get_ident()
@@ -840,18 +1005,18 @@ class Versioning:
             return
         # Counted as a flush waiting, so that the background pass starts no new round until this
         # caller got in: each round would otherwise start while this thread waits to be scheduled.
-        with self._lock:
+        with self._c.lock:
             self._flush_waiting += 1
             self._awaiting_round += 1  # (a round folding in place does not let it in: `_flushes_to_let_in`)
         try:
             while self._round_thread not in (None, me):
-                self._flush_lock.release()
+                self.flush_lock.release()
                 try:
-                    self._round_done.wait(0.05)
+                    self._round_done.wait()  # set when the round ends, however it ends (`_fold_round`)
                 finally:
-                    self._flush_lock.acquire()
+                    self.flush_lock.acquire()
         finally:
-            with self._lock:
+            with self._c.lock:
                 self._awaiting_round -= 1
             self._flush_done_waiting()
 
@@ -860,10 +1025,17 @@ class Versioning:
         return self._flush_waiting > self._awaiting_round
 
     def _flush_done_waiting(self) -> None:
-        with self._lock:
+        """A flush waiting for the writer lock got it: wake whoever waits for fewer waiting
+        (a compaction pass before its next round, a round folding in place letting flushes in)."""
+        with self._c.lock:
             self._flush_waiting -= 1
-            if not self._flush_waiting:
-                self._no_flush_waiting.notify_all()
+            self._no_flush_waiting.notify_all()
+
+    def wake(self) -> None:
+        """The store closed (``core.closed`` was just set): background work waiting for flushes to
+        get in looks again and stops."""
+        with self._c.lock:
+            self._no_flush_waiting.notify_all()
 
     def _compact_round(self, everything: bool = False, unlocked: bool = False) -> bool:
         """One round of compaction (`_fold_round`), its time counted in ``stats().compaction_seconds``."""
@@ -871,7 +1043,7 @@ class Versioning:
         try:
             return self._fold_round(everything, unlocked)
         finally:
-            self._stats.compaction_seconds += time.perf_counter() - t0
+            self._c.stats.compaction_seconds += time.perf_counter() - t0
 
     def _fold_round(self, everything: bool = False, unlocked: bool = False) -> bool:
         """Rewrite a bounded set of chunks with the committed segments' rows folded in, drop the
@@ -903,116 +1075,150 @@ class Versioning:
         chunk that already holds it (a store written before chunk maps recorded this) gives the
         same rows.
         """
-        disk = self._disk
-        assert disk is not None
-        with self._lock:
+        plan = self._plan_round(everything)
+        if plan is None:
+            return False
+        proc = self._fold_process()
+        if unlocked:  # the writer lock may be let go of meanwhile: the process folds, or a flush goes first
+            self._round_thread = threading.get_ident()
+            self._round_done.clear()
+        try:
+            done = self._fold_planned(plan, proc, unlocked)
+            if done is None:
+                return False
+            new = self._publish_round(plan, done)
+            if new is None:
+                return False  # fail-stop: a damaged file was met meanwhile, nothing more is written
+        finally:
+            with self._c.lock:
+                self._writing_gens.discard(plan.gen)
+            if unlocked:
+                self._round_thread = None
+                self._round_done.set()
+        ready = self._adopt_round(plan, done, new)
+        return self._collect_round(plan, done, new, ready)
+
+    def _plan_round(self, everything: bool) -> _Round | None:
+        """What a round folds, taken under the lock (caller holds the writer lock), with a new
+        chunk map generation; None if there is nothing to fold, the store closed or it grew."""
+        with self._c.lock:
             share = self._sharing
-            segs = [s for s in self._committed if share.foldable(s)]
+            segs = [s for s in self.committed if share.foldable(s)]
             # A grown table's layout is published by its next flush, never by a round: a round
             # rewrites the manifest of the version it folds, which has the size before the growth.
-            if self._closed or not segs or self._grown_unflushed:
-                return False
-            cmap = self._cmap.copy()
-            folded0 = self._folded  # replaced, never changed in place: only rounds move it
+            if self._c.closed or not segs or self._grown_unflushed:
+                return None
+            cmap = self.cmap.copy()
+            folded = self.folded  # replaced, never changed in place: only rounds move it
             old_gen = self._cmap_gen
             chunks = self._round_chunks(segs, everything)
             gen = self._next_gen
             self._next_gen += 1
             self._writing_gens.add(gen)
-        proc = self._fold_process()
+        return _Round(share, segs, cmap, folded, old_gen, chunks, gen)
+
+    def _fold_planned(self, r: _Round, proc: FoldProcess | None, unlocked: bool) -> _Written | None:
+        """Fold the round's chunks. Chunk files only this version reads are folded in place first,
+        under the writer lock (no flush publishes a version that reads them meanwhile); the others
+        are written as new files of ``r.gen``, by the compaction process where there is one (a
+        background round lets go of the writer lock meanwhile). None: the store closed first."""
+        disk = self._disk
         release = unlocked and proc is not None
-        if unlocked:  # the writer lock may be let go of meanwhile: the process folds, or a flush goes first
-            self._round_thread = threading.get_ident()
-            self._round_done.clear()
+        folded_bytes = self._c.row_bytes * sum(
+            inplace.distinct_rows(c, r.segs, int(r.folded[c])) for c in r.chunks.tolist())
+        written0 = disk.compaction_bytes_written
+        in_place = self._fold_in_place(r.chunks, r.cmap, r.folded, r.segs, r.share, r.gen, yielding=unlocked)
+        chunks = np.setdiff1d(r.chunks, in_place)
+        planned = len(chunks)
+        if release:
+            self.flush_lock.release()
         try:
-            newest = segs[-1].seq
-            folded_bytes = self._row_bytes * sum(
-                inplace.distinct_rows(c, segs, int(folded0[c])) for c in chunks.tolist())
-            # Chunk files only this version reads are folded in place first, under the writer
-            # lock (no flush publishes a version that reads them meanwhile); the others are
-            # written as new files of ``gen``, by the compaction process where there is one.
-            written0 = disk.compaction_bytes_written
-            in_place = self._fold_in_place(chunks, cmap, folded0, segs, share, gen, yielding=unlocked)
-            chunks = np.setdiff1d(chunks, in_place)
-            planned = len(chunks)
-            if release:
-                self._flush_lock.release()
-            try:
-                res = self._fold_elsewhere(proc, chunks, cmap, folded0, segs, gen)
-            finally:
-                if release:
-                    self._flush_lock.acquire()
-            chunks = self._fold_chunks(chunks, cmap, folded0, segs, gen, res)
-            if self._closed and not len(chunks) and planned and not len(in_place):
-                return False
-            new_files = chunks
-            chunks = np.union1d(chunks, in_place)
-            folding = segs
-            with self._lock:  # a flush may have added (or left out) segments meanwhile
-                segs = list(self._committed)
-            new_cmap = cmap.copy()  # rounds never overlap: the chunk map is the snapshot's
-            new_cmap[new_files] = gen  # (a file folded in place keeps its name)
-            folded = self._folded.copy()
-            folded[chunks] = newest
-            drop = 0
-            for s in segs:
-                if not (folded[s.idx_chunk] >= s.seq).all():
-                    break
-                drop += 1
-            remaining = segs[drop:]
-            if self._damage is not None:
-                return False  # fail-stop: a damaged file was met meanwhile, nothing more is written
-            disk.write_chunkmap(gen, new_cmap, folded)
-            version = self._version
-            m = self._publish_layout(gen, remaining)
+            res = self._fold_elsewhere(proc, chunks, r.cmap, r.folded, r.segs, r.gen)
         finally:
-            with self._lock:
-                self._writing_gens.discard(gen)
-            if unlocked:
-                self._round_thread = None
-                self._round_done.set()
+            if release:
+                self.flush_lock.acquire()
+        new_files = self._fold_chunks(chunks, r.cmap, r.folded, r.segs, r.gen, res)
+        if self._c.closed and not len(new_files) and planned and not len(in_place):
+            return None
+        return _Written(new_files, in_place, np.union1d(new_files, in_place), folded_bytes, written0)
+
+    def _publish_round(self, r: _Round, w: _Written) -> _Published | None:
+        """Publish the layout with the round's chunks folded: new chunk map, and without the
+        leading segments now folded everywhere. Over the layout as it is now: a flush may have
+        added (or left out) segments meanwhile. None where a damaged file was met meanwhile."""
+        newest = r.segs[-1].seq
+        with self._c.lock:
+            segs = list(self.committed)
+        new_cmap = r.cmap.copy()  # rounds never overlap: the chunk map is the snapshot's
+        new_cmap[w.new_files] = r.gen  # (a file folded in place keeps its name)
+        folded = self.folded.copy()
+        folded[w.chunks] = newest
+        drop = 0
+        for s in segs:
+            if not (folded[s.idx_chunk] >= s.seq).all():
+                break
+            drop += 1
+        if self.damage is not None:
+            return None
+        self._disk.write_chunkmap(r.gen, new_cmap, folded)
+        version = self.version
+        m = self._publish_layout(r.gen, segs[drop:])
+        return _Published(m, version, new_cmap, folded, segs, drop)
+
+    def _adopt_round(self, r: _Round, w: _Written, p: _Published) -> int:
+        """The published round becomes the live layout (and the shared versions' too); returns
+        the file pool's epoch from which reads see it (`holes.py`)."""
+        disk = self._disk
+        m, remaining = p.manifest, p.segs[p.drop:]
         if m.version >= self._max_version:
             try:
                 disk.write_latest(m.version)  # LATEST links to the newest manifest's file
             except StoreError:
                 pass  # the record only lags (open's check stays sound)
-        with self._lock:  # the caller holds the writer lock: the committed segments are those read above
-            assert [s.seq for s in self._committed] == [s.seq for s in segs], "layout moved during compaction"
-            self._cmap, self._cmap_gen, self._committed, self._folded = new_cmap, gen, remaining, folded
-            self._published = (gen, [s.seq for s in remaining], self._num_rows)
-            if m.version != version:
-                self._parent = version
-                self._version = self._max_version = m.version
-            if drop:
+        with self._c.lock:  # the caller holds the writer lock: the committed segments are those read above
+            assert [s.seq for s in self.committed] == [s.seq for s in p.segs], "layout moved during compaction"
+            self.cmap, self._cmap_gen, self.committed, self.folded = p.cmap, r.gen, remaining, p.folded
+            self._published = (r.gen, [s.seq for s in remaining], self._c.num_rows)
+            if m.version != p.version:
+                self._parent = p.version
+                self.version = self._max_version = m.version
+            if p.drop:
                 # Segments left the layout: renumber the index. A round that dropped none leaves
                 # it as it is (it indexes segments only; rebuilding it over every delta record,
                 # under the store lock, would make a training thread's get wait every round),
                 # dropping the entries of the chunks it folded only once they are many.
-                self._index_rebuild()
-            elif self._rows is not None:
-                self._rows.note_folded(chunks, self._chunk_rows, folded)
-            self._below_token += 1  # same rows, but the folded segments are no longer read
-            self._stats.compactions += 1
-            self._stats.chunks_folded_in_place += len(in_place)
-            self._stats.compaction_folded_bytes += folded_bytes
+                self.index_rebuild()
+            elif self.rows is not None:
+                self.rows.note_folded(w.chunks, self._c.chunk_rows, p.folded)
+            self.below_token += 1  # same rows, but the folded segments are no longer read
+            self._c.stats.compactions += 1
+            self._c.stats.chunks_folded_in_place += len(w.in_place)
+            self._c.stats.compaction_folded_bytes += w.folded_bytes
             # Reads planned from here on read the records this round folded from the new base
             # files; those planned before, without the lock, register before this epoch.
             ready = disk.pool.seal()
         # The kept versions that share the chunk files read the new ones too (sharing.py).
-        self._repoint(share.members, old_gen, gen, folding, folded)
-        with self._lock:
-            self._stats.compaction_bytes_written += disk.compaction_bytes_written - written0
-        if self._closed or self._damage is not None:
-            return False  # the next open collects what this round replaced
+        self._repoint(r.share.members, r.old_gen, r.gen, r.segs, p.folded)
+        with self._c.lock:
+            self._c.stats.compaction_bytes_written += disk.compaction_bytes_written - w.written0
+        return ready
+
+    def _collect_round(self, r: _Round, w: _Written, p: _Published, ready: int) -> bool:
+        """Give back what the round replaced: dead records, the replaced chunk files and dropped
+        segments once no kept version uses them (round by round, so disk use stays near the table
+        plus one round; the dropped segments' descriptors close when the last reader lets go).
+        False if the store closed or met damage meanwhile (the next open collects it)."""
+        if self._c.closed or self.damage is not None:
+            return False
+        disk = self._disk
         listed = disk.list_versions()  # (for both: nothing adds or drops a version meanwhile)
         self._refresh_sharing(listed)
         self._kill_dead(ready, listed)
-        # The replaced chunk files and dropped segments are garbage once no kept version uses
-        # them: collected now, round by round, so disk use stays near the table plus one round.
-        # The dropped segments' descriptors close when the last reader (a prefetch's plan) lets go.
-        disk.pool.limit = len(new_files)  # the next round of the pass rewrites about as many files
-        replaced = [(c, g) for c, g in zip(new_files.tolist(), cmap[new_files].tolist()) if g]
-        if not (m.version == version and self._collect_replaced(disk, version, replaced, segs[:drop], old_gen, listed)):
+        disk.pool.limit = len(w.new_files)  # the next round of the pass rewrites about as many files
+        replaced = [(c, g) for c, g in zip(w.new_files.tolist(), r.cmap[w.new_files].tolist()) if g]
+        version = p.version
+        if not (p.manifest.version == version
+                and self._collect_replaced(disk, version, replaced, p.segs[: p.drop], r.old_gen, listed)):
             self._apply_retention(collect=False)
             self._collect_garbage_locked(disk, at_open=False, pool=True)
         self._trim_heap()
@@ -1024,15 +1230,15 @@ class Versioning:
         while no reader can open it. Only when a read-only handle holds it does the new layout
         become a new version (the reader keeps its files)."""
         disk = self._disk
-        version = self._version
+        version = self.version
         segs = [s.seq for s in remaining]
         alone = disk.lock_version_alone(version)
         try:
             if alone is not None:
-                m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version), self._num_rows,
+                m = Manifest(version, gen, segs, self._parent, disk.manifest_checksum(version), self._c.num_rows,
                              self._table_published)
             else:
-                m = Manifest(self._max_version + 1, gen, segs, version, num_rows=self._num_rows,
+                m = Manifest(self._max_version + 1, gen, segs, version, num_rows=self._c.num_rows,
                              table_rows=self._table_published)
             # the commit point: old layout or new, the same rows
             disk.compaction_bytes_written += disk.write_manifest(m)
@@ -1048,10 +1254,10 @@ class Versioning:
         dead = self._dead
         if dead is None or not dead.works:
             return
-        with self._lock:
-            segs, folded, gen, version = list(self._committed), self._folded, self._cmap_gen, self._version
+        with self._c.lock:
+            segs, folded, gen, version = list(self.committed), self.folded, self._cmap_gen, self.version
         dead.mark(segs, folded, ready, self._protected_segments(version, gen, listed))
-        if self._segment_bytes(held=True) > PUNCH_FROM * self._num_rows * self._row_bytes:
+        if self._segment_bytes(held=True) > PUNCH_FROM * self._c.num_rows * self._c.row_bytes:
             dead.run()
 
     def _protected_segments(self, version: int, gen: int, listed: list[int] | None = None) -> set[int]:
@@ -1087,22 +1293,24 @@ class Versioning:
         """Find the pinned versions that share the writer's chunk files and how far rounds may
         fold without copying the chunks they read (sharing.py). A version a read-only handle
         holds keeps its files: it is left out. Caller holds the writer lock (or opens the store)."""
-        disk = self._disk
-        if disk is None or self._readonly:
+        disk = self.disk
+        if disk is None or self._c.readonly:
             return
         if listed is None:
             listed = disk.list_versions()
-        with self._lock:
-            segs, gen, version, pins = list(self._committed), self._cmap_gen, self._version, set(self._pins)
+        with self._c.lock:
+            segs, gen, version, pins = list(self.committed), self._cmap_gen, self.version, set(self._pins)
         seqs = {s.seq for s in segs}
         members = []
         for v in listed:
             m = self._manifest_of(v) if v in pins and v != version else None
+            if m is None:
+                continue
             # a version of another size (before a growth) never shares: its chunk map has its size
-            same_size = m is not None and (m.num_rows or int(self._meta["num_rows"])) == self._num_rows
+            same_size = (m.num_rows or int(self._c.meta["num_rows"])) == self._c.num_rows
             if same_size and sharing.shares(m, gen, seqs) and self._unread(v):
                 members.append(m)
-        self._sharing = sharing.plan(segs, members, self._num_rows * self._row_bytes)
+        self._sharing = sharing.plan(segs, members, self._c.num_rows * self._c.row_bytes)
 
     def _unread(self, version: int) -> bool:
         """No read-only handle holds ``version`` now (one that opens it later finds it published
@@ -1163,8 +1371,8 @@ class Versioning:
         any manifest (listing them is a large share of a round's time in a disk-mode epoch). Only where
         ``version`` is the only one on disk and nothing is pinned: then no other version can use
         them. False otherwise: the caller collects the usual way."""
-        with self._lock:
-            if self._pins or self._closed or old_gen in self._writing_gens or old_gen == self._cmap_gen:
+        with self._c.lock:
+            if self._pins or self._c.closed or old_gen in self._writing_gens or old_gen == self._cmap_gen:
                 return False
         if listed != [version]:
             return False
@@ -1174,17 +1382,17 @@ class Versioning:
         if old_gen:
             disk.delete_file(disk.chunkmap_path(old_gen))
         if pooled:
-            reader = self._chunkrows
+            reader = self.chunkrows
             if reader is not None:
                 reader.forget(pooled)  # a stale plan's read finds them gone, as if deleted
             disk.pool.seal()
         return True
 
     def _collect_garbage(self, at_open: bool = False) -> None:
-        disk = self._disk
-        if disk is None or self._readonly:
+        disk = self.disk
+        if disk is None or self._c.readonly:
             return
-        with self._flush_lock:  # nothing is being published or compacted while it looks
+        with self.flush_lock:  # nothing is being published or compacted while it looks
             if not (at_open or self._collect_due):
                 return  # a compaction pass collected it between its rounds (`_compact`)
             self._collect_due = False
@@ -1193,17 +1401,17 @@ class Versioning:
     def _collect_garbage_locked(self, disk: Disk, at_open: bool, pool: bool = False) -> None:
         """``pool``: replaced chunk files go into ``disk.pool`` (the next round overwrites them)
         instead of being deleted, where it has room."""
-        with self._lock:
-            if self._closed and not at_open or self._damage is not None:
+        with self._c.lock:
+            if self._c.closed and not at_open or self.damage is not None:
                 return  # fail-stop: a store that met a damaged file deletes nothing in its folder
-            live_segs = {s.seq for s in self._committed + self._pending} | self._writing_seqs
+            live_segs = {s.seq for s in self.committed + self.pending} | self.writing_seqs
             gens = {self._cmap_gen} | self._writing_gens
             # The chunk files the live layout reads: after two compactions with no flush between,
             # it still uses chunks of the first one's generation, which no manifest lists yet.
-            used = np.flatnonzero(self._cmap)
-            live_files = set(zip(used.tolist(), self._cmap[used].tolist()))
+            used = np.flatnonzero(self.cmap)
+            live_files = set(zip(used.tolist(), self.cmap[used].tolist()))
             # Anything numbered from here on is written after this snapshot: never garbage.
-            new_seq, new_gen = self._next_seq, self._next_gen
+            new_seq, new_gen = self.next_seq, self._next_gen
         pooled = disk.collect_garbage(
             disk.list_versions(),
             live_segs,
@@ -1215,7 +1423,7 @@ class Versioning:
             pool=pool,
         )
         if pooled:
-            reader = self._chunkrows
+            reader = self.chunkrows
             if reader is not None:
                 reader.forget(pooled)  # a stale plan's read finds them gone, as if deleted
             disk.pool.seal()
@@ -1228,9 +1436,221 @@ class Versioning:
         training thread fault its next allocations back in (page faults in the get path after every
         flush, until the heap refilled).
         """
-        if not self._hot.resident:
+        if not self._t.resident():
             trim_heap()
 
-    def _wait_bg(self) -> None:
+    def wait_bg(self) -> None:
         for fut in list(self._bg_futures.values()):
             fut.result()
+
+    def find_below(self, rows: RowIndex, ids: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(segment number, row position) of each id's newest delta record in ``rows``, -1 where it
+        has none or the record is dead: its chunk's base file holds it (holes.py; the record may
+        be punched out of its segment, so it is never read). Caller holds the lock."""
+        seg, pos = rows.find(ids)
+        dead = dead_rows(rows.seqs, seg, chunks, self.folded)
+        if dead.any():
+            seg[dead] = -1
+        return seg, pos
+
+    def chunkrows_reader(self) -> ChunkRows | None:
+        r = self.chunkrows
+        if r is None and self.disk is not None:
+            r = ChunkRows(self.disk)
+            # generations numbered from here on are written by this handle's compactions
+            r.trusted_from_gen = self._next_gen
+            self.chunkrows = r
+        return r
+
+    # ---- the delta segments: one index over all of them ----------------------------------------
+    def index_add(self, seg: Any) -> None:
+        """Index a segment this handle just wrote (a flush or a write-back): newest of all.
+
+        Rows below the hot tier change here too: a prefetch that read a whole chunk before this
+        segment existed must not keep that copy (warm tier), even when the write began before
+        the prefetch planned its reads (`Tiers.begin_write_back` moved the token then)."""
+        self.below_token += 1
+        trust(seg)  # written by us a moment ago: the page cache holds what was checksummed
+        if self.rows is None:
+            self.rows = RowIndex(num_rows=self._c.num_rows)
+        self.rows.add(seg)
+
+    def index_rebuild(self) -> None:
+        self.rows = RowIndex(sorted(self.committed + self.pending, key=lambda g: g.seq), self._c.num_rows,
+                              self.folded)
+
+    def layout_of(self, chunk: int) -> tuple[int, tuple | None]:
+        """Where ``chunk``'s rows live below the hot tier now: its base file's generation (0 =
+        never written) and its newest delta records (ids, segment numbers, positions, segments).
+        Segments never change and a base file changes (folded in place, inplace.py) only in rows
+        newer records of this snapshot's segments hold, so it can be read without the lock (caller
+        holds it while taking the snapshot)."""
+        gen = int(self.cmap[chunk]) if self.disk is not None else 0
+        rows = self.rows
+        if rows is None or not len(rows):
+            return gen, None
+        lo = chunk * self._c.chunk_rows
+        ids, seg, pos = rows.in_range(lo, lo + self._c.chunk_rows)
+        if len(ids) and len(self.folded):
+            live = rows.seqs[seg] > self.folded[chunk]  # the others are dead: the base holds them
+            ids, seg, pos = ids[live], seg[live], pos[live]
+        return gen, (ids, seg, pos, rows.segs) if len(ids) else None
+
+    # ------------------------------------------------------------------ opening and closing
+    def open(self, version: int | None, *, create: bool, grown_rows: int | None = None) -> None:
+        """Open the files: a writable handle takes the LOCK file first; ``create`` writes META and
+        version 0; then ``version`` (None: the newest) is loaded, its size setting ``core.num_rows``.
+        ``grown_rows`` (`EmbeddingStore.grow`): the layout is then padded to that many rows.
+        On failure call `abandon`."""
+        c = self._c
+        root = c.root
+        if root is None:  # memory only: no files, every chunk never written
+            if grown_rows is not None:
+                c.num_rows = grown_rows
+            self.cmap = np.zeros(c.num_chunks, np.int32)
+            return
+        if not c.readonly and self._lock_fd is None:
+            self.take_lock(root)
+        if create:
+            Disk.write_meta(root, c.meta)
+        self.disk = Disk(
+            root,
+            c.num_rows,
+            c.chunk_rows,
+            c.row_bytes,
+            fileio.uuid_bytes(c.meta["uuid"]),
+            unbound=c.meta.get("names_bound") is not True,
+        )
+        self._disk.set_init_rows(c.init_rows)  # the rows a sparse chunk file does not hold
+        if create:
+            self._disk.write_manifest(Manifest(0, 0, []))
+        self._load_version(version)  # the version's size: ``core.num_rows`` from its manifest
+        if grown_rows is not None and grown_rows != c.num_rows:
+            self._grow_layout(grown_rows)
+
+    def abandon(self, keep_lock: bool) -> None:
+        """Undo a failed `open` (or a failed construction after it): files closed, the LOCK file
+        let go of unless ``keep_lock`` (a growth keeps it: growth.py reopens the store)."""
+        if not keep_lock:
+            self.release_lock()
+        Disk.unlock_reader(self._reader_fd)
+        self._reader_fd = None
+        if self.disk is not None:
+            for seg in self.committed:
+                seg.close()
+            self._disk.close()
+
+    def _grow_layout(self, num_rows: int) -> None:
+        """The layout of the version at ``num_rows`` rows (a grown store, before its tiers are
+        made): chunk map padded with never-written chunks, a short last chunk's base file dropped,
+        all published by the next flush (growth.py)."""
+        c, disk = self._c, self.disk
+        assert disk is not None
+        old, cr = c.num_rows, c.chunk_rows
+        chunks = (num_rows + cr - 1) // cr
+        cmap = np.zeros(chunks, np.int32)
+        cmap[: len(self.cmap)] = self.cmap
+        folded = np.zeros(chunks, np.int64)
+        folded[: len(self.folded)] = self.folded
+        if old % cr:
+            # its base file holds the old rows only; growth carried them, the rest is init.
+            # The records it folded stay dead (the folded mark stays): the carried rows are newer.
+            cmap[old // cr] = 0
+        c.num_rows = num_rows
+        disk.resize(num_rows)
+        if self._cmap_gen:  # a chunk map file has its table's size: the grown layout gets its own
+            gen = self._next_gen
+            self._next_gen += 1
+            disk.write_chunkmap(gen, cmap, folded)
+            self._cmap_gen = gen
+        self.cmap, self.folded = cmap, folded
+        self.index_rebuild()
+        self._grown_unflushed = True
+        self._refresh_sharing()
+
+    def stop_threads(self, wait: bool = True) -> None:
+        """Stop the background I/O thread (`EmbeddingStore.close`; its job ends at its next look)."""
+        stop_executor(self._bg, wait)
+
+    def close_files(self) -> None:
+        """Close the compaction process, the segments and the disk (caller holds both locks)."""
+        if self.fold_proc is not None and self._c.pid == os.getpid():
+            self.fold_proc.close()
+        for s in self.committed + self.pending:
+            s.close()
+        if self.chunkrows is not None:
+            self.chunkrows.close()
+        if self.disk is not None:
+            self._disk.close()
+
+    def release(self) -> None:
+        """Let go of the LOCK file and of the reader lock of a read-only handle (`close`)."""
+        self.release_lock()
+        Disk.unlock_reader(self._reader_fd)
+        self._reader_fd = None
+
+    def after_fork(self) -> None:
+        """In a forked child: no thread survived the fork, and a lock may have been held."""
+        if self._lock_fd is not None:
+            # The child's copy of the writer lock's descriptor would hold the flock after the
+            # parent died (a DataLoader worker outliving a killed trainer): close it, without
+            # unlocking (the open file is the parent's too), so the lock lives as long as the parent.
+            try:
+                os.close(self._lock_fd)
+            except OSError:
+                pass
+            self._lock_fd = None
+        self._no_flush_waiting = threading.Condition(self._c.lock)
+        self.flush_lock = threading.RLock()
+        self._round_thread, self._round_done = None, threading.Event()
+        self.fold_proc = None  # the parent's; its handle refuses to serve another process anyway
+        self._bg = None
+        self._bg_futures = {}
+
+    def kept(self) -> dict:
+        """What a grown store keeps of these (growth.py): the writer lock and its waiters, the LOCK
+        file, the compaction process's failures, the version."""
+        return {"flush_lock": self.flush_lock, "no_flush_waiting": self._no_flush_waiting,
+                "flush_waiting": self._flush_waiting, "lock_fd": self._lock_fd,
+                "fold_proc_failed": self._fold_proc_failed, "fold_proc_restarts": self._fold_proc_restarts,
+                "version": self.version}
+
+    def fill_stats(self, s: Any) -> None:
+        """The layout's share of `EmbeddingStore.stats` (caller holds the lock)."""
+        disk = self.disk
+        s.damaged = int(self.damage is not None)
+        s.bytes_read = disk.total_bytes_read if disk else 0
+        s.bytes_written = disk.bytes_written if disk else 0
+        s.write_back_seconds = disk.write_back_seconds if disk else 0.0
+        s.version = self.version
+        s.pending_segments = len(self.pending)
+        s.segments = len(self.committed)
+
+    # ------------------------------------------------------------------ segments the tiers write
+    def take_seq(self) -> int:
+        """A number for a segment written now, newer than every other."""
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+    def begin_segment(self) -> int:
+        """A number for a segment the rows of a write-back go to: rows below the hot tier change
+        from here (the token moves) and garbage collection skips it until `end_segment`. Caller
+        holds the lock."""
+        self.below_token += 1
+        seq = self.take_seq()
+        self.writing_seqs.add(seq)
+        return seq
+
+    def end_segment(self, seq: int) -> None:
+        """The write of segment ``seq`` ended (published, pending or failed)."""
+        self.writing_seqs.discard(seq)
+
+    def add_pending(self, seg: Segment) -> None:
+        """A segment this handle just wrote without publishing it (write-back, a write around the
+        hot tier) becomes part of the rows below the hot tier: indexed. Caller holds the lock."""
+        self.pending.append(seg)
+        self.pending.sort(key=lambda g: g.seq)
+        self.pending_bytes += seg.nbytes
+        self.index_add(seg)
+

@@ -241,7 +241,7 @@ def write_grown_shards(root: Path, old_world: int, n0: int, n1: int) -> tuple[di
                                       chunk_rows=8)
         store.flush()
         store.grow(old.shard_rows(k))
-        store._table_rows = n1
+        store._versions.table_rows = n1
         local = torch.arange(old.shard_rows(k))
         store.update(local, want[old.global_ids(k, local)])
         versions.append(store.flush())

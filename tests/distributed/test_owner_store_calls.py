@@ -41,7 +41,7 @@ def test_trusted_writes_are_marked_dirty_and_survive_a_flush_and_reopen(tmp_path
     store = EmbeddingStore.create(tmp_path / "s", 500, DIM, fields=_fields())
     every = torch.arange(500)
     store.write_records(every, store.read_records(every))  # every row in the hot pool
-    if not store._hot.all_loaded:
+    if not store._tiers.hot.all_loaded:
         pytest.skip("this store keeps rows on disk after a full write: the trusted copies decline there")
     ids = torch.tensor([4, 499, 17])
     recs = store.read_records(ids)
@@ -56,7 +56,7 @@ def test_trusted_writes_are_marked_dirty_and_survive_a_flush_and_reopen(tmp_path
 
 def test_trusted_copies_decline_outside_memory_mode_and_change_nothing(tmp_path):
     store = EmbeddingStore.create(tmp_path / "s", 20_000, DIM, fields=_fields(), hot_bytes=64 * 1024, chunk_rows=256)
-    assert not store._hot.all_loaded
+    assert not store._tiers.hot.all_loaded
     ids = torch.tensor([1, 5000, 19_999])
     out = torch.full((3, store.row_bytes), 9, dtype=torch.uint8)
     assert not store._read_records_trusted(ids, out)

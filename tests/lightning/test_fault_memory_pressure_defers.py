@@ -54,14 +54,14 @@ def test_set_budget_waits_for_a_flush_in_progress_instead_of_raising(tmp_path):
     store = EmbeddingStore.create(tmp_path / "s", 4096, dim, chunk_rows=64, hot_bytes=2048 * (dim * 4 + 11))
     store.update(torch.arange(512), torch.ones(512, dim))
     entered, release = threading.Event(), threading.Event()
-    real_write = store._disk.write_segment
+    real_write = store._versions.disk.write_segment
 
     def slow_write(*args, **kwargs):
         entered.set()
         release.wait(10)
         return real_write(*args, **kwargs)
 
-    store._disk.write_segment = slow_write
+    store._versions.disk.write_segment = slow_write
     t = threading.Thread(target=store.flush)
     t.start()
     assert entered.wait(10)

@@ -46,7 +46,7 @@ def test_checkpoints_kept_share_the_stores_chunk_files(tmp_path):
     trainer.fit(model, ckpt_path=tmp_path / "full" / "epoch=0.ckpt")
     store = model.latents.store
     table = store.stats().table_bytes
-    changed = 7 * 2 * BATCH * store._row_bytes  # rows updated (at most) after the first epoch
+    changed = 7 * 2 * BATCH * store._core.row_bytes  # rows updated (at most) after the first epoch
     store.compact()
     pinned = store.pinned()
     model.latents._release()

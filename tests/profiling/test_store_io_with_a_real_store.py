@@ -45,7 +45,7 @@ def test_store_io_phase_reports_the_store_time(tmp_path, monkeypatch):
             return original(self, *args)
         return slow
 
-    monkeypatch.setattr(tiers.TieredRows, "_take", slowed(tiers.TieredRows._take))
+    monkeypatch.setattr(tiers.Tiers, "take", slowed(tiers.Tiers.take))
     monkeypatch.setattr(store_mod.EmbeddingStore, "_gather_checked", slowed(store_mod.EmbeddingStore._gather_checked))
     trainer.fit(model, DataLoader(TensorDataset(torch.arange(512)), batch_size=32))
     epoch = profiler.summary()[0]

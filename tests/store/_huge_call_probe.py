@@ -62,5 +62,5 @@ t.join()
 kernel = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 if kernel > kernel_before:
     peak = max(peak, kernel)
-print(json.dumps({"grew": peak - base, "row_bytes": s.row_bytes, "all_loaded": s._hot.all_loaded}))
+print(json.dumps({"grew": peak - base, "row_bytes": s.row_bytes, "all_loaded": s._tiers.hot.all_loaded}))
 s.close()

@@ -33,7 +33,7 @@ def _vm_hwm() -> int:
 def _mapped(store) -> int:
     """Bytes of the store's maps of its chunk files in RSS: page cache pages (the kernel reclaims
     them as any cached file page), not memory the store holds, so not counted against its budget."""
-    reader = store._chunkrows
+    reader = store._versions.chunkrows
     return reader.mapped_resident_bytes() if reader is not None else 0
 
 
@@ -99,7 +99,7 @@ def main() -> None:
         mapped_end = _mapped(s)
         # the compaction process's memory beyond its own interpreter's (it holds no rows of the
         # budget, only a round's buffers): counted on top of this process's
-        fp = s._fold_proc
+        fp = s._versions.fold_proc
         process_grew = fp.peak_rss() - fp.base_rss if fp is not None and fp.base_rss else 0
     maxrss = _vm_hwm()
     print(json.dumps({"base": base, "peak": max(peak, maxrss - mapped_end) + process_grew, "peak_sampled": peak,

@@ -52,7 +52,7 @@ def test_training_in_chunk_order_matches_a_tensor_model_within_the_warm_budget(s
                     s.flush()
                 if i % 23 == 22:
                     s.compact()
-                assert s._warm.nbytes <= WARM  # the slots being read into count too
+                assert s._tiers.warm.nbytes <= WARM  # the slots being read into count too
             if epoch == 0:
                 first = s.stats().chunks_read_ahead
         s.flush()
@@ -66,8 +66,8 @@ def test_training_in_chunk_order_matches_a_tensor_model_within_the_warm_budget(s
 
 def _announce(s: EmbeddingStore, c: int) -> None:
     """Announce every row of chunk ``c`` as a coming batch would (its read starts now)."""
-    s._uncached_share = 1.0  # reads wait for the disk
-    s._cache_seen = (1 << 62, 0)
+    s._tiers._uncached_share = 1.0  # reads wait for the disk
+    s._tiers._cache_seen = (1 << 62, 0)
     s.upcoming(_chunk_rows(c))
 
 
@@ -154,7 +154,7 @@ def test_a_budget_change_and_close_wait_for_chunks_in_flight(shm_path, read_ahea
     for c in range(4):
         _announce(s, c)
     s.set_budget(warm_bytes=WARM // 2)  # the slab is made again: nothing may still be read into it
-    assert s._warm.nbytes <= WARM // 2
+    assert s._tiers.warm.nbytes <= WARM // 2
     assert_bitwise_equal(s.get(torch.arange(4 * CHUNK)), model[: 4 * CHUNK])
     for c in range(4, 8):
         _announce(s, c)
@@ -167,10 +167,10 @@ def test_a_forked_child_reads_its_rows_itself(shm_path, read_ahead):
     usual (a read-only handle, as a DataLoader worker's)."""
     model = compacted_store(shm_path / "s", N, DIM, CHUNK)
     with EmbeddingStore.open(shm_path / "s", readonly=True, hot_bytes=N * (ROW + 11) // 4, warm_bytes=WARM) as s:
-        s._uncached_share = 1.0
-        s._cache_seen = (1 << 62, 0)
+        s._tiers._uncached_share = 1.0
+        s._tiers._cache_seen = (1 << 62, 0)
         s.upcoming(torch.arange(2 * CHUNK))  # one hint: both reads start, neither is looked at
-        assert len(s._loader) == 2
+        assert len(s._tiers._loader) == 2
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -203,12 +203,12 @@ def test_a_failure_while_taking_chunks_in_leaves_no_slot_reserved(shm_path, read
         s.flush()
         s.evict(1 << 40)
         _announce(s, 0)
-        s._loader.start([1], [int(s._cmap[1])])  # chunk 1 has newer rows in a delta segment
+        s._tiers._loader.start([1], [int(s._versions.cmap[1])])  # chunk 1 has newer rows in a delta segment
         real = tiers.gather_deltas
         monkeypatch.setattr(tiers, "gather_deltas", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "EIO")))
         with pytest.raises(OSError):
             s.get(torch.arange(2 * CHUNK))
-        assert s._warm._loading == {} and s._warm._loading_bytes == 0
+        assert s._tiers.warm._loading == {} and s._tiers.warm._loading_bytes == 0
         monkeypatch.setattr(tiers, "gather_deltas", real)
         s.set_budget(warm_bytes=WARM // 2)
         assert_bitwise_equal(s.get(torch.arange(2 * CHUNK)), model[: 2 * CHUNK])

@@ -66,12 +66,12 @@ def test_a_pass_of_spread_updates_writes_about_the_rows_it_folds(tmp_path, monke
         st = s.stats()
     written = st.compaction_bytes_written - st0.compaction_bytes_written
     folded = st.compaction_folded_bytes - st0.compaction_folded_bytes
-    assert folded == 5 * int(N * 0.1) * s._row_bytes  # each pass folds the rows its flush wrote
+    assert folded == 5 * int(N * 0.1) * s._core.row_bytes  # each pass folds the rows its flush wrote
     if bound is not None:
         assert st.chunks_folded_in_place - st0.chunks_folded_in_place == 5 * (N // CHUNK)
         assert written <= bound * folded, (written, folded)
     else:
-        assert st.chunks_folded_in_place == 0 and written >= 5 * N * s._row_bytes
+        assert st.chunks_folded_in_place == 0 and written >= 5 * N * s._core.row_bytes
     with EmbeddingStore.open(tmp_path / "s", readonly=True) as again:
         assert_bitwise_equal(again.get(torch.arange(N)), table, "rows after reopening")
     assert verify_store(tmp_path / "s").ok
@@ -308,7 +308,7 @@ def test_an_intent_naming_segments_no_version_lists_is_refused(tmp_path):
     s, table = _filled(path)
     files = sorted(p.name for p in (path / "chunks").iterdir())
     before = {f: (path / "chunks" / f).read_bytes() for f in files}
-    inplace.write_intent(s._disk, 10**6, [(0, int(s._cmap[0]), 0)], [999_999])
+    inplace.write_intent(s._versions.disk, 10**6, [(0, int(s._versions.cmap[0]), 0)], [999_999])
     s.close()
     with pytest.raises(CorruptStoreError, match="FOLDING.*no version on disk lists"):
         EmbeddingStore.open(path)
@@ -377,7 +377,7 @@ def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path,
                         t.start()
                         state["thread"] = t
                         deadline = time.monotonic() + 10
-                        while not s._flush_waiting and time.monotonic() < deadline:
+                        while not s._versions._flush_waiting and time.monotonic() < deadline:
                             time.sleep(0.001)
                     elif flushed and state["flush_done_at"] is None:
                         state["flush_done_at"] = state["n"]
@@ -386,8 +386,8 @@ def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path,
         oracle.patch(monkeypatch)
         fileio.FAULTS = oracle
         try:
-            with s._flush_lock:  # as the background pass calls it: the writer lock held once
-                s._compact_round(everything=True, unlocked=True)
+            with s._versions.flush_lock:  # as the background pass calls it: the writer lock held once
+                s._versions._compact_round(everything=True, unlocked=True)
         finally:
             fileio.FAULTS = None
         state["thread"].join(10)

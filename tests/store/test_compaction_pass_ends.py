@@ -19,7 +19,7 @@ from _store_helpers import assert_bitwise_equal
 
 from lightning_embcache import EmbeddingStore
 from lightning_embcache.store import versions
-from lightning_embcache.store.store import EmbeddingStore as _Store
+from lightning_embcache.store.versions import Versions as _Versions
 
 N, DIM, CHUNK = 8192, 8, 128
 ROW = DIM * 4
@@ -35,13 +35,13 @@ def _slow_rounds(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(versions, "HARD_RATIO", 9.0)
     monkeypatch.setattr(versions, "ROUND_BYTES", CHUNK * ROW)
     monkeypatch.setattr(versions, "ROUND_SHARE", 1 / 10_000)
-    fold_round = _Store._fold_round
+    fold_round = _Versions._fold_round
 
     def slow(self, *args, **kwargs):
         time.sleep(seconds)
         return fold_round(self, *args, **kwargs)
 
-    monkeypatch.setattr(_Store, "_fold_round", slow)
+    monkeypatch.setattr(_Versions, "_fold_round", slow)
 
 
 def test_segments_left_out_by_flushes_go_while_a_pass_runs(tmp_path, monkeypatch):

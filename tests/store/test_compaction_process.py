@@ -43,8 +43,8 @@ def process_mode(monkeypatch):
 
 def _ready(store: EmbeddingStore) -> int:
     """Wait until the store's compaction process serves; its pid."""
-    wait_for(lambda: store._fold_process() is not None, 30, "the compaction process to start")
-    return store._fold_proc.pid
+    wait_for(lambda: store._versions._fold_process() is not None, 30, "the compaction process to start")
+    return store._versions.fold_proc.pid
 
 
 def _before_each_fold(monkeypatch, hook) -> None:
@@ -162,7 +162,7 @@ def test_a_killed_process_sends_rounds_back_to_the_store(tmp_path, process_mode)
             s.flush()
             s.compact()
         time.sleep(0.5)
-        assert s._fold_process() is None, "a process that died twice is not started again"
+        assert s._versions._fold_process() is None, "a process that died twice is not started again"
         assert_bitwise_equal(s.get(torch.arange(N)), table)
     with EmbeddingStore.open(tmp_path / "s") as s:
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after reopening")
@@ -181,9 +181,9 @@ import os, sys, numpy as np, torch
 from lightning_embcache import EmbeddingStore
 path, n, dim, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 s = EmbeddingStore.open(path)
-while s._fold_process() is None:
+while s._versions._fold_process() is None:
     pass
-print(s._fold_proc.pid, flush=True)
+print(s._versions.fold_proc.pid, flush=True)
 step = 0
 while True:
     step += 1

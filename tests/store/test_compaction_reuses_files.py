@@ -57,7 +57,7 @@ def test_passes_reuse_replaced_files_and_keep_rows(tmp_path, small_rounds):
             _pass(s, table, step)
             assert not _pooled(path), "a finished pass leaves no pooled file behind"
             assert_bitwise_equal(s.get(torch.arange(N)), table, f"rows after pass {step}")
-        reused = s._disk.pool.reused
+        reused = s._versions.disk.pool.reused
     # 4 passes of 8 rounds: every round after a pass's first overwrites the files of the one before
     assert reused >= 3 * 7 * 4, reused
     with EmbeddingStore.open(path) as s:
@@ -74,13 +74,13 @@ def test_a_stale_descriptor_never_reads_a_reused_file(tmp_path, small_rounds):
     table = torch.zeros(N, DIM)
     with _create(path) as s:
         _pass(s, table, 1)
-        reader = s._chunkrows_reader()
-        old_gen = int(s._cmap[0])
+        reader = s._versions.chunkrows_reader()
+        old_gen = int(s._versions.cmap[0])
         at = (np.array([0]), np.array([5]), np.array([old_gen]))
         before = reader.read(*at).copy()
         assert np.array_equal(before.view(np.float32)[0], table[5].numpy())
         _pass(s, table, 2)  # chunk 0's file of old_gen is pooled and overwritten by a later round
-        assert s._disk.pool.reused > 0 and int(s._cmap[0]) != old_gen
+        assert s._versions.disk.pool.reused > 0 and int(s._versions.cmap[0]) != old_gen
         with pytest.raises(CorruptStoreError, match="missing"):
             reader.read(*at)
 
@@ -92,7 +92,7 @@ def test_reuse_waits_for_reads_that_began_before(tmp_path, small_rounds):
     table = torch.zeros(N, DIM)
     with _create(path) as s:
         _pass(s, table, 1)
-        pool = s._disk.pool
+        pool = s._versions.disk.pool
         reused = pool.reused
         epoch = pool.begin_read()  # a read of the layout before the pass, still running
         _pass(s, table, 2)
@@ -122,7 +122,7 @@ def test_background_passes_reuse_files_and_match_a_reference(tmp_path, monkeypat
             assert got.shape == (200, DIM)
         s._wait_bg()
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows")
-        assert s.stats().compactions > 0 and s._disk.pool.reused > 0
+        assert s.stats().compactions > 0 and s._versions.disk.pool.reused > 0
     assert not _pooled(path)
     with EmbeddingStore.open(path) as s:
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after reopening")

@@ -112,9 +112,9 @@ def _start(tmp_path, seed: int):
 
 
 def _rounds(store: EmbeddingStore, k: int) -> None:
-    with store._flush_lock:
+    with store._versions.flush_lock:
         for _ in range(k):
-            store._compact_round()
+            store._versions._compact_round()
 
 
 def _segment_files(path) -> list[os.stat_result]:
@@ -132,7 +132,7 @@ def test_rounds_punch_the_records_they_fold_and_every_row_reads_the_same(tmp_pat
         assert len(files) == 4
         held = sum(fileio.held_bytes(st) for st in files)
         assert held < 0.7 * raw, f"segments hold {held} of {raw} bytes after half a sweep: nothing punched?"
-        assert s._segment_bytes(held=True) < 0.7 * s._segment_bytes()
+        assert s._versions._segment_bytes(held=True) < 0.7 * s._versions._segment_bytes()
         assert torch.equal(s.get(torch.arange(N)), model)
         _train(s, model, rng, 1)
         _rounds(s, 2)
@@ -150,8 +150,8 @@ def test_reads_and_folds_never_touch_a_dead_record(tmp_path, no_background_compa
     with s:
         _train(s, model, rng, 3)
         _rounds(s, 3)
-        folded = s._folded.copy()
-        segs = list(s._committed)
+        folded = s._versions.folded.copy()
+        segs = list(s._versions.committed)
     spoiled = 0
     for g in segs:
         dead = np.flatnonzero(folded[g.idx_chunk] >= g.seq)
@@ -191,14 +191,14 @@ def test_a_read_planned_before_a_round_holds_its_punches_back(tmp_path, no_backg
     path, rng, model, s = _start(tmp_path, 3)
     with s:
         _train(s, model, rng, 3)
-        pool = s._disk.pool
+        pool = s._versions.disk.pool
         epoch = pool.begin_read()  # as `_prefetch_once` does when it plans
         _rounds(s, 2)
-        assert s._dead.punched_bytes == 0 and s._dead._queue, "punched under a read planned before the round"
+        assert s._versions._dead.punched_bytes == 0 and s._versions._dead._queue, "punched under a read planned before the round"
         pool.end_read(epoch)
-        queued = [(g, new.copy()) for g, new, _ in s._dead._queue]
+        queued = [(g, new.copy()) for g, new, _ in s._versions._dead._queue]
         _rounds(s, 1)
-        assert s._dead.punched_bytes > 0 and not s._dead._queue
+        assert s._versions._dead.punched_bytes > 0 and not s._versions._dead._queue
         assert all((g.punched[new]).all() for g, new in queued)
         assert torch.equal(s.get(torch.arange(N)), model)
 
@@ -211,13 +211,13 @@ def test_a_flush_waits_for_the_bytes_held_not_for_a_whole_sweep(tmp_path, no_bac
         _train(s, model, rng, 4)
         _rounds(s, 6)
         table = N * s.row_bytes
-        raw, held = s._segment_bytes(), s._segment_bytes(held=True)
+        raw, held = s._versions._segment_bytes(), s._versions._segment_bytes(held=True)
         limit = (held + raw) / 2 / table
         monkeypatch.setattr(versions, "HARD_RATIO", limit)
         monkeypatch.setattr(versions, "HARD_FLOOR", 0)
         rounds = []
-        real = type(s)._compact_round
-        monkeypatch.setattr(type(s), "_compact_round", lambda self, *a, **k: rounds.append(1) or real(self, *a, **k))
+        real = type(s._versions)._compact_round
+        monkeypatch.setattr(type(s._versions), "_compact_round", lambda self, *a, **k: rounds.append(1) or real(self, *a, **k))
         ids = torch.arange(8)
         s.update(ids, torch.ones(8, DIM))
         model[ids] = 1.0

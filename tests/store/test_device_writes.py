@@ -58,11 +58,11 @@ def test_close_waits_for_a_queued_device_write(tmp_path):
 
 def test_no_device_write_while_a_flush_copies_rows_out(tmp_path):
     store = EmbeddingStore.create(tmp_path / "s", N, DIM, init="zeros", chunk_rows=64)
-    with store._lock:
-        store._cow = {}  # what a flush's snapshot holds while it writes
+    with store._core.lock:
+        store._tiers.cow = {}  # what a flush's snapshot holds while it writes
         called = []
         assert not store._device_write(np.array([1]), lambda: called.append(1))
-        store._cow = None
+        store._tiers.cow = None
     assert not called and store.unflushed_share == 0
     store.close()
 
@@ -102,17 +102,17 @@ def test_kernels_queued_in_a_writing_block_mark_rows_dirty_and_keep_a_flush_snap
         return late
 
     device_step(1.0)
-    with store._lock:  # a flush's snapshot opens (the flush thread holds the lock for it)
-        slots = np.flatnonzero(store._hot.dirty)
+    with store._core.lock:  # a flush's snapshot opens (the flush thread holds the lock for it)
+        slots = np.flatnonzero(store._tiers.hot.dirty)
         assert set(slots.tolist()) == {2, 4, 6}
-        store._hot.inflight[slots] = True
-        read = store._snapshot_reader(slots)
+        store._tiers.hot.inflight[slots] = True
+        read = store._tiers._snapshot_reader(slots)
     late = device_step(2.0)  # the next step, while the flush writes: its old rows are saved
     late.synchronize()  # the device ran it
-    with store._lock:
+    with store._core.lock:
         snap = read(0, len(slots))
-        store._hot.inflight[slots] = False
-        store._cow = None
+        store._tiers.hot.inflight[slots] = False
+        store._tiers.cow = None
     assert store.record_view(torch.from_numpy(snap), "weight").eq(1.0).all()
     assert store.get(torch.from_numpy(ids)).eq(2.0).all()
     store.close()

@@ -26,7 +26,7 @@ def _disk_bytes(path: Path) -> int:
 
 
 def test_forty_flushes_of_a_tenth_stay_within_one_and_a_half_tables(tmp_path, monkeypatch):
-    monkeypatch.setattr(versions.Versioning, "_maybe_compact", lambda self: None)  # no background pass
+    monkeypatch.setattr(versions.Versions, "maybe_compact", lambda self: None)  # no background pass
     path = tmp_path / "s"
     rng = np.random.default_rng(3)
     model = torch.zeros(N, DIM)

@@ -109,7 +109,7 @@ def _layered_store(path, compression=None, init="zeros"):
         s.flush()
     written = torch.zeros(N, dtype=torch.bool)
     written[half] = True
-    for seg in s._committed:
+    for seg in s._versions.committed:
         written[torch.from_numpy(seg.ids)] = True
     s.close()
     return model, written
@@ -158,7 +158,7 @@ def test_misses_open_no_file_per_read_and_merge_adjacent_rows(shm_path, monkeypa
     model, _ = _layered_store(shm_path / "s")
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
         run = torch.arange(CHUNK + 10, CHUNK + 74)  # 64 adjacent base rows with no delta...
-        run = run[~torch.isin(run, torch.from_numpy(np.concatenate([g.ids for g in s._committed])))]
+        run = run[~torch.isin(run, torch.from_numpy(np.concatenate([g.ids for g in s._versions.committed])))]
         assert len(run) > 40
         assert torch.equal(s.get(run), model[run])  # first read: opens, verifies the blocks
         s.evict(1 << 30)
@@ -222,7 +222,7 @@ def test_normal_init_is_per_row_and_deterministic(shm_path, monkeypatch):
 
     with EmbeddingStore.create(shm_path / "a", N, DIM, chunk_rows=CHUNK, init="normal", seed=7, init_std=0.5,
                                hot_bytes=HOT) as s:
-        monkeypatch.setattr("lightning_embcache.store.tiers.normal_rows", counting)
+        monkeypatch.setattr("lightning_embcache.store.core.normal_rows", counting)
         one = s.get(torch.tensor([1234]))
         assert sizes == [1], f"a miss of one row computed {sizes} rows"
         many = s.get(torch.tensor([5, 1234, 4000]))

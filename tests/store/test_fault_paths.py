@@ -18,6 +18,7 @@ import torch
 from lightning_embcache import CorruptStoreError, EmbeddingStore, StoreError
 from lightning_embcache.store import fileio
 from lightning_embcache.store.errors import DiskFullError, StoreIOError
+from lightning_embcache.store.tiers import Tiers
 
 N, DIM, CHUNK = 4096, 16, 64
 ROW = DIM * 4
@@ -160,7 +161,7 @@ def test_a_symlink_planted_at_a_temporary_name_is_never_written_through(shm_path
     s = _flushed_store(path)
     tid = threading.get_ident()
     v = s.version + 1
-    seq = s._next_seq
+    seq = s._versions.next_seq
     planted = [path / f".manifest-{v:012d}.tmp{os.getpid()}-{tid}", path / f".PINS.tmp{os.getpid()}-{tid}"]
     planted += [path / "segments" / f".s{q:012d}.tmp{os.getpid()}-{tid}" for q in range(seq, seq + 4)]
     planted += [p.with_name(p.name.rsplit("-", 1)[0]) for p in planted]  # the names before thread ids
@@ -269,13 +270,13 @@ def test_many_short_runs_keep_segments_compacted(shm_path, cycles, monkeypatch):
 def test_dropping_the_last_reference_with_a_prefetch_in_flight_releases_the_lock(shm_path, monkeypatch):
     path = shm_path / "store"
     s = _flushed_store(path)
-    real = EmbeddingStore._prefetch
+    real = Tiers._prefetch
 
     def slow(self, idx):
         time.sleep(0.3)
         return real(self, idx)
 
-    monkeypatch.setattr(EmbeddingStore, "_prefetch", slow)
+    monkeypatch.setattr(Tiers, "_prefetch", slow)
     s.prefetch(torch.arange(N))
     del s
     gc.collect()

@@ -164,8 +164,8 @@ def test_the_background_fill_makes_every_row_and_keeps_rows_changed_meanwhile(tm
             want[ids] = vals
             if k % 10 == 9:
                 s.flush()
-        s._filler.shutdown(wait=True)  # the fill is done
-        assert s._hot.all_loaded
+        s._tiers.filler.shutdown(wait=True)  # the fill is done
+        assert s._tiers.hot.all_loaded
         assert torch.equal(s.get(torch.arange(n)), want)
         s.flush()
     finally:

@@ -208,7 +208,7 @@ def _fuzz_store():
 def test_an_ephemeral_store_closed_in_a_forked_child_keeps_the_parents_files():
     s = EmbeddingStore.create(None, N, DIM, hot_bytes=16 * (DIM * 4 + 11))
     s.update(torch.arange(N), torch.ones(N, DIM))
-    root = s._root
+    root = s._core.root
     in_forked_child(s.close)
     assert root.exists(), "the child deleted the parent's ephemeral store folder"
     assert torch.equal(s.get(torch.arange(N)), torch.ones(N, DIM))

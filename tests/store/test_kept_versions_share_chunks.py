@@ -84,10 +84,10 @@ def test_a_pinned_version_keeps_its_identity_when_it_shares_new_chunk_files(shm_
         v = _scatter(store, rng, N // 20)
         store.pin(v)
         ident, want = store.manifest_checksum(v), store.get(ALL).clone()
-        gen = store._disk.read_manifest(v).chunkmap
+        gen = store._versions.disk.read_manifest(v).chunkmap
         _scatter(store, rng, N // 20)
         store.compact()
-        m = store._disk.read_manifest(v)
+        m = store._versions.disk.read_manifest(v)
         assert m.chunkmap != gen and m.segments == [], "the pinned version does not read the folded chunk files"
         assert store.manifest_checksum(v) == ident
         with EmbeddingStore.open(path, version=v, readonly=True) as r:
@@ -106,7 +106,7 @@ def test_segments_held_for_kept_versions_start_no_compaction(shm_path):
             _scatter(store, rng, N // 20)
         store._wait_bg()
         assert store.stats().segments == 13  # the pinned version's own and the 12 flushed since
-        assert not store._needs_compaction()
+        assert not store._versions._needs_compaction()
         store.compact()  # folds the pinned version's own segment only
         assert store.stats().segments == 12
         compactions = store.stats().compactions
@@ -139,8 +139,8 @@ def test_past_the_share_the_oldest_pinned_version_keeps_its_own_chunks(shm_path,
             store._wait_bg()
         old, new = sorted(kept)
         store.compact()
-        assert store._disk.read_manifest(old).chunkmap != store._cmap_gen, "the oldest pin still shares"
-        assert store._disk.read_manifest(new).chunkmap == store._cmap_gen, "the newer pin does not share"
+        assert store._versions.disk.read_manifest(old).chunkmap != store._versions._cmap_gen, "the oldest pin still shares"
+        assert store._versions.disk.read_manifest(new).chunkmap == store._versions._cmap_gen, "the newer pin does not share"
         if process == "always":
             assert store.stats().compaction_process_chunks > 0
         for v, want in kept.items():
@@ -160,10 +160,10 @@ def test_disk_use_beside_a_reader_of_an_old_version(shm_path, share):
             _scatter(store, rng, int(share * N))
         with EmbeddingStore.open(path, version=store.version, readonly=True) as reader:
             want = reader.get(ALL).clone()
-            m = store._disk.read_manifest(reader.version)
-            files = [store._disk.segment_path(q) for q in m.segments]
-            cmap = store._disk.read_chunkmap(m.chunkmap)
-            files += [store._disk.chunk_path(c, g) for c, g in enumerate(cmap.tolist()) if g]
+            m = store._versions.disk.read_manifest(reader.version)
+            files = [store._versions.disk.segment_path(q) for q in m.segments]
+            cmap = store._versions.disk.read_chunkmap(m.chunkmap)
+            files += [store._versions.disk.chunk_path(c, g) for c, g in enumerate(cmap.tolist()) if g]
             needs = sum(p.stat().st_size for p in files)
             peak = 0
             for i in range(150):

@@ -17,7 +17,7 @@ def test_latest_moving_on_during_the_check_is_not_damage(tmp_path, monkeypatch):
     for k in range(3):
         store.update(torch.tensor([k]), torch.full((1, 4), float(k)))
         store.flush()
-    disk = store._disk
+    disk = store._versions.disk
     latest = store.version
     older = latest - 1  # its manifest differs from LATEST's: the check reads LATEST
     real = fileio.read_raw

@@ -38,7 +38,7 @@ def test_cached_rows_are_gathered_through_maps_without_a_read_call(shm_path, mon
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
         assert torch.equal(s.get(ids), table[ids])  # first read: maps the files, verifies the blocks
         s.evict(1 << 30)
-        reader = s._chunkrows
+        reader = s._versions.chunkrows
         before = reader.map_counts[0]
         calls = _count_read_calls(monkeypatch)
         for part in ids.split(50):
@@ -58,7 +58,7 @@ def test_each_block_is_verified_once_per_map_until_invalidated(shm_path, monkeyp
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
         ids = torch.tensor([3 * CHUNK + 8 * b for b in (1, 5, 9)])  # blocks 1, 5 and 9 of chunk 3
         assert torch.equal(s.get(ids), table[ids])
-        reader = s._chunkrows
+        reader = s._versions.chunkrows
         assert reader.map_counts[1] == 3 and dirs == [3]
         s.evict(1 << 30)
         assert torch.equal(s.get(ids), table[ids])
@@ -79,7 +79,7 @@ def test_a_chunk_keeping_needing_first_reads_is_verified_whole(shm_path):
         for k in range(chunkrows.WHOLE_AFTER + 1):
             one = torch.tensor([2 * CHUNK + 8 * k])  # a new block of chunk 2 each call
             assert torch.equal(s.get(one), table[one])
-            reader = s._chunkrows
+            reader = s._versions.chunkrows
         assert reader.map_counts[1] == chunkrows.WHOLE_AFTER + CHUNK * ROW // 4096
         rest = torch.arange(2 * CHUNK, 3 * CHUNK)
         s.evict(1 << 30)
@@ -102,7 +102,7 @@ def test_a_damaged_block_read_through_a_map_is_named_and_never_served(shm_path, 
         with pytest.raises(CorruptStoreError) as info:
             s.get(ids)
         assert f.name in str(info.value) and "block 3 of chunk 7" in str(info.value)
-        assert s._chunkrows.map_counts[0] == 0
+        assert s._versions.chunkrows.map_counts[0] == 0
 
 
 def test_maps_follow_compaction_and_stay_within_their_bound(shm_path, monkeypatch):
@@ -115,7 +115,7 @@ def test_maps_follow_compaction_and_stay_within_their_bound(shm_path, monkeypatc
         ids = torch.arange(0, N, 7)
         for part in ids.split(64):
             assert torch.equal(s.get(part), table[part])
-        reader = s._chunkrows
+        reader = s._versions.chunkrows
         assert reader._maps.count <= 4 and reader.map_counts[0] > 0
         mapped = np.flatnonzero(reader._map_gen)
         c = int(mapped[0])
@@ -127,7 +127,7 @@ def test_maps_follow_compaction_and_stay_within_their_bound(shm_path, monkeypatc
         s.flush()
         s.evict(1 << 30)
         assert torch.equal(s.get(mine[::3]), table[mine[::3]])
-        assert reader._map_gen[c] == s._cmap[c] == reader._maps.mapped[c]
+        assert reader._map_gen[c] == s._versions.cmap[c] == reader._maps.mapped[c]
         assert reader._maps.count <= 4
 
 
@@ -195,7 +195,7 @@ def test_while_reads_wait_for_the_disk_block_checks_ask_for_their_blocks_first(s
         assert torch.equal(s.get(one), table[one])
         willneed = [a for a in asked if a[2] == os.POSIX_FADV_WILLNEED]
         assert willneed == []  # nothing read yet says the disk is slow
-        s._chunkrows.cache_counts[:] = [100, 50]  # half the reads lately waited for the disk
+        s._versions.chunkrows.cache_counts[:] = [100, 50]  # half the reads lately waited for the disk
         ids = torch.tensor([6 * CHUNK + 8 * b for b in (0, 3)] + list(range(9 * CHUNK, 10 * CHUNK, 2)))
         assert torch.equal(s.get(ids), table[ids])
         willneed = [a for a in asked if a[2] == os.POSIX_FADV_WILLNEED]

@@ -24,7 +24,7 @@ def test_prefetch_read_before_a_compaction_is_not_installed(shm_path):
     so only the chunk's new generation tells that the value read is stale."""
     table = _store(shm_path / "s")
     with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (DIM * 4 + 32)) as s:
-        read_below = s._read_below
+        read_below = s._tiers._read_below
         new = torch.full((1, DIM), 7.0)
 
         def racing_read(plan, **kw):
@@ -35,9 +35,9 @@ def test_prefetch_read_before_a_compaction_is_not_installed(shm_path):
             s.compact()  # folded into a new generation of chunk 0
             return out
 
-        s._read_below = racing_read
-        s._prefetch_once(np.array([5]))
-        s._read_below = read_below
+        s._tiers._read_below = racing_read
+        s._tiers._prefetch_once(np.array([5]))
+        s._tiers._read_below = read_below
         assert torch.equal(s.get(torch.tensor([5])), new)
         assert not torch.equal(new, table[5:6])
 
@@ -47,14 +47,14 @@ def test_a_reader_never_reads_another_generation_than_asked(shm_path):
     earlier) opens the old one in the shared reader: A must still read the new rows."""
     _store(shm_path / "s")
     with EmbeddingStore.open(shm_path / "s") as s:
-        old_gen = int(s._cmap[0])
+        old_gen = int(s._versions.cmap[0])
         s.update(torch.arange(CHUNK), torch.ones(CHUNK, DIM))
         s.flush()
         with EmbeddingStore.open(shm_path / "s", readonly=True):  # keeps the old chunk files
             s.compact()
-        new_gen = int(s._cmap[0])
+        new_gen = int(s._versions.cmap[0])
         assert new_gen > old_gen
-        reader = ChunkRows(s._disk)
+        reader = ChunkRows(s._versions.disk)
         ensure = reader._ensure_open
 
         def interleaved(chunks, gens):
@@ -63,7 +63,7 @@ def test_a_reader_never_reads_another_generation_than_asked(shm_path):
         reader._ensure_open = interleaved
         local = np.arange(4)
         got = reader.read(np.zeros(4, np.int64), local, np.full(4, new_gen, np.int64))
-        want = s._disk.read_chunk(0, new_gen)[local]
+        want = s._versions.disk.read_chunk(0, new_gen)[local]
         assert np.array_equal(got, want)
-        assert not np.array_equal(got, s._disk.read_chunk(0, old_gen)[local])
+        assert not np.array_equal(got, s._versions.disk.read_chunk(0, old_gen)[local])
         reader.close()

@@ -20,7 +20,7 @@ def test_chunk_directory_allocates_no_tracked_objects(tmp_path):
     ids = torch.from_numpy(np.arange(0, 64 * 2000, 128))  # one row in each even chunk
     s.update(ids, torch.ones(len(ids), 4))
     s.flush()
-    seg = s._committed[-1]
+    seg = s._versions.committed[-1]
     assert len(seg.idx_chunk) == 1000
     seg._entries = None
     gc.disable()

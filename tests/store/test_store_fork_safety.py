@@ -147,7 +147,7 @@ def test_a_forked_child_does_not_keep_copies_of_a_writable_stores_rows(shm_path,
             time.sleep(60)
             os._exit(0)
         os.close(w)
-        pool = s._hot.pool_np  # where the rows live in memory
+        pool = s._tiers.hot.pool_np  # where the rows live in memory
         lo = pool.__array_interface__["data"][0]
         hi = lo + pool.nbytes
         try:

@@ -196,19 +196,19 @@ def test_a_whole_chunk_read_during_a_write_back_never_serves_stale_rows(shm_path
         mine = torch.arange(chunk * CHUNK, chunk * CHUNK + 100)  # dirty, hot: the write-back's rows
         s.update(mine, _table(1)[mine])
         begun, read_done = threading.Event(), threading.Event()
-        disk_write = s._disk.write_segment
+        disk_write = s._versions.disk.write_segment
 
         def slow_write(*args, **kwargs):  # the write-back's segment, held until the prefetch read
             begun.set()
             assert read_done.wait(10)
             return disk_write(*args, **kwargs)
 
-        s._disk.write_segment = slow_write
-        cleaner = threading.Thread(target=s._clean)
+        s._versions.disk.write_segment = slow_write
+        cleaner = threading.Thread(target=s._tiers.clean)
         cleaner.start()
         assert begun.wait(10)
-        s._disk.write_segment = disk_write
-        real_read = s._read_below
+        s._versions.disk.write_segment = disk_write
+        real_read = s._tiers._read_below
 
         def read_then_let_the_write_back_finish(plan, **kw):
             out = real_read(plan, **kw)  # the whole chunk, with the rows' values before the write-back
@@ -216,11 +216,11 @@ def test_a_whole_chunk_read_during_a_write_back_never_serves_stale_rows(shm_path
             cleaner.join(10)  # segment written and indexed before the prefetch installs
             return out
 
-        s._read_below = read_then_let_the_write_back_finish
+        s._tiers._read_below = read_then_let_the_write_back_finish
         rest = torch.arange(chunk * CHUNK + 100, (chunk + 1) * CHUNK)  # not hot: read whole
         s.prefetch(rest)
         _wait_prefetched_or_dropped(s)
-        s._read_below = real_read
+        s._tiers._read_below = real_read
         assert not cleaner.is_alive()
         s.set_budget(hot_bytes=ROW_BYTES + 11)  # the rows leave the hot tier (clean: nothing written)
         assert read_done.is_set()  # the prefetch read the chunk while the write-back ran
@@ -230,7 +230,7 @@ def test_a_whole_chunk_read_during_a_write_back_never_serves_stale_rows(shm_path
 
 def _wait_prefetched_or_dropped(store, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while store._fetching is not None or store._prefetcher is None:
+    while store._tiers._fetching is not None or store._tiers.prefetcher is None:
         assert time.monotonic() < deadline, "the prefetch did not finish"
         time.sleep(0.01)
-    store._prefetcher.submit(lambda: None).result(timeout)  # the prefetch job has returned
+    store._tiers.prefetcher.submit(lambda: None).result(timeout)  # the prefetch job has returned

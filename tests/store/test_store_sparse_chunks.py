@@ -354,7 +354,7 @@ def test_a_chunk_reader_reads_each_generation_asked_of_sparse_files(shm_path):
         s.flush()
         s.compact()
         s.flush()
-        old = {c: int(s._cmap[c]) for c in range(n // cr)}
+        old = {c: int(s._versions.cmap[c]) for c in range(n // cr)}
         old_model = model.clone()
         second = torch.arange(3, n, 11)
         s.update(second, torch.full((len(second), dim), 2.0))
@@ -363,10 +363,10 @@ def test_a_chunk_reader_reads_each_generation_asked_of_sparse_files(shm_path):
         with EmbeddingStore.open(path, readonly=True):  # keeps the old generation's files
             s.compact()
             s.flush()
-            new = {c: int(s._cmap[c]) for c in range(n // cr)}
+            new = {c: int(s._versions.cmap[c]) for c in range(n // cr)}
             assert all(new[c] > old[c] for c in new)
             assert all(held_rows(f) is not None for f in chunk_files(path).values())
-            reader = ChunkRows(s._disk)
+            reader = ChunkRows(s._versions.disk)
             reader.max_files = 2  # closes and reopens files between reads (their bitmaps are kept)
             ids = np.arange(n)
             chunks, local = ids // cr, ids % cr

@@ -316,12 +316,12 @@ def test_a_round_folds_the_oldest_segments_chunks_before_a_newer_segments(shm_pa
         model[first] = 1.0
         store.update(first, model[first])
         store.flush()
-        index = store._rows
-        with store._flush_lock:
+        index = store._versions.rows
+        with store._versions.flush_lock:
             for _ in range(15):  # 60 of its 62 chunks folded
-                assert store._compact_round()
+                assert store._versions._compact_round()
         assert store.stats().segments == 1
-        assert store._rows is index, "rounds that dropped no segment rebuilt the row index"
+        assert store._versions.rows is index, "rounds that dropped no segment rebuilt the row index"
         # The newer segment: two rows in each of chunks 0..59 and 62..63, one in chunks 60..61.
         second = torch.cat([torch.arange(c * chunk + 1, c * chunk + (3 if c < 60 or c > 61 else 2))
                             for c in range(64)])
@@ -329,8 +329,8 @@ def test_a_round_folds_the_oldest_segments_chunks_before_a_newer_segments(shm_pa
         store.update(second, model[second])
         store.flush()
         assert store.stats().segments == 2
-        with store._flush_lock:
-            assert store._compact_round()
+        with store._versions.flush_lock:
+            assert store._versions._compact_round()
         assert store.stats().segments == 1, _breakdown(store)
         assert torch.equal(store.get(torch.arange(n)), model)
         store.compact()

@@ -38,7 +38,7 @@ def test_a_write_back_asked_for_during_a_compaction_pass_runs_before_the_pass_en
             assert time.monotonic() < deadline, "no compaction round started"
             time.sleep(0.002)
         cleaned = store.stats().cleaned_rows
-        limit = store._hot.limit
+        limit = store._tiers.hot.limit
         fresh = torch.tensor(sorted(set(range(N)) - set(ids.tolist()))[: limit])
         model[fresh] = 2.0
         for part in fresh.split(limit // 4):  # more than half the hot slots dirty: a clean is due
@@ -46,5 +46,5 @@ def test_a_write_back_asked_for_during_a_compaction_pass_runs_before_the_pass_en
         while store.stats().cleaned_rows == cleaned:
             assert time.monotonic() < deadline, "the write-back did not run"
             time.sleep(0.002)
-        assert not store._bg_futures["_compact"].done(), "the write-back waited for the whole pass"
+        assert not store._versions._bg_futures["_compact"].done(), "the write-back waited for the whole pass"
         assert torch.equal(store.get(torch.arange(N)), model)

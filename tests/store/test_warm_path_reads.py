@@ -208,14 +208,14 @@ def test_chunk_files_closed_by_the_descriptor_bound_reopen_without_rereading(shm
     monkeypatch.setattr(chunkrows, "_max_files", lambda: 8)
     rng = np.random.default_rng(3)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
-        assert chunkrows._chunk_name(3, 7) == s._disk.chunk_path(3, 7).name
+        assert chunkrows._chunk_name(3, 7) == s._versions.disk.chunk_path(3, 7).name
         for _ in range(30):
             ids = torch.from_numpy(rng.choice(N, 200, replace=False))
             assert torch.equal(s.get(ids), table[ids])
             s.evict(1 << 30)
-        reader = s._chunkrows
+        reader = s._versions.chunkrows
         assert reader is not None and len(reader._order) <= reader.max_files + len(np.unique(ids.numpy() // CHUNK))
-        gens = s._cmap
+        gens = s._versions.cmap
     assert sorted(dirs) == sorted(set(dirs)), "a chunk file's directory was read again on reopening"
     assert len(set(dirs)) == len(np.unique(np.flatnonzero(gens)))
 
@@ -239,14 +239,14 @@ def test_hints_are_read_by_the_next_miss_while_the_page_cache_serves_reads(shm_p
     table = _populated(shm_path / "s")
     rng = np.random.default_rng(4)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=4 * HOT) as s:  # a miss takes up to 1/4 of the slots ahead
-        s._chunkrows_reader().cache_counts[:] = [1000, 0 if cached else 1000]  # reads so far: all cached, or none
+        s._versions.chunkrows_reader().cache_counts[:] = [1000, 0 if cached else 1000]  # reads so far: all cached, or none
         coming = torch.from_numpy(rng.choice(N, 200, replace=False))
         s.upcoming(coming)
         if cached:
             import time
 
             time.sleep(0.2)
-            assert s.stats().prefetched_rows == 0 and s._prefetcher is None
+            assert s.stats().prefetched_rows == 0 and s._tiers.prefetcher is None
             others = torch.from_numpy(np.setdiff1d(rng.choice(N, 50, replace=False), coming.numpy()))
             assert torch.equal(s.get(others), table[others])  # a miss: takes the hint along
         _wait(lambda: s.stats().prefetched_rows >= 200)

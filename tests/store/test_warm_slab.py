@@ -23,8 +23,8 @@ ROW = DIM * 4
 
 def _count_plans(monkeypatch) -> list:
     calls: list = []
-    real = tiers.TieredRows._plan_below
-    monkeypatch.setattr(tiers.TieredRows, "_plan_below", lambda self, ids: (calls.append(len(ids)), real(self, ids))[1])
+    real = tiers.Tiers._plan_below
+    monkeypatch.setattr(tiers.Tiers, "_plan_below", lambda self, ids: (calls.append(len(ids)), real(self, ids))[1])
     return calls
 
 
@@ -53,7 +53,7 @@ def test_training_in_chunk_order_reads_warm_rows_in_one_gather(shm_path, monkeyp
             if epoch == 0:
                 s.compact()
         s.flush()
-        assert s._warm.slab is not None and s._warm.slab.placed_bytes > 0
+        assert s._tiers.warm.slab is not None and s._tiers.warm.slab.placed_bytes > 0
     assert len(plans) < 2 * (n // bsz) // 4, f"{len(plans)} of {2 * n // bsz} batches planned a read below the hot tier"
     with EmbeddingStore.open(shm_path / "s", **opts) as s:
         assert_bitwise_equal(s.get(torch.arange(n)), model)
@@ -78,7 +78,7 @@ def test_a_plan_holding_several_warm_copies_reads_each_as_it_was(shm_path):
         for c in range(12):  # each read whole, kept packed; raw copies of the last ones only
             ids = torch.arange(c * chunk, (c + 1) * chunk)
             assert_bitwise_equal(s.get(ids), table[ids])
-        held = s._warm.chunks().tolist()
+        held = s._tiers.warm.chunks().tolist()
         assert len(held) > 3, held
         ids = torch.cat([torch.arange(c * chunk, c * chunk + 40) for c in held])  # 40 of 64 rows each
         assert_bitwise_equal(s.get(ids), table[ids])
@@ -96,8 +96,8 @@ def test_a_read_right_after_a_budget_change_reads_each_warm_copy_as_it_was(shm_p
         for c in range(4):
             s.get(torch.arange(c * chunk, (c + 1) * chunk))
         s.set_budget(warm_bytes=raw + raw // 2)  # the slab goes; the packed chunks stay
-        assert s._warm.slab is None and len(s._warm) >= 2
-        held = s._warm.chunks().tolist()[:2]
+        assert s._tiers.warm.slab is None and len(s._tiers.warm) >= 2
+        held = s._tiers.warm.chunks().tolist()[:2]
         ids = torch.cat([torch.arange(c * chunk, c * chunk + 40) for c in held])
         assert_bitwise_equal(s.get(ids), table[ids])
 
