@@ -43,7 +43,7 @@ class Load:
     head: np.ndarray  # header and directory
     fd: int
     epoch: int
-    seq: int = 0  # the file pool's `inplace_seq` when the load began (a fold in place since: unusable)
+    seq: int = 0  # the file pool's `inplace_seq` when the load began (a fold in place of it since: unusable)
     left: int = 2  # reads not completed yet
     ok: bool = True  # every read got all its bytes
 
@@ -161,6 +161,9 @@ class ChunkLoader:
             if not need:
                 break
         out, self._ready = self._ready, []
+        pool = self._disk.pool
+        for ld in out:  # a fold in place of another file meanwhile leaves the load usable
+            ld.seq = pool.unchanged_since(ld.seq, ld.chunk, ld.gen)
         return out
 
     def _finish(self, ld: Load) -> None:

@@ -171,6 +171,7 @@ def fold_chunk(
             crcs[b] = crc32(view[b * BLOCK : (b + 1) * BLOCK])
         directory = raw_directory(chunk, n, crcs, newest)
         header = b"".join(bytes(p) for p in pack(b"chunkraw", directory, disk.uid, path.name))
+        disk.pool.note_folded(chunk, gen)  # (background reads of it begun before are useless)
         runs = [(a * rb, b * rb, data_off + a * rb) for a, b in _runs(rows)]
         written = fileio.overwrite(fd, view, path, runs)
         written += fileio.overwrite(fd, header, path, [(0, len(header), 0)])

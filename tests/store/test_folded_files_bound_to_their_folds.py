@@ -15,7 +15,7 @@ import torch
 from _store_helpers import assert_bitwise_equal
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import chunkrows, disk, fileio, versions
+from lightning_embcache.store import chunkrows, disk, fileio, recycle, versions
 from lightning_embcache.store.errors import CorruptStoreError
 from lightning_embcache.tools import verify_store
 
@@ -225,3 +225,31 @@ def _rewrite_as_unrecorded(f) -> None:
     tmp = f.with_name(".tmp")
     tmp.write_bytes(bytes(data))
     shutil.move(tmp, f)
+
+
+def test_a_background_read_stays_usable_across_a_fold_of_another_file(tmp_path):
+    """`FilePool.unchanged_since`: a read-ahead begun before folds in place is still good if
+    none of them changed its file (and none is changing one now), and a fold of its own file
+    (before, during or after the read began, until it is asked) makes it useless."""
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        pool = recycle.FilePool(fd)
+        seq = pool.inplace_seq
+        with pool.folding():
+            pool.note_folded(1, 5)
+            during = pool.inplace_seq
+            assert pool.unchanged_since(seq, 2, 5) == seq  # a file changes now: nothing vouched for
+        now = pool.inplace_seq
+        assert pool.moved_since(seq)
+        assert pool.unchanged_since(seq, 2, 5) == now and not pool.moved_since(now)  # another file
+        assert pool.unchanged_since(seq, 1, 4) == now  # another generation of the chunk
+        assert pool.unchanged_since(seq, 1, 5) == seq  # its own file
+        assert pool.unchanged_since(during, 1, 5) == during  # begun while its file changed
+        assert pool.unchanged_since(now, 1, 5) == now  # begun after the fold
+        for i in range(recycle.FOLD_LOG + 1):  # folds of other files, more than the log holds
+            with pool.folding():
+                pool.note_folded(100 + i, 1)
+        assert pool.inplace_seq != now and pool.unchanged_since(now, 2, 5) == now  # forgotten: not vouched for
+        assert pool.unchanged_since(pool.inplace_seq, 2, 5) == pool.inplace_seq
+    finally:
+        os.close(fd)
