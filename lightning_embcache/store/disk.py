@@ -273,8 +273,10 @@ class Disk:
         # Records of never-written rows: the store's `_init_rows` (see `set_init_rows`)
         self._init_rows: Callable[[], Callable[[np.ndarray], np.ndarray] | None] = lambda: None
         # (generation, newest segment folded) per chunk of the chunk map this handle reads
-        # (`bind_chunkmap`): what a raw chunk file read here must hold at least (`check_folded`)
+        # (`bind_chunkmap`): what a raw chunk file read here must hold at least (`check_folded`);
+        # and for a handle whose version never changes, the newest segment it lists
         self._folds: tuple[np.ndarray, np.ndarray] | None = None
+        self._folds_newest: int | None = None
 
     def resize(self, num_rows: int) -> None:
         """Rows of the table this handle reads and writes now: a version's size (`Manifest.num_rows`)
@@ -596,11 +598,15 @@ class Disk:
         self.compaction_bytes_written += n
         self.bind_chunkmap(cmap, folded if folded is not None else np.zeros(len(cmap), np.int64))
 
-    def bind_chunkmap(self, cmap: np.ndarray, folded: np.ndarray) -> None:
+    def bind_chunkmap(self, cmap: np.ndarray, folded: np.ndarray, newest: int | None = None) -> None:
         """Reads of this handle are of chunk map ``cmap`` (generation of each chunk's base file)
         and ``folded`` (newest segment folded into it): a raw chunk file that records holding an
-        older segment than that is an older copy of the file put in its place, and is refused."""
+        older segment than that is an older copy of the file put in its place, and is refused.
+        ``newest``: a read-only handle's version lists no segment newer than this (and nobody
+        folds its files meanwhile): a file recording a newer one than this and ``folded`` both
+        is a copy from a later state of the store, and is refused too."""
         self._folds = (np.asarray(cmap, np.int64).copy(), np.asarray(folded, np.int64).copy())
+        self._folds_newest = newest
 
     def check_folded(self, path: object, chunk: int, gen: int, held: int | None, folded: int | None = None) -> None:
         """CorruptStoreError if raw chunk file (chunk, gen), recording that it holds the segments
@@ -615,6 +621,13 @@ class Disk:
             if folds is None or chunk >= len(folds[0]) or folds[0][chunk] != gen:
                 return
             folded = int(folds[1][chunk])
+            newest = self._folds_newest
+            if newest is not None and held > max(folded, newest):
+                raise CorruptStoreError(
+                    path, f"holds the rows of chunk {chunk} up to segment {held}, newer than any segment of the "
+                    f"version read (up to {max(folded, newest)}): a copy of this file from a later state of the "
+                    f"store was put in its place (it would serve newer rows). Put the store's own file back, or "
+                    f"restore the whole store from a backup")
         if held < folded:
             raise CorruptStoreError(
                 path, f"holds the rows of chunk {chunk} up to segment {held}, but the chunk map naming it says "

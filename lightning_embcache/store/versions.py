@@ -345,7 +345,8 @@ class Versioning:
         disk.resize(self._num_rows)
         # and per chunk the newest segment folded into its base file (see _compact_round)
         self._cmap, self._folded = disk.read_chunkmap_folded(m.chunkmap)
-        disk.bind_chunkmap(self._cmap, self._folded)  # what its files must hold (Disk.check_folded)
+        # what its files must hold (Disk.check_folded); a read-only handle's version never changes
+        disk.bind_chunkmap(self._cmap, self._folded, max(m.segments, default=0) if self._readonly else None)
         # An in-place fold a crash interrupted is finished before anything reads (inplace.py)
         if self._readonly:
             inplace.refuse_if_interrupted(disk, self._cmap)

@@ -253,3 +253,24 @@ def test_a_background_read_stays_usable_across_a_fold_of_another_file(tmp_path):
         assert pool.unchanged_since(pool.inplace_seq, 2, 5) == pool.inplace_seq
     finally:
         os.close(fd)
+
+
+def test_a_copy_from_a_later_state_is_refused_by_a_reader_of_the_earlier_one(tmp_path):
+    """A backup of the store, then a file of the live store (folded in place since, same name)
+    put into the backup: the backup's version lists no segment that new, so a read-only handle
+    and `embcache verify` name the file instead of serving rows newer than the version."""
+    live, backup = tmp_path / "s", tmp_path / "b"
+    s, table = _filled(live)
+    with s:
+        _update_and_fold(s, table, 1)
+        shutil.copytree(live, backup, ignore=shutil.ignore_patterns("LOCK"))
+        held = table.clone()
+        _update_and_fold(s, table, 2)
+    f = _chunk_file(backup, 3)
+    f.write_bytes(_chunk_file(live, 3).read_bytes())  # (same name: folded in place)
+    with EmbeddingStore.open(backup, readonly=True) as r:
+        assert_bitwise_equal(r.get(torch.arange(CHUNK)), held[:CHUNK], "rows of the other files")
+        with pytest.raises(CorruptStoreError, match=f"{f.name}.*later state"):
+            r.get(torch.arange(3 * CHUNK, 4 * CHUNK))
+    res = verify_store(backup)
+    assert not res.ok and f.name in str(res.as_dict())
