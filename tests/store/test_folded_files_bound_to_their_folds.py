@@ -24,7 +24,7 @@ N, DIM, CHUNK = 4096, 16, 256  # 16 dense chunks
 
 @pytest.fixture(autouse=True)
 def _fold_in_place(monkeypatch):
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", True)  # (the default; pinned against the environment)
+    monkeypatch.setattr(versions, "FOLD_IN_PLACE", True)  # (off by default: these tests are about it)
 
 
 def _filled(path) -> tuple[EmbeddingStore, torch.Tensor]:
