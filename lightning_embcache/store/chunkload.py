@@ -43,7 +43,7 @@ class Load:
     head: np.ndarray  # header and directory
     fd: int
     epoch: int
-    seq: int = 0  # the file pool's `inplace_seq` when the load began (a fold in place since: unusable)
+    seq: int = 0  # the file pool's `inplace_seq` when the load began (a fold in place of it since: unusable)
     left: int = 2  # reads not completed yet
     ok: bool = True  # every read got all its bytes
 
@@ -141,11 +141,14 @@ class ChunkLoader:
     def done(self, wait_for: np.ndarray | list[int] = ()) -> list[Load]:
         """Loads whose reads have completed since the last call (no system call unless it
         waits), after waiting for those of the chunks in ``wait_for`` that are in flight. Their
-        slots stay reserved: the caller checks each and adopts or unreserves it."""
+        slots stay reserved: the caller checks each and adopts or unreserves it. While compaction
+        folds a file in place (in the background), loads not waited for are kept for a later call:
+        the caller would have to throw them away (`FilePool.moved_since`), whatever file it folds."""
         if not self.usable:
             self._forget_forked()
             return []
-        need = {c for c in (wait_for.tolist() if isinstance(wait_for, np.ndarray) else wait_for) if c in self._loads}
+        wanted = set(wait_for.tolist() if isinstance(wait_for, np.ndarray) else wait_for)
+        need = {c for c in wanted if c in self._loads}
         while self._loads:
             # (an error here leaves the loads finished so far in ``_ready`` for the next call)
             tags, res = self._ring.completed(wait=1 if need else 0)
@@ -160,7 +163,15 @@ class ChunkLoader:
                     self._ready.append(ld)
             if not need:
                 break
-        out, self._ready = self._ready, []
+        pool = self._disk.pool
+        out, later = [], []
+        for ld in self._ready:
+            if pool.inplace_seq & 1 and ld.chunk not in wanted:
+                later.append(ld)
+                continue
+            ld.seq = pool.unchanged_since(ld.seq, ld.chunk, ld.gen)  # (a fold of another file leaves it usable)
+            out.append(ld)
+        self._ready = later
         return out
 
     def _finish(self, ld: Load) -> None:
@@ -177,6 +188,8 @@ class ChunkLoader:
             return
         try:
             finished = self.done(list(self._loads))
+            finished += self._ready  # (kept back for a fold in place)
+            self._ready = []
         except OSError:  # the ring failed: never let the kernel write into memory reused meanwhile
             for c, ld in self._loads.items():
                 _ABANDONED.append(ld)

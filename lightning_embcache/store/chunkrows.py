@@ -183,7 +183,8 @@ class ChunkRows:
             kind = head[8:16].rstrip(b"\0")
             if kind == b"chunkraw":
                 directory = got[HEADER_SIZE:] if len(got) == HEADER_SIZE + raw_dir else None
-                rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head, directory=directory)
+                rows, crcs, off = disk._raw_chunk_directory(path, chunk, fd=fd, head=head, directory=directory,
+                                                            gen=gen)
             elif kind == SPARSE_KIND:
                 present, crcs, off = disk._sparse_chunk_directory(path, chunk, fd=fd, head=head)
                 rows = len(present)

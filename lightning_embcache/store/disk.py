@@ -41,7 +41,13 @@ from .validate import MAX_ROWS
 from .warm import MIN_RATIO
 
 _SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows
-_CHUNK_HEAD = struct.Struct("<QQQB")  # chunk, rows, raw length, compressed flag
+# chunk, rows, a length, a flag: the flag 1 is an LZ4 chunk (the length is its records' raw
+# length), 0 a raw chunk written before raw files recorded what they hold (the raw length), and
+# FOLDS_RECORDED a raw chunk whose third field is the newest segment folded into it (its raw
+# length is rows x row bytes): what binds a file folded in place, which keeps its name, to the
+# chunk map that names it (`check_folded`)
+_CHUNK_HEAD = struct.Struct("<QQQB")
+FOLDS_RECORDED = 2
 _SPARSE_HEAD = struct.Struct("<QQQQ")  # chunk, rows, rows present, length of their records
 SPARSE_KIND = b"sparse"  # a base chunk holding only its rows ever written (the rest are `init`)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -69,6 +75,23 @@ def _block_crcs(raw: bytes | memoryview) -> np.ndarray:
     just the blocks it reads."""
     view = memoryview(raw)
     return np.array([crc32(view[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)], np.uint32)
+
+
+def raw_head(path: object, directory: bytes | memoryview, row_bytes: int) -> tuple[int, int, int, int | None]:
+    """(chunk, rows, raw length, newest segment folded into it or None where the file does not
+    record it) of a raw chunk file's directory."""
+    c, rows, third, flag = _CHUNK_HEAD.unpack_from(directory)
+    if flag == FOLDS_RECORDED:
+        return c, rows, rows * row_bytes, third
+    if flag == 0:
+        return c, rows, third, None
+    raise CorruptStoreError(path, f"raw chunk directory has layout flag {flag}; this build reads 0 and "
+                                  f"{FOLDS_RECORDED}")
+
+
+def raw_directory(chunk: int, rows: int, crcs: np.ndarray, folded: int) -> bytes:
+    """The directory of a raw chunk file of ``rows`` rows holding the segments up to ``folded``."""
+    return _CHUNK_HEAD.pack(chunk, rows, folded, FOLDS_RECORDED) + crcs.tobytes()
 
 
 def sparse_rows_held(path: Path) -> int | None:
@@ -249,6 +272,11 @@ class Disk:
         self.pool = FilePool(self._chunks_fd)
         # Records of never-written rows: the store's `_init_rows` (see `set_init_rows`)
         self._init_rows: Callable[[], Callable[[np.ndarray], np.ndarray] | None] = lambda: None
+        # (generation, newest segment folded) per chunk of the chunk map this handle reads
+        # (`bind_chunkmap`): what a raw chunk file read here must hold at least (`check_folded`);
+        # and for a handle whose version never changes, the newest segment it lists
+        self._folds: tuple[np.ndarray, np.ndarray] | None = None
+        self._folds_newest: int | None = None
 
     def resize(self, num_rows: int) -> None:
         """Rows of the table this handle reads and writes now: a version's size (`Manifest.num_rows`)
@@ -558,12 +586,53 @@ class Disk:
         return arr, folded
 
     def write_chunkmap(self, gen: int, cmap: np.ndarray, folded: np.ndarray | None = None) -> None:
+        """Write chunk map ``gen``; the writer reads by it from here on (`bind_chunkmap`): it is
+        written by a round or a growth about to publish it, and until then every file it names
+        holds at least what it says (a file folded in place was before it is written; a new one
+        has a new generation, which reads of the old layout do not ask for)."""
         payload = cmap.astype(np.int32).tobytes()
         if folded is not None:
             payload += folded.astype(np.int64).tobytes()
         n = self._write(self.chunkmap_path(gen), b"chunkmap", payload)
         self.bytes_written += n
         self.compaction_bytes_written += n
+        self.bind_chunkmap(cmap, folded if folded is not None else np.zeros(len(cmap), np.int64))
+
+    def bind_chunkmap(self, cmap: np.ndarray, folded: np.ndarray, newest: int | None = None) -> None:
+        """Reads of this handle are of chunk map ``cmap`` (generation of each chunk's base file)
+        and ``folded`` (newest segment folded into it): a raw chunk file that records holding an
+        older segment than that is an older copy of the file put in its place, and is refused.
+        ``newest``: a read-only handle's version lists no segment newer than this (and nobody
+        folds its files meanwhile): a file recording a newer one than this and ``folded`` both
+        is a copy from a later state of the store, and is refused too."""
+        self._folds = (np.asarray(cmap, np.int64).copy(), np.asarray(folded, np.int64).copy())
+        self._folds_newest = newest
+
+    def check_folded(self, path: object, chunk: int, gen: int, held: int | None, folded: int | None = None) -> None:
+        """CorruptStoreError if raw chunk file (chunk, gen), recording that it holds the segments
+        up to ``held`` (None: a file from before raw files recorded it, never folded in place),
+        holds fewer than a chunk map naming it says: ``folded``, or where None the chunk map this
+        handle reads (`bind_chunkmap`; a generation it does not name is not checked). A file
+        folded in place keeps its name: this is what tells a copy of it from before a fold."""
+        if held is None:
+            return
+        if folded is None:
+            folds = self._folds
+            if folds is None or chunk >= len(folds[0]) or folds[0][chunk] != gen:
+                return
+            folded = int(folds[1][chunk])
+            newest = self._folds_newest
+            if newest is not None and held > max(folded, newest):
+                raise CorruptStoreError(
+                    path, f"holds the rows of chunk {chunk} up to segment {held}, newer than any segment of the "
+                    f"version read (up to {max(folded, newest)}): a copy of this file from a later state of the "
+                    f"store was put in its place (it would serve newer rows). Put the store's own file back, or "
+                    f"restore the whole store from a backup")
+        if held < folded:
+            raise CorruptStoreError(
+                path, f"holds the rows of chunk {chunk} up to segment {held}, but the chunk map naming it says "
+                f"segment {folded} was folded into it: an older copy of this file was put in its place (it would "
+                f"serve older rows). Put the store's own file back, or restore the whole store from a backup")
 
     # ---- base chunks -------------------------------------------------------------------------
     def chunk_rows_of(self, chunk: int) -> int:
@@ -585,7 +654,8 @@ class Disk:
         dense[present] = recs
         return dense
 
-    def read_chunk_present(self, chunk: int, gen: int, *, verify: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+    def read_chunk_present(self, chunk: int, gen: int, *, verify: bool = True,
+                           folded: int | None = None) -> tuple[np.ndarray | None, np.ndarray]:
         """(rows held, their records) of a base chunk file, every byte checksum-verified: rows
         held is None for a dense file (raw or LZ4: every row, in order), else the sorted
         chunk-relative rows of a sparse file, whose records are those rows' only.
@@ -593,14 +663,17 @@ class Disk:
         A raw or sparse chunk is read through one descriptor (header, directory, records):
         compaction reads thousands of chunks from a background thread, and each system call there
         is a hand-over of the GIL with the training thread (four opens per chunk cost more than
-        its bytes). ``verify=False``: a file this handle wrote (the caller knows)."""
+        its bytes). ``verify=False``: a file this handle wrote (the caller knows). ``folded``: the
+        newest segment the chunk map naming the file says it holds (`check_folded`; None: the
+        chunk map this handle reads)."""
         epoch = self.pool.begin_read()
         try:
-            return self._read_chunk_present(chunk, gen, verify)
+            return self._read_chunk_present(chunk, gen, verify, folded)
         finally:
             self.pool.end_read(epoch)
 
-    def _read_chunk_present(self, chunk: int, gen: int, verify: bool) -> tuple[np.ndarray | None, np.ndarray]:
+    def _read_chunk_present(self, chunk: int, gen: int, verify: bool,
+                            folded: int | None = None) -> tuple[np.ndarray | None, np.ndarray]:
         path = self.chunk_path(chunk, gen)
         try:
             fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
@@ -615,7 +688,8 @@ class Disk:
             data = None
             if kind in (b"chunkraw", SPARSE_KIND):
                 if kind == b"chunkraw":
-                    rows, crcs, data_off = self._raw_chunk_directory(path, chunk, fd=fd, head=head)
+                    rows, crcs, data_off = self._raw_chunk_directory(path, chunk, fd=fd, head=head, gen=gen,
+                                                                     folded=folded)
                 else:
                     present, crcs, data_off = self._sparse_chunk_directory(path, chunk, fd=fd, head=head)
                     rows = len(present)
@@ -683,8 +757,9 @@ class Disk:
                 length, pcrc = parse_header(path, hd[:HEADER_SIZE], b"chunkraw", self.uid, unbound=self.unbound)  # type: ignore[arg-type]
                 if length != dlen or len(hd) != HEADER_SIZE + dlen or crc32(hd[HEADER_SIZE:]) != pcrc:
                     raise CorruptStoreError(path, "chunk directory is truncated or fails its checksum")
-                c, r, rl, _ = _CHUNK_HEAD.unpack_from(hd, HEADER_SIZE)
+                c, r, rl, held = raw_head(path, memoryview(hd)[HEADER_SIZE:], rb)
                 self._check_chunk_head(path, chunk, c, r, rl)  # type: ignore[arg-type]
+                self.check_folded(path, chunk, gen, held)
                 # kept as 4 bytes per block (a list of ints would cost ~36)
                 crcs = np.frombuffer(hd, np.uint32, nblocks, HEADER_SIZE + _CHUNK_HEAD.size).copy()
                 self._remember_directory(key, crcs)
@@ -708,12 +783,13 @@ class Disk:
             os.close(fd)
 
     def write_chunk(self, chunk: int, gen: int, records: np.ndarray, compress: bool, *, durable: bool = True,
-                    present: np.ndarray | None = None) -> None:
+                    present: np.ndarray | None = None, folded: int = 0) -> None:
         """Write base chunk ``chunk`` of generation ``gen``: every row's ``records`` (raw, or LZ4
         when ``compress`` and it pays), or with ``present`` (sorted chunk-relative rows) a sparse
         file holding just those rows' ``records``: the others keep their initial values.
         ``durable=False``: no fsync (a compaction round makes its files durable at once with
-        `sync_chunks` before it publishes them)."""
+        `sync_chunks` before it publishes them). ``folded``: the newest segment whose records
+        ``records`` hold (the chunk map's for this file), recorded in a raw file."""
         if present is not None:
             self._write_sparse_chunk(chunk, gen, present, records, durable)
             return
@@ -726,8 +802,7 @@ class Disk:
                 self._write_chunk_file(chunk, gen, parts, durable)
                 return
         # Raw chunks carry a checksum per 4 KiB block, so a miss can read just the rows it needs.
-        crcs = _block_crcs(raw)
-        directory = _CHUNK_HEAD.pack(chunk, len(records), len(raw), 0) + crcs.tobytes()
+        directory = raw_directory(chunk, len(records), _block_crcs(raw), folded)
         self._write_chunk_file(
             chunk, gen, pack(b"chunkraw", directory, self.uid, self.chunk_path(chunk, gen).name) + [raw], durable
         )
@@ -771,15 +846,15 @@ class Disk:
         before its header was read: `ChunkLoader`)."""
         return HEADER_SIZE + _CHUNK_HEAD.size + 4 * -(-self.chunk_rows_of(chunk) * self.row_bytes // BLOCK)
 
-    def raw_chunk_checksums(self, chunk: int, gen: int, head: bytes) -> np.ndarray:
+    def raw_chunk_checksums(self, chunk: int, gen: int, head: bytes, folded: int | None = None) -> np.ndarray:
         """The block checksums in ``head`` (the first `raw_chunk_data_offset` bytes of chunk file
-        (chunk, gen)), everything in it checked; CorruptStoreError if it is not a dense raw chunk
-        of this store's ``chunk`` (a sparse or LZ4 file too)."""
+        (chunk, gen)), everything in it checked (``folded``: see `check_folded`); CorruptStoreError
+        if it is not a dense raw chunk of this store's ``chunk`` (a sparse or LZ4 file too)."""
         path = self.chunk_path(chunk, gen)
         if len(head) != self.raw_chunk_data_offset(chunk):
             raise CorruptStoreError(path, "truncated: shorter than its header")
         return self._raw_chunk_directory(
-            path, chunk, head=bytes(head[:HEADER_SIZE]), directory=bytes(head[HEADER_SIZE:])
+            path, chunk, head=bytes(head[:HEADER_SIZE]), directory=bytes(head[HEADER_SIZE:]), gen=gen, folded=folded
         )[1]
 
     def _raw_chunk_directory(
@@ -790,7 +865,12 @@ class Disk:
         fd: int | None = None,
         head: bytes | None = None,
         directory: bytes | None = None,
+        gen: int = 0,
+        folded: int | None = None,
     ) -> tuple[int, np.ndarray, int]:
+        """(rows, block checksums, offset of the records) of raw chunk file ``path`` of ``chunk``
+        (generation ``gen``), its directory checked: checksum, chunk, rows, and that it holds what
+        the chunk map naming it says (`check_folded`)."""
         head = head if head is not None else self._pread(path, 0, HEADER_SIZE, fd=fd)
         length, pcrc = parse_header(path, head, b"chunkraw", self.uid, unbound=self.unbound)
         if length != _CHUNK_HEAD.size + 4 * -(-self.chunk_rows_of(chunk) * self.row_bytes // BLOCK):
@@ -799,8 +879,9 @@ class Disk:
             directory = self._pread(path, HEADER_SIZE, length, fd=fd)
         if crc32(directory) != pcrc:
             raise CorruptStoreError(path, "chunk directory fails its checksum")
-        c, rows, raw_len, _ = _CHUNK_HEAD.unpack_from(directory)
+        c, rows, raw_len, held = raw_head(path, directory, self.row_bytes)
         self._check_chunk_head(path, chunk, c, rows, raw_len)
+        self.check_folded(path, chunk, gen, held, folded)
         crcs = np.frombuffer(directory, np.uint32, offset=_CHUNK_HEAD.size)
         if len(crcs) != -(-raw_len // BLOCK):
             raise CorruptStoreError(path, "chunk directory has the wrong number of block checksums")

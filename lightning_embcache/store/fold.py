@@ -42,13 +42,14 @@ def fold_chunk(
     cache holds what was checksummed). A chunk that becomes dense computes the initial values of
     the rows nobody wrote with ``init_rows(ids)``; without it, raises NeedsInit.
 
-    ``folded``: the newest segment the base file already holds (the chunk map's); older segments'
-    records of this chunk are dead and may be punched out of their files (holes.py): skipped."""
+    ``folded``: the newest segment the base file already holds (the chunk map's; a raw file that
+    records holding less is refused: `Disk.check_folded`); older segments' records of this chunk
+    are dead and may be punched out of their files (holes.py): skipped."""
     rows = disk.chunk_rows_of(c)
     lo = c * disk.chunk_rows
     deltas = [got for s in segs if s.seq > folded and (got := s.rows_of_chunk(c)) is not None]
     if base_gen:
-        present, recs = disk.read_chunk_present(c, base_gen, verify=verify)
+        present, recs = disk.read_chunk_present(c, base_gen, verify=verify, folded=folded)
         if present is None:  # a dense base stays dense
             for ids, records in deltas:
                 recs[ids - lo] = records

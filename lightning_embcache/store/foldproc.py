@@ -242,6 +242,7 @@ def serve(cfg: dict, fd: int) -> None:
                 if q not in segs:
                     segs[q] = disk.open_segment(q)
                 use.append(segs[q])
+            newest = max(seqs, default=0)  # what the new files hold: the chunk map the parent publishes says so
             r0, w0, s0 = disk.bytes_read, disk.bytes_written, disk.segment_reads[0]
             done, skipped = [], []
             for c, b, f in zip(chunks, bases, folded):
@@ -252,7 +253,7 @@ def serve(cfg: dict, fd: int) -> None:
                 except NeedsInit:
                     skipped.append(c)
                     continue
-                disk.write_chunk(c, gen, recs, compress, durable=False, present=present)
+                disk.write_chunk(c, gen, recs, compress, durable=False, present=present, folded=newest)
                 done.append(c)
             disk.sync_chunks(done, gen)
             result = {"done": done, "skipped": skipped, "left": disk.pool.release(),

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import fileio
 from .blockcrc import BLOCK, first_bad_block
-from .disk import _CHUNK_HEAD, Disk, Segment
+from .disk import _CHUNK_HEAD, FOLDS_RECORDED, Disk, Segment, raw_directory
 from .errors import CorruptStoreError, StoreError
 from .fileio import HEADER_SIZE, crc32, pack
 
@@ -47,16 +47,19 @@ _KIND = b"folding"
 
 
 def is_raw(disk: Disk, chunk: int, gen: int) -> bool:
-    """Whether chunk file (chunk, gen) is a dense raw file (its kind, unchecked: `fold_chunk`
-    checks everything it reads)."""
+    """Whether chunk file (chunk, gen) is a dense raw file that records the newest segment folded
+    into it (its kind and layout flag, unchecked: `fold_chunk` checks everything it reads). A raw
+    file written before files recorded it is never folded in place: its name alone then tells
+    every copy of it apart, since it never changes under that name."""
     try:
         fd = os.open(disk.chunk_path(chunk, gen), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False
     try:
-        return os.pread(fd, 16, 0)[8:16] == b"chunkraw"
+        head = os.pread(fd, HEADER_SIZE + _CHUNK_HEAD.size, 0)
     finally:
         os.close(fd)
+    return len(head) == HEADER_SIZE + _CHUNK_HEAD.size and head[8:16] == b"chunkraw" and head[-1] == FOLDS_RECORDED
 
 
 def newest_records(chunk: int, disk: Disk, segs: list[Segment], folded: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,15 +115,18 @@ def _runs(rows: np.ndarray, gap_share: float = GAP_SHARE) -> list[tuple[int, int
 
 
 def fold_chunk(
-    disk: Disk, chunk: int, gen: int, rows: np.ndarray, records: np.ndarray, *, verify: bool, redo: bool = False
+    disk: Disk, chunk: int, gen: int, rows: np.ndarray, records: np.ndarray, *, verify: bool, newest: int,
+    redo: bool = False,
 ) -> int:
     """Write ``records`` of chunk-relative ``rows`` into raw chunk file (chunk, gen) where they
-    lie, with the checksums of the blocks they touch and a new header; return the bytes written.
-    Not durable (the caller syncs). ``verify``: check the file's blocks first (a damaged block
-    must fail its checksum after the fold too, never be given a fresh one). ``redo``: the file
-    may be torn by a crash in an earlier fold of the same records: its header and directory are
-    rebuilt, the blocks these rows touch get checksums of what they hold after the writes, the
-    others keep theirs (the same before and after that fold)."""
+    lie, with the checksums of the blocks they touch and a new header recording that the file
+    holds the segments up to ``newest`` (the round's newest segment: the chunk map it publishes
+    says so); return the bytes written. Not durable (the caller syncs). ``verify``: check the
+    file's blocks first (a damaged block must fail its checksum after the fold too, never be
+    given a fresh one). ``redo``: the file may be torn by a crash in an earlier fold of the same
+    records: its header and directory are rebuilt, the blocks these rows touch get checksums of
+    what they hold after the writes, the others keep theirs (the same before and after that
+    fold)."""
     path = disk.chunk_path(chunk, gen)
     rb = disk.row_bytes
     n = disk.chunk_rows_of(chunk)
@@ -142,7 +148,12 @@ def fold_chunk(
                 raise CorruptStoreError(path, "is not a raw chunk file (an interrupted fold cannot be redone)")
             crcs = np.frombuffer(head, np.uint32, nblocks, HEADER_SIZE + _CHUNK_HEAD.size).copy()
         else:
+            # (refuses an older copy of the file than the chunk map says: `Disk.check_folded`)
             crcs = disk.raw_chunk_checksums(chunk, gen, head).copy()
+            held = _CHUNK_HEAD.unpack_from(head, HEADER_SIZE)
+            if held[3] != FOLDS_RECORDED:  # `is_raw` chose it: it was replaced meanwhile
+                raise StoreError(f"{path}: does not record what it holds, so it is never folded in place")
+            newest = max(newest, held[2])  # (it never records holding less than it did)
         data = np.empty(raw_len, np.uint8)
         got = os.preadv(fd, [memoryview(data)], data_off)  # type: ignore[arg-type]
         if got != raw_len:
@@ -158,8 +169,9 @@ def fold_chunk(
         view = memoryview(data)  # type: ignore[arg-type]
         for b in touched.tolist():
             crcs[b] = crc32(view[b * BLOCK : (b + 1) * BLOCK])
-        directory = _CHUNK_HEAD.pack(chunk, n, raw_len, 0) + crcs.tobytes()
+        directory = raw_directory(chunk, n, crcs, newest)
         header = b"".join(bytes(p) for p in pack(b"chunkraw", directory, disk.uid, path.name))
+        disk.pool.note_folded(chunk, gen)  # (background reads of it begun before are useless)
         runs = [(a * rb, b * rb, data_off + a * rb) for a, b in _runs(rows)]
         written = fileio.overwrite(fd, view, path, runs)
         written += fileio.overwrite(fd, header, path, [(0, len(header), 0)])
@@ -237,6 +249,7 @@ def redo(disk: Disk, only: set[int] | None = None) -> int:
             raise CorruptStoreError(disk.root / INTENT, f"names segment {seq}, which cannot be read to redo "
                                                         f"an interrupted fold: {exc}") from None
     done = []
+    newest = max(intent["segments"], default=0)  # the round's: what its folds record
     try:
         for c, g, folded in intent["files"]:
             if only is not None and c not in only:
@@ -245,7 +258,7 @@ def redo(disk: Disk, only: set[int] | None = None) -> int:
                 continue  # a file no version reads: nothing to redo
             rows, recs = newest_records(c, disk, segs, folded)
             if len(rows):
-                disk.bytes_written += fold_chunk(disk, c, g, rows, recs, verify=False, redo=True)
+                disk.bytes_written += fold_chunk(disk, c, g, rows, recs, verify=False, newest=newest, redo=True)
                 done.append(disk.chunk_path(c, g).name)
         if done:
             fileio.sync_written(disk._chunks_fd, done, disk.root / "chunks")

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 from . import fileio
 
+FOLD_LOG = 4096  # files folded in place remembered (`unchanged_since`): more than a round folds
 POOL_PREFIX = ".pool-"  # with the ".tmp" suffix a writable open deletes leftovers of a crash
 
 
@@ -54,6 +55,10 @@ class FilePool:
         self._folding = False
         self._depth = threading.local()  # synchronous reads this thread has open (nested reads go on)
         self.inplace_seq = 0
+        # (inplace_seq while folding, chunk, gen) of the files folded in place lately, oldest
+        # first, and the seq below which folds are forgotten (`unchanged_since`)
+        self._fold_log: deque[tuple[int, int, int]] = deque()
+        self._log_floor = 0
 
     def __len__(self) -> int:
         return len(self._free)
@@ -103,6 +108,29 @@ class FilePool:
     def moved_since(self, seq: int) -> bool:
         """Whether a chunk file may have changed in place since `inplace_seq` was ``seq``."""
         return bool(seq & 1) or self.inplace_seq != seq
+
+    def note_folded(self, chunk: int, gen: int) -> None:
+        """Chunk file (chunk, gen) changes in place now (inside `folding`)."""
+        with self._lock:
+            self._fold_log.append((self.inplace_seq, chunk, gen))
+            if len(self._fold_log) > FOLD_LOG:
+                self._log_floor = self._fold_log.popleft()[0] + 1
+
+    def unchanged_since(self, seq: int, chunk: int, gen: int) -> int:
+        """`inplace_seq` now where chunk file (chunk, gen) has not changed in place since
+        `inplace_seq` was ``seq`` and is not changing now, else ``seq``: a background read of that
+        file begun at ``seq`` is then as good as one begun now (a fold of another file meanwhile
+        does not make it useless)."""
+        with self._lock:
+            now = self.inplace_seq
+            if now & 1 or seq < self._log_floor:
+                return seq
+            for s, c, g in reversed(self._fold_log):
+                if s < seq:
+                    break
+                if c == chunk and g == gen:
+                    return seq
+            return now
 
     @contextmanager
     def folding(self) -> Iterator[None]:

@@ -78,11 +78,10 @@ ROUND_SHARE = 1 / 16
 # metadata work (journal commits that a flush's fsync may wait for).
 PUNCH_FROM = 0.3
 # True: a round folds a dense raw chunk file that no other version reads in place (inplace.py),
-# writing the changed rows, not the chunk. Off by default: a file folded in place keeps its name,
-# and its header does not yet record the newest segment it holds, so an older copy of the same
-# file put back in its place would pass the name check and serve older rows (docs/reliability.md,
-# "Files bound to their names"). The format change that records it turns this on; until then
-# ``EMBCACHE_FOLD_IN_PLACE=1`` in the environment turns it on to measure it.
+# writing the changed rows, not the chunk. The file keeps its name; its header records the newest
+# segment folded into it, so an older copy put back in its place is refused (Disk.check_folded).
+# Off by default until the power-cut oracle's long run (tests/store/test_power_cut_oracle.py,
+# "200-flushes", slow) passes with it on; ``EMBCACHE_FOLD_IN_PLACE=1`` turns it on.
 FOLD_IN_PLACE = os.environ.get("EMBCACHE_FOLD_IN_PLACE") == "1"
 # A round folding in place lets a waiting flush in once it has folded for this long since it
 # began or last did: each time costs an fsync of the files folded since and a pass of the lock
@@ -509,6 +508,8 @@ class Versions:
         disk.resize(self._c.num_rows)
         # and per chunk the newest segment folded into its base file (see _compact_round)
         self.cmap, self.folded = disk.read_chunkmap_folded(m.chunkmap)
+        # what its files must hold (Disk.check_folded); a read-only handle's version never changes
+        disk.bind_chunkmap(self.cmap, self.folded, max(m.segments, default=0) if self._c.readonly else None)
         # An in-place fold a crash interrupted is finished before anything reads (inplace.py)
         if self._c.readonly:
             inplace.refuse_if_interrupted(disk, self.cmap)
@@ -806,7 +807,8 @@ class Versions:
                     g = int(cmap[c])
                     rows, recs = inplace.newest_records(c, disk, segs, int(folded0[c]))  # (segment reads: outside)
                     with disk.pool.folding():
-                        n = inplace.fold_chunk(disk, c, g, rows, recs, verify=g < self._own_gens_from)
+                        n = inplace.fold_chunk(disk, c, g, rows, recs, verify=g < self._own_gens_from,
+                                               newest=segs[-1].seq)
                         disk.bytes_written += n
                         disk.compaction_bytes_written += n
                         self._forget_chunk_file(c, g)
@@ -956,7 +958,7 @@ class Versions:
                 init_rows=self._c.init_rows,
                 folded=int(folded[c]),
             )
-            disk.write_chunk(c, gen, recs, self._c.compress, durable=False, present=present)
+            disk.write_chunk(c, gen, recs, self._c.compress, durable=False, present=present, folded=segs[-1].seq)
             if handover:
                 time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see `_fold_round`)
             written.append(c)
