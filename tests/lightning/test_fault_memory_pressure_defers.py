@@ -63,7 +63,7 @@ def test_set_budget_waits_for_a_flush_in_progress_instead_of_raising(tmp_path):
     store._disk.write_segment = slow_write
     t = threading.Thread(target=store.flush)
     t.start()
-    assert entered.wait(10)
+    assert entered.wait(60)
     threading.Timer(0.2, release.set).start()
     store.set_budget(hot_bytes=64 * (dim * 4 + 11))
     assert release.is_set()  # it returned only after the flush was let go: it waited for it
