@@ -26,8 +26,10 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# One pytest-xdist worker per core (TEST_WORKERS=0: one process); worksteal evens out the long tests.
+TEST_WORKERS ?= auto
 test: setup lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
 test-slow: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m slow --timeout=3600

@@ -104,6 +104,7 @@ def _page_params():
             yield pytest.param(p, id=p.name, marks=marks)
 
 
+@pytest.mark.timeout(900)  # a page trains and compiles models in a fresh interpreter: minutes on a loaded host
 @pytest.mark.parametrize("page", list(_page_params()))
 def test_every_python_block_runs(page, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "COV_"))}

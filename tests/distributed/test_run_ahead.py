@@ -108,7 +108,7 @@ def test_closing_with_entries_waiting_for_lookups_returns():
         a.announce(_ids(k))
     t = threading.Thread(target=a.close)
     t.start()
-    t.join(5)
+    t.join(30)
     assert not t.is_alive()
     # the first entry may or may not have been served before close() (thread timing: 1 of ~10
     # loaded full-suite runs had not); every later one waits for a lookup and is dropped

@@ -93,11 +93,11 @@ _op = st.one_of(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(_op, min_size=1, max_size=12))
 def test_operation_sequences_on_two_ranks_match_a_tensor_with_durable_flushes(ranks, tmp_path_factory, ops):
-    ranks.run(_rank_fns.operation_sequence, str(tmp_path_factory.mktemp("seq")), ops, timeout=30)
+    ranks.run(_rank_fns.operation_sequence, str(tmp_path_factory.mktemp("seq")), ops, timeout=120)
 
 
 def test_a_rank_with_an_empty_batch_takes_part_and_the_others_rows_train(ranks, tmp_path):
-    ranks.run(_rank_fns.trainable_rows_with_an_idle_rank, str(tmp_path), timeout=30)
+    ranks.run(_rank_fns.trainable_rows_with_an_idle_rank, str(tmp_path), timeout=120)
 
 
 def test_a_device_budget_is_per_shard_and_cpu_ranks_keep_host_rows(ranks, tmp_path):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import builtins
+import os
 import time
 from pathlib import Path
 from unittest import mock
 
+import psutil
 import pytest
 from _lightning_helpers import tiny_model, tiny_trainer
 
@@ -181,12 +184,34 @@ def test_workers_count_towards_rss_and_a_check_is_cheap():
         while with_workers().rss_bytes - alone().rss_bytes < 60 * MiB and time.time() < deadline:
             time.sleep(0.1)
         assert with_workers().rss_bytes - alone().rss_bytes >= 60 * MiB
-        start = time.perf_counter()
-        for _ in range(100):
-            with_workers()
-        per_check = (time.perf_counter() - start) / 100
-        print(f"MemoryReader with one child: {per_check * 1e3:.3f} ms per check")
-        assert per_check < 0.005
+        # Cheap: a check reads this process's and its children's /proc entries, never every
+        # process's on the machine (psutil's children() scan). Counted, not timed.
+        mine = psutil.Process()
+
+        def ours() -> set[str]:
+            return {str(p) for p in (mine.pid, *(c.pid for c in mine.children(recursive=True)))}
+
+        pids = ours()  # (a test's leftover processes are this process's children too: counted)
+        seen: list[str] = []
+        real_open, real_listdir = builtins.open, os.listdir
+
+        def spy_open(file, *args, **kwargs):
+            seen.append(str(file))
+            return real_open(file, *args, **kwargs)
+
+        def spy_listdir(path="."):
+            seen.append(str(path))
+            return real_listdir(path)
+
+        with mock.patch("builtins.open", spy_open), mock.patch("os.listdir", spy_listdir):
+            for _ in range(10):
+                with_workers()
+        pids |= ours()
+        other = [p for p in seen if p.startswith("/proc/") and p.split("/")[2].isdigit() and p.split("/")[2] not in pids]
+        assert not other, f"a check read other processes' /proc entries: {sorted(set(other))[:5]}"
+        assert "/proc" not in [p.rstrip("/") for p in seen], "a check listed every process on the machine"
+        tasks = sum(len(os.listdir(f"/proc/{p}/task")) for p in pids if os.path.isdir(f"/proc/{p}"))
+        assert len(seen) <= 10 * (tasks + 20), f"{len(seen) / 10:.0f} files per check, {tasks} threads"
     finally:
         child.kill()
         child.wait()

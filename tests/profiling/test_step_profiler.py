@@ -260,24 +260,37 @@ def test_batch_size_fn_and_opaque_batches():
     assert p.summary()[0]["samples"] == 20
 
 
-def test_real_clock_matches_independent_wall_and_loader_time():
-    """Real sleeps: loader 4 ms (measured inside the dataset), step work, 3 ms of loop overhead."""
+def _real_clock_fit() -> tuple[dict, float, float]:
+    """Real sleeps: loader 4 ms (measured inside the dataset), step work, 3 ms of loop overhead.
+    The profiler's epoch summary, the independent epoch wall time and the loader's own ms/batch."""
     cost = Cost()
     ds = BatchDataset(25, cost, 4 * MS)
     wall = EpochWall()
     p = StepProfiler(report=False)
     t = trainer(max_epochs=1, callbacks=[wall, p, LoopOverhead(cost, 3 * MS)])
     t.fit(CostModel(cost, 2 * MS, 1 * MS, 1 * MS), loader(ds))
-    e = p.summary()[0]
-    ref_wall = wall.epochs[0]
-    assert abs(e["epoch_seconds"] - ref_wall) / ref_wall < 0.01, (e["epoch_seconds"], ref_wall)
+    return p.summary()[0], wall.epochs[0], 1e3 * ds.loaded_s / 25
+
+
+def test_real_clock_phases_hold_at_least_their_own_work():
+    """The real clock, whatever the host's speed: a stall only ever adds time, so each phase holds
+    at least its own sleep and the phases add up to the step. (Exact attribution is checked under
+    a fake clock: test_phases_match_the_costs_exactly_under_a_fake_clock and the tests after it.)"""
+    e, _, loader_ms = _real_clock_fit()
     assert abs(sum(e["phases_ms"].values()) - e["avg_batch_ms"]) < 1e-6
-    loader_ms = 1e3 * ds.loaded_s / 25
+    ph = e["phases_ms"]
+    assert ph["data_wait"] >= loader_ms, (ph, loader_ms)
+    assert ph["other"] >= 3.0, ph
+    assert ph["forward"] >= 2.0 and ph["backward"] >= 1.0 and ph["optimizer"] >= 1.0, ph
+
+
+@pytest.mark.slow  # wall-clock bounds from above: a loaded host's stalls land in data_wait (2 ms seen under 4 hogs)
+def test_real_clock_matches_independent_wall_and_loader_time():
+    e, ref_wall, loader_ms = _real_clock_fit()
+    assert abs(e["epoch_seconds"] - ref_wall) / ref_wall < 0.01, (e["epoch_seconds"], ref_wall)
     ph = e["phases_ms"]
     # the loader's own time, not the gap between batches (which also holds the 3 ms of overhead)
     assert loader_ms <= ph["data_wait"] < loader_ms + 1.0, (ph, loader_ms)
-    assert ph["other"] >= 3.0, ph
-    assert ph["forward"] >= 2.0 and ph["backward"] >= 1.0 and ph["optimizer"] >= 1.0, ph
 
 
 def _two_rank_straggler(tmp_path, accelerator="cpu", strategy="ddp"):

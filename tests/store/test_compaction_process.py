@@ -120,16 +120,16 @@ def test_a_flush_does_not_wait_for_a_background_fold(tmp_path, process_mode, mon
     table = torch.zeros(N, DIM)
     _ready(s)
     folding, release = threading.Event(), threading.Event()
-    _before_each_fold(monkeypatch, lambda: (folding.set(), release.wait(10)))
+    _before_each_fold(monkeypatch, lambda: (folding.set(), release.wait(120)))
     with s:
         for step in range(3):
             _update(s, table, np.arange(N), step)
             s.flush()  # 3 segments of the whole table: background compaction starts
-        wait_for(folding.is_set, 10, "a background round")
+        wait_for(folding.is_set, 60, "a background round")
         _update(s, table, np.arange(0, N, 3), 10)
         t = threading.Thread(target=s.flush)
         t.start()
-        t.join(5)
+        t.join(60)  # the fold is held until release: a flush that waited for it would still wait
         flushed_while_folding = not t.is_alive()
         release.set()
         t.join()
@@ -147,7 +147,7 @@ def test_a_killed_process_sends_rounds_back_to_the_store(tmp_path, process_mode)
     with s:
         pid = _ready(s)
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not alive(pid, zombie_is_gone=True), 10, "the killed process to go")
+        wait_for(lambda: not alive(pid, zombie_is_gone=True), 30, "the killed process to go")
         _update(s, table, np.arange(N), 1)
         s.flush()
         s.compact()  # the process is gone: folded here
@@ -156,7 +156,7 @@ def test_a_killed_process_sends_rounds_back_to_the_store(tmp_path, process_mode)
         pid2 = _ready(s)  # started once more
         assert pid2 != pid
         os.kill(pid2, signal.SIGKILL)
-        wait_for(lambda: not alive(pid2, zombie_is_gone=True), 10, "the second killed process to go")
+        wait_for(lambda: not alive(pid2, zombie_is_gone=True), 30, "the second killed process to go")
         for step in range(2, 4):
             _update(s, table, np.arange(0, N, step), step)
             s.flush()
@@ -173,7 +173,7 @@ def test_close_ends_the_process(tmp_path, process_mode):
     pid = _ready(s)
     assert alive(pid, zombie_is_gone=True)
     s.close()
-    wait_for(lambda: not alive(pid, zombie_is_gone=True), 5, "the process to end at close()")
+    wait_for(lambda: not alive(pid, zombie_is_gone=True), 30, "the process to end at close()")
 
 
 _WRITER = """
@@ -211,7 +211,7 @@ def test_a_killed_writer_takes_its_process_and_loses_nothing(tmp_path, monkeypat
         acked = int(line.split()[1])
     proc.kill()
     proc.wait()
-    wait_for(lambda: not alive(child, zombie_is_gone=True), 5, "the compaction process to die with its writer")
+    wait_for(lambda: not alive(child, zombie_is_gone=True), 30, "the compaction process to die with its writer")
     # a torn chunk write of the dead child, as a kill inside a round leaves one (the kill may or
     # may not have landed inside one)
     (path / "chunks" / f".c00000001-g00009999.tmp{child}-1").write_bytes(b"torn")
@@ -259,7 +259,7 @@ def test_a_flush_waiting_for_a_background_round_waits_for_that_round_only(tmp_pa
         for step in range(3):  # (whether the pass would have gone on depends on scheduling)
             _update(s, table, np.arange(step, N, 2), 10 + step)
             folding.clear()
-            wait_for(folding.is_set, 10, "a background round")
+            wait_for(folding.is_set, 60, "a background round")
             t0 = time.perf_counter()
             s.flush()  # over the limit: it waits for the round in progress, then folds itself
             t1 = time.perf_counter()

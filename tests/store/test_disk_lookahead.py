@@ -23,7 +23,7 @@ def _populated(path):
     return compacted_store(path, N, DIM, CHUNK)
 
 
-def _wait(cond, timeout=10.0):
+def _wait(cond, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "background load did not finish"

@@ -220,7 +220,7 @@ def test_chunk_files_closed_by_the_descriptor_bound_reopen_without_rereading(shm
     assert len(set(dirs)) == len(np.unique(np.flatnonzero(gens)))
 
 
-def _wait(cond, timeout=10.0):
+def _wait(cond, timeout=60.0):
     import time
 
     deadline = time.monotonic() + timeout
