@@ -93,9 +93,9 @@ def test_every_read_path_refuses_it(tmp_path, monkeypatch, reader):
     with EmbeddingStore.open(path) as s:
         with pytest.raises(CorruptStoreError, match=f"{f.name}.*older copy"):
             if reader == "whole":
-                s._disk.read_chunk(3, int(s._cmap[3]))
+                s._versions.disk.read_chunk(3, int(s._versions.cmap[3]))
             elif reader == "blocks":
-                s._disk.read_chunk_rows(3, int(s._cmap[3]), np.array([5, 100]))
+                s._versions.disk.read_chunk_rows(3, int(s._versions.cmap[3]), np.array([5, 100]))
             else:
                 s.get(torch.arange(3 * CHUNK, 4 * CHUNK))
 
