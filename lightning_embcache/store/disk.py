@@ -36,8 +36,8 @@ from . import fileio
 from .blockcrc import BLOCK, first_bad_block  # raw chunks: one checksum per block of BLOCK bytes
 from .errors import CorruptStoreError, StoreError, VersionNotFoundError, io_error
 from .fileio import ANY_STORE, HEADER_SIZE, crc32, open_dir, pack, parse_header, read_file, write_file, write_parts
+from .limits import MAX_ROWS
 from .recycle import FilePool
-from .validate import MAX_ROWS
 from .warm import MIN_RATIO
 
 _SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from .errors import InvalidArgumentError, InvalidTypeError, StoreError
+from .limits import MAX_ROWS
 from .stats import StoreStats
-from .validate import MAX_ROWS
 
 
 @dataclass(frozen=True)

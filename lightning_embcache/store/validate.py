@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidArgumentError, InvalidTypeError
+from .limits import MAX_ROWS
 
 
 def as_ids(ids: Any, num_rows: int, arg: str = "ids") -> np.ndarray:
@@ -173,7 +174,6 @@ def budget(value: Any, arg: str, allow_none: bool) -> int | None:
 
 
 # Limits of the on-disk format and of one process's address space.
-MAX_ROWS = 1 << 48  # ids are int64; the disk-mode id map costs 4 bytes per row of address space
 MAX_CHUNK_ROWS = (1 << 31) - 1  # chunk_rows is a u32 in segment headers; chunk maps are int32
 
 
