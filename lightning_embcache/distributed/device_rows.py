@@ -260,6 +260,7 @@ class ShardedDeviceRows:
                     # the owner's step through its TrainableRows: rows several ranks sent for one id
                     # are summed by the row step, as duplicates of one batch are
                     self.local._dev_grads.append((look.slots, look.slots_d, got))
+                    assert route.served is not None  # a route with served rows
                     self.local._dev_grad_ids.append(route.served.numpy())  # keys of 16-bit rounding
         if self.local._dev_grads:
             self.local.apply(int(step), lr)

@@ -397,7 +397,8 @@ class EmbeddingStoreHandle:
         store = self._ensure_open(writable=True)
         if getattr(store, "sharded", False):  # rows of a row-sharded store train at their owners (distributed/)
             # rows on the owners' GPUs that the store released (a growth) are made again
-            released = getattr(self._trainable, "tier", None) is not None and store.device_rows is not self._trainable
+            released = (getattr(self._trainable, "tier", None) is not None
+                        and getattr(store, "device_rows", None) is not self._trainable)
             if self._trainable is None or self._trainable.store is not store or released:
                 sharded: Any = store  # a ShardedStore
                 self._trainable = sharded.trainable_rows(self._row_optimizer, max_grad_norm=self._max_grad_norm,

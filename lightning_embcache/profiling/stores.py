@@ -90,17 +90,17 @@ def per_step(before: DeviceTiers | None, after: DeviceTiers | None, steps: int,
         return None
     if before is None or after.host_to_device_bytes < before.host_to_device_bytes:
         before = DeviceTiers(0.0, 0.0, 0.0, 0.0, after.in_host_ram)  # opened during the epoch
-    d = DeviceTiers(*(a - b for a, b in zip(after, before)))
-    up, down = d.host_to_device_bytes / steps, d.device_to_host_bytes / steps
-    rate = step_seconds is not None and step_seconds > 0
+    d = {k: float(getattr(after, k)) - float(getattr(before, k)) for k in DeviceTiers._fields if k != "in_host_ram"}
+    up, down = d["host_to_device_bytes"] / steps, d["device_to_host_bytes"] / steps
+    per_s = step_seconds if step_seconds is not None and step_seconds > 0 else None
     return {"host_to_device_bytes_per_step": up,
             "device_to_host_bytes_per_step": down,
-            "host_to_device_bytes_per_s": up / step_seconds if rate else None,
-            "device_to_host_bytes_per_s": down / step_seconds if rate else None,
-            "rows_loaded_per_step": d.loaded_rows / steps,
-            "rows_evicted_per_step": d.evicted_rows / steps,
-            "rows_staged_ahead_per_step": d.staged_ahead_rows / steps,
-            "lookup_hit_rate": d.lookup_hit_rows / d.lookup_rows if d.lookup_rows > 0 else None,
+            "host_to_device_bytes_per_s": up / per_s if per_s is not None else None,
+            "device_to_host_bytes_per_s": down / per_s if per_s is not None else None,
+            "rows_loaded_per_step": d["loaded_rows"] / steps,
+            "rows_evicted_per_step": d["evicted_rows"] / steps,
+            "rows_staged_ahead_per_step": d["staged_ahead_rows"] / steps,
+            "lookup_hit_rate": d["lookup_hit_rows"] / d["lookup_rows"] if d["lookup_rows"] > 0 else None,
             "rows_in_host_ram": after.in_host_ram}
 
 

@@ -69,7 +69,7 @@ def _table(nblocks: int, last: int) -> tuple[np.ndarray, np.ndarray]:
         # after block i: n-2-i full blocks, then the last one's bytes
         columns[:-1] = _apply(_shift_columns(last), powers[::-1].reshape(-1)).reshape(m, 32)
     per_bit = columns.reshape(nblocks, 4, 8)  # bit j of byte k is column 8 k + j
-    table = np.zeros((nblocks, 4, 256), np.uint32)
+    table: np.ndarray = np.zeros((nblocks, 4, 256), np.uint32)
     for j in range(8):  # values with bit j as their highest: those below it, XOR bit j's column
         table[:, :, 1 << j : 2 << j] = table[:, :, : 1 << j] ^ per_bit[:, :, j : j + 1]
     table = table.reshape(-1)
@@ -91,7 +91,7 @@ def combined(crcs: np.ndarray, nbytes: int) -> int:
 def first_bad_block(data: bytes | bytearray | memoryview | np.ndarray, crcs: np.ndarray) -> int:
     """-1 if every 4 KiB block of ``data`` matches its CRC-32 in ``crcs``, else the first block
     that does not."""
-    view = memoryview(data).cast("B")
+    view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
     n = -(-len(view) // BLOCK)
     if len(crcs) != n:
         return min(len(crcs), n)  # a block missing or one checksum too many

@@ -20,6 +20,7 @@ into the page cache instead (`ChunkRows.will_need`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,6 +128,7 @@ class ChunkLoader:
             lens[2 * i], lens[2 * i + 1] = len(ld.head), len(ld.flat)
             offs[2 * i], offs[2 * i + 1] = 0, len(ld.head)
             tags[2 * i], tags[2 * i + 1] = 2 * ld.chunk, 2 * ld.chunk + 1
+        assert self._ring is not None  # (`usable`)
         try:
             self._ring.submit(fds, addrs, lens, offs, tags, uring._SQE_ASYNC)
         except BaseException:
@@ -138,7 +140,7 @@ class ChunkLoader:
         for ld in new:
             self._loads[ld.chunk] = ld
 
-    def done(self, wait_for: np.ndarray | list[int] = ()) -> list[Load]:
+    def done(self, wait_for: np.ndarray | Sequence[int] = ()) -> list[Load]:
         """Loads whose reads have completed since the last call (no system call unless it
         waits), after waiting for those of the chunks in ``wait_for`` that are in flight. Their
         slots stay reserved: the caller checks each and adopts or unreserves it. While compaction
@@ -151,6 +153,7 @@ class ChunkLoader:
         need = {c for c in wanted if c in self._loads}
         while self._loads:
             # (an error here leaves the loads finished so far in ``_ready`` for the next call)
+            assert self._ring is not None  # (`usable`)
             tags, res = self._ring.completed(wait=1 if need else 0)
             for t, r in zip(tags.tolist(), res.tolist()):
                 ld = self._loads[t >> 1]

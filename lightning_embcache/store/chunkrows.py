@@ -42,7 +42,7 @@ from .memory import zeros
 WHOLE_AFTER = 4  # block-wise first reads of a chunk before a cached chunk is verified whole
 DENSE_SHARE = 8  # a call wanting first reads of >= 1/8 of a chunk's blocks (and >= 2) reads the chunk whole
 DENSE_ROWS = 64  # ... or of >= 1/64 of its rows (rows of a few KiB: 32 of a 1,024-row chunk are 1/16 of its blocks)
-_FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux: a read that fails instead of waiting for the disk
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux: this thread's page faults
 #: gathers of rows through maps of the chunk files (mapped.py) where they can; tests turn it off
@@ -208,6 +208,7 @@ class ChunkRows:
             if self._map_gen[chunk] and self._map_gen[chunk] != gen:
                 self._drop_map(chunk)
             if fd >= 0:
+                assert crcs is not None  # read with the file's directory
                 self._crcs[chunk] = array.array("I", crcs.astype(np.uint32).tobytes())
                 self._crc_flat[chunk * self.bpc : chunk * self.bpc + len(crcs)] = crcs
             else:
@@ -227,7 +228,8 @@ class ChunkRows:
             if len(self._order) <= self.max_files:
                 return
             quota = len(self._order) - self.max_files + self.max_files // 4
-            drop, stay = [], []
+            drop: list[int] = []
+            stay: list[int] = []
             for c in self._order:
                 (drop if len(drop) < quota and c not in keep else stay).append(c)
             self._order = stay
@@ -806,6 +808,7 @@ class ChunkRows:
             self._leave()
 
     def _advise_whole(self, c: int, g: int) -> None:
+        assert _FADV_WILLNEED is not None  # (`_advise_whole_later` is called only where it exists)
         if self._fd[c] >= 0 and self._gen[c] == g:  # (`_enter`: it stays open meanwhile)
             os.posix_fadvise(int(self._fd[c]), 0, 0, _FADV_WILLNEED)
             return

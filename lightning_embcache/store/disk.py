@@ -25,9 +25,10 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 import lz4.block
 import numpy as np
@@ -65,7 +66,7 @@ def _json(path: Path, data: bytes) -> object:
         raise CorruptStoreError(path, f"is not valid JSON ({type(exc).__name__})") from None
 
 
-def _is_count(v: object) -> bool:
+def _is_count(v: object) -> TypeGuard[int]:
     """A non-negative int from JSON (not a bool, not a float)."""
     return type(v) is int and 0 <= v < 1 << 62
 
@@ -154,6 +155,7 @@ class Segment:
         i = entries.get(chunk)
         if i is None:
             return None
+        assert self._starts is not None and self._counts is not None  # set with the entries
         return i, self._starts[i], self._counts[i]
 
     def rows_of_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -765,6 +767,7 @@ class Disk:
                 self._remember_directory(key, crcs)
             elif crcs is None:
                 return None
+            assert isinstance(crcs, np.ndarray)
             out = np.empty((len(local), rb), np.uint8)
             for i, row in enumerate(local.tolist()):
                 off = row * rb
@@ -793,7 +796,7 @@ class Disk:
         if present is not None:
             self._write_sparse_chunk(chunk, gen, present, records, durable)
             return
-        raw = memoryview(np.ascontiguousarray(records)).cast("B")  # the records' bytes, not a copy
+        raw = np.ascontiguousarray(records).data.cast("B")  # the records' bytes, not a copy
         if compress:
             packed = lz4.block.compress(raw, store_size=False)
             if len(raw) >= MIN_RATIO * len(packed):
@@ -816,7 +819,7 @@ class Disk:
         rows = self.chunk_rows_of(chunk)
         held = np.zeros(-(-rows // 64) * 64, np.bool_)
         held[present] = True
-        raw = memoryview(np.ascontiguousarray(records)).cast("B")
+        raw = np.ascontiguousarray(records).data.cast("B")
         crcs = _block_crcs(raw)
         directory = (
             _SPARSE_HEAD.pack(chunk, rows, len(present), len(raw))
@@ -928,7 +931,7 @@ class Disk:
         """``n`` bytes at ``offset`` into a new writable array (callers change the records they
         get): one copy out of the page cache, where bytes made writable took a second."""
         buf = np.empty(n, np.uint8)
-        got = os.preadv(fd, [buf], offset) if n else 0
+        got = os.preadv(fd, [buf.data], offset) if n else 0
         if got != n:
             raise CorruptStoreError(path, f"truncated: wanted {n} bytes at offset {offset}, got {got}")
         self.bytes_read += n
@@ -984,15 +987,15 @@ class Disk:
                 bounds.append(e + 1)
         directory_size = _SEG_HEAD.size + 8 * n + index.nbytes
 
-        def body() -> Iterator[np.ndarray]:
+        def body() -> Iterator[memoryview]:
             for e0, e1 in zip(bounds[:-1], bounds[1:]):
                 a = int(starts[e0])
                 b = int(starts[e1 - 1] + counts[e1 - 1])
                 block = np.ascontiguousarray(fetch(a, b)).reshape(-1)
                 for e in range(e0, e1):
                     lo = (int(starts[e]) - a) * rb
-                    index[3, e] = crc32(block[lo : lo + int(counts[e]) * rb])
-                yield block
+                    index[3, e] = crc32(block[lo : lo + int(counts[e]) * rb].data)
+                yield block.data
 
         def head() -> bytes:
             directory = (
@@ -1154,7 +1157,7 @@ class Disk:
         new_gen: int,
         *,
         remove_temp: bool,
-        keep_files: set[tuple[int, int]] = frozenset(),
+        keep_files: Set[tuple[int, int]] = frozenset(),
         pool: bool = False,
     ) -> list[tuple[int, int]]:
         """Delete files no kept version uses (crash leftovers, compacted deltas); return the

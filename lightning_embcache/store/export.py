@@ -75,7 +75,7 @@ def write_npy(out: Path, shape: tuple[int, int], dtype: np.dtype, blocks: Iterat
             written = 0
             for block in blocks:
                 block = np.ascontiguousarray(block, dtype=dtype)
-                f.write(memoryview(block).cast("B"))
+                f.write(block.data.cast("B"))
                 written += len(block)
             if written != shape[0]:
                 raise RuntimeError(f"export wrote {written} rows of {shape[0]}")

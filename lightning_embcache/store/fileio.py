@@ -91,7 +91,7 @@ def parse_header(path: object, head: bytes, kind: bytes, uid: bytes | None = ANY
     if magic != MAGIC:
         raise CorruptStoreError(path, "not a lightning_embcache store file (bad magic)")
     if fmt == FORMAT_VERSION:
-        bind = name if name is not None else os.path.basename(os.fspath(path))  # type: ignore[arg-type]
+        bind = name if name is not None else os.path.basename(os.fspath(path))  # type: ignore[call-overload]
         if bound_crc(head, bind) != hcrc:
             if uid is not None and got_uid != uid:
                 _refuse_foreign(path, got_uid, uid)
@@ -424,7 +424,7 @@ def open_dir(path: object, dir_fd: int | None = None, *, follow: bool = False) -
     ``follow`` (the store's own root may be reached through the user's links, its subfolders not)."""
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC | (0 if follow else _NOFOLLOW)
     try:
-        return os.open(path, flags, dir_fd=dir_fd)
+        return os.open(path, flags, dir_fd=dir_fd)  # type: ignore[arg-type]  # a str or path-like
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise CorruptStoreError(
@@ -479,7 +479,7 @@ def write_parts(
     created = False
     dfd = -1
     try:
-        dfd = open_dir(path.parent, follow=True) if own_dir else dir_fd
+        dfd = open_dir(path.parent, follow=True) if dir_fd is None else dir_fd
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
         fd = _reuse(reuse, tmp, dfd, path) if reuse is not None else -1
         if fd < 0:

@@ -115,6 +115,7 @@ class HotTier:
                 occupied = ids >= 0
                 cand = occupied & (self.ref[idx] == 0) & ~self.inflight[idx]
                 if honour_want:
+                    assert self.want is not None
                     cand &= self.want[np.maximum(ids, 0)] == 0
                 if protect is not None and len(protect):
                     cand &= ~idsets.isin(idx, protect)

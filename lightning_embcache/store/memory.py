@@ -99,7 +99,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_keep_private_maps)
 
 
-def zeros(shape: tuple[int, ...] | int, dtype: np.dtype) -> np.ndarray:
+def zeros(shape: tuple[int, ...] | int, dtype: npt.DTypeLike) -> np.ndarray:
     """np.zeros is calloc: untouched pages stay unallocated (a sparse id map costs what it touches)."""
     return np.zeros(shape, dtype=dtype)
 

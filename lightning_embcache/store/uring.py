@@ -74,7 +74,7 @@ class _Ring:
         self._pid = os.getpid()
         self._maps: list[mmap.mmap] = []
         try:
-            p = np.frombuffer(params, np.uint32)
+            p = np.frombuffer(params, np.uint32)  # type: ignore[call-overload]  # a ctypes buffer
             sq_entries, cq_entries, features = int(p[0]), int(p[1]), int(p[5])
             sq_off, cq_off = p[10:20], p[20:30]
             sq_size = int(sq_off[6]) + sq_entries * 4
@@ -117,9 +117,9 @@ class _Ring:
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"io_uring_register(PROBE): {os.strerror(err)}")
-        raw = np.frombuffer(probe, np.uint8)
+        raw = np.frombuffer(probe, np.uint8)  # type: ignore[call-overload]  # a ctypes buffer
         last_op = int(raw[0])
-        flags = int(np.frombuffer(probe, np.uint16, 1, 16 + 8 * _OP_READ + 2)[0])
+        flags = int(np.frombuffer(probe, np.uint16, 1, 16 + 8 * _OP_READ + 2)[0])  # type: ignore[call-overload]
         if last_op < _OP_READ or not flags & _OP_SUPPORTED:
             raise OSError(95, "io_uring without IORING_OP_READ")  # EOPNOTSUPP
 
@@ -306,7 +306,7 @@ def read_into(out: np.ndarray, dst: np.ndarray, fds: np.ndarray, lens: np.ndarra
         raise ValueError("read_into needs a writable C-contiguous output array")
     ring = _ring()
     if ring is None or len(fds) < 2:
-        mv = memoryview(out.reshape(-1))
+        mv = out.reshape(-1).data
         bufs = [[mv[o : o + k]] for o, k in zip(dst.tolist(), lens.tolist())]
         return np.asarray(list(map(os.preadv, fds.tolist(), bufs, offs.tolist())), np.int64)
     base = out.ctypes.data

@@ -201,7 +201,7 @@ def check_meta(meta: Any, path: Any) -> None:
             or isinstance(meta.get("init_std"), bool) or not math.isfinite(float(meta["init_std"])):
         bad("seed/init_std")
     try:
-        schema = Schema.from_json(meta.get("schema"))
+        schema = Schema.from_json(meta.get("schema") or {})
     except Exception as exc:  # noqa: BLE001 - any malformed schema is one named corruption
         bad(f"schema ({type(exc).__name__}: {exc})")
     if type(schema.dim) is not int or not 1 <= schema.dim <= 1 << 20 or schema.row_bytes > 1 << 24:

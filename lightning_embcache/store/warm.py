@@ -72,6 +72,7 @@ class WarmTier:
         if value != self._budget and self.slab is not None:
             for chunk, (data, compressed, raw_len) in list(self._items.items()):
                 if not compressed and self._in_slab(chunk):
+                    assert isinstance(data, np.ndarray)  # a slab slot's view
                     self._items[chunk] = (_frozen(data.copy()), False, raw_len)
             for chunk in list(self._raw):
                 if self._in_slab(chunk):
@@ -137,6 +138,7 @@ class WarmTier:
         slot, nbytes = self._loading.pop(chunk)
         self._loading_bytes -= nbytes
         self.discard(chunk)
+        assert self.slab is not None  # slots are reserved in the slab
         self._add(chunk, self.slab.fill(chunk, slot, nbytes), False, nbytes, nbytes)
         self._stamp[chunk] = FRESH
 
@@ -146,6 +148,7 @@ class WarmTier:
         slot, nbytes = self._loading.pop(chunk)
         self._loading_bytes -= nbytes
         if reuse:
+            assert self.slab is not None  # slots are reserved in the slab
             self.slab.unreserve(slot)
 
     def loading(self, chunk: int) -> bool:
