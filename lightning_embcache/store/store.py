@@ -84,27 +84,6 @@ class EmbeddingStore:
     # compaction) and ``_tiers`` (`Tiers`: the hot and warm tiers). This class checks arguments
     # and state, then delegates; the parts never hold the store.
 
-
-    """Rows keyed by int id with byte-budgeted tiers and crash-safe, versioned flushes.
-
-    Example::
-
-        with EmbeddingStore.create("runs/latents", num_rows=10_000_000, dim=64,
-                                   hot_bytes=256 << 20, warm_bytes=128 << 20) as store:
-            z = store.get(ids)              # (len(ids), 64) float32
-            store.update(ids, z - 0.1 * g)  # last write of a duplicate id wins
-            version = store.flush()         # durable when it returns
-
-    Notes:
-        ``hot_bytes=None`` keeps the whole table resident (memory mode); a budget turns on disk
-        mode, where RAM use stays within ``hot_bytes + warm_bytes`` plus 4 bytes per table row
-        for the id map (allocated only where touched). One writer per path; a writable store
-        cannot be used in a forked child (open a ``readonly=True`` handle there).
-
-    Raises:
-        StoreError: and its subclasses, each naming the argument, its value and what is allowed.
-    """
-
     # ------------------------------------------------------------------ construction
     @classmethod
     def create(

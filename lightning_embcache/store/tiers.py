@@ -709,14 +709,7 @@ class Tiers:
         return self._read_s_per_row
 
     def upcoming(self, idx: np.ndarray) -> None:
-        """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
-        entering its window). They are loaded ahead of that get, and until it reads them,
-        eviction prefers rows no coming batch reads. Returns at once. While rows come from the
-        disk a prefetch thread loads them in the background; while they come from the page
-        cache the next get that misses loads them with its own rows in one batch. With a warm
-        tier, the kernel is asked for their chunks instead and the get reads them from the page
-        cache (rows of chunks held warm are served from there, not the hot tier). In memory
-        mode, or for a store without a path, this is `prefetch`."""
+        """`EmbeddingStore.upcoming` of validated ids (what the hint does where, documented there)."""
         if self._v.disk is None:
             return
         if self.hot.resident:
