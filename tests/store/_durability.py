@@ -20,12 +20,22 @@ were synced since their last write, those bytes (a name renamed over keeps the o
 until the folder is synced again). `reconstruct(dst)` writes the folder a power cut would leave
 now: the durable names, each with its durable bytes, empty where they never reached the disk,
 files overwritten in place since their last sync a random mix of their old and new sectors.
+
+Threads: a store makes file operations from several threads at once (the training thread's
+flushes, a background compaction round). The hooks keep their state under one lock, and a power
+cut is taken under it (`quiescent()`), so it sees one instant of that state: taken without it, a
+cut could write one folder before another thread's intent became durable and a file after that
+thread overwrote it (a state no power cut leaves). An operation already under way in another
+thread meanwhile counts as not done yet (its hook has not run), which a power cut allows.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +61,7 @@ class PowerCutOracle:
         self.commits = 0
         self.calls = 0  # file operations seen (the fault workload reports it)
         self.violations: list[str] = []
+        self._mu = threading.RLock()  # the hooks' state: one thread at a time
 
     # ---- hooks ---------------------------------------------------------------------------------
     def patch(self, monkeypatch) -> None:
@@ -58,7 +69,8 @@ class PowerCutOracle:
 
         def sync_written(dir_fd, names, path):
             real(dir_fd, names, path)
-            self.syncfs()
+            with self._mu:
+                self.syncfs()
 
         monkeypatch.setattr(fileio, "sync_written", sync_written)
 
@@ -127,15 +139,26 @@ class PowerCutOracle:
         p = p.resolve() if p.parent.exists() else p
         return p if self.root in (p, *p.parents) else None
 
+    @contextmanager
+    def quiescent(self) -> Iterator[None]:
+        """Inside this block no other thread's hook changes the durable state (take a cut here)."""
+        with self._mu:
+            yield
+
     def before(self, op: str, name: object) -> None:
-        self.calls += 1
-        p = self._path(name)
-        if p is None:
-            return
-        if op == "rename" and p.name.startswith("manifest-"):
-            self._check_commit(p)
+        with self._mu:
+            self.calls += 1
+            p = self._path(name)
+            if p is None:
+                return
+            if op == "rename" and p.name.startswith("manifest-"):
+                self._check_commit(p)
 
     def after(self, op: str, name: object) -> None:
+        with self._mu:
+            self._after(op, name)
+
+    def _after(self, op: str, name: object) -> None:
         p = self._path(name)
         if p is None:
             return

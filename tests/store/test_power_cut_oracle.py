@@ -69,9 +69,10 @@ class _Cuts(PowerCutOracle):
     def after(self, op, name):
         super().after(op, name)
         if self.calls % self.every == 0 and self.durable:
-            dst = self.out / f"cut{len(self.cuts):03d}"
-            self.reconstruct(dst)
-            self.cuts.append((dst, self.acked))
+            with self.quiescent():  # one instant: no other thread's file operation meanwhile
+                dst = self.out / f"cut{len(self.cuts):03d}"
+                self.reconstruct(dst)
+                self.cuts.append((dst, self.acked))
 
 
 @pytest.mark.parametrize("every, steps", [(9, 60), pytest.param(1, 60, marks=pytest.mark.slow),
@@ -170,9 +171,10 @@ class _CutsWhileArmed(_Cuts):
     def after(self, op, name):
         PowerCutOracle.after(self, op, name)
         if self.armed and self.calls % self.every == 0 and self.durable:
-            dst = self.out / f"cut{len(self.cuts):03d}"
-            self.reconstruct(dst)
-            self.cuts.append((dst, self.acked))
+            with self.quiescent():
+                dst = self.out / f"cut{len(self.cuts):03d}"
+                self.reconstruct(dst)
+                self.cuts.append((dst, self.acked))
 
 
 def _fold_in_place_under_cuts(tmp_path, monkeypatch, every: int):
