@@ -80,9 +80,9 @@ PUNCH_FROM = 0.3
 # True: a round folds a dense raw chunk file that no other version reads in place (inplace.py),
 # writing the changed rows, not the chunk. The file keeps its name; its header records the newest
 # segment folded into it, so an older copy put back in its place is refused (Disk.check_folded).
-# Off by default until the power-cut oracle's long run (tests/store/test_power_cut_oracle.py,
-# "200-flushes", slow) passes with it on; ``EMBCACHE_FOLD_IN_PLACE=1`` turns it on.
-FOLD_IN_PLACE = os.environ.get("EMBCACHE_FOLD_IN_PLACE") == "1"
+# On by default; ``EMBCACHE_FOLD_IN_PLACE=0`` in the environment turns it off (every round then
+# writes new files).
+FOLD_IN_PLACE = os.environ.get("EMBCACHE_FOLD_IN_PLACE", "1") != "0"
 # A round folding in place lets a waiting flush in once it has folded for this long since it
 # began or last did: each time costs an fsync of the files folded since and a pass of the lock
 # back and forth, which a flush waiting at every chunk (flushes back to back) would pay per chunk.
