@@ -43,14 +43,8 @@ def _chunk_file(path, chunk: int):
 
 def _update_and_fold(s, table, seed: int) -> None:
     """10% of the rows, spread over every chunk, flushed and folded (in place)."""
-    rng = np.random.default_rng(seed)
-    ids = torch.from_numpy(np.sort(rng.choice(N, N // 10, replace=False)))
-    vals = torch.from_numpy(rng.standard_normal((len(ids), DIM)).astype(np.float32))
-    s.update(ids, vals)
-    table[ids] = vals
     before = s.stats().chunks_folded_in_place
-    s.flush()
-    s.compact()
+    _update_and_fold_anew(s, table, seed)
     assert s.stats().chunks_folded_in_place > before
 
 
@@ -202,6 +196,7 @@ def test_files_written_before_files_recorded_their_folds_are_read_and_never_fold
 
 
 def _update_and_fold_anew(s, table, seed: int) -> None:
+    """10% of the rows, spread over every chunk, flushed and compacted (however it folds)."""
     rng = np.random.default_rng(seed)
     ids = torch.from_numpy(np.sort(rng.choice(N, N // 10, replace=False)))
     vals = torch.from_numpy(rng.standard_normal((len(ids), DIM)).astype(np.float32))
