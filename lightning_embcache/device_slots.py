@@ -11,10 +11,12 @@ window of a few times the rows it needs.
 
 from __future__ import annotations
 
+import ctypes
 from collections import deque
 
 import numpy as np
 
+from lightning_embcache.native import library as native_lib
 from lightning_embcache.store import idsets
 from lightning_embcache.store.memory import private_zeros
 
@@ -31,12 +33,25 @@ class TooFewSlots(Exception):
         self.kept, self.needed = kept, needed
 
 
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]  # type: ignore[no-any-return]  # cheaper than a.ctypes
+
+
+def _ids(a: np.ndarray) -> np.ndarray:
+    """``a`` as a contiguous int64 array (the C loops' element type), copied only where it is not."""
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
 class SlotMap:
     """``capacity`` device slots over ``num_rows`` ids. Host memory: 4 bytes per table row (where
     each id sits) plus 4 more once a future is announced (its uses still to come), and 27 bytes
-    per slot."""
+    per slot.
 
-    def __init__(self, num_rows: int, capacity: int) -> None:
+    ``native``: run the loops in C (`lightning_embcache.native`, the interpreter lock released)
+    where they are built; False: numpy only. Both give the same slots and victims."""
+
+    def __init__(self, num_rows: int, capacity: int, *, native: bool = True) -> None:
+        self._c = native_lib() if native else None
         self.num_rows, self.capacity = num_rows, capacity
         # private: not shared with forked DataLoader workers (each page written after a fork
         # would be copied and kept twice)
@@ -55,10 +70,24 @@ class SlotMap:
         self._window: deque[np.ndarray] = deque()
         self._raw: deque[np.ndarray] = deque()  # each announced batch's ids as given (a cheap `consume` match)
         self.window_rows = 0  # distinct rows of the announced batches (summed per batch)
+        self._hand_c = ctypes.c_int64(0)  # the hand, for the C sweep
+        # the map's own arrays never move: their addresses once, not per call
+        self._p_slot_of, self._p_id_of = _ptr(self.slot_of), _ptr(self.id_of)
+        self._p_ref, self._p_stamp = _ptr(self.ref), _ptr(self._stamp)
+        self._p_want = 0
+
+    def _fail(self, what: str) -> None:
+        raise IndexError(f"SlotMap.{what}: an id or slot out of range ({self.num_rows} rows, {self.capacity} slots)")
 
     # ------------------------------------------------------------------ where rows are
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each of ``ids`` (int64), -1 where not on the device; hits get their reference bit."""
+        if self._c is not None:
+            ids = _ids(ids)
+            out = np.empty(len(ids), np.int64)
+            if self._c.em_find(self._p_slot_of, self.num_rows, _ptr(ids), len(ids), self._p_ref, _ptr(out)) < 0:
+                self._fail("find")
+            return out
         s = self.slot_of[ids].astype(np.int64)
         s -= 1
         self.ref[s] = 1  # a miss (-1) sets the spare last bit, which no slot reads
@@ -75,6 +104,13 @@ class SlotMap:
         leave), and return their slots: the same as `release`, `take` and `assign` with fewer
         passes over the batch (the victims never pass through the free list)."""
         got = self.slots_for(victims, len(ids))
+        if self._c is not None:
+            victims, ids = _ids(victims), _ids(ids)
+            if self._c.em_replace(self._p_slot_of, self.num_rows, self._p_id_of, self._p_ref, self.capacity,
+                                  _ptr(victims), len(victims), _ptr(got), _ptr(ids), len(ids)) < 0:
+                self._fail("replace")
+            self.nfree -= len(ids) - len(victims)
+            return got
         self.nfree -= len(ids) - len(victims)
         self.slot_of[self.id_of[victims]] = 0
         self.assign(got, ids)
@@ -83,7 +119,8 @@ class SlotMap:
     def slots_for(self, victims: np.ndarray, k: int) -> np.ndarray:
         """The slots `replace` gives ``k`` rows with ``victims`` (nothing changes): the free
         list's last ``k - len(victims)``, then the victims."""
-        return np.concatenate([self._free[self.nfree - (k - len(victims)) : self.nfree], victims])
+        free = self._free[self.nfree - (k - len(victims)) : self.nfree]
+        return np.concatenate([free, victims]) if len(victims) else free.copy()
 
     def assign(self, slots: np.ndarray, ids: np.ndarray) -> None:
         self.id_of[slots] = ids
@@ -109,9 +146,10 @@ class SlotMap:
         u = idsets.unique(ids) if unique is None else unique
         if self.want is None:
             self.want = private_zeros(self.num_rows, np.int32)
+            self._p_want = _ptr(self.want)
         if len(self._window) == MAX_WINDOW:
             self._forget()
-        self.want[u] += 1
+        self._add_want(u, 1)
         self._window.append(u)
         self._raw.append(ids.copy())
         self.window_rows += len(u)
@@ -135,9 +173,18 @@ class SlotMap:
     def _forget(self) -> None:
         self._raw.popleft()
         u = self._window.popleft()
-        assert self.want is not None
-        self.want[u] -= 1
+        self._add_want(u, -1)
         self.window_rows -= len(u)
+
+    def _add_want(self, u: np.ndarray, delta: int) -> None:
+        """One more (or one fewer) announced use of each of the distinct ids ``u``."""
+        assert self.want is not None
+        if self._c is not None:
+            u = _ids(u)
+            if self._c.em_want(self._p_want, self.num_rows, _ptr(u), len(u), delta) < 0:
+                self._fail("announce")
+        else:
+            self.want[u] += delta
 
     def clear_window(self) -> None:
         while self._window:
@@ -150,7 +197,12 @@ class SlotMap:
         bits and stamps change; raises `TooFewSlots` (and changes nothing chosen) if fewer than
         ``k`` slots may go."""
         self._stamp_id += 1
-        self._stamp[keep] = self._stamp_id  # duplicates welcome: no unique() of the batch
+        if self._c is not None:
+            keep = _ids(keep)
+            if self._c.em_stamp(self._p_stamp, self.capacity, _ptr(keep), len(keep), self._stamp_id) < 0:
+                self._fail("victims")
+        else:
+            self._stamp[keep] = self._stamp_id  # duplicates welcome: no unique() of the batch
         picked: list[np.ndarray] = []
         try:
             if self.want is not None and self.window_rows:
@@ -168,6 +220,8 @@ class SlotMap:
     def _sweep(self, need: int, picked: list[np.ndarray], *, spare_wanted: bool, limit: int) -> int:
         """Move the hand until ``need`` slots are picked or ``limit`` slots were passed; returns
         how many are still needed (raises `TooFewSlots` if any are, when not sparing wanted rows)."""
+        if self._c is not None:
+            return self._sweep_c(need, picked, spare_wanted=spare_wanted, limit=limit)
         cap, swept = self.capacity, 0
         while need and swept <= limit:
             lo = self._hand
@@ -190,6 +244,20 @@ class SlotMap:
             need -= len(cold)
             self._hand = (lo + end) % cap
             swept += end
+        if need and not spare_wanted:
+            raise TooFewSlots(0, need)
+        return need
+
+    def _sweep_c(self, need: int, picked: list[np.ndarray], *, spare_wanted: bool, limit: int) -> int:
+        assert self._c is not None
+        out = np.empty(need, np.int64)
+        self._hand_c.value = self._hand
+        want = self._p_want if spare_wanted and self.want is not None else None
+        got = self._c.em_sweep(self._p_id_of, self._p_ref, self._p_stamp, self._stamp_id, want,
+                               self.capacity, ctypes.byref(self._hand_c), need, limit, _ptr(out))
+        self._hand = self._hand_c.value
+        picked.append(out[:got])
+        need -= got
         if need and not spare_wanted:
             raise TooFewSlots(0, need)
         return need

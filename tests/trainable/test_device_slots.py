@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightning_embcache import device_slots, native
 from lightning_embcache.device_slots import MAX_WINDOW, SlotMap, TooFewSlots
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def backend(request, monkeypatch):
+    """Every test runs on the C loops and on the numpy reference; the C ones must build here
+    (a C compiler is part of the test machine), so they cannot go untested silently."""
+    if request.param == "numpy":
+        monkeypatch.setattr(device_slots, "native_lib", lambda: None)
+    else:
+        assert native.library() is not None, "the C helpers did not build (see the log)"
+    return request.param
 
 
 def _check_bijection(m: SlotMap) -> None:
@@ -139,3 +151,54 @@ def test_rows_staged_for_the_window_are_all_there_when_their_batch_comes():
     ahead, lost = _misses(trace, 500, 4)  # the window: ~400 rows of 500 slots
     assert lost == 0  # every row announced and staged was still on the device at its lookup
     assert ahead == 0 and plain > 0
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["bring", "announce", "consume", "victims"]),
+                          st.lists(st.integers(0, 149), min_size=1, max_size=25)), min_size=1, max_size=50))
+def test_the_c_loops_choose_exactly_what_the_numpy_reference_chooses(backend, ops):
+    """In lockstep: the same slots, victims, reference bits, hand and window after every call."""
+    if backend == "numpy":
+        return  # one lockstep run is enough: it builds both maps itself
+    c, ref = SlotMap(150, 30, native=True), SlotMap(150, 30, native=False)
+    assert c._c is not None and ref._c is None
+    prev = np.empty(0, np.int64)
+    for op, ids in ops:
+        ids = np.asarray(ids, np.int64)
+        results = []
+        for m in (c, ref):
+            if op == "announce":
+                results.append(m.announce(ids))
+            elif op == "consume":
+                results.append(np.array([m.consume(ids)]))
+            elif op == "victims":
+                try:
+                    results.append(m.victims(min(len(ids), m.used), m.find(prev)))
+                except TooFewSlots as exc:
+                    results.append(np.array([-1, exc.needed]))
+            else:
+                kept = m.find(prev)
+                results.append(_bring(m, ids[:12], kept[kept >= 0], replace=True))
+        assert np.array_equal(results[0], results[1]), op
+        for name in ("slot_of", "id_of", "_free", "_stamp"):
+            assert np.array_equal(getattr(c, name), getattr(ref, name)), name
+        assert np.array_equal(c.ref[:-1], ref.ref[:-1])  # the last bit: numpy's spare, set by misses
+        assert (c._hand, c.nfree, c.window_rows) == (ref._hand, ref.nfree, ref.window_rows)
+        if op == "bring":
+            prev = np.unique(ids[:12])
+
+
+def test_an_id_out_of_range_is_refused_by_the_c_loops_and_changes_nothing(backend):
+    if backend == "numpy":
+        pytest.skip("numpy raises its own IndexError")
+    m = SlotMap(100, 10)
+    _bring(m, np.arange(10), np.empty(0, np.int64))
+    before = (m.slot_of.copy(), m.id_of.copy(), m.ref.copy())
+    for bad in (np.array([3, 100]), np.array([-1])):
+        with pytest.raises(IndexError, match="100 rows, 10 slots"):
+            m.find(bad)
+        with pytest.raises(IndexError):
+            m.replace(np.array([0]), bad)
+        with pytest.raises(IndexError):
+            m.announce(bad)
+    assert all(np.array_equal(a, b) for a, b in zip(before, (m.slot_of, m.id_of, m.ref)))
