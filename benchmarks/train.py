@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import paired_ratios, rotating_order
+from benchmarks.results import write_json
 
 VARIANTS = ("anchor", "memory", "disk", "device", "device_4x", "disk_4x", "device_4x_lookahead", "memory_small")
 CUDA_ONLY = ("device", "device_4x", "disk_4x", "device_4x_lookahead")
@@ -311,8 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "args": vars(args), "median_ms": med,
               "paired_vs_anchor": {v: p.as_dict() for v, p in paired.items()} if anchor else None, "runs": runs}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

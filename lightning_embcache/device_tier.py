@@ -347,7 +347,7 @@ class DeviceTier:
         self._join()
         with self._lock:
             s = self._map.find(ids)
-            hits = np.count_nonzero(s >= 0)
+            hits = int(np.count_nonzero(s >= 0))
             self.lookup_rows += len(ids)
             self.lookup_hit_rows += hits
             if hits == len(ids):  # every row already on the device (the prefetched case): no unique()
