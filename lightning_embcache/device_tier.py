@@ -95,6 +95,17 @@ def _entry(method: Any) -> Any:
 _NO_SLOTS = np.empty(0, np.int64)
 
 
+class _Swap(NamedTuple):
+    """A swap planned on the host (`DeviceTier._plan_swap`) whose transfer is not queued yet:
+    the kernel's index array (slots, host rows out, host rows in), the victims, their ids and
+    which of them were dirty."""
+
+    idx: np.ndarray
+    victims: np.ndarray
+    victim_ids: np.ndarray
+    dirty: np.ndarray
+
+
 class _Down(NamedTuple):
     """Rows on their way from the device to the store: sorted ids, their pinned host copy, the
     event that says the copy is done, the device copy it was made from, and a sequence number."""
@@ -196,6 +207,9 @@ class DeviceTier:
         self._depth = threading.local()
         self._own_thread = threading.local()  # on_stream: a thread of the tier's own, on its device and stream
         self._staging: list[np.ndarray] = []  # announced batches (`upcoming`) whose rows no job staged yet
+        #: a swap the prefetch thread planned (map already updated) whose transfer the next `_join`
+        #: queues on the joining thread (under `_lock`)
+        self._pending: _Swap | None = None
         if self.resident:
             self._load_all()
         else:
@@ -325,7 +339,93 @@ class DeviceTier:
         ids = idsets.unique(ids)
         if len(ids) > self.capacity // 2:
             ids = ids[: self.capacity // 2]
-        self._slots(ids, keep, ahead=True)  # on the tier's device and stream (`_enter_prefetch_thread`)
+        with self._lock:
+            if self._plan_swap(ids, keep):
+                return
+            self._slots(ids, keep, ahead=True)  # on the tier's device and stream (`_enter_prefetch_thread`)
+
+    def _plan_swap(self, ids: np.ndarray, keep: np.ndarray | None) -> bool:
+        """The host half of bringing unique ``ids`` up by one `mapped_swap` (caller holds `_lock`):
+        choose their slots and the victims and re-map them now; the kernel is queued by the next
+        `_join`, on the thread that is about to read the rows. So the prefetch thread makes no
+        CUDA call: CUDA calls from two threads at once contend inside the driver and cost both
+        threads CPU time. False (nothing changed) where the rows must move another way."""
+        if self._mapped is None or self._down or self._swap_check is False or self._pending is not None:
+            return False
+        s = self._map.find(ids)
+        miss = s < 0
+        if not miss.any():
+            return True
+        mids = ids[miss]
+        if not self._timed_store(self.store._device_read, mids):
+            return False
+        k = len(mids)
+        keep_s = s[~miss] if keep is None or not len(keep) else np.concatenate([s[~miss], keep])
+        victims = self._victims(k - self._map.nfree, keep_s) if k > self._map.nfree else _NO_SLOTS
+        dirty = self.dirty[victims]
+        vids = self._map.id_of[victims]
+        got = self._map.replace(victims, mids)
+        idx = np.concatenate([got, np.full(k - len(victims), -1, np.int64), np.where(dirty, vids, -1), mids])
+        self.dirty[victims] = False
+        self._pending = _Swap(idx, victims, vids, dirty)
+        self.staged_ahead_rows += k
+        return True
+
+    def _launch_swap(self) -> None:
+        """Queue the transfer of the planned swap (`_plan_swap`) on this thread; if queuing fails
+        before the kernel is, the map is put back as it was (no slot claims a row it lacks)."""
+        with self._lock:
+            p, self._pending = self._pending, None
+            if p is None:
+                return
+            launched = [False]
+            try:
+                if getattr(self._own_thread, "on_stream", False):
+                    self._queue_swap(p, launched)
+                else:
+                    with torch.cuda.stream(self._stream):
+                        self._queue_swap(p, launched)
+            except BaseException:
+                if not launched[0]:
+                    self._unplan(p)
+                raise
+
+    def _queue_swap(self, p: _Swap, launched: list[bool]) -> None:
+        k, nv = len(p.idx) // 3, len(p.victims)
+        written = p.victim_ids[p.dirty]
+        check = self._swap_check if getattr(self.store, "_check_finite", True) else None
+        assert check is None or isinstance(check, tuple)
+        mapped, flag = self._mapped, self._nonfinite
+        assert mapped is not None
+
+        def enqueue() -> torch.cuda.Event:
+            mapped_swap.swap_rows(self.pool, mapped.dev, self.to_device(p.idx), flag, check)
+            launched[0] = True
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            return done
+
+        if not len(written):
+            enqueue()
+        elif self._timed_store(self.store._device_write, written, enqueue):
+            self.written_down_rows += len(written)
+        else:  # a flush is copying the host table: the dirty victims go down staged, queued before
+            # the swap overwrites their slots, and the swap only loads
+            self._send_down(p.victims[p.dirty], evicted=True, ids=written)
+            p.idx[k : 2 * k] = -1
+            enqueue()
+        self.evicted_rows += nv
+        self.down_bytes += len(written) * self.pool.shape[1]
+        self.up_bytes += k * self.pool.shape[1]
+        self.loaded_rows += k
+
+    def _unplan(self, p: _Swap) -> None:
+        """Undo `_plan_swap`'s re-mapping (its kernel was never queued)."""
+        k, nv = len(p.idx) // 3, len(p.victims)
+        self._map.release(p.idx[: k - nv])
+        self._map.replace(p.victims, p.victim_ids)
+        self.dirty[p.victims] = p.dirty
+        self.staged_ahead_rows -= k
 
     def _join(self) -> None:
         """Wait for the prefetch in flight (and raise its error, if any).
@@ -336,6 +436,8 @@ class DeviceTier:
         fut = self._prefetching
         if fut is not None:
             fut.result()
+            if self._pending is not None:
+                self._launch_swap()
 
     @_entry
     def positions(self, ids: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
@@ -414,6 +516,8 @@ class DeviceTier:
     def _slots(self, ids: np.ndarray, protect: np.ndarray | None, ahead: bool = False) -> np.ndarray:
         """``ahead``: a prefetch brings the rows before their lookup (counted as staged ahead)."""
         with self._lock:
+            if self._pending is not None:  # the planned rows' kernel first: this call may evict them
+                self._launch_swap()
             s = self._map.find(ids)
             miss = s < 0
             if not miss.any():
@@ -609,9 +713,11 @@ class DeviceTier:
         """Held while a training step queues its kernels; `write_down` takes it too."""
         return self._step_lock
 
-    def _send_down(self, slots: np.ndarray, *, evicted: bool) -> None:
-        """Queue a device->host copy of ``slots``' records; applied to the store in order."""
-        ids = slots if self.resident else self._map.id_of[slots]
+    def _send_down(self, slots: np.ndarray, *, evicted: bool, ids: np.ndarray | None = None) -> None:
+        """Queue a device->host copy of ``slots``' records (of rows ``ids``, by default the rows
+        the map has there); applied to the store in order."""
+        if ids is None:
+            ids = slots if self.resident else self._map.id_of[slots]
         self.down_bytes += len(ids) * self.pool.shape[1]
         if self._down_mapped(ids, slots, evicted=evicted):
             return
