@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,6 +24,20 @@ from lightning_embcache.store.memory import private_zeros
 #: announced batches kept at most: a window whose batches are never looked up (ids mapped
 #: elsewhere by the step) stops protecting rows after this many
 MAX_WINDOW = 64
+
+
+_NONE = np.empty(0, np.int64)
+
+
+class Plan(NamedTuple):
+    """What `SlotMap.plan` did: the swap kernel's index array (``k`` slots, then ``k`` host rows
+    to write out or -1, then the ``k`` rows to load), the victims, their ids and which of them
+    were dirty."""
+
+    idx: np.ndarray
+    victims: np.ndarray
+    victim_ids: np.ndarray
+    dirty: np.ndarray
 
 
 class TooFewSlots(Exception):
@@ -121,6 +136,55 @@ class SlotMap:
         list's last ``k - len(victims)``, then the victims."""
         free = self._free[self.nfree - (k - len(victims)) : self.nfree]
         return np.concatenate([free, victims]) if len(victims) else free.copy()
+
+    def plan(self, ids: np.ndarray, keep: np.ndarray | None, dirty: np.ndarray) -> Plan | None:
+        """Bring sorted unique ``ids`` in: find them, choose victims for the misses beyond the
+        free slots (never a hit or a slot in ``keep``; `victims`' rule), re-map, clear the
+        victims' ``dirty`` flags (a bool per slot, the caller's), and return the swap kernel's
+        index array; None where every row is here already. The same as `find`, `victims` and
+        `replace` in a row, in one C call where the loops are built. Raises `TooFewSlots`
+        (only the hand, reference bits and stamps changed)."""
+        keep = _NONE if keep is None else keep
+        if self._c is None:
+            return self._plan_numpy(ids, keep, dirty)
+        ids, keep = _ids(ids), _ids(keep)
+        n = len(ids)
+        mids, hits, idx = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(3 * n, np.int64)
+        victims, vids, vdirty = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.uint8)
+        counts = np.empty(1, np.int64)
+        sid, nfree = ctypes.c_int64(self._stamp_id), ctypes.c_int64(self.nfree)
+        self._hand_c.value = self._hand
+        want = self._p_want if self.want is not None and self.window_rows else None
+        k = self._c.em_plan(self._p_slot_of, self.num_rows, self._p_id_of, self._p_ref, self._p_stamp,
+                            ctypes.byref(sid), want, self.capacity, ctypes.byref(self._hand_c), _ptr(self._free),
+                            ctypes.byref(nfree), _ptr(dirty), _ptr(ids), n, _ptr(keep), len(keep), _ptr(mids),
+                            _ptr(hits), _ptr(idx), _ptr(victims), _ptr(vids), _ptr(vdirty), _ptr(counts))
+        self._hand, self._stamp_id, self.nfree = self._hand_c.value, sid.value, nfree.value
+        if k == -1:
+            self._fail("plan")
+        if k == -2:  # as `victims` says it: the slots kept, the victims needed
+            held = self.slot_of[ids].astype(np.int64) - 1
+            kept = np.concatenate([held[held >= 0], keep])
+            raise TooFewSlots(len(idsets.unique(kept)) if len(kept) else 0, int((held < 0).sum()) - self.nfree)
+        if k == 0:
+            return None
+        nv = int(counts[0])
+        return Plan(idx[: 3 * k], victims[:nv], vids[:nv], vdirty[:nv].view(np.bool_))
+
+    def _plan_numpy(self, ids: np.ndarray, keep: np.ndarray, dirty: np.ndarray) -> Plan | None:
+        s = self.find(ids)
+        miss = s < 0
+        if not miss.any():
+            return None
+        mids = ids[miss]
+        k = len(mids)
+        victims = self.victims(k - self.nfree, np.concatenate([s[~miss], keep])) if k > self.nfree else _NONE
+        vdirty = dirty[victims]
+        vids = self.id_of[victims]
+        got = self.replace(victims, mids)
+        dirty[victims] = False
+        idx = np.concatenate([got, np.full(k - len(victims), -1, np.int64), np.where(vdirty, vids, -1), mids])
+        return Plan(idx, victims, vids, vdirty)
 
     def assign(self, slots: np.ndarray, ids: np.ndarray) -> None:
         self.id_of[slots] = ids

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 import lightning_embcache.mapped_swap as mapped_swap
-from lightning_embcache.device_slots import SlotMap, TooFewSlots
+from lightning_embcache.device_slots import Plan, SlotMap, TooFewSlots
 from lightning_embcache.mapped_host import MappedHost, store_table
 from lightning_embcache.pinned import PinnedRing
 from lightning_embcache.store import EmbeddingStore, StoreError, idsets, rowcopy
@@ -93,17 +93,6 @@ def _entry(method: Any) -> Any:
 
 
 _NO_SLOTS = np.empty(0, np.int64)
-
-
-class _Swap(NamedTuple):
-    """A swap planned on the host (`DeviceTier._plan_swap`) whose transfer is not queued yet:
-    the kernel's index array (slots, host rows out, host rows in), the victims, their ids and
-    which of them were dirty."""
-
-    idx: np.ndarray
-    victims: np.ndarray
-    victim_ids: np.ndarray
-    dirty: np.ndarray
 
 
 class _Down(NamedTuple):
@@ -199,6 +188,10 @@ class DeviceTier:
         #: each; NaN/Inf checked by one sum); False: the checked public calls in `store_spans`
         #: (the distributed benchmark's ``store=checked``)
         self.trusted_store_calls = True
+        #: a prefetch over the mapped table plans its swap on the prefetch thread and the reading
+        #: thread queues the kernel (`_plan_swap`); False: the prefetch thread does both (the
+        #: benchmark's comparison)
+        self.plan_swaps = True
         # I/O accounting for the profiler's store_io: wall time the calling (training) thread spent
         # in the tier's entry points, and the time of every store call the tier made (any thread),
         # which the store also counts in its own io_wait_seconds
@@ -209,7 +202,7 @@ class DeviceTier:
         self._staging: list[np.ndarray] = []  # announced batches (`upcoming`) whose rows no job staged yet
         #: a swap the prefetch thread planned (map already updated) whose transfer the next `_join`
         #: queues on the joining thread (under `_lock`)
-        self._pending: _Swap | None = None
+        self._pending: Plan | None = None
         if self.resident:
             self._load_all()
         else:
@@ -340,7 +333,7 @@ class DeviceTier:
         if len(ids) > self.capacity // 2:
             ids = ids[: self.capacity // 2]
         with self._lock:
-            if self._plan_swap(ids, keep):
+            if self.plan_swaps and self._plan_swap(ids, keep):
                 return
             self._slots(ids, keep, ahead=True)  # on the tier's device and stream (`_enter_prefetch_thread`)
 
@@ -352,23 +345,16 @@ class DeviceTier:
         threads CPU time. False (nothing changed) where the rows must move another way."""
         if self._mapped is None or self._down or self._swap_check is False or self._pending is not None:
             return False
-        s = self._map.find(ids)
-        miss = s < 0
-        if not miss.any():
-            return True
-        mids = ids[miss]
-        if not self._timed_store(self.store._device_read, mids):
+        # rows not made yet are made first (memory mode); the hits were made when they came up
+        if not self._timed_store(self.store._device_read, ids):
             return False
-        k = len(mids)
-        keep_s = s[~miss] if keep is None or not len(keep) else np.concatenate([s[~miss], keep])
-        victims = self._victims(k - self._map.nfree, keep_s) if k > self._map.nfree else _NO_SLOTS
-        dirty = self.dirty[victims]
-        vids = self._map.id_of[victims]
-        got = self._map.replace(victims, mids)
-        idx = np.concatenate([got, np.full(k - len(victims), -1, np.int64), np.where(dirty, vids, -1), mids])
-        self.dirty[victims] = False
-        self._pending = _Swap(idx, victims, vids, dirty)
-        self.staged_ahead_rows += k
+        try:
+            plan = self._map.plan(ids, keep, self.dirty)
+        except TooFewSlots as exc:
+            raise self._too_few(exc) from None
+        if plan is not None:
+            self._pending = plan
+            self.staged_ahead_rows += len(plan.idx) // 3
         return True
 
     def _launch_swap(self) -> None:
@@ -390,7 +376,7 @@ class DeviceTier:
                     self._unplan(p)
                 raise
 
-    def _queue_swap(self, p: _Swap, launched: list[bool]) -> None:
+    def _queue_swap(self, p: Plan, launched: list[bool]) -> None:
         k, nv = len(p.idx) // 3, len(p.victims)
         written = p.victim_ids[p.dirty]
         check = self._swap_check if getattr(self.store, "_check_finite", True) else None
@@ -419,7 +405,7 @@ class DeviceTier:
         self.up_bytes += k * self.pool.shape[1]
         self.loaded_rows += k
 
-    def _unplan(self, p: _Swap) -> None:
+    def _unplan(self, p: Plan) -> None:
         """Undo `_plan_swap`'s re-mapping (its kernel was never queued)."""
         k, nv = len(p.idx) // 3, len(p.victims)
         self._map.release(p.idx[: k - nv])
@@ -542,11 +528,15 @@ class DeviceTier:
         try:
             return self._map.victims(k, keep)
         except TooFewSlots as exc:
-            raise StoreError(
-                f"the device tier holds {self.capacity} rows (device_bytes={self.budget_bytes}) but this step "
-                f"needs {exc.kept + k} at once (the batch plus rows whose gradients are not applied "
-                f"yet); raise device_bytes to at least "
-                f"{(exc.kept + k) * (self.store.row_bytes + SLOT_OVERHEAD)} or use a smaller batch") from None
+            raise self._too_few(exc) from None
+
+    def _too_few(self, exc: TooFewSlots) -> StoreError:
+        need = exc.kept + exc.needed
+        return StoreError(
+            f"the device tier holds {self.capacity} rows (device_bytes={self.budget_bytes}) but this step "
+            f"needs {need} at once (the batch plus rows whose gradients are not applied "
+            f"yet); raise device_bytes to at least "
+            f"{need * (self.store.row_bytes + SLOT_OVERHEAD)} or use a smaller batch")
 
     def _drop(self, slots: np.ndarray) -> None:
         d = slots[self.dirty[slots]]

@@ -36,6 +36,7 @@ _SIGNATURES = {
     "em_sweep": (_P, _P, _P, _I, _P, _I, _P, _I, _I, _P),
     "em_replace": (_P, _I, _P, _P, _I, _P, _I, _P, _P, _I),
     "em_want": (_P, _I, _P, _I, ctypes.c_int32),
+    "em_plan": (_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
 }
 
 

@@ -77,3 +77,59 @@ int64_t em_want(int32_t *want, int64_t num_rows, const int64_t *u, int64_t n, in
     for (int64_t i = 0; i < n; i++) want[u[i]] += delta;
     return 0;
 }
+
+/* A whole prefetch's bookkeeping in one call (SlotMap.plan): find the sorted unique ids, keep
+ * the hits and `keep`, choose victims for the misses that find no free slot (announced rows
+ * last), re-map, and write the swap kernel's index array. Returns the misses k (>= 0; counts[0]
+ * = victims), -1 on an index out of range, -2 when too few slots may go (then only the hand,
+ * reference bits and stamps changed, as in SlotMap.victims). Arrays: mids, hits: n; idx: 3n;
+ * victims, vids: n; vdirty: n. */
+int64_t em_plan(int32_t *slot_of, int64_t num_rows, int64_t *id_of, uint8_t *ref, int64_t *stamp,
+                int64_t *sid_io, const int32_t *want, int64_t cap, int64_t *hand, int64_t *free_list,
+                int64_t *nfree_io, uint8_t *dirty, const int64_t *ids, int64_t n, const int64_t *keep,
+                int64_t nkeep, int64_t *mids, int64_t *hits, int64_t *idx, int64_t *victims, int64_t *vids,
+                uint8_t *vdirty, int64_t *counts) {
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)ids[i] >= (uint64_t)num_rows) return -1;
+    for (int64_t i = 0; i < nkeep; i++)
+        if (keep[i] >= cap) return -1;
+    int64_t k = 0, nh = 0, nfree = *nfree_io;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t s = (int64_t)slot_of[ids[i]] - 1;
+        if (s >= 0) { ref[s] = 1; hits[nh++] = s; } else mids[k++] = ids[i];
+    }
+    int64_t nv = k > nfree ? k - nfree : 0;
+    counts[0] = nv;
+    if (nv) {
+        int64_t sid = ++*sid_io;
+        for (int64_t i = 0; i < nh; i++) stamp[hits[i]] = sid;
+        for (int64_t i = 0; i < nkeep; i++) if (keep[i] >= 0) stamp[keep[i]] = sid;
+        int64_t got = 0;
+        if (want) got = em_sweep(id_of, ref, stamp, sid, want, cap, hand, nv, 2 * cap, victims);
+        if (got < nv) got += em_sweep(id_of, ref, stamp, sid, 0, cap, hand, nv - got, 2 * cap, victims + got);
+        if (got < nv) {
+            for (int64_t i = 0; i < got; i++) stamp[victims[i]] = 0;
+            return -2;
+        }
+    }
+    int64_t nf = k - nv;  /* misses placed in free slots: the free list's last nf, in order */
+    for (int64_t i = 0; i < nf; i++) idx[i] = free_list[nfree - nf + i];
+    for (int64_t i = 0; i < nv; i++) {
+        idx[nf + i] = victims[i];
+        vids[i] = id_of[victims[i]];
+        vdirty[i] = dirty[victims[i]];
+        idx[k + nf + i] = vdirty[i] ? vids[i] : -1;
+        slot_of[vids[i]] = 0;
+        dirty[victims[i]] = 0;
+    }
+    for (int64_t i = 0; i < nf; i++) idx[k + i] = -1;
+    for (int64_t i = 0; i < k; i++) {
+        int64_t s = idx[i];
+        idx[2 * k + i] = mids[i];
+        id_of[s] = mids[i];
+        slot_of[mids[i]] = (int32_t)(s + 1);
+        ref[s] = 1;
+    }
+    *nfree_io = nfree - nf;
+    return k;
+}
