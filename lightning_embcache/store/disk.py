@@ -111,6 +111,10 @@ def sparse_rows_held(path: Path) -> int | None:
 DIRECTORY_CACHE_BYTES = 16 << 20  # verified block checksums of raw chunks kept for sparse reads
 
 
+#: a segment is written in blocks of about this many bytes (a flush holds two in memory)
+SEGMENT_BLOCK_BYTES = 4 << 20
+
+
 class RecordsInto(Protocol):
     """Records of ``ids[a:b]`` written into a buffer the caller gives (`snapshot.Snapshot`)."""
 
@@ -988,16 +992,17 @@ class Disk:
         records: np.ndarray | Callable[[int, int], np.ndarray] | RecordsInto,
         *,
         durable: bool = True,
-        block_bytes: int = 4 << 20,
+        block_bytes: int | None = None,
     ) -> Segment:
         """Write sorted unique ``ids`` and their records as segment ``seq``.
 
         ``records`` is an array, or a function ``(a, b) -> records of ids[a:b]`` called for blocks
-        of about ``block_bytes``: a flush of many dirty rows then holds one block in memory, not a
-        copy of every dirty row. A `RecordsInto` (a flush's snapshot) gathers each block into one
-        of two buffers used in turn (`fileio._write_stream` writes block k before block k + 2 is
-        made). ``durable=False`` (write-back of evicted rows) skips the fsync;
-        the flush that first lists the segment in a manifest syncs it before publishing.
+        of about ``block_bytes`` (default `SEGMENT_BLOCK_BYTES`): a flush of many dirty rows then
+        holds two blocks in memory, not a copy of every dirty row. A `RecordsInto` (a flush's
+        snapshot) gathers each block into one of two buffers used in turn (`fileio._write_stream`
+        has written block k before block k + 2 is made). ``durable=False`` (write-back of evicted
+        rows) skips the fsync; the flush that first lists the segment in a manifest syncs it
+        before publishing.
         """
         rb = self.row_bytes
         n = len(ids)
@@ -1007,7 +1012,7 @@ class Disk:
         index = np.zeros((4, len(starts)), np.int64)
         index[0], index[1], index[2] = chunks[starts], starts, counts
         # Blocks end on index-entry boundaries so each entry's checksum is computed in one piece.
-        per_block = max(1, block_bytes // max(rb, 1))
+        per_block = max(1, (block_bytes or SEGMENT_BLOCK_BYTES) // max(rb, 1))
         bounds = [0]
         for e, (st, ct) in enumerate(zip(starts.tolist(), counts.tolist())):
             if st + ct - int(starts[bounds[-1]]) >= per_block or e == len(starts) - 1:

@@ -42,6 +42,9 @@ ANY_STORE = None  # parse_header(uid=ANY_STORE): accept any store's uuid (META, 
 # after(op, name) (may end the process). None in production.
 FAULTS = None
 
+#: a streamed block of at least this many bytes is written by the stream's helper thread
+STREAM_THREAD_BYTES = 1 << 20
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -382,15 +385,15 @@ def _write_out(fd: int, part: bytes | memoryview, name: object) -> int:
 
 
 def _write_stream(fd: int, parts: Iterator[bytes | memoryview], name: object) -> int:
-    """Write an iterator's blocks in order. A block of 1 MiB or more is written by one helper
-    thread (one per stream, not one per block) while the next is made: making a block (a flush
-    gathers its rows) and writing it both let go of the GIL, so the two overlap on two cores;
-    smaller ones (an eviction's write-back) are written here, where a thread would cost more than
-    the write. Large streamed files start their write-back block by block, their first blocks
-    going out while the rest is made.
+    """Write an iterator's blocks in order. A block of `STREAM_THREAD_BYTES` or more is written
+    by one helper thread (one per stream, not one per block) while the next is made: making a
+    block (a flush gathers its rows) and writing it both let go of the GIL, so the two overlap on
+    two cores; smaller ones (an eviction's write-back) are written here, where a thread would
+    cost more than the write. Large streamed files start their write-back block by block, their
+    first blocks going out while the rest is made.
 
     The iterator may reuse a block's memory two blocks later: block k is written whole before
-    block k + 1 goes to the helper, so it is never in use once block k + 2 is being made (a
+    block k + 1 goes to the helper, so it is no longer read once block k + 2 is being made (a
     flush fills two buffers in turn)."""
     written = 0
     pool: ThreadPoolExecutor | None = None
@@ -400,7 +403,7 @@ def _write_stream(fd: int, parts: Iterator[bytes | memoryview], name: object) ->
             if pending is not None:
                 written += pending.result()
                 pending = None
-            if memoryview(part).nbytes < 1 << 20:
+            if memoryview(part).nbytes < STREAM_THREAD_BYTES:
                 written += _write_all(fd, part, name)
                 continue
             if pool is None:

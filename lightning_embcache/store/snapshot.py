@@ -35,12 +35,6 @@ class Snapshot:
         self._slots = slots
         self._saved = saved
 
-    def __call__(self, a: int, b: int) -> np.ndarray:
-        """The records of ``slots[a:b]``, in a new array."""
-        with self._lock:
-            width = self._pool().shape[1]
-        return self.read_into(a, b, np.empty((b - a, width), np.uint8))
-
     def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
         """The records of ``slots[a:b]`` written into the first ``b - a`` rows of ``out``
         (returned: that part of it)."""
