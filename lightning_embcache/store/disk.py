@@ -111,8 +111,10 @@ def sparse_rows_held(path: Path) -> int | None:
 DIRECTORY_CACHE_BYTES = 16 << 20  # verified block checksums of raw chunks kept for sparse reads
 
 
-#: a segment is written in blocks of about this many bytes (a flush holds two in memory)
-SEGMENT_BLOCK_BYTES = 4 << 20
+#: a segment is written in blocks of about this many bytes (a flush holds two in memory): small
+#: enough that the first ones are on their way to the disk early and the last one, written after
+#: everything is gathered, is short; large enough that a block costs few system calls
+SEGMENT_BLOCK_BYTES = 2 << 20
 
 
 class RecordsInto(Protocol):

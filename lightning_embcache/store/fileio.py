@@ -213,7 +213,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 def start_writeback(fd: int) -> None:
     """Start writing ``fd``'s dirty pages to disk without waiting for them (Linux
     ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the ``fsync``/``syncfs`` that makes them
-    durable later waits only for what was written since: a flush's segment is streamed in 4 MiB
+    durable later waits only for what was written since: a flush's segment is streamed in 2 MiB
     blocks, each on its way while the next is gathered; a compaction round's chunk files go out
     while the round folds the next ones, before its one sync. Not a durability step: a failure
     here is left to that sync to report."""

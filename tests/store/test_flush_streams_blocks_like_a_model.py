@@ -200,7 +200,7 @@ def test_a_large_flush_writes_every_block_on_one_helper_thread(tmp_path, monkeyp
         def after(self, op, name):
             pass
 
-    n, dim = 40_000, 64  # 10 MiB: three 4 MiB blocks
+    n, dim = 40_000, 64  # 10 MiB: several blocks of SEGMENT_BLOCK_BYTES
     with EmbeddingStore.create(tmp_path / "s", n, dim, chunk_rows=1024) as s:
         vals = torch.randn(n, dim)
         s.update(torch.arange(n), vals)

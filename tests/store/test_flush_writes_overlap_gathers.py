@@ -16,7 +16,7 @@ import torch
 from lightning_embcache import DiskFullError, EmbeddingStore
 from lightning_embcache.store import fileio
 
-N, DIM, CHUNK = 40_000, 64, 1024  # 10 MiB of rows: a full flush streams three 4 MiB blocks
+N, DIM, CHUNK = 40_000, 64, 1024  # 10 MiB of rows: a full flush streams its segment in several blocks
 
 
 class _Writes:
