@@ -90,9 +90,9 @@ def run(rows: int, dim: int, frac: float, reps: int, where: Path) -> dict:
             values = torch.randn(k, dim)
             s._wait_bg()  # a compaction the previous flush started: not part of this one
             took = {}
-            # Rotating order; each system's rows are written just before its own flush, because the
-            # store makes its files durable with one syncfs of the file system, which would also
-            # write (and time) memmap's dirty pages, leaving msync nothing to do.
+            # Rotating order; each system's rows are written just before its own flush, so that
+            # neither sync finds the other's dirty pages (a sync of the file system, or a journal
+            # commit that orders data, would write and time them too).
             for name in (("flush", "msync") if rep % 2 == 0 else ("msync", "flush")):
                 if name == "flush":
                     s.update(torch.from_numpy(ids), values)

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeGuard
+from typing import Protocol, TypeGuard, cast
 
 import lz4.block
 import numpy as np
@@ -109,6 +109,38 @@ def sparse_rows_held(path: Path) -> int | None:
 
 
 DIRECTORY_CACHE_BYTES = 16 << 20  # verified block checksums of raw chunks kept for sparse reads
+
+
+#: a segment is written in blocks of about this many bytes (a flush holds two in memory): small
+#: enough that the first ones are on their way to the disk early and the last one, written after
+#: everything is gathered, is short; large enough that a block costs few system calls
+SEGMENT_BLOCK_BYTES = 2 << 20
+
+
+class RecordsInto(Protocol):
+    """Records of ``ids[a:b]`` written into a buffer the caller gives (`snapshot.Snapshot`)."""
+
+    def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray: ...
+
+
+def _block_source(
+    records: np.ndarray | Callable[[int, int], np.ndarray] | RecordsInto, rb: int, max_rows: int
+) -> Callable[[int, int, int], np.ndarray]:
+    """``fetch(k, a, b)``: the records of block k, rows [a, b) of the segment."""
+    if isinstance(records, np.ndarray):
+        return lambda k, a, b: records[a:b]
+    reader = getattr(records, "read_into", None)
+    if reader is None:
+        fn = cast("Callable[[int, int], np.ndarray]", records)
+        return lambda k, a, b: fn(a, b)
+    buffers: list[np.ndarray] = []
+
+    def fetch(k: int, a: int, b: int) -> np.ndarray:
+        if len(buffers) <= k % 2:  # allocated on first use: a one-block segment needs one
+            buffers.append(np.empty((max_rows, rb), np.uint8))
+        return cast("np.ndarray", reader(a, b, buffers[k % 2]))
+
+    return fetch
 
 
 @dataclass
@@ -959,17 +991,20 @@ class Disk:
         self,
         seq: int,
         ids: np.ndarray,
-        records: np.ndarray | Callable[[int, int], np.ndarray],
+        records: np.ndarray | Callable[[int, int], np.ndarray] | RecordsInto,
         *,
         durable: bool = True,
-        block_bytes: int = 4 << 20,
+        block_bytes: int | None = None,
     ) -> Segment:
         """Write sorted unique ``ids`` and their records as segment ``seq``.
 
         ``records`` is an array, or a function ``(a, b) -> records of ids[a:b]`` called for blocks
-        of about ``block_bytes``: a flush of many dirty rows then holds one block in memory, not a
-        copy of every dirty row. ``durable=False`` (write-back of evicted rows) skips the fsync;
-        the flush that first lists the segment in a manifest syncs it before publishing.
+        of about ``block_bytes`` (default `SEGMENT_BLOCK_BYTES`): a flush of many dirty rows then
+        holds two blocks in memory, not a copy of every dirty row. A `RecordsInto` (a flush's
+        snapshot) gathers each block into one of two buffers used in turn (`fileio._write_stream`
+        has written block k before block k + 2 is made). ``durable=False`` (write-back of evicted
+        rows) skips the fsync; the flush that first lists the segment in a manifest syncs it
+        before publishing.
         """
         rb = self.row_bytes
         n = len(ids)
@@ -978,20 +1013,20 @@ class Disk:
         counts = np.diff(np.r_[starts, n]).astype(np.int64)
         index = np.zeros((4, len(starts)), np.int64)
         index[0], index[1], index[2] = chunks[starts], starts, counts
-        fetch = records if callable(records) else (lambda a, b: records[a:b])
         # Blocks end on index-entry boundaries so each entry's checksum is computed in one piece.
-        per_block = max(1, block_bytes // max(rb, 1))
+        per_block = max(1, (block_bytes or SEGMENT_BLOCK_BYTES) // max(rb, 1))
         bounds = [0]
         for e, (st, ct) in enumerate(zip(starts.tolist(), counts.tolist())):
             if st + ct - int(starts[bounds[-1]]) >= per_block or e == len(starts) - 1:
                 bounds.append(e + 1)
+        blocks = [(e0, e1, int(starts[e0]), int(starts[e1 - 1] + counts[e1 - 1]))
+                  for e0, e1 in zip(bounds[:-1], bounds[1:])]
         directory_size = _SEG_HEAD.size + 8 * n + index.nbytes
+        fetch = _block_source(records, rb, max((b - a for _, _, a, b in blocks), default=0))
 
         def body() -> Iterator[memoryview]:
-            for e0, e1 in zip(bounds[:-1], bounds[1:]):
-                a = int(starts[e0])
-                b = int(starts[e1 - 1] + counts[e1 - 1])
-                block = np.ascontiguousarray(fetch(a, b)).reshape(-1)
+            for k, (e0, e1, a, b) in enumerate(blocks):
+                block = np.ascontiguousarray(fetch(k, a, b)).reshape(-1)
                 for e in range(e0, e1):
                     lo = (int(starts[e]) - a) * rb
                     index[3, e] = crc32(block[lo : lo + int(counts[e]) * rb].data)

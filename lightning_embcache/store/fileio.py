@@ -21,6 +21,7 @@ import struct
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .errors import CorruptStoreError, DiskFullError, StoreError, StoreIOError, io_error  # noqa: F401 (re-exported)
@@ -40,6 +41,9 @@ ANY_STORE = None  # parse_header(uid=ANY_STORE): accept any store's uuid (META, 
 # Set by the fault-injection suite: an object with before(op, name) (may raise OSError) and
 # after(op, name) (may end the process). None in production.
 FAULTS = None
+
+#: a streamed block of at least this many bytes is written by the stream's helper thread
+STREAM_THREAD_BYTES = 1 << 20
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -209,7 +213,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 def start_writeback(fd: int) -> None:
     """Start writing ``fd``'s dirty pages to disk without waiting for them (Linux
     ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the ``fsync``/``syncfs`` that makes them
-    durable later waits only for what was written since: a flush's segment is streamed in 4 MiB
+    durable later waits only for what was written since: a flush's segment is streamed in 2 MiB
     blocks, each on its way while the next is gathered; a compaction round's chunk files go out
     while the round folds the next ones, before its one sync. Not a durability step: a failure
     here is left to that sync to report."""
@@ -374,49 +378,44 @@ def _write_parts(fd: int, parts: Iterable[bytes | memoryview], name: object) -> 
     return _write_stream(fd, iter(parts), name)
 
 
+def _write_out(fd: int, part: bytes | memoryview, name: object) -> int:
+    n = _write_all(fd, part, name)
+    start_writeback(fd)
+    return n
+
+
 def _write_stream(fd: int, parts: Iterator[bytes | memoryview], name: object) -> int:
-    """Write an iterator's blocks in order. A block of 1 MiB or more is written by a helper thread
-    while the next is made: making a block (a flush gathers its rows) keeps the GIL, writing it
-    lets go of it, so the two overlap on another core (two blocks in memory, one written and one
-    being made); smaller ones (an eviction's write-back) are written here, where a thread would
+    """Write an iterator's blocks in order. A block of `STREAM_THREAD_BYTES` or more is written
+    by one helper thread (one per stream, not one per block) while the next is made: making a
+    block (a flush gathers its rows) and writing it both let go of the GIL, so the two overlap on
+    two cores; smaller ones (an eviction's write-back) are written here, where a thread would
     cost more than the write. Large streamed files start their write-back block by block, their
-    first blocks going out while the rest is made."""
+    first blocks going out while the rest is made.
+
+    The iterator may reuse a block's memory two blocks later: block k is written whole before
+    block k + 1 goes to the helper, so it is no longer read once block k + 2 is being made (a
+    flush fills two buffers in turn)."""
     written = 0
-    job: tuple[threading.Thread, list] | None = None
-
-    def write(part: bytes | memoryview, box: list) -> None:
-        try:
-            box.append(_write_all(fd, part, name))
-            start_writeback(fd)
-        except BaseException as exc:  # raised in the caller's thread
-            box.append(exc)
-
-    def finish() -> int:
-        assert job is not None
-        job[0].join()
-        r = job[1][0]
-        if isinstance(r, BaseException):
-            raise r
-        return r
-
+    pool: ThreadPoolExecutor | None = None
+    pending: Future[int] | None = None
     try:
         for part in parts:
-            if job is not None:
-                written += finish()
-                job = None
-            if memoryview(part).nbytes < 1 << 20:
+            if pending is not None:
+                written += pending.result()
+                pending = None
+            if memoryview(part).nbytes < STREAM_THREAD_BYTES:
                 written += _write_all(fd, part, name)
                 continue
-            box: list = []
-            job = (threading.Thread(target=write, args=(part, box), name="embcache-write", daemon=True), box)
-            job[0].start()
-        if job is not None:
-            written += finish()
-            job = None
+            if pool is None:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="embcache-write")
+            pending = pool.submit(_write_out, fd, part, name)
+        if pending is not None:
+            written += pending.result()
+            pending = None
         return written
     finally:
-        if job is not None:
-            job[0].join()  # the caller closes the descriptor: no write may still be running
+        if pool is not None:
+            pool.shutdown(wait=True)  # the caller closes the descriptor: no write may still be running
 
 
 def open_dir(path: object, dir_fd: int | None = None, *, follow: bool = False) -> int:

@@ -32,6 +32,7 @@ from .hot import SLOT_OVERHEAD, HotTier
 from .initrows import normal_rows
 from .memory import zeros
 from .rowindex import gather_deltas
+from .snapshot import Snapshot
 from .validate import budget
 from .warm import WarmTier
 
@@ -387,28 +388,12 @@ class Tiers:
         rowcopy.scatter(self.hot.pool_np, slots, records)
         self.hot.dirty[slots] = 1
 
-    def _snapshot_reader(self, slots: np.ndarray):
+    def _snapshot_reader(self, slots: np.ndarray) -> Snapshot:
         """Start a copy-on-write snapshot of ``slots`` (caller holds the lock and marks them
-        in flight); returns ``read(a, b)``: their records as they were now, read later in blocks.
-
-        A flush of many dirty rows thus holds one block in memory instead of a copy of every dirty
-        row, yet writes one consistent moment: a row updated while the flush is writing first
-        saves its old record here.
-        """
+        in flight): their records as they are now, read later in blocks (snapshot.py)."""
         self.await_device_writes()  # rows a device is still writing are read whole
         self.cow = {}
-
-        def read(a: int, b: int) -> np.ndarray:
-            with self._c.lock:
-                part = slots[a:b]
-                recs = self.hot.pool_np.take(part, axis=0)  # contiguous pool: take gathers fastest
-                if self.cow:
-                    saved = np.fromiter(self.cow, np.int64, len(self.cow))
-                    for pos in np.flatnonzero(idsets.isin(part, saved)).tolist():
-                        recs[pos] = self.cow[int(part[pos])]
-                return recs
-
-        return read
+        return Snapshot(self._c.lock, lambda: self.hot.pool_np, slots, self.cow)
 
     def save_cow(self, slots: np.ndarray) -> None:
         """Before overwriting rows a flush is still writing, keep their snapshot records."""

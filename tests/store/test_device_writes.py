@@ -110,7 +110,7 @@ def test_kernels_queued_in_a_writing_block_mark_rows_dirty_and_keep_a_flush_snap
     late = device_step(2.0)  # the next step, while the flush writes: its old rows are saved
     late.synchronize()  # the device ran it
     with store._core.lock:
-        snap = read(0, len(slots))
+        snap = read.read_into(0, len(slots), np.empty((len(slots), table.shape[1]), np.uint8))
         store._tiers.hot.inflight[slots] = False
         store._tiers.cow = None
     assert store.record_view(torch.from_numpy(snap), "weight").eq(1.0).all()
