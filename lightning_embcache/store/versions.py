@@ -145,7 +145,7 @@ class Versions:
         self.next_gen = 1  # the next chunk map generation (`take_gen`)
         self.own_gens_from = 1  # chunk files of these generations are this handle's own
         self._published: tuple = (0, [], 0)
-        self.below_token = 0  # moves whenever rows below the hot tier change (see `Tiers._prefetch`)
+        self.below_token = 0  # moves whenever rows below the hot tier change (see `Prefetcher.prefetch`)
         self._bg: ThreadPoolExecutor | None = None
         self._bg_futures: dict[str, Future] = {}
         self._bg_error: BaseException | None = None
