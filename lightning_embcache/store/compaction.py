@@ -359,73 +359,100 @@ class Compaction:
         locks = [alone]
         try:
             listed = disk.list_versions()
-            others = [v for v in listed if v != self._v.version]
-            for v in share.members:
-                if v in others and (lk := disk.lock_version_alone(v)) is not None:
-                    locks.append(lk)
-                    others.remove(v)
-            for v in others:  # a file another version reads stays as it is: copy on write
-                m = self._g.manifest_of(v)
-                if m is None:
-                    return none
-                if m.chunkmap:
-                    theirs = self._g.chunkmap_of(m)
-                    k = cand[cand < len(theirs)]
-                    cand = np.setdiff1d(cand, k[theirs[k] == cmap[k]])
-            cand = np.asarray([c for c in cand.tolist() if inplace.is_raw(disk, c, int(cmap[c]))], np.int64)
+            cand = self._alone_in_place(cand, cmap, share, locks, listed)
             if not len(cand):
                 return none
             disk.compaction_bytes_written += inplace.write_intent(
                 disk, gen, [(c, int(cmap[c]), int(folded0[c])) for c in cand.tolist()], [s.seq for s in segs])
-            done: list[int] = []
-            names: list[str] = []
-            unsynced: list[str] = []
-            c = -1
-            since = time.monotonic()
-            try:
-                for c in cand.tolist():
-                    if yielding and self._v.flushes_to_let_in() and time.monotonic() - since >= YIELD_AFTER_S:
-                        if unsynced:  # the flush's manifest names these files: durable first
-                            fileio.fsync_files(disk._chunks_fd, unsynced, disk.root / "chunks")
-                            unsynced.clear()
-                        if not self._let_flush_in(locks, listed):
-                            break
-                        since = time.monotonic()
-                    g = int(cmap[c])
-                    rows, recs = inplace.newest_records(c, disk, segs, int(folded0[c]))  # (segment reads: outside)
-                    with disk.pool.folding():
-                        n = inplace.fold_chunk(disk, c, g, rows, recs, verify=g < self._v.own_gens_from,
-                                               newest=segs[-1].seq)
-                        disk.bytes_written += n
-                        disk.compaction_bytes_written += n
-                        self._forget_chunk_file(c, g)
-                    done.append(c)
-                    names.append(disk.chunk_path(c, g).name)
-                    unsynced.append(names[-1])
-                if unsynced:
-                    fileio.sync_written(disk._chunks_fd, unsynced, disk.root / "chunks")
-            except CorruptStoreError:
-                # raised before that chunk's first write: the files folded so far are whole
-                if names:
-                    fileio.sync_written(disk._chunks_fd, names, disk.root / "chunks")
-                inplace.drop_intent(disk, durable=True)
-                raise
-            except BaseException:
-                # A write failed half-way: that file's blocks may fail their checksums until the
-                # fold is redone. Redone now where the disk lets it, else at the next writable open.
-                try:
-                    with disk.pool.folding():
-                        inplace.redo(disk, only=set(done) | {c})
-                        for d in [*done, c]:
-                            self._forget_chunk_file(d, int(cmap[d]))
-                except BaseException:
-                    pass
-                raise
-            inplace.drop_intent(disk)
-            return np.asarray(done, np.int64)
+            return self._fold_files_in_place(cand, cmap, folded0, segs, locks, listed, yielding)
         finally:
             for lk in locks:
                 disk.unlock_reader(lk)
+
+    def _alone_in_place(
+        self, cand: np.ndarray, cmap: np.ndarray, share: sharing.Sharing, locks: list[int], listed: list[int]
+    ) -> np.ndarray:
+        """Those of chunks ``cand`` whose files may change in place: raw files no version of
+        ``listed`` reads but the writer's and the sharing versions, whose reader locks are taken
+        (added to ``locks``). None of them where another version's manifest went missing."""
+        disk = self._disk
+        others = [v for v in listed if v != self._v.version]
+        for v in share.members:
+            if v in others and (lk := disk.lock_version_alone(v)) is not None:
+                locks.append(lk)
+                others.remove(v)
+        for v in others:  # a file another version reads stays as it is: copy on write
+            m = self._g.manifest_of(v)
+            if m is None:
+                return np.zeros(0, np.int64)
+            if m.chunkmap:
+                theirs = self._g.chunkmap_of(m)
+                k = cand[cand < len(theirs)]
+                cand = np.setdiff1d(cand, k[theirs[k] == cmap[k]])
+        return np.asarray([c for c in cand.tolist() if inplace.is_raw(disk, c, int(cmap[c]))], np.int64)
+
+    def _fold_files_in_place(
+        self, cand: np.ndarray, cmap: np.ndarray, folded0: np.ndarray, segs: list[Segment],
+        locks: list[int], listed: list[int], yielding: bool,
+    ) -> np.ndarray:
+        """Fold chunks ``cand`` into their files in place, their intent written; return those
+        done (all, or those before a flush let in published a version a read-only handle holds).
+        The files are durable and the intent dropped when it returns; see `_fold_in_place`."""
+        disk = self._disk
+        done: list[int] = []
+        names: list[str] = []
+        unsynced: list[str] = []
+        c = -1
+        since = time.monotonic()
+        try:
+            for c in cand.tolist():
+                if yielding and self._v.flushes_to_let_in() and time.monotonic() - since >= YIELD_AFTER_S:
+                    if unsynced:  # the flush's manifest names these files: durable first
+                        fileio.fsync_files(disk._chunks_fd, unsynced, disk.root / "chunks")
+                        unsynced.clear()
+                    if not self._let_flush_in(locks, listed):
+                        break
+                    since = time.monotonic()
+                names.append(self._fold_file_in_place(c, int(cmap[c]), int(folded0[c]), segs))
+                done.append(c)
+                unsynced.append(names[-1])
+            if unsynced:
+                fileio.sync_written(disk._chunks_fd, unsynced, disk.root / "chunks")
+        except CorruptStoreError:
+            # raised before that chunk's first write: the files folded so far are whole
+            if names:
+                fileio.sync_written(disk._chunks_fd, names, disk.root / "chunks")
+            inplace.drop_intent(disk, durable=True)
+            raise
+        except BaseException:
+            self._redo_in_place([*done, c], cmap)
+            raise
+        inplace.drop_intent(disk)
+        return np.asarray(done, np.int64)
+
+    def _fold_file_in_place(self, c: int, g: int, folded0: int, segs: list[Segment]) -> str:
+        """Fold ``segs`` into chunk ``c``'s file of generation ``g`` in place; its file name."""
+        disk = self._disk
+        rows, recs = inplace.newest_records(c, disk, segs, folded0)  # (segment reads: outside)
+        with disk.pool.folding():
+            n = inplace.fold_chunk(disk, c, g, rows, recs, verify=g < self._v.own_gens_from, newest=segs[-1].seq)
+            disk.bytes_written += n
+            disk.compaction_bytes_written += n
+            self._forget_chunk_file(c, g)
+        return disk.chunk_path(c, g).name
+
+    def _redo_in_place(self, chunks: list[int], cmap: np.ndarray) -> None:
+        """A write failed half-way through the last of ``chunks``: that file's blocks may fail
+        their checksums until the fold is redone. Redone now where the disk lets it, else at the
+        next writable open."""
+        disk = self._disk
+        try:
+            with disk.pool.folding():
+                inplace.redo(disk, only=set(chunks))
+                for d in chunks:
+                    self._forget_chunk_file(d, int(cmap[d]))
+        except BaseException:
+            pass
 
     def _let_flush_in(self, locks: list[int], listed: list[int]) -> bool:
         """Let go of the writer lock until the flushes waiting for it got it and are done, then
