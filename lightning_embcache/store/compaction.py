@@ -294,10 +294,19 @@ class Compaction:
         foldproc.START_WAIT_S): the pass is in the background, and its rounds folded here would
         hold the GIL beside the training thread."""
         deadline = time.monotonic() + foldproc.START_WAIT_S
-        while self.fold_proc is not None and not self._c.closed and time.monotonic() < deadline:
+        while (proc := self.fold_proc) is not None and not self._c.closed:
             if self.fold_process() is not None or self.fold_proc is None:
                 return
-            time.sleep(0.01)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            proc.wait_ready(left)  # wakes as the child comes up or dies, or the store closes (`wake`)
+
+    def wake(self) -> None:
+        """The store closed: a pass waiting for the compaction process to start stops waiting."""
+        proc = self.fold_proc
+        if proc is not None:
+            proc.interrupt()
 
     def _round_chunks(self, segs: list[Segment], everything: bool) -> np.ndarray:
         """The chunks one round rewrites: those the oldest segments still need folded (so that a

@@ -695,6 +695,7 @@ class Versions:
         get in looks again and stops."""
         with self._c.lock:
             self._no_flush_waiting.notify_all()
+        self.compaction.wake()
 
     def wait_bg(self) -> None:
         for fut in list(self._bg_futures.values()):
