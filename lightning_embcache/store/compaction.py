@@ -560,7 +560,7 @@ class Compaction:
         for c in own:
             if self._c.closed:  # close() waits for the writer lock: publish what is done, stop
                 break
-            recs, present = fold_chunk(
+            got = fold_chunk(
                 disk,
                 c,
                 int(cmap[c]),
@@ -569,6 +569,8 @@ class Compaction:
                 init_rows=self._c.init_rows,
                 folded=int(folded[c]),
             )
+            assert got is not None, "a fold given the initial values always folds"
+            recs, present = got
             disk.write_chunk(c, gen, recs, self._c.compress, durable=False, present=present, folded=segs[-1].seq)
             if handover:
                 time.sleep(0)  # hand the GIL to a waiting training thread once per chunk (see `_fold_round`)

@@ -239,7 +239,7 @@ def serve(cfg: dict, fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from .disk import Disk, Segment  # relative: imported as the parent's files, without the package
     from .errors import StoreError
-    from .fold import NeedsInit, fold_chunk
+    from .fold import fold_chunk
 
     conn = Connection(fd)
     try:
@@ -278,11 +278,11 @@ def serve(cfg: dict, fd: int) -> None:
             for c, b, f in zip(chunks, bases, folded):
                 if os.getppid() != ppid:
                     os._exit(0)
-                try:
-                    recs, present = fold_chunk(disk, c, b, use, verify=b < own_from, init_rows=None, folded=f)
-                except NeedsInit:
+                got = fold_chunk(disk, c, b, use, verify=b < own_from, init_rows=None, folded=f)
+                if got is None:  # it needs initial values, which only the store can compute
                     skipped.append(c)
                     continue
+                recs, present = got
                 disk.write_chunk(c, gen, recs, compress, durable=False, present=present, folded=newest)
                 done.append(c)
             disk.sync_chunks(done, gen)
