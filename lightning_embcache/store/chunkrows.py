@@ -696,36 +696,52 @@ class ChunkRows:
         a few rows of each chunk and stays block-wise. The share of rows matters for wide rows:
         32 rows of 2 KiB are 1/16 of a 1,024-row chunk's blocks, and reading them block-wise
         cold ran the sampler's order at 0.45x the disk's sequential bandwidth."""
+        where = (chunks, local, gens, fds, base, crcs, nbytes)
+        rows = self._verify_dense_chunks(out, rows, *where)
+        if len(rows) and _RWF_NOWAIT:
+            rows = self._verify_busy_chunks(out, rows, *where)
+        if not len(rows):
+            return
+        c, b0, b1 = self._read_blocks(out, rows, *where)
+        self._mark_verified(c, gens[rows], b0, b1)
+
+    def _verify_dense_chunks(self, out, rows, chunks, local, gens, fds, base, crcs, nbytes) -> np.ndarray:
+        """Read whole and verify the chunks ``rows`` want a good share of (see `_read_verifying`);
+        returns the rows left to read block-wise."""
         c = chunks[rows]
         bounds = idsets.runs(c)
-        if len(bounds) > 1:
-            first_block = local[rows] * self.rb // BLOCK
-            new_block = np.r_[True, (c[1:] != c[:-1]) | (first_block[1:] != first_block[:-1])]
-            blocks = np.add.reduceat(new_block.astype(np.int64), bounds[:-1])
-            file_bytes = nbytes[rows[bounds[:-1]]]
-            in_file = -(-file_bytes // BLOCK)  # fewer than bpc in a sparse chunk
-            wanted = np.diff(bounds)
-            dense = (blocks * DENSE_SHARE >= in_file) | (wanted * DENSE_ROWS >= file_bytes // self.rb)
-            dense = np.repeat(dense & (blocks >= 2), wanted)
-            if dense.any():
-                rest = self._verify_cached_chunks(
-                    out, rows[dense], chunks, local, gens, fds, base, crcs, nbytes, wait=True
-                )
-                rows = np.sort(np.concatenate([rows[~dense], rest]))
-                if not len(rows):
-                    return
-        if _RWF_NOWAIT:
-            # A chunk that keeps needing first reads of its blocks (an epoch over the table) is
-            # verified whole once it is cached; a few random rows still read only their blocks.
-            c = chunks[rows]
-            seen = self._first_reads[c]
-            np.add.at(self._first_reads, c, 1)
-            busy = seen >= WHOLE_AFTER
-            if busy.any():
-                rest = self._verify_cached_chunks(out, rows[busy], chunks, local, gens, fds, base, crcs, nbytes)
-                rows = np.sort(np.concatenate([rows[~busy], rest]))
-                if not len(rows):
-                    return
+        if len(bounds) <= 1:
+            return rows
+        first_block = local[rows] * self.rb // BLOCK
+        new_block = np.r_[True, (c[1:] != c[:-1]) | (first_block[1:] != first_block[:-1])]
+        blocks = np.add.reduceat(new_block.astype(np.int64), bounds[:-1])
+        file_bytes = nbytes[rows[bounds[:-1]]]
+        in_file = -(-file_bytes // BLOCK)  # fewer than bpc in a sparse chunk
+        wanted = np.diff(bounds)
+        dense = (blocks * DENSE_SHARE >= in_file) | (wanted * DENSE_ROWS >= file_bytes // self.rb)
+        dense = np.repeat(dense & (blocks >= 2), wanted)
+        if not dense.any():
+            return rows
+        rest = self._verify_cached_chunks(out, rows[dense], chunks, local, gens, fds, base, crcs, nbytes, wait=True)
+        return np.sort(np.concatenate([rows[~dense], rest]))
+
+    def _verify_busy_chunks(self, out, rows, chunks, local, gens, fds, base, crcs, nbytes) -> np.ndarray:
+        """A chunk that keeps needing first reads of its blocks (an epoch over the table) is
+        verified whole once it is cached; a few random rows still read only their blocks. Returns
+        the rows left to read block-wise."""
+        c = chunks[rows]
+        seen = self._first_reads[c]
+        np.add.at(self._first_reads, c, 1)
+        busy = seen >= WHOLE_AFTER
+        if not busy.any():
+            return rows
+        rest = self._verify_cached_chunks(out, rows[busy], chunks, local, gens, fds, base, crcs, nbytes)
+        return np.sort(np.concatenate([rows[~busy], rest]))
+
+    def _read_blocks(self, out, rows, chunks, local, gens, fds, base, crcs, nbytes) -> tuple:
+        """Read the blocks each of ``rows`` lies in, check them against ``crcs`` and copy the
+        rows into ``out``; returns (chunk, first block, last block) per row. A short read or a
+        block failing its checksum raises CorruptStoreError naming the file."""
         rb = self.rb
         c = chunks[rows]
         off = local[rows] * rb
@@ -766,7 +782,11 @@ class ChunkRows:
             mv[i * rb : (i + 1) * rb] = data[o - a : o - a + rb]
             nread += z - a
         self.disk.bytes_read += nread
-        g = gens[rows]
+        return c, b0, b1
+
+    def _mark_verified(self, c: np.ndarray, g: np.ndarray, b0: np.ndarray, b1: np.ndarray) -> None:
+        """Blocks ``b0..b1`` of chunks ``c`` (generations ``g``) were read and checked: later
+        reads of them skip the check (flags of another generation of a chunk start over)."""
         with self._lock:
             for ch in idsets.unique(c).tolist():
                 gen = int(g[c == ch][0])

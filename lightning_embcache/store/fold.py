@@ -18,10 +18,6 @@ from .disk import Disk, Segment
 SPARSE_SHARE = 0.5
 
 
-class NeedsInit(Exception):
-    """The chunk becomes dense and needs the initial values of its never-written rows."""
-
-
 def fold_chunk(
     disk: Disk,
     c: int,
@@ -31,7 +27,7 @@ def fold_chunk(
     verify: bool,
     init_rows: Callable[[np.ndarray], np.ndarray] | None,
     folded: int = 0,
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray | None] | None:
     """Chunk ``c``'s records with every segment's records of it applied, oldest first, and
     which rows they are: None for every row of the chunk, else the sorted chunk-relative rows
     ever written, when its base is never-written (``base_gen`` 0) or sparse and those rows are
@@ -40,7 +36,8 @@ def fold_chunk(
 
     ``verify``: check the base file's block checksums (False for a file this handle wrote: the page
     cache holds what was checksummed). A chunk that becomes dense computes the initial values of
-    the rows nobody wrote with ``init_rows(ids)``; without it, raises NeedsInit.
+    the rows nobody wrote with ``init_rows(ids)``; without it, the fold returns None (only the
+    store can compute them: the compaction process leaves such a chunk to it).
 
     ``folded``: the newest segment the base file already holds (the chunk map's; a raw file that
     records holding less is refused: `Disk.check_folded`); older segments' records of this chunk
@@ -64,7 +61,7 @@ def fold_chunk(
     if len(local) >= SPARSE_SHARE * rows:
         rest = np.flatnonzero(~written)
         if len(rest) and init_rows is None:
-            raise NeedsInit(c)
+            return None
         dense = np.empty((rows, disk.row_bytes), np.uint8)
         if len(rest):  # the store's `_init_rows` also serves stores initialised per chunk
             dense[rest] = init_rows(rest + lo)  # type: ignore[misc]

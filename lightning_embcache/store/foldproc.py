@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from socket import socketpair
 from typing import Any
@@ -82,6 +82,8 @@ class FoldProcess:
                "uid": uid.hex(), "unbound": unbound, "ppid": os.getpid(), "sys_path": list(sys.path),
                "package": str(Path(__file__).resolve().parent)}
         self._conn = Connection(mine.detach())
+        # `interrupt` writes to this pipe: every `wait_ready` wakes, then and later (the store closes)
+        self._wake_r, self._wake_w = os.pipe()
         started = threading.Event()
         box: list[Any] = []
 
@@ -105,9 +107,10 @@ class FoldProcess:
         theirs.close()
         if isinstance(box[0], BaseException):
             self._conn.close()
+            _close_fds(self._wake_r, self._wake_w)
             raise box[0]
         self._proc: subprocess.Popen = box[0]
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn, self._pid)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn, self._pid, self._wake_r, self._wake_w)
 
     @property
     def pid(self) -> int:
@@ -142,6 +145,24 @@ class FoldProcess:
                 self.base_rss = msg[1]
         return self._ready
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the child is up (True), or it failed or died, ``timeout`` seconds passed
+        or `interrupt` was called (False); whether it is `usable` then."""
+        if not (self._ready or self._broken or self._pid != os.getpid()):
+            try:
+                wait([self._conn, self._wake_r], timeout)
+            except (OSError, ValueError):
+                pass  # closed meanwhile: `usable` tells
+        return self.usable()
+
+    def interrupt(self) -> None:
+        """Wake every `wait_ready` of other threads now, and return every later one at once (the
+        store closes: its waiters stop)."""
+        try:
+            os.write(self._wake_w, b"x")  # never read: the pipe stays readable
+        except OSError:
+            pass
+
     def fold(self, chunks: list[int], bases: list[int], folded: list[int], segments: list[int], gen: int,
              compress: bool, own_gens_from: int, reuse: list[str]) -> tuple[bool, dict]:
         """Fold ``chunks`` (their base generations ``bases``, holding the segments up to ``folded``)
@@ -164,7 +185,15 @@ class FoldProcess:
             self._finalizer()
 
 
-def _stop(proc: subprocess.Popen, conn: Connection, pid: int) -> None:
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _stop(proc: subprocess.Popen, conn: Connection, pid: int, wake_r: int, wake_w: int) -> None:
     """Ask the child to exit. Not waited for: it is between rounds (the store's writer lock is
     held while one is asked for) and writes nothing more; the reaper thread collects it. Only in
     the process that started it: a forked copy of the handle (a DataLoader worker) must not stop
@@ -176,6 +205,7 @@ def _stop(proc: subprocess.Popen, conn: Connection, pid: int) -> None:
     except (OSError, ValueError):
         pass
     conn.close()
+    _close_fds(wake_r, wake_w)
 
 
 def _status_bytes(pid: int, key: str) -> int:
@@ -209,7 +239,7 @@ def serve(cfg: dict, fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from .disk import Disk, Segment  # relative: imported as the parent's files, without the package
     from .errors import StoreError
-    from .fold import NeedsInit, fold_chunk
+    from .fold import fold_chunk
 
     conn = Connection(fd)
     try:
@@ -248,11 +278,11 @@ def serve(cfg: dict, fd: int) -> None:
             for c, b, f in zip(chunks, bases, folded):
                 if os.getppid() != ppid:
                     os._exit(0)
-                try:
-                    recs, present = fold_chunk(disk, c, b, use, verify=b < own_from, init_rows=None, folded=f)
-                except NeedsInit:
+                got = fold_chunk(disk, c, b, use, verify=b < own_from, init_rows=None, folded=f)
+                if got is None:  # it needs initial values, which only the store can compute
                     skipped.append(c)
                     continue
+                recs, present = got
                 disk.write_chunk(c, gen, recs, compress, durable=False, present=present, folded=newest)
                 done.append(c)
             disk.sync_chunks(done, gen)

@@ -6,7 +6,7 @@ rounds round the table. Meanwhile the records of the chunks already folded are n
 (a record of segment ``s`` for chunk ``c`` is *dead* once the chunk map's ``folded[c] >= s.seq``:
 the base file holds that row's value, and reads and folds go there instead), so their blocks are
 handed back to the file system (``fallocate(PUNCH_HOLE)``) once segments hold a fair share of
-the table (versions.PUNCH_FROM; a flush past the limit first gives back what is due), and disk
+the table (garbage.PUNCH_FROM; a flush past the limit first gives back what is due), and disk
 use and the compaction thresholds follow the bytes held, not the files' sizes: a flush that finds
 segments over the limit waits for about one round, not for the rest of a sweep.
 

@@ -9,28 +9,25 @@ the caller holds ``core.lock`` where they say so.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
 
-from . import idsets, rowcopy, uring
-from .blockcrc import first_bad_block
+from . import idsets, rowcopy
 from .chunkload import ChunkLoader
 from .chunkrows import DENSE_ROWS, ChunkRows
-from .core import StoreCore, stop_executor
+from .core import StoreCore
 from .disk import Disk
-from .errors import CorruptStoreError, StoreBusyError, StoreClosedError, StoreError
+from .errors import CorruptStoreError, StoreBusyError, StoreClosedError
+from .fill import Filler
 from .hot import SLOT_OVERHEAD, HotTier
-from .initrows import normal_rows
 from .memory import zeros
+from .prefetch import Prefetcher
+from .readahead import ReadAhead
 from .rowindex import gather_deltas
 from .snapshot import Snapshot
 from .validate import budget
@@ -40,11 +37,6 @@ if TYPE_CHECKING:
     from .disk import Segment
     from .rowindex import RowIndex
 
-# While fewer reads than this share miss the page cache, lookahead hints are read by the training
-# thread's next miss, not by the prefetch thread (see `upcoming`).
-WARM_UNCACHED_SHARE = 0.1
-# A get waits at most this long for a prefetch that is reading its rows, then reads them itself.
-PREFETCH_WAIT_S = 1.0
 # One write-back or flush patches the warm copies of at most this many bytes of chunks (the rest
 # of the warm chunks it touches are dropped): in random order a write-back touches every chunk held.
 PATCH_BYTES = 32 << 20
@@ -99,57 +91,11 @@ def to_np(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-#: memory mode makes never-written chunks in a background thread (`Tiers._start_filling`);
-#: tests that count first touches turn it off
-BACKGROUND_FILL = True
 #: memory mode's first touch of a never-written chunk makes only the rows read (True) or the
 #: whole chunk (False, the default: a cache-sized device tier over a host table ran 3x slower
 #: with rows made one by one, its record copies meeting a table that stays partly made). A store
 #: whose table the GPU trains in place sets its own ``_rows_on_first_touch`` (`HostMappedTier`).
 ROWS_ON_FIRST_TOUCH = False
-FILL_BYTES = 4 << 20  # rows made per step of the background fill (the store lock is held to install them)
-#: while rows are read or written (a training loop: a get, update or lookup within the last
-#: FILL_IDLE_S), the background fill takes at most this share of its thread's time: at full speed
-#: its numpy calls and installs contend with the steps for the GIL, the store lock and the cores
-#: (docs/benchmarks.md, "First touch"); idle, it runs flat out
-FILL_SHARE = 0.5
-FILL_IDLE_S = 0.05
-
-
-def _fill_weakly(ref: weakref.ReferenceType[Tiers]) -> None:
-    """The background fill, holding the tiers only during a step (a dropped store is collected)."""
-    start: int | None = 0
-    while start is not None:
-        tiers = ref()
-        if tiers is None:
-            return
-        try:
-            t0 = time.perf_counter()
-            start = tiers._fill_step(start)
-            t1 = time.perf_counter()
-            training = t1 - tiers._c.rows_used_at < FILL_IDLE_S
-        except Exception:  # the fill is an optimisation: a first touch still makes any row
-            return
-        finally:
-            del tiers
-        if training and start is not None:
-            time.sleep((t1 - t0) * (1 - FILL_SHARE) / FILL_SHARE)
-
-
-@dataclass(frozen=True)
-class _Fetch:
-    """A prefetch planned under the lock (`Tiers._plan_fetch`) and read without it: the state
-    below the hot tier when planned (token, compactions, in-place folds), the file pool epoch the
-    read holds, and what to read: whole chunks' layouts (memory mode) or rows and their plan."""
-
-    token: int
-    compactions: int
-    folds: int
-    pool: Any
-    epoch: int
-    layouts: list | None
-    miss: np.ndarray | None
-    plan: tuple | None
 
 
 class Layout(Protocol):
@@ -198,22 +144,14 @@ class Tiers:
         # the newest device write into the table still running (`EmbeddingStore._device_write`):
         # anything with `synchronize()`; host reads of the table wait for it first
         self.device_pending: Any = None
-        self.prefetcher: ThreadPoolExecutor | None = None
-        self.filler: ThreadPoolExecutor | None = None  # memory mode's background fill (`start_filling`)
         #: memory mode's first touch makes only the rows read (True) or whole chunks (False);
         #: None: `ROWS_ON_FIRST_TOUCH`. A table the GPU trains in place sets it (`HostMappedTier`).
         self.rows_on_first_touch: bool | None = None
-        self._hinted: list | None = None  # ids of `upcoming` hints the prefetch thread has not taken yet
-        self._hint_task = False  # a `_prefetch_hinted` task is queued or running
-        self._held_advice: np.ndarray | None = None  # announced rows `_advise` asks the kernel for next time
-        self._uncached_share = float("nan")  # of recent reads below the hot tier, the share not cached
-        self._read_s_per_row = float("nan")  # recent wall seconds per row read below the hot tier
-        self._cache_seen: tuple[int, int] = (0, 0)  # the reader's ``cache_counts`` when last looked at
-        self._fetching: np.ndarray | None = None  # sorted ids the prefetch thread is reading now
-        self._fetch_cond: threading.Condition | None = None  # `_fetch_done`, on the lock ``_fetch_lock``
-        self._fetch_lock: Any = None
-        self._loader: ChunkLoader | None = None  # announced chunks read whole into the warm slab (chunkload.py)
-        self._loader_tried = False
+        # the prefetch thread (prefetch.py), lookahead hints and reads ahead (readahead.py), memory
+        # mode's making of never-written chunks (fill.py); each holds these tiers weakly
+        self.prefetch = Prefetcher(core, layout, self)
+        self.readahead = ReadAhead(core, layout, self, self.prefetch)
+        self.fill = Filler(core, layout, self)
         self._chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
         if core.root is None and core.init_kind == "zeros" and not any(f.fill for f in core.schema.fields.values()):
             hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
@@ -254,21 +192,91 @@ class Tiers:
         """Whether the whole table lives in the pool (memory mode)."""
         return bool(self.hot.resident)
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ the parts (prefetch.py, readahead.py, fill.py)
     def prefetch_later(self, idx: np.ndarray) -> None:
         """Queue a prefetch of validated ``idx`` on the prefetch thread; returns at once."""
-        with self._c.lock:
-            self._c.check_open()
-            if self.prefetcher is None:
-                self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
-            self.prefetcher.submit(_prefetch_weakly, weakref.ref(self), idx)
+        self.prefetch.later(idx)
 
     def stop_prefetch(self, wait: bool = True) -> None:
-        stop_executor(self.prefetcher, wait)
+        self.prefetch.stop(wait)
 
     def stop_fill(self, wait: bool = True) -> None:
-        stop_executor(self.filler, wait)
+        self.fill.stop(wait)
 
+    def upcoming(self, idx: np.ndarray) -> None:
+        """`EmbeddingStore.upcoming` of validated ids (`ReadAhead.upcoming`)."""
+        self.readahead.upcoming(idx)
+
+    def read_seconds_per_row(self) -> float:
+        """Recent wall time per row read below the hot tier (`ReadAhead.read_seconds_per_row`)."""
+        return self.readahead.read_seconds_per_row()
+
+    def materialize(self) -> None:
+        """Bring every chunk of a memory-mode table into its pool now (`Filler.materialize`)."""
+        self.fill.materialize()
+
+    def start_filling(self) -> None:
+        """Make a memory-mode table's never-written chunks in the background (`Filler.start_filling`)."""
+        self.fill.start_filling()
+
+    # The names the read path (`_resolve_rows` and the methods it calls) uses of the parts.
+    @property
+    def _fetching(self) -> np.ndarray | None:
+        return self.prefetch.fetching
+
+    @property
+    def _loader(self) -> ChunkLoader | None:
+        return self.readahead.loader
+
+    @property
+    def _hinted(self) -> list | None:
+        return self.readahead.hinted
+
+    def _await_prefetch(self, ids: np.ndarray) -> np.ndarray | None:
+        return self.prefetch.await_rows(ids)
+
+    def _hints_to_read(self, mids: np.ndarray) -> np.ndarray | None:
+        return self.readahead.hints_to_read(mids)
+
+    def _follow_window(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray, for_write: bool) -> None:
+        self.readahead.follow_window(idx, slots, missing, for_write)
+
+    def _adopt_loads(self, wait_for: np.ndarray | None = None) -> None:
+        self.readahead.adopt_loads(wait_for)
+
+    def _note_read(self, seconds: float, rows: int) -> None:
+        self.readahead.note_read(seconds, rows)
+
+    # What the parts ask of the tiers (`prefetch.Reads`, `fill.Filled`): the read path's plan,
+    # reads and installs, called through the names it has.
+    def plan_below(self, ids: np.ndarray) -> tuple:
+        return self._plan_below(ids)
+
+    def read_below(self, plan: tuple, mapped: bool = True) -> tuple[np.ndarray, list]:
+        return self._read_below(plan, mapped=mapped)
+
+    def read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
+        return self._read_chunk_below(chunk, gen, delta)
+
+    def will_need(self, plan: tuple) -> None:
+        self._will_need(plan)
+
+    def moved_since(self, plan: tuple) -> np.ndarray:
+        return self._moved_since(plan)
+
+    def chunks_read(self, plan: tuple) -> int:
+        return self._chunks_read(plan)
+
+    def allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
+        return self._allocate(n, protect=protect)
+
+    def note_read(self, seconds: float, rows: int) -> None:
+        self.readahead.note_read(seconds, rows)
+
+    def load_chunk_resident(self, chunk: int) -> None:
+        self._load_chunk_resident(chunk)
+
+    # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Free the tiers (caller holds both locks, every thread stopped)."""
         if self._loader is not None:
@@ -279,8 +287,8 @@ class Tiers:
 
     def after_fork(self) -> None:
         """In a forked child: no thread survived the fork."""
-        self.prefetcher = None
-        self.filler = None
+        self.prefetch.executor = None
+        self.fill.executor = None
 
     def fill_stats(self, s: Any) -> None:
         """The tiers' share of `EmbeddingStore.stats` (caller holds the lock)."""
@@ -559,20 +567,6 @@ class Tiers:
             return Direct(hot.slot_of[idx].astype(np.int64) - 1, *served)
         return slots
 
-    def _hints_to_read(self, mids: np.ndarray) -> np.ndarray | None:
-        """Announced rows a miss of ``mids`` reads with its own (`_take_hints`), but for rows of
-        chunks held warm (or being read into it): those are served from there when their get
-        comes, so reading them ahead would only gather rows to drop, or wait for reads a later
-        batch wants."""
-        ahead = self._take_hints(mids)
-        if ahead is not None and (len(self.warm) or (self._loader is not None and len(self._loader))):
-            chunks = ahead // self._c.chunk_rows
-            keep = ~idsets.isin(chunks, self.warm.chunks(), b_sorted_unique=True)
-            if self._loader is not None:
-                keep &= ~self._loader.loading(chunks)
-            ahead = ahead[keep] if keep.any() else None
-        return ahead
-
     def _fetch_misses(self, mids: np.ndarray, ahead: np.ndarray | None, load: bool) -> tuple:
         """(records of ``mids``, which came from whole chunks or None, announced rows ``ahead``
         still to install and their records). ``load`` False (a write of every field): zeros."""
@@ -642,280 +636,6 @@ class Tiers:
         at = np.arange(len(chunks), dtype=np.int32)
         scratch[chunks] = at
         return int(np.count_nonzero(scratch[chunks] == at))
-
-    def _take_hints(self, mids: np.ndarray) -> np.ndarray | None:
-        """Ids of `upcoming` hints no prefetch has taken yet, still expected and not resident
-        (caller holds the lock and is about to read ``mids``): a miss reads them in the same
-        batch, so with a lookahead window one plan and one submission of reads serve several
-        coming batches (cheaper per row than one read per batch, and the prefetch thread, which
-        would compete with the training thread for the GIL, has nothing left to do). None if
-        there is none."""
-        hot = self.hot
-        hinted = np.concatenate(cast(list, self._hinted))
-        self._hinted = []
-        cand = idsets.unique(hinted[cast(np.ndarray, hot.want)[hinted] > 0])
-        cand = cand[hot.slot_of[cand] == 0]
-        fetching = self._fetching
-        if fetching is not None and len(cand):  # rows the prefetch thread is reading now
-            pos = np.minimum(fetching.searchsorted(cand), len(fetching) - 1)
-            cand = cand[fetching[pos] != cand]
-        cand = cand[~idsets.isin(cand, mids, b_sorted_unique=True)]
-        cand = cand[: max(0, hot.limit // 4 - len(mids))]
-        return cand if len(cand) else None
-
-    def _follow_window(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray, for_write: bool) -> None:
-        """With a lookahead window (`upcoming`): a read consumes its rows' expected reads and
-        counts whether the prefetch had them hot; a write of rows no coming batch reads marks
-        them not recently used, so the background write-back cleans them and eviction drops
-        them first (rows read once per epoch do not fill the cache)."""
-        hot = self.hot
-        if for_write:
-            done = cast(np.ndarray, hot.want)[idx] == 0
-            if done.any():
-                hot.ref[slots[done & ~missing]] = 0
-            return
-        hinted = hot.consumed(idx)
-        if hinted is not None:
-            late = int(np.count_nonzero(hinted & missing))
-            self._c.stats.prefetch_misses += late
-            self._c.stats.prefetch_hits += int(np.count_nonzero(hinted)) - late
-
-    def _note_read(self, seconds: float, rows: int) -> None:
-        if rows:
-            per_row = seconds / rows
-            last = self._read_s_per_row
-            self._read_s_per_row = per_row if last != last else 0.8 * last + 0.2 * per_row
-
-    def read_seconds_per_row(self) -> float:
-        """Recent wall time per row that `get` or the prefetch thread read below the hot tier
-        (from the warm tier, the page cache or the disk); NaN before any such read.
-        `LookaheadSampler` sizes its window from it: batches announced ahead cover the time a
-        batch's rows take to arrive."""
-        return self._read_s_per_row
-
-    def upcoming(self, idx: np.ndarray) -> None:
-        """`EmbeddingStore.upcoming` of validated ids (what the hint does where, documented there)."""
-        if self._v.disk is None:
-            return
-        if self.hot.resident:
-            self.prefetch_later(idx)
-            return
-        with self._c.lock:
-            self._c.check_open()
-            self.hot.expect(idx)
-            if self._hinted is None:
-                self._hinted = []
-            cached = not self._hint_task and self._reads_cached()
-            # With a warm tier the kernel is asked even while reads come from the page cache:
-            # a chunk held warm serves its rows without a hot slot, so reading announced rows
-            # ahead into the hot tier (below) would only copy rows twice; and reads that look
-            # cached (the share counts rows read one by one) may be whole chunks the disk serves.
-            if not self._hint_task and self.warm.budget and self._advise(idx, cached):
-                # Rows wait for the disk and each lies in a raw base chunk: the kernel reads them
-                # ahead (whole chunks where the coming batches want a good part of one, as in
-                # `ChunkShuffleSampler` order), and the get that first wants a chunk reads it from
-                # the page cache, whole into the warm tier where it wants enough of it, which then
-                # serves its other rows. No thread loads rows one by one and takes turns with
-                # this one for the GIL, and no miss reads them early (it would wait for reads
-                # still in flight).
-                return
-            self._hinted.append(idx)  # the store's own copy (as_ids copies)
-            if self._hint_task:
-                return  # the running task takes this hint on its next round (or a miss does)
-            if cached:
-                # Rows come up from the page cache: the next miss reads the announced rows with
-                # its own in one batch (`_take_hints`). A second thread would only take turns
-                # with this one for the GIL (each hand-over a wake-up, on a loaded host a time
-                # slice), so it reads only while rows come from the disk, where its reads overlap
-                # the training step.
-                if sum(len(h) for h in self._hinted) > self.hot.limit // 4:
-                    del self._hinted[0]  # a hint only: its rows are read when their get comes
-                return
-            self._hint_task = True
-            if self.prefetcher is None:
-                self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-prefetch")
-            self.prefetcher.submit(self._prefetch_hinted)
-
-    def _advise(self, idx: np.ndarray, cached: bool = False) -> bool:
-        """Start the kernel reading the base-chunk blocks of announced rows that are not hot
-        (``posix_fadvise(WILLNEED)``: asynchronous; whole chunks are asked from a helper thread).
-        True if that covers every such row (none lies in a delta segment; see
-        `ChunkRows.will_need`). ``cached``: recent reads came from the page cache; rows the
-        kernel would be asked for block by block are then left to a miss that reads them ahead
-        with its own (False; whole chunks are still asked for). Caller holds the lock."""
-        reader = self._v.chunkrows_reader()
-        if reader is None:
-            return False
-        cr = self._c.chunk_rows
-        slab = self.warm.slab
-        if slab is not None and self._held_advice is None and slab.locate(idx // cr) is not None:
-            return True  # every row in a chunk held raw in memory: nothing to ask (most hints in chunk order)
-        ids = idsets.unique(idx)
-        ids = ids[self.hot.slot_of[ids] == 0]
-        if len(ids) and self._chunk_loader() is not None:
-            # Chunks this hint (with the rows held from the last one, below) wants a good part of
-            # are read whole into the warm tier, whether or not rows of them have newer records
-            # in delta segments (applied when taken in)
-            held = self._held_advice
-            both = ids if held is None else idsets.union(ids, held)
-            if len(self.warm):
-                both = both[~idsets.isin(both // cr, self.warm.chunks(), b_sorted_unique=True)]
-            left = self._load_ahead(both, both // cr)
-            if len(left) < len(both):
-                ids = ids[idsets.isin(ids, left, b_sorted_unique=True)]
-                if held is not None:
-                    held = held[idsets.isin(held, left, b_sorted_unique=True)]
-                    self._held_advice = held if len(held) else None
-            if not len(ids) and self._held_advice is None:
-                return True
-        rows = self._v.rows
-        if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
-            return False
-        if self._held_advice is None:
-            c = ids // cr
-            if reader.asked_whole(c, self._v.cmap[c]):
-                return True  # every chunk of these rows was asked for whole lately (a window's later hints)
-        held, self._held_advice = self._held_advice, None
-        if held is not None:
-            ids = idsets.union(ids, held)
-        if len(self.warm):  # chunks held whole in memory need no disk read
-            ids = ids[~idsets.isin(ids // cr, self.warm.chunks(), b_sorted_unique=True)]
-        chunks = ids // cr
-
-        def thin(chunks: np.ndarray) -> np.ndarray:
-            """Per row: its chunk has too few rows here to be asked for whole."""
-            counts = np.diff(idsets.runs(chunks))
-            return np.repeat(counts * DENSE_ROWS < cr, counts)
-
-        if len(chunks):
-            # Rows of a chunk this hint wants too few of to ask for it whole wait for the next
-            # hint, once: in `ChunkShuffleSampler` order that brings the rest of the chunk's
-            # share (the first batch of a window meets each chunk with a few rows), and asking
-            # for those few first cost a synchronous header read and block requests for a chunk
-            # the next hint asks for whole anyway.
-            few = thin(chunks)
-            if held is not None and few.any():
-                few &= ~idsets.isin(ids, held, b_sorted_unique=True)
-            if few.any():
-                self._held_advice = ids[few]
-                ids, chunks = ids[~few], chunks[~few]
-        covered = True
-        if cached and len(chunks):
-            sparse = thin(chunks)
-            if sparse.any():  # (a random order's rows, a row or two per chunk)
-                ids, chunks, covered = ids[~sparse], chunks[~sparse], False
-        gens = self._v.cmap[chunks]
-        base = gens > 0
-        if not base.any():
-            return covered
-        c = chunks[base]
-        return reader.will_need(c, ids[base] - c * cr, gens[base]) and covered
-
-    def _chunk_loader(self) -> ChunkLoader | None:
-        """The loader of announced chunks, made at first need where io_uring is there and the warm
-        tier can hold chunks (caller holds the lock)."""
-        if self._loader is None and not self._loader_tried and self._v.disk is not None:
-            self._loader_tried = True
-            made = ChunkLoader(self._v.disk, self.warm)
-            if made.usable:
-                self._loader = made
-        loader = self._loader
-        return loader if loader is not None and loader.usable else None
-
-    def _load_ahead(self, ids: np.ndarray, chunks: np.ndarray) -> np.ndarray:
-        """Start reading whole into the warm slab the base chunks of announced rows ``ids`` (not
-        hot, not warm; sorted; chunks ``chunks``) of which the hint wants a good part; returns
-        the ids left (caller holds the lock)."""
-        if not len(ids):
-            return ids
-        bounds = idsets.runs(chunks)
-        uc = chunks[bounds[:-1]]
-        gens = self._v.cmap[uc]
-        dense = (np.diff(bounds) * DENSE_ROWS >= self._c.chunk_rows) & (gens > 0)
-        if not dense.any():
-            return ids
-        self._adopt_loads()  # completed loads first: their slots may be what the next ones need
-        going = cast(ChunkLoader, self._loader).start(uc[dense].tolist(), gens[dense].tolist())
-        if not going:
-            return ids
-        return ids[~idsets.isin(chunks, np.fromiter(going, np.int64, len(going)))]
-
-    def _adopt_loads(self, wait_for: np.ndarray | None = None) -> None:
-        """Chunks read ahead whose reads completed (waiting for those of ``wait_for`` in flight)
-        join the warm tier: checked (header, block checksums), brought up to date with their
-        newer delta records, or given up where they fail or a compaction replaced the file (a
-        miss then reads the chunk as usual and names any damage). Caller holds the lock."""
-        loader = self._loader
-        assert loader is not None
-        t0 = time.perf_counter()
-        done = loader.done() if wait_for is None else loader.done(wait_for)
-        if wait_for is not None:
-            self._c.stats.stall_seconds += time.perf_counter() - t0
-        warm = self.warm
-        for i, ld in enumerate(done):
-            c = ld.chunk
-            try:
-                if int(self._v.cmap[c]) != ld.gen or self._disk.pool.moved_since(ld.seq):
-                    warm.unreserve(c)  # compacted meanwhile (into a new file, or this one in place)
-                    continue
-                ok = ld.ok
-                if ok:
-                    try:
-                        crcs = self._disk.raw_chunk_checksums(c, ld.gen, ld.head.tobytes())
-                        ok = first_bad_block(ld.flat, crcs) < 0
-                    except CorruptStoreError:  # a sparse or LZ4 file (or damage: the miss names it)
-                        ok = False
-                if not ok:
-                    loader.refuse(c, ld.gen)
-                    warm.unreserve(c)
-                    continue
-                _, delta = self._v.layout_of(c)
-                if delta is not None:
-                    ids, seg, pos, segs = delta
-                    gather_deltas(ld.flat.reshape(-1, self._c.row_bytes), ids - c * self._c.chunk_rows, seg, pos, segs)
-            except BaseException:  # (a delta segment unreadable): no slot stays reserved for nothing
-                for rest in done[i:]:
-                    if warm.loading(rest.chunk):
-                        warm.unreserve(rest.chunk)
-                raise
-            warm.adopt(c)
-            self._c.stats.cold_reads += 1
-            self._c.stats.chunks_read_ahead += 1
-
-    def _reads_cached(self) -> bool:
-        """Whether this store's recent reads below the hot tier came from the page cache (under
-        10% of them had to wait for the disk); False until some hundred reads tell (caller holds
-        the lock)."""
-        reader = self._v.chunkrows
-        if reader is None:
-            return False
-        total, uncached = reader.cache_counts
-        t0, u0 = self._cache_seen
-        if total - t0 >= 256:
-            share = (uncached - u0) / (total - t0)
-            last = self._uncached_share
-            self._uncached_share = share if last != last else 0.5 * last + 0.5 * share
-            self._cache_seen = (total, uncached)
-        return self._uncached_share < WARM_UNCACHED_SHARE
-
-    def _prefetch_hinted(self) -> None:
-        """The prefetch thread's work on hints: one hint (a coming batch) per round, oldest
-        first, in one batch of reads (one plan, one submission, one install: the GIL a handful of
-        times per round, not once per row).
-
-        One hint, not every hint given so far: a get that misses rows of a round waits for the
-        whole round, and at the start of an epoch the sampler announces its whole window at
-        once; read in one round, the first batch's get waited for the reads of all of them (on a
-        disk capped at 2,000 reads/s, 8 batches of 384 misses: 1.5 s). A round behind the training
-        thread skips the rows a get already read (``want``), so catching up costs a filter per
-        stale hint, not its reads."""
-        while True:
-            with self._c.lock:
-                if self._c.closed or not self._hinted or self._reads_cached():
-                    self._hint_task = False  # (reads from the page cache: see `upcoming`)
-                    return
-                hint = self._hinted.pop(0)
-            self._prefetch(hint, True)
 
     def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
         """n free slots, evicting (and writing back) cold rows by CLOCK as needed."""
@@ -1297,89 +1017,6 @@ class Tiers:
             gather_deltas(recs, ids - chunk * self._c.chunk_rows, seg, pos, segs)
         return recs
 
-    def materialize(self) -> None:
-        """Bring every chunk of a memory-mode table into its pool now (never-written rows from
-        their initial values, made in large vectorised blocks), so no step pays a first touch."""
-        with self._c.lock:
-            self._c.check_open()
-            hot = self.hot
-            todo = np.flatnonzero(~hot.loaded)
-            fresh = todo if self._v.disk is None else todo[self._v.cmap[todo] == 0]
-            if (self._v.rows is not None and len(self._v.rows)) or hot.row_ok is not None \
-                    or not self._c.init_in_place():
-                fresh = fresh[:0]  # rows exist below or in the pool: each chunk the usual way
-            for c in np.setdiff1d(todo, fresh, assume_unique=True).tolist():
-                self._load_chunk_resident(c)
-            if len(fresh):
-                # Never-written chunks of a new table: their initial values straight into the
-                # pool, chunks split over the CPUs (numpy lets the GIL go while it computes).
-                workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
-                spans = [fresh[i::workers] for i in range(workers)]
-                with ThreadPoolExecutor(workers, thread_name_prefix="embcache-materialize") as pool:
-                    list(pool.map(self._init_chunks_in_place, spans))
-                hot.loaded[fresh] = True
-            hot.all_loaded = True
-
-    def start_filling(self) -> None:
-        """Memory mode over never-written chunks: make them in a background thread, a few MiB
-        of rows at a time, so a table whose first batch made only its own rows reaches the
-        one-gather steady state soon (and faults its pages in off the training thread), instead
-        of after a whole epoch of first touches. Chunks with rows on disk load on demand."""
-        hot = self.hot
-        if not BACKGROUND_FILL or not hot.resident or hot.all_loaded or self._c.init_kind == "callable":
-            return
-        self.filler = ThreadPoolExecutor(1, thread_name_prefix="embcache-fill")
-        self.filler.submit(_fill_weakly, weakref.ref(self))
-
-    def _fill_step(self, start: int) -> int | None:
-        """Make the next few never-written, not yet loaded chunks from ``start``; returns where
-        to go on, or None when done. Records are made outside the lock; installed under it,
-        keeping rows made or changed meanwhile (`HotTier.fill_chunk`)."""
-        hot, cr = self.hot, self._c.chunk_rows
-        group = max(1, FILL_BYTES // (cr * self._c.row_bytes))
-        with self._c.lock:
-            if self._c.closed or hot.all_loaded:
-                return None
-            n = len(hot.loaded)
-            picked: list[int] = []
-            c = start
-            while c < n and len(picked) < group:
-                end = min(n, c + 4 * group)
-                for k in np.flatnonzero(~hot.loaded[c:end]).tolist():
-                    if len(picked) < group and self._fresh_chunk(c + k):
-                        picked.append(c + k)
-                c = end if len(picked) < group else picked[-1] + 1
-            if not picked:
-                hot.all_loaded = bool(hot.loaded.all())
-                return None
-        made = [(k, self._c.init_records(k, min(cr, self._c.num_rows - k * cr))) for k in picked]
-        with self._c.lock:
-            if self._c.closed:
-                return None
-            for k, recs in made:
-                if not hot.loaded[k] and self._fresh_chunk(k):
-                    hot.fill_chunk(k, recs)
-            if c >= n:
-                hot.all_loaded = bool(hot.loaded.all())
-        return c
-
-    def _fresh_chunk(self, chunk: int) -> bool:
-        """No row of ``chunk`` was ever written below the pool (no base file, no delta record)."""
-        if self._v.disk is not None and self._v.cmap[chunk] != 0:
-            return False
-        return self._v.rows is None or not len(self._v.rows) or self._v.layout_of(chunk) == (0, None)
-
-    def _init_chunks_in_place(self, chunks: np.ndarray) -> None:
-        weight = self.np_views["weight"]
-        fills = [(self.np_views[f.name], f.fill) for f in self._c.schema.fields.values()
-                 if f.name != "weight" and f.fill]
-        for c in chunks.tolist():
-            lo, hi = self.hot.chunk_range(c)
-            if self._c.init_kind == "normal":
-                normal_rows(np.arange(lo, hi), self._c.dim, self._c.seed, self._c.init_std, out=weight[lo:hi])
-            for view, value in fills:
-                view[lo:hi] = value
-
     def _below(self, chunk: int) -> np.ndarray:
         """A chunk's records as stored below the hot tier: warm copy, else base + deltas."""
         rows = min(self._c.chunk_rows, self._c.num_rows - chunk * self._c.chunk_rows)
@@ -1391,169 +1028,6 @@ class Tiers:
         if self.warm.budget:
             self.warm.put(chunk, recs)
         return recs
-
-    def _prefetch(self, idx: np.ndarray, upcoming: bool = False) -> None:
-        """Bring ``idx`` into the hot tier (the prefetch thread).
-
-        The disk reads run without the store lock, so a get/update of the training thread never
-        waits for a prefetch's I/O: the plan (which rows, and where they live) is taken under the
-        lock, the reads run outside it, and the rows are installed under it again only if nothing
-        below the hot tier changed meanwhile (``_below_token``: write-backs, flushes and
-        compactions move it); otherwise the prefetch is dropped (it is a hint).
-        """
-        try:
-            self._prefetch_once(idx, upcoming)
-        except (StoreError, OSError):
-            pass  # a hint: the foreground read will report the problem
-        finally:
-            if self._fetching is not None:
-                with self._c.lock:
-                    self._fetching = None
-                    self._fetch_done().notify_all()
-
-    def _fetch_done(self) -> threading.Condition:
-        """Signalled when the rows of ``_fetching`` are installed or dropped (caller holds the lock)."""
-        cond, lock = self._fetch_cond, self._c.lock
-        if cond is None or self._fetch_lock is not lock:  # a forked child has a lock of its own
-            cond = self._fetch_cond = threading.Condition(lock)
-            self._fetch_lock = lock
-        return cond
-
-    def _await_prefetch(self, ids: np.ndarray) -> np.ndarray | None:
-        """A get misses rows the prefetch thread is reading right now: wait for them rather than
-        read them a second time (caller holds the lock; waiting releases it). Returns which of
-        ``ids`` were in flight, or None if none was."""
-        fetching = self._fetching
-        if fetching is None or self.prefetcher is None or not len(ids):
-            return None
-        pos = np.minimum(fetching.searchsorted(ids), len(fetching) - 1)
-        late = fetching[pos] == ids
-        if not late.any():
-            return None
-        t0 = time.perf_counter()
-        cond = self._fetch_done()
-        while self._fetching is fetching and not self._c.closed:
-            if not cond.wait(timeout=PREFETCH_WAIT_S) or time.perf_counter() - t0 > PREFETCH_WAIT_S:
-                break  # never wait on a prefetch without bound: read the rows here instead
-        self._c.stats.stall_seconds += time.perf_counter() - t0
-        self._c.check_open()
-        return late
-
-    def _prefetch_once(self, idx: np.ndarray, upcoming: bool = False) -> bool:
-        """One attempt of `_prefetch`; False if rows below the hot tier changed during the read."""
-        with self._c.lock:
-            if self._c.closed:
-                return True
-            fetch = self._plan_fetch(idx, upcoming)
-            if fetch is None:
-                return True
-        got = self._read_fetch(fetch)  # without the lock
-        with self._c.lock:
-            return self._c.closed or self._install_fetch(fetch, got)
-
-    def _plan_fetch(self, idx: np.ndarray, upcoming: bool) -> _Fetch | None:
-        """What a prefetch of ``idx`` reads, and the state below the hot tier it read it in
-        (caller holds the lock); None if there is nothing to read."""
-        hot = self.hot
-        cr = self._c.chunk_rows
-        token = self._v.below_token
-        compactions = self._c.stats.compactions
-        folds = self._v.disk.pool.inplace_seq if self._v.disk is not None else 0
-        layouts = miss = plan = None
-        if hot.resident:  # memory mode over a store on disk: whole chunks
-            chunks = idsets.unique(idx // cr)
-            chunks = chunks[~hot.loaded[chunks]]
-            if not len(chunks):
-                return None
-            layouts = [(c, self._v.layout_of(c)) for c in chunks.tolist()]
-        else:
-            if upcoming:  # rows a get already read (the hint's batch went by): skip them
-                idx = idx[cast(np.ndarray, hot.want)[idx] > 0]
-            miss = idsets.unique(idx[hot.lookup(idx) < 0])
-            if len(miss) > hot.limit // 2:
-                miss = miss[: hot.limit // 2]
-            if not len(miss):
-                return None
-            self.warm.pin()  # warm copies the plan reads stay put until this read ends
-            try:
-                plan = self._plan_below(miss)
-            except BaseException:
-                self.warm.unpin()
-                raise
-            self._fetching = miss  # a get missing these waits for this read (`_await_prefetch`)
-        # Planned under the lock, read without it: no delta record the plan names is punched
-        # until this read ends (holes.py), though a compaction round may kill it meanwhile.
-        pool = self._v.disk.pool if self._v.disk is not None else None
-        epoch = pool.begin_read() if pool is not None else 0
-        return _Fetch(token, compactions, folds, pool, epoch, layouts, miss, plan)
-
-    def _read_fetch(self, f: _Fetch) -> Any:
-        """Run a prefetch's reads without the lock: [(chunk, records)] in memory mode, else
-        (records of ``f.miss``, [(chunk, records)] read whole)."""
-        try:
-            if f.layouts is not None:
-                return [(c, self._read_chunk_below(c, *layout)) for c, layout in f.layouts]
-            assert f.plan is not None and f.miss is not None
-            if not uring.available():  # io_uring has every read of the batch in flight at once
-                self._will_need(f.plan)
-            t0 = time.perf_counter()
-            got = self._read_below(f.plan, mapped=False)
-            self._note_read(time.perf_counter() - t0, len(f.miss))
-            return got
-        finally:
-            if f.pool is not None:
-                f.pool.end_read(f.epoch)
-            if f.miss is not None:
-                with self._c.lock:
-                    self.warm.unpin()
-
-    def _install_fetch(self, f: _Fetch, got: Any) -> bool:
-        """Install what a prefetch read, if still wanted and still current (caller holds the
-        lock); False if rows below the hot tier changed meanwhile and nothing was installed."""
-        hot = self.hot
-        moved = None
-        if self._v.below_token - f.token != self._c.stats.compactions - f.compactions:
-            # Rows below changed (a write-back or flush) while we read: a row whose newest
-            # record is no longer where the plan found it may have been read stale, so it is
-            # not installed; the others are (a compaction alone changes no row).
-            if hot.resident:
-                return False
-            assert f.plan is not None and self._v.disk is not None
-            moved = self._moved_since(f.plan)
-            if self._v.disk.pool.moved_since(f.folds):
-                # a compaction folded rows into base files in place meanwhile (inplace.py):
-                # their generation tells nothing, so no row read from a base file is installed
-                moved |= f.plan[2] < 0
-        if hot.resident:
-            for c, recs in got:
-                self._c.stats.cold_reads += 1
-                if self.warm.budget:
-                    self.warm.put(c, recs)
-                if not hot.loaded[c]:
-                    lo, hi = hot.chunk_range(c)
-                    hot.fill_chunk(c, recs)
-                    self._c.stats.prefetched_rows += hi - lo
-            hot.all_loaded = bool(hot.loaded.all())
-            return True
-        assert f.plan is not None and f.miss is not None
-        records, whole = got
-        self._c.stats.cold_reads += self._chunks_read(f.plan)
-        if self.warm.budget and moved is None:  # whole chunks read stale stay out of warm
-            for c, recs in whole:
-                self.warm.put(c, recs)
-        want = hot.lookup(f.miss) < 0  # the training thread may have loaded some meanwhile
-        if moved is not None:
-            want &= ~moved
-        if not want.any():
-            return True
-        mids, records = f.miss[want], records[want]
-        room = self._allocate(len(mids))
-        if len(room) < len(mids):  # no room now (rows in flight or in use): drop the hint
-            hot.give_back(room)
-            return True
-        hot.install(mids, room, records)
-        self._c.stats.prefetched_rows += len(mids)
-        return True
 
     def evict(self, nbytes: int) -> int:
         """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""
@@ -1645,13 +1119,6 @@ def _last_of_each(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     uniq = srt[last]
     del srt
     return uniq, order[last]
-
-
-def _prefetch_weakly(ref: weakref.ReferenceType[Tiers], idx: np.ndarray) -> None:
-    """A queued prefetch holds its tiers weakly: a store dropped meanwhile is collected, not kept."""
-    tiers = ref()
-    if tiers is not None and not tiers._c.closed:
-        tiers._prefetch(idx)
 
 
 def _with_served(mids: np.ndarray, records: np.ndarray, served: tuple | None,

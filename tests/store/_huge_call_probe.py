@@ -20,11 +20,11 @@ import psutil
 import torch
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import tiers
+from lightning_embcache.store import fill, tiers
 
 # The call's own temporaries, on a table left partly made: the background fill would make the
 # rest meanwhile (its pages are the table's, not the call's) and end the partly made state.
-tiers.BACKGROUND_FILL = False
+fill.BACKGROUND_FILL = False
 tiers.ROWS_ON_FIRST_TOUCH = True  # a partly made table: the call's temporaries, not the table's pages
 
 folder, mode, op = sys.argv[1], sys.argv[2], sys.argv[3]

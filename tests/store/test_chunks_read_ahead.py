@@ -68,8 +68,8 @@ def test_training_in_chunk_order_matches_a_tensor_model_within_the_warm_budget(s
 
 def _announce(s: EmbeddingStore, c: int) -> None:
     """Announce every row of chunk ``c`` as a coming batch would (its read starts now)."""
-    s._tiers._uncached_share = 1.0  # reads wait for the disk
-    s._tiers._cache_seen = (1 << 62, 0)
+    s._tiers.readahead._uncached_share = 1.0  # reads wait for the disk
+    s._tiers.readahead._cache_seen = (1 << 62, 0)
     s.upcoming(_chunk_rows(c))
 
 
@@ -169,10 +169,10 @@ def test_a_forked_child_reads_its_rows_itself(shm_path, read_ahead):
     usual (a read-only handle, as a DataLoader worker's)."""
     model = compacted_store(shm_path / "s", N, DIM, CHUNK)
     with EmbeddingStore.open(shm_path / "s", readonly=True, hot_bytes=N * (ROW + 11) // 4, warm_bytes=WARM) as s:
-        s._tiers._uncached_share = 1.0
-        s._tiers._cache_seen = (1 << 62, 0)
+        s._tiers.readahead._uncached_share = 1.0
+        s._tiers.readahead._cache_seen = (1 << 62, 0)
         s.upcoming(torch.arange(2 * CHUNK))  # one hint: both reads start, neither is looked at
-        assert len(s._tiers._loader) == 2
+        assert len(s._tiers.readahead.loader) == 2
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -195,7 +195,7 @@ def test_a_forked_child_reads_its_rows_itself(shm_path, read_ahead):
 def test_a_failure_while_taking_chunks_in_leaves_no_slot_reserved(shm_path, read_ahead, monkeypatch):
     """A delta segment that cannot be read while a chunk read ahead joins the warm tier fails
     that get; no slot stays reserved for it, and the store goes on (a budget change too)."""
-    from lightning_embcache.store import tiers
+    from lightning_embcache.store import readahead
 
     model = compacted_store(shm_path / "s", N, DIM, CHUNK).clone()
     with _open(shm_path / "s") as s:
@@ -205,12 +205,12 @@ def test_a_failure_while_taking_chunks_in_leaves_no_slot_reserved(shm_path, read
         s.flush()
         s.evict(1 << 40)
         _announce(s, 0)
-        s._tiers._loader.start([1], [int(s._versions.cmap[1])])  # chunk 1 has newer rows in a delta segment
-        real = tiers.gather_deltas
-        monkeypatch.setattr(tiers, "gather_deltas", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "EIO")))
+        s._tiers.readahead.loader.start([1], [int(s._versions.cmap[1])])  # chunk 1 has newer rows in a delta segment
+        real = readahead.gather_deltas
+        monkeypatch.setattr(readahead, "gather_deltas", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "EIO")))
         with pytest.raises(OSError):
             s.get(torch.arange(2 * CHUNK))
         assert s._tiers.warm._loading == {} and s._tiers.warm._loading_bytes == 0
-        monkeypatch.setattr(tiers, "gather_deltas", real)
+        monkeypatch.setattr(readahead, "gather_deltas", real)
         s.set_budget(warm_bytes=WARM // 2)
         assert_bitwise_equal(s.get(torch.arange(2 * CHUNK)), model[: 2 * CHUNK])

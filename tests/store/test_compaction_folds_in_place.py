@@ -16,7 +16,7 @@ from _durability import PowerCutOracle
 from _store_helpers import assert_bitwise_equal
 
 from lightning_embcache import EmbeddingStore, StoreError
-from lightning_embcache.store import fileio, inplace, versions
+from lightning_embcache.store import compaction, fileio, inplace
 from lightning_embcache.store.errors import CorruptStoreError
 from lightning_embcache.store.recycle import FilePool
 from lightning_embcache.tools import verify_store
@@ -24,8 +24,8 @@ from lightning_embcache.tools import verify_store
 
 @pytest.fixture(autouse=True)
 def _fold_in_place(monkeypatch):
-    """Folding in place is off by default (versions.FOLD_IN_PLACE): these tests are about it."""
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", True)
+    """Folding in place is off by default (compaction.FOLD_IN_PLACE): these tests are about it."""
+    monkeypatch.setattr(compaction, "FOLD_IN_PLACE", True)
 
 
 N, DIM, CHUNK = 8192, 32, 256  # 32 dense chunks of 32 KiB
@@ -53,7 +53,7 @@ def test_a_pass_of_spread_updates_writes_about_the_rows_it_folds(tmp_path, monke
     """10% of the rows, spread over every chunk, flushed and folded five times: the rounds write
     at most 2x the bytes of the rows they fold (chunk files, chunk maps and manifests counted),
     where writing each touched chunk as a new file writes the whole table every pass (~10x)."""
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", in_place)
+    monkeypatch.setattr(compaction, "FOLD_IN_PLACE", in_place)
     rng = np.random.default_rng(1)
     s, table = _filled(tmp_path / "s")
     with s:
@@ -353,7 +353,7 @@ def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path,
     the next chunk boundary, not after the round; the round then holds the new version's reader
     lock and folds the rest in place. Every row is right after both, and the flush's manifest
     names only durable files (the power-cut oracle)."""
-    monkeypatch.setattr(versions, "YIELD_AFTER_S", 0.0)  # at the first chunk boundary it sees
+    monkeypatch.setattr(compaction, "YIELD_AFTER_S", 0.0)  # at the first chunk boundary it sees
     rng = np.random.default_rng(9)
     s, table = _filled(tmp_path / "s")
     s.close()

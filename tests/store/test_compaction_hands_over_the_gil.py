@@ -8,12 +8,13 @@ import threading
 import numpy as np
 import torch
 
+import lightning_embcache.store.compaction as compaction
 import lightning_embcache.store.versions as versions
 from lightning_embcache import EmbeddingStore
 
 
 def _store_with_segments(tmp_path, monkeypatch):
-    monkeypatch.setattr(versions, "COMPACT_RATIO", 9.0)  # no background pass: the tests run the rounds
+    monkeypatch.setattr(compaction, "COMPACT_RATIO", 9.0)  # no background pass: the tests run the rounds
     monkeypatch.setattr(versions, "HARD_RATIO", 9.0)
     s = EmbeddingStore.create(tmp_path / "s", 20_000, 8, hot_bytes=1 << 20, chunk_rows=256)
     rng = np.random.default_rng(0)
@@ -26,14 +27,14 @@ def _store_with_segments(tmp_path, monkeypatch):
 
 def _count_sleeps(monkeypatch) -> list[int]:
     calls = [0]
-    real = versions.time.sleep
+    real = compaction.time.sleep
 
     def sleep(x):
         if x == 0:
             calls[0] += 1
         real(x)
 
-    monkeypatch.setattr(versions.time, "sleep", sleep)
+    monkeypatch.setattr(compaction.time, "sleep", sleep)
     return calls
 
 

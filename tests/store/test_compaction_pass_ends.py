@@ -18,8 +18,8 @@ import torch
 from _store_helpers import assert_bitwise_equal
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import versions
-from lightning_embcache.store.versions import Versions as _Versions
+from lightning_embcache.store import compaction, versions
+from lightning_embcache.store.compaction import Compaction
 
 N, DIM, CHUNK = 8192, 8, 128
 ROW = DIM * 4
@@ -33,15 +33,15 @@ def _slow_rounds(monkeypatch, seconds: float) -> None:
     """One chunk a round, each round taking at least ``seconds``: a pass lasts many flushes,
     all of it in the background (no flush folds rounds itself for backpressure)."""
     monkeypatch.setattr(versions, "HARD_RATIO", 9.0)
-    monkeypatch.setattr(versions, "ROUND_BYTES", CHUNK * ROW)
-    monkeypatch.setattr(versions, "ROUND_SHARE", 1 / 10_000)
-    fold_round = _Versions._fold_round
+    monkeypatch.setattr(compaction, "ROUND_BYTES", CHUNK * ROW)
+    monkeypatch.setattr(compaction, "ROUND_SHARE", 1 / 10_000)
+    fold_round = Compaction._fold_round
 
     def slow(self, *args, **kwargs):
         time.sleep(seconds)
         return fold_round(self, *args, **kwargs)
 
-    monkeypatch.setattr(_Versions, "_fold_round", slow)
+    monkeypatch.setattr(Compaction, "_fold_round", slow)
 
 
 def test_segments_left_out_by_flushes_go_while_a_pass_runs(tmp_path, monkeypatch):
@@ -79,7 +79,7 @@ def test_a_hot_set_over_half_the_threshold_ends_the_pass(tmp_path, monkeypatch):
     rng = np.random.default_rng(1)
     table = torch.from_numpy(rng.standard_normal((N, DIM), dtype=np.float32))
     # Over half of COMPACT_RATIO (where a pass used to stop) and under it (where one starts).
-    share = (versions.COMPACT_RATIO / 2 + versions.COMPACT_RATIO) / 2
+    share = (compaction.COMPACT_RATIO / 2 + compaction.COMPACT_RATIO) / 2
     hot_set = torch.from_numpy(np.sort(rng.choice(N, int(N * share), replace=False)))
     with EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, init="zeros") as s:
         s.update(torch.arange(N), table)

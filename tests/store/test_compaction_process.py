@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import foldproc, versions
+from lightning_embcache.store import compaction, foldproc, versions
 
 N, DIM, CHUNK = 4096, 8, 64  # 64 chunks of 2 KiB
 REPO = Path(__file__).resolve().parents[2]
@@ -32,18 +32,18 @@ REPO = Path(__file__).resolve().parents[2]
 def _new_files(monkeypatch):
     """Every fold writes a new chunk file, as the process does (a fold in place runs in the
     store's own thread, under the writer lock: inplace.py)."""
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", False)
+    monkeypatch.setattr(compaction, "FOLD_IN_PLACE", False)
 
 
 @pytest.fixture
 def process_mode(monkeypatch):
     monkeypatch.setenv(foldproc.ENV, "always")
-    monkeypatch.setattr(versions, "ROUND_BYTES", 8 * CHUNK * DIM * 4)  # passes of 8 rounds
+    monkeypatch.setattr(compaction, "ROUND_BYTES", 8 * CHUNK * DIM * 4)  # passes of 8 rounds
 
 
 def _ready(store: EmbeddingStore) -> int:
     """Wait until the store's compaction process serves; its pid."""
-    wait_for(lambda: store._versions._fold_process() is not None, 30, "the compaction process to start")
+    wait_for(lambda: store._versions.compaction.fold_process() is not None, 30, "the compaction process to start")
     return store._versions.fold_proc.pid
 
 
@@ -162,7 +162,7 @@ def test_a_killed_process_sends_rounds_back_to_the_store(tmp_path, process_mode)
             s.flush()
             s.compact()
         time.sleep(0.5)
-        assert s._versions._fold_process() is None, "a process that died twice is not started again"
+        assert s._versions.compaction.fold_process() is None, "a process that died twice is not started again"
         assert_bitwise_equal(s.get(torch.arange(N)), table)
     with EmbeddingStore.open(tmp_path / "s") as s:
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows after reopening")
@@ -181,7 +181,7 @@ import os, sys, numpy as np, torch
 from lightning_embcache import EmbeddingStore
 path, n, dim, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 s = EmbeddingStore.open(path)
-while s._versions._fold_process() is None:
+while s._versions.compaction.fold_process() is None:
     pass
 print(s._versions.fold_proc.pid, flush=True)
 step = 0

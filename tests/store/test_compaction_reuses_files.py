@@ -11,7 +11,7 @@ import torch
 from _store_helpers import assert_bitwise_equal, in_forked_child
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import versions
+from lightning_embcache.store import compaction
 from lightning_embcache.store.errors import CorruptStoreError
 from lightning_embcache.store.recycle import POOL_PREFIX
 
@@ -22,8 +22,8 @@ N, DIM, CHUNK = 2048, 8, 64  # 32 chunks of 2 KiB
 def small_rounds(monkeypatch):
     """Rounds of 4 chunks, so one compact() is a pass of 8 rounds, each writing new chunk files
     (a file folded in place is not replaced: nothing to reuse; inplace.py)."""
-    monkeypatch.setattr(versions, "ROUND_BYTES", 4 * CHUNK * DIM * 4)
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", False)
+    monkeypatch.setattr(compaction, "ROUND_BYTES", 4 * CHUNK * DIM * 4)
+    monkeypatch.setattr(compaction, "FOLD_IN_PLACE", False)
 
 
 def _pooled(path) -> list[str]:
@@ -106,7 +106,7 @@ def test_reuse_waits_for_reads_that_began_before(tmp_path, small_rounds):
 def test_background_passes_reuse_files_and_match_a_reference(tmp_path, monkeypatch):
     """Flushes that trigger background passes (the default round size): rows always equal a
     plain tensor model, and the folder holds no pooled file once the store is closed."""
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", False)  # (a file folded in place is not replaced)
+    monkeypatch.setattr(compaction, "FOLD_IN_PLACE", False)  # (a file folded in place is not replaced)
     path = tmp_path / "s"
     table = torch.zeros(N, DIM)
     rng = np.random.default_rng(0)

@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import fileio, versions
+from lightning_embcache.store import compaction, fileio, garbage, versions
 from lightning_embcache.store.holes import dead_rows
 from lightning_embcache.store.rowindex import RowIndex
 
@@ -87,12 +87,13 @@ def test_index_follows_a_model_of_newest_live_records(ops):
 @pytest.fixture
 def no_background_compaction(monkeypatch):
     """Compaction only when the test runs a round, so what is punched when is deterministic."""
-    monkeypatch.setattr(versions, "COMPACT_RATIO", 100.0)
-    monkeypatch.setattr(versions, "COMPACT_SEGMENTS", 10_000)
+    monkeypatch.setattr(compaction, "COMPACT_RATIO", 100.0)
+    monkeypatch.setattr(compaction, "COMPACT_SEGMENTS", 10_000)
+    monkeypatch.setattr(versions, "COMPACT_SEGMENTS", 10_000)  # (a flush's backpressure counts them too)
     monkeypatch.setattr(versions, "HARD_RATIO", 100.0)
-    monkeypatch.setattr(versions, "ROUND_SHARE", 1 / 8)
-    monkeypatch.setattr(versions, "ROUND_BYTES", 8 * CR * DIM * 4)
-    monkeypatch.setattr(versions, "PUNCH_FROM", 0.0)  # every round gives back what it killed
+    monkeypatch.setattr(compaction, "ROUND_SHARE", 1 / 8)
+    monkeypatch.setattr(compaction, "ROUND_BYTES", 8 * CR * DIM * 4)
+    monkeypatch.setattr(garbage, "PUNCH_FROM", 0.0)  # every round gives back what it killed
 
 
 def _train(store: EmbeddingStore, model: torch.Tensor, rng: np.random.Generator, flushes: int, share: float = 0.3) -> None:
@@ -132,7 +133,7 @@ def test_rounds_punch_the_records_they_fold_and_every_row_reads_the_same(tmp_pat
         assert len(files) == 4
         held = sum(fileio.held_bytes(st) for st in files)
         assert held < 0.7 * raw, f"segments hold {held} of {raw} bytes after half a sweep: nothing punched?"
-        assert s._versions._segment_bytes(held=True) < 0.7 * s._versions._segment_bytes()
+        assert s._versions.compaction.segment_bytes(held=True) < 0.7 * s._versions.compaction.segment_bytes()
         assert torch.equal(s.get(torch.arange(N)), model)
         _train(s, model, rng, 1)
         _rounds(s, 2)
@@ -194,11 +195,11 @@ def test_a_read_planned_before_a_round_holds_its_punches_back(tmp_path, no_backg
         pool = s._versions.disk.pool
         epoch = pool.begin_read()  # as `_prefetch_once` does when it plans
         _rounds(s, 2)
-        assert s._versions._dead.punched_bytes == 0 and s._versions._dead._queue, "punched under a read planned before the round"
+        assert s._versions.garbage.dead.punched_bytes == 0 and s._versions.garbage.dead._queue, "punched under a read planned before the round"
         pool.end_read(epoch)
-        queued = [(g, new.copy()) for g, new, _ in s._versions._dead._queue]
+        queued = [(g, new.copy()) for g, new, _ in s._versions.garbage.dead._queue]
         _rounds(s, 1)
-        assert s._versions._dead.punched_bytes > 0 and not s._versions._dead._queue
+        assert s._versions.garbage.dead.punched_bytes > 0 and not s._versions.garbage.dead._queue
         assert all((g.punched[new]).all() for g, new in queued)
         assert torch.equal(s.get(torch.arange(N)), model)
 
@@ -211,7 +212,7 @@ def test_a_flush_waits_for_the_bytes_held_not_for_a_whole_sweep(tmp_path, no_bac
         _train(s, model, rng, 4)
         _rounds(s, 6)
         table = N * s.row_bytes
-        raw, held = s._versions._segment_bytes(), s._versions._segment_bytes(held=True)
+        raw, held = s._versions.compaction.segment_bytes(), s._versions.compaction.segment_bytes(held=True)
         limit = (held + raw) / 2 / table
         monkeypatch.setattr(versions, "HARD_RATIO", limit)
         monkeypatch.setattr(versions, "HARD_FLOOR", 0)

@@ -111,20 +111,20 @@ def test_the_prefetch_thread_reads_one_announced_batch_per_round_oldest_first(sh
 
     _populated(shm_path / "s")
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
-        monkeypatch.setattr(s._tiers, "_reads_cached", lambda: False)  # reads wait for the disk
+        monkeypatch.setattr(s._tiers.readahead, "_reads_cached", lambda: False)  # reads wait for the disk
         rounds, gate = [], threading.Event()
-        real = s._tiers._prefetch_once
+        real = s._tiers.prefetch.prefetch_once
 
         def recorded(idx, upcoming=False):
             rounds.append(np.sort(np.asarray(idx)).tolist())
             gate.wait(10)  # the first round holds on until the whole window is announced
             return real(idx, upcoming)
 
-        monkeypatch.setattr(s._tiers, "_prefetch_once", recorded)
+        monkeypatch.setattr(s._tiers.prefetch, "prefetch_once", recorded)
         batches = [np.arange(k * 50, k * 50 + 40) for k in range(4)]
         for b in batches:
             s.upcoming(torch.from_numpy(b))
         gate.set()
-        _wait(lambda: not s._tiers._hint_task)
+        _wait(lambda: not s._tiers.readahead._hint_task)
         assert rounds == [b.tolist() for b in batches]
         assert s.stats().prefetched_rows == 160

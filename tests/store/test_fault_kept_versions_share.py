@@ -76,7 +76,7 @@ def template(shm_path):
     _compact(probe, counter)
     with EmbeddingStore.open(probe, version=min(rows), readonly=True) as old, \
             EmbeddingStore.open(probe, readonly=True) as new:
-        shares = old._versions._cmap_gen == new._versions._cmap_gen
+        shares = old._versions.cmap_gen == new._versions.cmap_gen
     assert shares, "the compaction did not publish the pinned version with the new chunk files"
     return path, rows, counter.calls
 

@@ -18,7 +18,7 @@ import torch
 from lightning_embcache import CorruptStoreError, EmbeddingStore, StoreError
 from lightning_embcache.store import fileio
 from lightning_embcache.store.errors import DiskFullError, StoreIOError
-from lightning_embcache.store.tiers import Tiers
+from lightning_embcache.store.prefetch import Prefetcher
 
 N, DIM, CHUNK = 4096, 16, 64
 ROW = DIM * 4
@@ -270,13 +270,13 @@ def test_many_short_runs_keep_segments_compacted(shm_path, cycles, monkeypatch):
 def test_dropping_the_last_reference_with_a_prefetch_in_flight_releases_the_lock(shm_path, monkeypatch):
     path = shm_path / "store"
     s = _flushed_store(path)
-    real = Tiers._prefetch
+    real = Prefetcher.prefetch
 
     def slow(self, idx):
         time.sleep(0.3)
         return real(self, idx)
 
-    monkeypatch.setattr(Tiers, "_prefetch", slow)
+    monkeypatch.setattr(Prefetcher, "prefetch", slow)
     s.prefetch(torch.arange(N))
     del s
     gc.collect()

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_embcache import EmbeddingStore, InvalidArgumentError
-from lightning_embcache.store import tiers
+from lightning_embcache.store import fill, tiers
 from lightning_embcache.store.initrows import normal_rows
 
 CHUNK = 64
@@ -56,7 +56,7 @@ def test_normal_rows_are_the_documented_formula_bit_for_bit(dim, seed, std, ids)
 
 @pytest.mark.parametrize("on_disk", [False, True], ids=["ephemeral", "path"])
 def test_a_first_touch_makes_the_rows_read_not_their_chunks(tmp_path, on_disk, monkeypatch):
-    monkeypatch.setattr(tiers, "BACKGROUND_FILL", False)  # what the training thread makes, alone
+    monkeypatch.setattr(fill, "BACKGROUND_FILL", False)  # what the training thread makes, alone
     monkeypatch.setattr(tiers, "ROWS_ON_FIRST_TOUCH", True)
     n = 100 * CHUNK
     with EmbeddingStore.create(tmp_path / "s" if on_disk else None, n, 8, chunk_rows=CHUNK, init="normal",
@@ -164,7 +164,7 @@ def test_the_background_fill_makes_every_row_and_keeps_rows_changed_meanwhile(tm
             want[ids] = vals
             if k % 10 == 9:
                 s.flush()
-        s._tiers.filler.shutdown(wait=True)  # the fill is done
+        s._tiers.fill.executor.shutdown(wait=True)  # the fill is done
         assert s._tiers.hot.all_loaded
         assert torch.equal(s.get(torch.arange(n)), want)
         s.flush()

@@ -15,7 +15,7 @@ import torch
 from _store_helpers import assert_bitwise_equal
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import chunkrows, disk, fileio, recycle, versions
+from lightning_embcache.store import chunkrows, compaction, disk, fileio, recycle
 from lightning_embcache.store.errors import CorruptStoreError
 from lightning_embcache.tools import verify_store
 
@@ -24,7 +24,7 @@ N, DIM, CHUNK = 4096, 16, 256  # 16 dense chunks
 
 @pytest.fixture(autouse=True)
 def _fold_in_place(monkeypatch):
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", True)  # (off by default: these tests are about it)
+    monkeypatch.setattr(compaction, "FOLD_IN_PLACE", True)  # (off by default: these tests are about it)
 
 
 def _filled(path) -> tuple[EmbeddingStore, torch.Tensor]:
@@ -107,7 +107,7 @@ def test_compaction_refuses_to_fold_into_it(tmp_path, monkeypatch, in_place):
         s.update(torch.arange(3 * CHUNK, 3 * CHUNK + 8), torch.zeros(8, DIM))
         v = s.flush()  # (not folded yet)
     f.write_bytes(old)
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", in_place)
+    monkeypatch.setattr(compaction, "FOLD_IN_PLACE", in_place)
     with EmbeddingStore.open(path) as s:
         with pytest.raises(CorruptStoreError, match=f"{f.name}.*older copy"):
             s.compact()

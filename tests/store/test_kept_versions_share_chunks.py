@@ -106,7 +106,7 @@ def test_segments_held_for_kept_versions_start_no_compaction(shm_path):
             _scatter(store, rng, N // 20)
         store._wait_bg()
         assert store.stats().segments == 13  # the pinned version's own and the 12 flushed since
-        assert not store._versions._needs_compaction()
+        assert not store._versions.compaction.needs()
         store.compact()  # folds the pinned version's own segment only
         assert store.stats().segments == 12
         compactions = store.stats().compactions
@@ -139,8 +139,8 @@ def test_past_the_share_the_oldest_pinned_version_keeps_its_own_chunks(shm_path,
             store._wait_bg()
         old, new = sorted(kept)
         store.compact()
-        assert store._versions.disk.read_manifest(old).chunkmap != store._versions._cmap_gen, "the oldest pin still shares"
-        assert store._versions.disk.read_manifest(new).chunkmap == store._versions._cmap_gen, "the newer pin does not share"
+        assert store._versions.disk.read_manifest(old).chunkmap != store._versions.cmap_gen, "the oldest pin still shares"
+        assert store._versions.disk.read_manifest(new).chunkmap == store._versions.cmap_gen, "the newer pin does not share"
         if process == "always":
             assert store.stats().compaction_process_chunks > 0
         for v, want in kept.items():

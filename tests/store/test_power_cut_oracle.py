@@ -184,9 +184,9 @@ def _fold_in_place_under_cuts(tmp_path, monkeypatch, every: int):
     import torch
 
     from lightning_embcache import EmbeddingStore
-    from lightning_embcache.store import versions
+    from lightning_embcache.store import compaction
 
-    monkeypatch.setattr(versions, "FOLD_IN_PLACE", True)  # (off by default)
+    monkeypatch.setattr(compaction, "FOLD_IN_PLACE", True)  # (off by default)
 
     n, dim, chunk = 512, 8, 32
     path = tmp_path / "s"

@@ -36,7 +36,7 @@ def test_prefetch_read_before_a_compaction_is_not_installed(shm_path):
             return out
 
         s._tiers._read_below = racing_read
-        s._tiers._prefetch_once(np.array([5]))
+        s._tiers.prefetch.prefetch_once(np.array([5]))
         s._tiers._read_below = read_below
         assert torch.equal(s.get(torch.tensor([5])), new)
         assert not torch.equal(new, table[5:6])

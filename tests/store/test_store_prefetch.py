@@ -230,7 +230,7 @@ def test_a_whole_chunk_read_during_a_write_back_never_serves_stale_rows(shm_path
 
 def _wait_prefetched_or_dropped(store, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while store._tiers._fetching is not None or store._tiers.prefetcher is None:
+    while store._tiers.prefetch.fetching is not None or store._tiers.prefetch.executor is None:
         assert time.monotonic() < deadline, "the prefetch did not finish"
         time.sleep(0.01)
-    store._tiers.prefetcher.submit(lambda: None).result(timeout)  # the prefetch job has returned
+    store._tiers.prefetch.executor.submit(lambda: None).result(timeout)  # the prefetch job has returned

@@ -149,8 +149,8 @@ def test_gets_updates_flushes_and_hints_with_a_warm_tier_match_a_tensor(tmp_path
     s = EmbeddingStore.open(path, hot_bytes=96 * (row + 11), warm_bytes=3 * SCHUNK * row)
     try:
         if disk_reads:  # as if reads waited for the disk: hints ask the kernel (`_advise`)
-            s._tiers._uncached_share = 1.0
-            s._tiers._cache_seen = (1 << 62, 0)
+            s._tiers.readahead._uncached_share = 1.0
+            s._tiers.readahead._cache_seen = (1 << 62, 0)
         for step, (op, arg) in enumerate(ops):
             if op in ("get", "update", "update_m", "upcoming"):
                 ids = torch.tensor(arg, dtype=torch.int64)
@@ -212,8 +212,8 @@ def test_chunk_order_with_lookahead_opens_no_file_for_a_few_rows_of_a_chunk(shm_
                         lambda fd, off, k, adv: (asked.append((off, k, adv)), real(fd, off, k, adv))[1])
     with EmbeddingStore.open(shm_path / "s", hot_bytes=n * (ROW + 11) // 4,
                              warm_bytes=2 * window * chunk * ROW) as s:
-        s._tiers._uncached_share = uncached_share  # 1.0: reads wait for the disk; 0.0: the page cache serves them
-        s._tiers._cache_seen = (1 << 62, 0)
+        s._tiers.readahead._uncached_share = uncached_share  # 1.0: reads wait for the disk; 0.0: the page cache serves them
+        s._tiers.readahead._cache_seen = (1 << 62, 0)
         sampler = ChunkShuffleSampler(n, chunk_rows=chunk, window=window, seed=5)
         batches = LookaheadSampler(BatchSampler(sampler, 100, drop_last=False), s, lookahead=4)
         seen = []
@@ -239,8 +239,8 @@ def test_a_random_order_read_from_the_page_cache_is_still_read_ahead_with_a_warm
     n = 16_384
     table = compacted_store(shm_path / "s", n, DIM, CHUNK)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=n * (ROW + 11) // 2, warm_bytes=8 * CHUNK * ROW) as s:
-        s._tiers._uncached_share = 0.0  # the page cache serves the reads
-        s._tiers._cache_seen = (1 << 62, 0)
+        s._tiers.readahead._uncached_share = 0.0  # the page cache serves the reads
+        s._tiers.readahead._cache_seen = (1 << 62, 0)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(2)).tolist()
         batches = LookaheadSampler(BatchSampler(order, 64, drop_last=False), s, lookahead=4)
         for batch in batches:

@@ -305,10 +305,10 @@ def test_a_round_folds_the_oldest_segments_chunks_before_a_newer_segments(shm_pa
     a newer segment's chunks with more delta rows over the oldest segment's last ones leaves the
     oldest on disk for another whole pass over the newer one (disk use and flush backpressure
     follow): the oldest segment's chunks go first."""
-    from lightning_embcache.store import versions
+    from lightning_embcache.store import compaction
 
     n, chunk = 64 * 16, 16  # 64 chunks; a round rewrites 1/16 of the table: 4 chunks
-    assert versions.ROUND_SHARE == 1 / 16
+    assert compaction.ROUND_SHARE == 1 / 16
     path = shm_path / "store"
     with EmbeddingStore.create(path, n, 64, chunk_rows=chunk) as store:  # segments < 25%: no background round
         model = store.get(torch.arange(n)).clone()

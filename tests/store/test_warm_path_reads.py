@@ -246,7 +246,7 @@ def test_hints_are_read_by_the_next_miss_while_the_page_cache_serves_reads(shm_p
             import time
 
             time.sleep(0.2)
-            assert s.stats().prefetched_rows == 0 and s._tiers.prefetcher is None
+            assert s.stats().prefetched_rows == 0 and s._tiers.prefetch.executor is None
             others = torch.from_numpy(np.setdiff1d(rng.choice(N, 50, replace=False), coming.numpy()))
             assert torch.equal(s.get(others), table[others])  # a miss: takes the hint along
         _wait(lambda: s.stats().prefetched_rows >= 200)

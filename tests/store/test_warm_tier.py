@@ -126,8 +126,8 @@ def test_lookahead_in_chunk_order_asks_each_chunk_once_and_reads_it_once(shm_pat
     window = 4
     with EmbeddingStore.open(shm_path / "s", hot_bytes=N * (ROW + 11) // 4,
                              warm_bytes=2 * window * CHUNK * ROW) as s:
-        s._tiers._uncached_share = 1.0  # reads wait for the disk (a fresh page cache on a real disk)
-        s._tiers._cache_seen = (1 << 62, 0)  # ... and nothing read here makes it think otherwise
+        s._tiers.readahead._uncached_share = 1.0  # reads wait for the disk (a fresh page cache on a real disk)
+        s._tiers.readahead._cache_seen = (1 << 62, 0)  # ... and nothing read here makes it think otherwise
         sampler = ChunkShuffleSampler(N, chunk_rows=CHUNK, window=window, seed=3)
         batches = LookaheadSampler(BatchSampler(sampler, 128, drop_last=False), s, lookahead=4)
         seen = []
@@ -135,7 +135,7 @@ def test_lookahead_in_chunk_order_asks_each_chunk_once_and_reads_it_once(shm_pat
             ids = torch.as_tensor(batch)
             assert torch.equal(s.get(ids), table[ids])
             seen.append(ids)
-        assert s._tiers.prefetcher is None, "a prefetch thread was started"
+        assert s._tiers.prefetch.executor is None, "a prefetch thread was started"
         st_ = s.stats()
     assert torch.equal(torch.sort(torch.cat(seen)).values, torch.arange(N))
     whole = [a for a in asked if a[3] == chunkrows._FADV_WILLNEED and a[1:3] == (0, 0)]  # whole files
@@ -150,8 +150,8 @@ def test_without_a_warm_tier_lookahead_still_loads_rows_in_the_background(shm_pa
     announced rows into the hot tier (what the kernel's readahead alone would not do)."""
     compacted_store(shm_path / "s", N, DIM, CHUNK)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=N * (ROW + 11) // 4) as s:
-        s._tiers._uncached_share = 1.0
-        s._tiers._cache_seen = (1 << 62, 0)
+        s._tiers.readahead._uncached_share = 1.0
+        s._tiers.readahead._cache_seen = (1 << 62, 0)
         s.upcoming(torch.arange(0, 200))
-        s._tiers.prefetcher.submit(lambda: None).result(10)
+        s._tiers.prefetch.executor.submit(lambda: None).result(10)
         assert s.stats().prefetched_rows > 0
