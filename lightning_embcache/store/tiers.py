@@ -214,6 +214,7 @@ class Tiers:
         self._loader: ChunkLoader | None = None  # announced chunks read whole into the warm slab (chunkload.py)
         self._loader_tried = False
         self._chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
+        self._positions = np.arange(1024, dtype=np.int32)  # 0, 1, ...: `_distinct`'s positions, reused
         if core.root is None and core.init_kind == "zeros" and not any(f.fill for f in core.schema.fields.values()):
             hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
             hot.all_loaded = True
@@ -448,13 +449,13 @@ class Tiers:
         hot = self.hot
         if hot.resident:  # slots are the ids: resolving means loading missing rows, slice by slice
             return self._resolve_resident(idx)
+        if load and not for_write and self._plain_below():
+            got = self._mapped_get(idx)
+            if got is not None:
+                return got
         slots, missing, asked = self._lookup(idx, for_write)
         n_miss = int(missing.sum())
         reading = bool(n_miss) and load and not for_write
-        if reading and self._plain_below():
-            got = self._mapped_get(idx, slots, missing)
-            if got is not None:
-                return got
         slab = self._slab_rows(idx, missing) if reading and self.warm.slab is not None else None
         if hot.want is not None:
             # rows served from warm chunks were in memory when read: the lookahead did its work
@@ -620,41 +621,62 @@ class Tiers:
                 and warm.slab is None and not warm.budget and not len(warm) and self._v.chunkrows is not None
                 and (self._loader is None or not len(self._loader)))
 
-    def _mapped_get(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray) -> Gathered | None:
-        """The steady state of a get over a page-cached table: every missed row lives in its base
-        chunk file (no delta record), mapped and verified whole. One gather serves them, with no
-        plan, no sort and no slot; None (nothing done) if any row needs the general path."""
-        where = np.flatnonzero(missing)
-        ids = idx[where]
+    def _mapped_get(self, idx: np.ndarray) -> Gathered | np.ndarray | None:
+        """The steady state of a get over a page-cached table (`_plain_below`): hot rows from
+        their slots, every other row from its base chunk file (no delta record), mapped and
+        verified whole, in one gather: no plan, no sort, no slot. Hot slots if every row is hot;
+        None (nothing done, nothing counted) if any row needs the general path. A handful of
+        array operations a batch, whatever the table: this is what a get costs over memmap."""
+        hot = self.hot
+        raw = hot.slot_of[idx]  # slot + 1; 0: not hot
+        n_hot = np.count_nonzero(raw)  # (a C call: ndarray.any() costs three times as much)
+        if n_hot:
+            if n_hot == len(idx):  # every row hot: slots, as `_lookup` gives them
+                slots = raw.astype(np.int64) - 1
+                hot.ref[slots] = 1
+                self._c.stats.hot_hits += len(idx)
+                return slots
+            hit, where = np.flatnonzero(raw), np.flatnonzero(raw == 0)
+            ids = idx[where]
+        else:
+            hit, ids = None, idx
         rows = self._v.rows
-        if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
+        if rows is not None and len(rows) and rows.any_of(ids):
             return None
         cr = self._c.chunk_rows
         chunks = ids // cr
         t0 = time.perf_counter()
-        recs = self._chunkrows.gather_verified(chunks, ids - chunks * cr, self._v.cmap[chunks])
+        recs = self._chunkrows.gather_verified(ids, chunks, self._v.cmap[chunks])
         if recs is None:
             return None
         took = time.perf_counter() - t0
-        self._c.stats.stall_seconds += took
+        stats = self._c.stats
+        stats.stall_seconds += took
         self._note_read(took, len(ids))
-        self._c.stats.cold_reads += self._distinct(chunks)
-        if len(where) == len(idx):
+        stats.cold_reads += self._distinct(chunks)
+        stats.hot_misses += len(ids)
+        if hit is None:
             return Gathered(recs)
+        stats.hot_hits += len(hit)
+        slots = raw[hit].astype(np.int64) - 1
+        hot.ref[slots] = 1
         out = np.empty((len(idx), self._c.row_bytes), np.uint8)
         out[where] = recs
-        hit = np.flatnonzero(~missing)
-        out[hit] = self.hot.pool_np.take(slots[hit], axis=0)
+        out[hit] = hot.pool_np.take(slots, axis=0)
         return Gathered(out)
 
     def _distinct(self, chunks: np.ndarray) -> int:
         """How many distinct values ``chunks`` holds, without a sort (a sort of a batch's 512 ids
         cost more than the rest of `_mapped_get` here): each chunk's scratch entry keeps one
         position that wrote it. Caller holds the lock."""
-        scratch = self._chunk_scratch
-        if scratch is None or len(scratch) <= int(chunks.max()):
-            scratch = self._chunk_scratch = zeros(-(-self._c.num_rows // self._c.chunk_rows), np.dtype(np.int32))
-        at = np.arange(len(chunks), dtype=np.int32)
+        n = len(chunks)
+        scratch, at = self._chunk_scratch, self._positions
+        if scratch is None or len(at) < n:
+            at = self._positions = np.arange(max(n, 1024), dtype=np.int32)
+        nc = -(-self._c.num_rows // self._c.chunk_rows)
+        if scratch is None or len(scratch) < nc:  # (a table that grew has more chunks)
+            scratch = self._chunk_scratch = zeros(nc, np.dtype(np.int32))
+        at = at[:n]
         scratch[chunks] = at
         return int(np.count_nonzero(scratch[chunks] == at))
 
