@@ -591,9 +591,14 @@ class Tiers:
 
     def _fetch_misses(self, mids: np.ndarray, ahead: np.ndarray | None, load: bool) -> tuple:
         """(records of ``mids``, which came from whole chunks or None, announced rows ``ahead``
-        still to install and their records). ``load`` False (a write of every field): zeros."""
+        still to install and their records). ``load`` False (a write of every field): no records,
+        None, where that write fills every byte of the slots it is given (zeros first would only
+        page in and write a buffer of the batch's size); zeros where records have padding."""
         if ahead is None:
             if not load:
+                schema = self._c.schema
+                if sum(f.nbytes for f in schema.fields.values()) == schema.row_bytes:  # (no padding)
+                    return None, None, None, None
                 return np.zeros((len(mids), self._c.row_bytes), np.uint8), None, None, None
             records, warm = self._fetch(mids, whole_rows=True)
             return records, warm, None, None
