@@ -363,18 +363,26 @@ class Tiers:
             rec[hit] = self.hot.pool_np.take(slots[hit], axis=0)
         return rec
 
-    def records_into(self, idx: np.ndarray, out: np.ndarray) -> None:
+    def records_into(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Whole records of ``idx`` into ``out`` (n, row_bytes), filling misses; caller holds the
-        lock. One gather of whole records, whatever the tier: no field-by-field path."""
+        lock. One gather of whole records, whatever the tier: no field-by-field path. ``out``
+        None: into a new array of the store's own (the gather's output, no second copy)."""
         got = self.resolve(idx, load=True)
         if isinstance(got, Gathered):
-            out[:] = got.records
+            rec = got.records
         elif isinstance(got, FromSlab):
-            out[:] = self._warm_records(idx, got.slots, got.missing, got.rows)
+            rec = self._warm_records(idx, got.slots, got.missing, got.rows)
         elif isinstance(got, Direct):
-            out[:] = self._direct_records(idx, got.slots, got.mids, got.records)
+            rec = self._direct_records(idx, got.slots, got.mids, got.records)
         else:
+            if out is None:
+                return self.hot.pool_np.take(cast(np.ndarray, got), axis=0)  # (contiguous pool)
             rowcopy.gather(self.hot.pool_np, cast(np.ndarray, got), out)
+            return out
+        if out is None:
+            return rec
+        out[:] = rec
+        return out
 
     def write_records_into(self, idx: np.ndarray, records: np.ndarray) -> None:
         """Write whole ``records`` of unique ``idx``; caller holds the lock. Resolved before
