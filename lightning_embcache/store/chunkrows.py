@@ -316,30 +316,38 @@ class ChunkRows:
             self._leave()
             self.disk.pool.end_read(epoch)
 
-    def gather_verified(self, ids: np.ndarray, chunks: np.ndarray, gens: np.ndarray) -> np.ndarray | None:
+    def gather_verified(self, ids: np.ndarray, chunks: np.ndarray, gens: np.ndarray,
+                        skip: np.ndarray | None = None, stand_in: int = 0) -> np.ndarray | None:
         """Records of table rows ``ids`` (any order; ``chunks``: ``ids // chunk_rows``) at ``gens``
         in one gather from the maps, if every one lies in a raw file mapped here whose blocks are
         all verified (the steady state of reads over a page-cached table); else None and nothing
-        is read. A few array operations a batch: no per-row or per-chunk Python."""
+        is read. ``skip``: positions whose rows the caller has elsewhere (hot): they get a copy of
+        the row at position ``stand_in`` (not skipped) instead, to overwrite. A few array
+        operations a batch: no per-row or per-chunk Python."""
         maps = self._maps
         if maps is None or not maps.usable:
             return None
         pool = self.disk.pool
         epoch = pool.begin_read()  # no file this read may reach is reused meanwhile
-        with self._lock:  # (`_enter`, inline) no map goes away meanwhile
-            self._active += 1
         try:
-            # (a chunk never written, generation 0, has no file and is never fast: its rows are
-            # computed)
-            if np.count_nonzero(self._fast_gen[chunks] != gens):
-                return None
-            addr = ids * self.rb
-            addr += self._fast_base[chunks]
-            got = maps.rows[addr].view(np.uint8).reshape(-1, self.rb)
+            # Under the lock no map goes away (`_leave` unmaps under it): one acquisition, where
+            # `_enter`/`_leave` around the gather took two.
+            with self._lock:
+                # (a chunk never written, generation 0, has no file and is never fast: its rows
+                # are computed)
+                bad = self._fast_gen[chunks] != gens
+                if skip is not None:
+                    bad[skip] = False
+                if np.count_nonzero(bad):
+                    return None
+                addr = ids * self.rb
+                addr += self._fast_base[chunks]
+                if skip is not None:
+                    addr[skip] = addr[stand_in]
+                got = maps.rows[addr].view(np.uint8).reshape(-1, self.rb)
         finally:
-            self._leave()
             pool.end_read(epoch)
-        n = len(ids)
+        n = len(ids) - (0 if skip is None else len(skip))
         self.map_counts[0] += n
         self.cache_counts[0] += n
         self.disk.bytes_read += n * self.rb

@@ -340,9 +340,13 @@ class Tiers:
         return rec
 
     def fields_of(self, rec: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        fields = self._c.schema.fields
+        if len(fields) == 1:  # the record is the weight: a view of this new buffer
+            dtype = fields["weight"].dtype
+            if dtype != torch.bfloat16:  # (numpy's view and from_numpy cost a third of torch's view)
+                return {n: torch.from_numpy(rec.view(self.np_views[n].dtype)) for n in names}
+            return {n: self._c.schema.view(torch.from_numpy(rec), n) for n in names}
         t = torch.from_numpy(rec)
-        if len(self._c.schema.fields) == 1:  # the record is the weight: a view of this new buffer
-            return {n: self._c.schema.view(t, n) for n in names}
         return {n: self._c.schema.view(t, n).clone() for n in names}
 
     def gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
@@ -635,48 +639,46 @@ class Tiers:
                 and (self._loader is None or not len(self._loader)))
 
     def _mapped_get(self, idx: np.ndarray) -> Gathered | np.ndarray | None:
-        """The steady state of a get over a page-cached table (`_plain_below`): hot rows from
-        their slots, every other row from its base chunk file (no delta record), mapped and
-        verified whole, in one gather: no plan, no sort, no slot. Hot slots if every row is hot;
-        None (nothing done, nothing counted) if any row needs the general path. A handful of
-        array operations a batch, whatever the table: this is what a get costs over memmap."""
+        """The steady state of a get over a page-cached table (`_plain_below`): every row not
+        hot from its base chunk file (no delta record), mapped and verified whole, in one gather
+        in the call's order, hot rows then copied over theirs: no plan, no sort, no slot. Hot
+        slots if every row is hot; None (nothing done, nothing counted) if any row needs the
+        general path. A handful of array operations a batch, whatever the table: this is what a
+        get costs over memmap."""
         hot = self.hot
         raw = hot.slot_of[idx]  # slot + 1; 0: not hot
         n_hot = np.count_nonzero(raw)  # (a C call: ndarray.any() costs three times as much)
-        if n_hot:
-            if n_hot == len(idx):  # every row hot: slots, as `_lookup` gives them
-                slots = raw.astype(np.int64) - 1
-                hot.ref[slots] = 1
-                self._c.stats.hot_hits += len(idx)
-                return slots
-            hit, where = np.flatnonzero(raw), np.flatnonzero(raw == 0)
-            ids = idx[where]
-        else:
-            hit, ids = None, idx
+        if n_hot == len(idx):  # every row hot: slots, as `_lookup` gives them
+            slots = raw.astype(np.int64) - 1
+            hot.ref[slots] = 1
+            self._c.stats.hot_hits += len(idx)
+            return slots
+        hit = raw.nonzero()[0] if n_hot else None  # (the methods: np.flatnonzero/argmin wrap them in Python)
         rows = self._v.rows
-        if rows is not None and len(rows) and rows.any_of(ids):
+        if rows is not None and len(rows) and rows.any_of(idx[raw == 0] if n_hot else idx):
             return None
         cr = self._c.chunk_rows
-        chunks = ids // cr
+        chunks = idx // cr
         t0 = time.perf_counter()
-        recs = self._chunkrows.gather_verified(ids, chunks, self._v.cmap[chunks])
+        # (a hot row's position gathers a copy of a missed row's, then takes its own record)
+        stand_in = int(raw.argmin()) if n_hot else 0  # a missed row (raw 0)
+        recs = self._chunkrows.gather_verified(idx, chunks, self._v.cmap[chunks], hit, stand_in)
         if recs is None:
             return None
         took = time.perf_counter() - t0
+        n_miss = len(idx) - n_hot
         stats = self._c.stats
         stats.stall_seconds += took
-        self._note_read(took, len(ids))
+        self._note_read(took, n_miss)
+        stats.hot_misses += n_miss
+        if hit is not None:
+            stats.hot_hits += n_hot
+            slots = raw[hit] - 1
+            hot.ref[slots] = 1
+            recs[hit] = hot.pool_np.take(slots, axis=0)
+            chunks[hit] = chunks[stand_in]  # (chunks read: of the missed rows only)
         stats.cold_reads += self._distinct(chunks)
-        stats.hot_misses += len(ids)
-        if hit is None:
-            return Gathered(recs)
-        stats.hot_hits += len(hit)
-        slots = raw[hit].astype(np.int64) - 1
-        hot.ref[slots] = 1
-        out = np.empty((len(idx), self._c.row_bytes), np.uint8)
-        out[where] = recs
-        out[hit] = hot.pool_np.take(slots, axis=0)
-        return Gathered(out)
+        return Gathered(recs)
 
     def _distinct(self, chunks: np.ndarray) -> int:
         """How many distinct values ``chunks`` holds, without a sort (a sort of a batch's 512 ids
