@@ -329,23 +329,24 @@ class ChunkRows:
             return None
         pool = self.disk.pool
         epoch = pool.begin_read()  # no file this read may reach is reused meanwhile
+        # No map goes away meanwhile (`_enter`): not the lock itself, which a gather faulting
+        # pages in from the disk would hold against the prefetch thread.
+        self._enter()
         try:
-            # Under the lock no map goes away (`_leave` unmaps under it): one acquisition, where
-            # `_enter`/`_leave` around the gather took two.
-            with self._lock:
-                # (a chunk never written, generation 0, has no file and is never fast: its rows
-                # are computed)
-                bad = self._fast_gen[chunks] != gens
-                if skip is not None:
-                    bad[skip] = False
-                if np.count_nonzero(bad):
-                    return None
-                addr = ids * self.rb
-                addr += self._fast_base[chunks]
-                if skip is not None:
-                    addr[skip] = addr[stand_in]
-                got = maps.rows[addr].view(np.uint8).reshape(-1, self.rb)
+            # (a chunk never written, generation 0, has no file and is never fast: its rows are
+            # computed)
+            bad = self._fast_gen[chunks] != gens
+            if skip is not None:
+                bad[skip] = False
+            if np.count_nonzero(bad):
+                return None
+            addr = ids * self.rb
+            addr += self._fast_base[chunks]
+            if skip is not None:
+                addr[skip] = addr[stand_in]
+            got = maps.rows[addr].view(np.uint8).reshape(-1, self.rb)
         finally:
+            self._leave()
             pool.end_read(epoch)
         n = len(ids) - (0 if skip is None else len(skip))
         self.map_counts[0] += n
