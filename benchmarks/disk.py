@@ -21,6 +21,10 @@ systems interleaved within each repetition; figures are medians over repetitions
 Every store run works on its own copy of the store as set up (a run's flushes change the layout
 the next run would read); memmap's warm runs use the ``.npy`` file as written.
 
+``--order chunkshuffle`` gives every system of the warm, reread, cold and epoch phases the same
+`ChunkShuffleSampler` order (window ``--window``) instead of a uniform permutation: the store
+against memmap given the order the sampler is for.
+
 ``--step-ms`` puts a stand-in for a training step's compute (one-thread matrix products, which
 release the GIL) after each batch's store calls: what a lookahead prefetch can overlap.
 ``--read-iops`` runs the cold phase's processes on a slower disk: a block-I/O cgroup caps their
@@ -82,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the warm, cold and epoch phases only read (evaluation, a frozen table): get, no update")
     p.add_argument("--phases", default="warm,cold,space", help="any of warm,reread,cold,space,epoch,shuffle (reread: warm, timed after one untimed pass "
                         "of the same handle over other rows)")
+    p.add_argument("--order", choices=("random", "chunkshuffle"), default="random",
+                   help="the ids' order in the warm, reread, cold and epoch phases, the same for every system: "
+                        "a uniform permutation (default) or ChunkShuffleSampler's (window --window)")
+    p.add_argument("--window", type=int, default=16, help="--order chunkshuffle: chunks shuffled together (default 16)")
     p.add_argument("--store-rev", help="also run the store as committed at this git revision (system "
                    "'store@REV', extracted with git archive; no lookahead), e.g. the one before a change; "
                    "or a folder holding that revision's lightning_embcache/ (where there is no git)")
@@ -185,12 +193,13 @@ def _setup(cfg: dict) -> dict:
         s.flush()
         s.compact()
         s.flush()
+        chunk_rows = s.chunk_rows
     mm = np.lib.format.open_memmap(wd / "table.npy", "w+", np.float32, (n, dim))
     for a in range(0, n, step):
         mm[a : a + step] = _rows(a, min(n, a + step), dim)
     mm.flush()
     del mm
-    return {"setup_s": time.perf_counter() - t0}
+    return {"setup_s": time.perf_counter() - t0, "chunk_rows": chunk_rows}
 
 
 def _rows(a: int, b: int, dim: int):
@@ -231,13 +240,19 @@ def _loop(cfg: dict) -> dict:
     wd = Path(cfg["workdir"])
     n, dim, bsz = cfg["rows"], cfg["dim"], cfg["batch"]
     system, phase = cfg["system"], cfg["phase"]
-    perm = np.random.default_rng(cfg["seed"]).permutation(n)
+    if cfg.get("order") == "chunkshuffle":  # every system in the same sampler order
+        from lightning_embcache.data.chunk_shuffle import ChunkShuffleSampler
+
+        sampler = ChunkShuffleSampler(n, chunk_rows=cfg["chunk_rows"], window=cfg["window"], seed=cfg["seed"])
+        perm = np.fromiter(sampler, np.int64, n)
+    else:
+        perm = np.random.default_rng(cfg["seed"]).permutation(n)
     nb = n // bsz if phase == "epoch" else min(cfg["batches"], n // bsz)
     batches = [perm[i * bsz : (i + 1) * bsz].tolist() for i in range(nb)]
     if system != "memmap":
         import lightning_embcache  # noqa: F401  (the baseline is taken after every import)
     base_rss = _rss_now()
-    out: dict = {"system": system, "phase": phase}
+    out: dict = {"system": system, "phase": phase, "load_avg": os.getloadavg()[0]}
     shared = wd
     # Every store run writes its updates; a later run of the shared files would start from
     # another layout (rows in segments rather than chunks, and segments that a compaction must
@@ -559,7 +574,7 @@ def main(argv=None) -> int:
         "flushes": args.flushes,
         "step_ms": args.step_ms, "get_only": args.get_only, "read_iops": args.read_iops, "mem_limit_mib": args.mem_limit_mib,
         "flush_frac": args.flush_frac, "space_rows": args.space_rows or (30_000 if q else 200_000), "seed": 0,
-        "space_hot_frac": args.space_hot_frac, "hogs": args.hogs,
+        "space_hot_frac": args.space_hot_frac, "hogs": args.hogs, "order": args.order, "window": args.window,
     }
     reps = args.reps or (1 if q else 3)
     phases = args.phases.split(",")
@@ -579,7 +594,7 @@ def main(argv=None) -> int:
     runs: list[dict] = []
     try:
         print(f"setup: {cfg['rows']} x {cfg['dim']} rows ({cfg['rows'] * cfg['dim'] * 4 / MiB:.0f} MiB) in {wd}", flush=True)
-        _spawn(dict(cfg, phase="setup"))
+        cfg["chunk_rows"] = _spawn(dict(cfg, phase="setup"))["chunk_rows"]
         systems = ["memmap", "store", "store+lookahead"]
         trees: dict[str, Path] = {}
         if args.store_rev:

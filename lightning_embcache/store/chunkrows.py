@@ -132,9 +132,12 @@ class ChunkRows:
         # is unmapped once no read is in progress), the chunks in the order mapped, those to unmap
         self._maps: MappedFiles | None = None
         self._map_gen = zeros(nc, np.int64)
-        # per chunk: the generation of a raw file mapped here whose every block is verified (0:
-        # none): its rows need no check at all, only the gather (`gather_verified`)
-        self._fast_gen = zeros(nc, np.int64)
+        # per chunk: the generation of a raw file mapped here whose every block is verified (-1:
+        # none; never 0, the generation of a chunk without a file): its rows need no check at
+        # all, only the gather (`gather_verified`); and where its row ``id`` lies in the maps less
+        # ``id * row_bytes`` (one gather and one add give a batch's addresses)
+        self._fast_gen = np.full(nc, -1, np.int64)
+        self._fast_base = zeros(nc, np.int64)
         self._map_order: dict[int, None] = {}  # (ordered: oldest first)
         self._unmaps: list[int] = []
         # [rows gathered through maps, block checks made through maps] (what tests count)
@@ -313,27 +316,42 @@ class ChunkRows:
             self._leave()
             self.disk.pool.end_read(epoch)
 
-    def gather_verified(self, chunks: np.ndarray, local: np.ndarray, gens: np.ndarray) -> np.ndarray | None:
-        """Records of rows ``local`` of ``chunks`` (any order) at ``gens`` in one gather from the
-        maps, if every one lies in a raw file mapped here whose blocks are all verified (the
-        steady state of reads over a page-cached table); else None and nothing is read."""
+    def gather_verified(self, ids: np.ndarray, chunks: np.ndarray, gens: np.ndarray,
+                        skip: np.ndarray | None = None, stand_in: int = 0) -> np.ndarray | None:
+        """Records of table rows ``ids`` (any order; ``chunks``: ``ids // chunk_rows``) at ``gens``
+        in one gather from the maps, if every one lies in a raw file mapped here whose blocks are
+        all verified (the steady state of reads over a page-cached table); else None and nothing
+        is read. ``skip``: positions whose rows the caller has elsewhere (hot): they get a copy of
+        the row at position ``stand_in`` (not skipped) instead, to overwrite. A few array
+        operations a batch: no per-row or per-chunk Python."""
         maps = self._maps
         if maps is None or not maps.usable:
             return None
-        epoch = self.disk.pool.begin_read()  # no file this read may reach is reused meanwhile
-        self._enter()  # no map goes away meanwhile
+        pool = self.disk.pool
+        epoch = pool.begin_read()  # no file this read may reach is reused meanwhile
+        # No map goes away meanwhile (`_enter`): not the lock itself, which a gather faulting
+        # pages in from the disk would hold against the prefetch thread.
+        self._enter()
         try:
-            # (generation 0, a chunk never written, is no file: its rows are computed)
-            if not (gens.all() and np.array_equal(self._fast_gen[chunks], gens)):
+            # (a chunk never written, generation 0, has no file and is never fast: its rows are
+            # computed)
+            bad = self._fast_gen[chunks] != gens
+            if skip is not None:
+                bad[skip] = False
+            if np.count_nonzero(bad):
                 return None
-            addr = chunks * maps.stride + self._off[chunks] + local * self.rb
+            addr = ids * self.rb
+            addr += self._fast_base[chunks]
+            if skip is not None:
+                addr[skip] = addr[stand_in]
             got = maps.rows[addr].view(np.uint8).reshape(-1, self.rb)
         finally:
             self._leave()
-            self.disk.pool.end_read(epoch)
-        self.map_counts[0] += len(chunks)
-        self.cache_counts[0] += len(chunks)
-        self.disk.bytes_read += len(chunks) * self.rb
+            pool.end_read(epoch)
+        n = len(ids) - (0 if skip is None else len(skip))
+        self.map_counts[0] += n
+        self.cache_counts[0] += n
+        self.disk.bytes_read += n * self.rb
         return got
 
     def forget(self, files: list[tuple[int, int]]) -> None:
@@ -379,7 +397,7 @@ class ChunkRows:
     def _forget_blocks(self, chunk: int) -> None:
         """(Caller holds the lock.) No block of ``chunk`` counts as verified, its map serves no row."""
         self._ok_gen[chunk] = 0
-        self._fast_gen[chunk] = 0
+        self._fast_gen[chunk] = -1
         self._ok[chunk * self.bpc : (chunk + 1) * self.bpc] = 0
         self._first_reads[chunk] = 0
         if self._map_gen[chunk]:
@@ -389,7 +407,7 @@ class ChunkRows:
         """(Caller holds the lock.) ``chunk``'s map stops serving now; it is unmapped once no read
         is in progress (`_leave`)."""
         self._map_gen[chunk] = 0
-        self._fast_gen[chunk] = 0
+        self._fast_gen[chunk] = -1
         del self._map_order[chunk]
         self._unmaps.append(chunk)
 
@@ -519,7 +537,15 @@ class ChunkRows:
                 self._map_gen[c] = g
                 self._map_order[c] = None
                 if g >= self.trusted_from_gen and not self._sparse[c]:
-                    self._fast_gen[c] = g
+                    self._set_fast(c, g)
+
+    def _set_fast(self, chunk: int, gen: int) -> None:
+        """(Caller holds the lock.) Rows of ``chunk``'s raw file ``gen``, mapped and verified
+        whole, are served by `gather_verified`: row ``id`` at ``id * row_bytes + _fast_base``."""
+        maps = self._maps
+        assert maps is not None
+        self._fast_base[chunk] = chunk * maps.stride + int(self._off[chunk]) - chunk * self.cr * self.rb
+        self._fast_gen[chunk] = gen
 
     def _gather_mapped(self, out, rows, chunks, local, gens, base, ok, crcs, nbytes) -> None:
         """Rows ``rows`` through the maps of their files: blocks not verified yet are checked in
@@ -609,7 +635,7 @@ class ChunkRows:
                 ch = int(uc[i])
                 self._ok[ch * bpc : ch * bpc + int(in_file[i])] = 1
                 if self._map_gen[ch] == ug[i] and not self._sparse[ch]:
-                    self._fast_gen[ch] = ug[i]
+                    self._set_fast(ch, int(ug[i]))
             if len(keys):
                 self._ok[keys[keep[which]]] = 1
 

@@ -178,8 +178,11 @@ class HotTier:
     def free_count(self) -> int:
         return self._nfree
 
-    def install(self, ids: np.ndarray, slots: np.ndarray, records: np.ndarray | torch.Tensor) -> None:
-        self.pool_np[slots] = records
+    def install(self, ids: np.ndarray, slots: np.ndarray, records: np.ndarray | torch.Tensor | None) -> None:
+        """Rows ``ids`` now live in ``slots``, holding ``records``; None: the caller writes every
+        byte of those slots next, under the same lock (a write of whole records)."""
+        if records is not None:
+            self.pool_np[slots] = records
         self.slot_of[ids] = (slots + 1).astype(np.int32)
         self.id_of[slots] = ids
         self.ref[slots] = 1

@@ -213,6 +213,17 @@ class RowIndex:
                 return seg, pos
         return self._search(ids)
 
+    def any_of(self, ids: np.ndarray) -> bool:
+        """Whether any of ``ids`` has a delta record (`find`'s answer reduced to one bool, without
+        its arrays: the bitmap alone answers for ids never indexed)."""
+        bits = self._bits
+        if bits is not None and len(ids):
+            has = (bits[ids >> 3] >> (ids & 7).astype(np.uint8)) & 1
+            if not has.any():
+                return False
+            ids = ids[has.astype(np.bool_)]
+        return bool((self._search(ids)[0] >= 0).any())
+
     def _search(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if ids.dtype != self._idt:
             ids = ids.astype(self._idt)  # (ids are in range: checked by the store)

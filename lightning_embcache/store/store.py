@@ -483,6 +483,14 @@ class EmbeddingStore:
                 f"{getattr(out, 'dtype', type(out).__name__)} of shape "
                 f"{tuple(getattr(out, 'shape', ()))}"
             )
+        if out is None and not self._tiers.hot.resident and len(idx) <= SLICE_ROWS:
+            # disk mode, one slice: the tiers' gather of whole records is the result (no copy)
+            with self._core.lock:
+                self._core.check_open()
+                out = torch.from_numpy(self._tiers.records_into(idx))
+            self._core.stats.gets += 1
+            self._waited(t0)
+            return out
         if out is None:
             out = torch.empty(shape, dtype=torch.uint8)
         dest = out.numpy()

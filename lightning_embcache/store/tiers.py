@@ -153,6 +153,7 @@ class Tiers:
         self.readahead = ReadAhead(core, layout, self, self.prefetch)
         self.fill = Filler(core, layout, self)
         self._chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
+        self._positions = np.arange(1024, dtype=np.int32)  # 0, 1, ...: `_distinct`'s positions, reused
         if core.root is None and core.init_kind == "zeros" and not any(f.fill for f in core.schema.fields.values()):
             hot.loaded[:] = True  # the zero-filled pool already holds every row's initial value
             hot.all_loaded = True
@@ -348,9 +349,13 @@ class Tiers:
         return rec
 
     def fields_of(self, rec: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        fields = self._c.schema.fields
+        if len(fields) == 1:  # the record is the weight: a view of this new buffer
+            dtype = fields["weight"].dtype
+            if dtype != torch.bfloat16:  # (numpy's view and from_numpy cost a third of torch's view)
+                return {n: torch.from_numpy(rec.view(self.np_views[n].dtype)) for n in names}
+            return {n: self._c.schema.view(torch.from_numpy(rec), n) for n in names}
         t = torch.from_numpy(rec)
-        if len(self._c.schema.fields) == 1:  # the record is the weight: a view of this new buffer
-            return {n: self._c.schema.view(t, n) for n in names}
         return {n: self._c.schema.view(t, n).clone() for n in names}
 
     def gather_direct(self, idx, slots, mids, records, names) -> dict[str, torch.Tensor]:
@@ -371,18 +376,26 @@ class Tiers:
             rec[hit] = self.hot.pool_np.take(slots[hit], axis=0)
         return rec
 
-    def records_into(self, idx: np.ndarray, out: np.ndarray) -> None:
+    def records_into(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Whole records of ``idx`` into ``out`` (n, row_bytes), filling misses; caller holds the
-        lock. One gather of whole records, whatever the tier: no field-by-field path."""
+        lock. One gather of whole records, whatever the tier: no field-by-field path. ``out``
+        None: into a new array of the store's own (the gather's output, no second copy)."""
         got = self.resolve(idx, load=True)
         if isinstance(got, Gathered):
-            out[:] = got.records
+            rec = got.records
         elif isinstance(got, FromSlab):
-            out[:] = self._warm_records(idx, got.slots, got.missing, got.rows)
+            rec = self._warm_records(idx, got.slots, got.missing, got.rows)
         elif isinstance(got, Direct):
-            out[:] = self._direct_records(idx, got.slots, got.mids, got.records)
+            rec = self._direct_records(idx, got.slots, got.mids, got.records)
         else:
+            if out is None:
+                return self.hot.pool_np.take(cast(np.ndarray, got), axis=0)  # (contiguous pool)
             rowcopy.gather(self.hot.pool_np, cast(np.ndarray, got), out)
+            return out
+        if out is None:
+            return rec
+        out[:] = rec
+        return out
 
     def write_records_into(self, idx: np.ndarray, records: np.ndarray) -> None:
         """Write whole ``records`` of unique ``idx``; caller holds the lock. Resolved before
@@ -441,13 +454,13 @@ class Tiers:
         hot = self.hot
         if hot.resident:  # slots are the ids: resolving means loading missing rows, slice by slice
             return self._resolve_resident(idx)
+        if load and not for_write and self._plain_below():
+            got = self._mapped_get(idx)
+            if got is not None:
+                return got
         slots, missing, asked = self._lookup(idx, for_write)
         n_miss = int(missing.sum())
         reading = bool(n_miss) and load and not for_write
-        if reading and self._plain_below():
-            got = self._mapped_get(idx, slots, missing)
-            if got is not None:
-                return got
         slab = self._slab_rows(idx, missing) if reading and self.warm.slab is not None else None
         if hot.want is not None:
             # rows served from warm chunks were in memory when read: the lookahead did its work
@@ -569,9 +582,14 @@ class Tiers:
 
     def _fetch_misses(self, mids: np.ndarray, ahead: np.ndarray | None, load: bool) -> tuple:
         """(records of ``mids``, which came from whole chunks or None, announced rows ``ahead``
-        still to install and their records). ``load`` False (a write of every field): zeros."""
+        still to install and their records). ``load`` False (a write of every field): no records,
+        None, where that write fills every byte of the slots it is given (zeros first would only
+        page in and write a buffer of the batch's size); zeros where records have padding."""
         if ahead is None:
             if not load:
+                schema = self._c.schema
+                if sum(f.nbytes for f in schema.fields.values()) == schema.row_bytes:  # (no padding)
+                    return None, None, None, None
                 return np.zeros((len(mids), self._c.row_bytes), np.uint8), None, None, None
             records, warm = self._fetch(mids, whole_rows=True)
             return records, warm, None, None
@@ -599,41 +617,60 @@ class Tiers:
                 and warm.slab is None and not warm.budget and not len(warm) and self._v.chunkrows is not None
                 and (self._loader is None or not len(self._loader)))
 
-    def _mapped_get(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray) -> Gathered | None:
-        """The steady state of a get over a page-cached table: every missed row lives in its base
-        chunk file (no delta record), mapped and verified whole. One gather serves them, with no
-        plan, no sort and no slot; None (nothing done) if any row needs the general path."""
-        where = np.flatnonzero(missing)
-        ids = idx[where]
+    def _mapped_get(self, idx: np.ndarray) -> Gathered | np.ndarray | None:
+        """The steady state of a get over a page-cached table (`_plain_below`): every row not
+        hot from its base chunk file (no delta record), mapped and verified whole, in one gather
+        in the call's order, hot rows then copied over theirs: no plan, no sort, no slot. Hot
+        slots if every row is hot; None (nothing done, nothing counted) if any row needs the
+        general path. A handful of array operations a batch, whatever the table: this is what a
+        get costs over memmap."""
+        hot = self.hot
+        raw = hot.slot_of[idx]  # slot + 1; 0: not hot
+        n_hot = np.count_nonzero(raw)  # (a C call: ndarray.any() costs three times as much)
+        if n_hot == len(idx):  # every row hot: slots, as `_lookup` gives them
+            slots = raw.astype(np.int64) - 1
+            hot.ref[slots] = 1
+            self._c.stats.hot_hits += len(idx)
+            return slots
+        hit = raw.nonzero()[0] if n_hot else None  # (the methods: np.flatnonzero/argmin wrap them in Python)
         rows = self._v.rows
-        if rows is not None and len(rows) and (rows.find(ids)[0] >= 0).any():
+        if rows is not None and len(rows) and rows.any_of(idx[raw == 0] if n_hot else idx):
             return None
         cr = self._c.chunk_rows
-        chunks = ids // cr
+        chunks = idx // cr
         t0 = time.perf_counter()
-        recs = self._chunkrows.gather_verified(chunks, ids - chunks * cr, self._v.cmap[chunks])
+        # (a hot row's position gathers a copy of a missed row's, then takes its own record)
+        stand_in = int(raw.argmin()) if n_hot else 0  # a missed row (raw 0)
+        recs = self._chunkrows.gather_verified(idx, chunks, self._v.cmap[chunks], hit, stand_in)
         if recs is None:
             return None
         took = time.perf_counter() - t0
-        self._c.stats.stall_seconds += took
-        self._note_read(took, len(ids))
-        self._c.stats.cold_reads += self._distinct(chunks)
-        if len(where) == len(idx):
-            return Gathered(recs)
-        out = np.empty((len(idx), self._c.row_bytes), np.uint8)
-        out[where] = recs
-        hit = np.flatnonzero(~missing)
-        out[hit] = self.hot.pool_np.take(slots[hit], axis=0)
-        return Gathered(out)
+        n_miss = len(idx) - n_hot
+        stats = self._c.stats
+        stats.stall_seconds += took
+        self._note_read(took, n_miss)
+        stats.hot_misses += n_miss
+        if hit is not None:
+            stats.hot_hits += n_hot
+            slots = raw[hit] - 1
+            hot.ref[slots] = 1
+            recs[hit] = hot.pool_np.take(slots, axis=0)
+            chunks[hit] = chunks[stand_in]  # (chunks read: of the missed rows only)
+        stats.cold_reads += self._distinct(chunks)
+        return Gathered(recs)
 
     def _distinct(self, chunks: np.ndarray) -> int:
         """How many distinct values ``chunks`` holds, without a sort (a sort of a batch's 512 ids
         cost more than the rest of `_mapped_get` here): each chunk's scratch entry keeps one
         position that wrote it. Caller holds the lock."""
-        scratch = self._chunk_scratch
-        if scratch is None or len(scratch) <= int(chunks.max()):
-            scratch = self._chunk_scratch = zeros(-(-self._c.num_rows // self._c.chunk_rows), np.dtype(np.int32))
-        at = np.arange(len(chunks), dtype=np.int32)
+        n = len(chunks)
+        scratch, at = self._chunk_scratch, self._positions
+        if scratch is None or len(at) < n:
+            at = self._positions = np.arange(max(n, 1024), dtype=np.int32)
+        nc = -(-self._c.num_rows // self._c.chunk_rows)
+        if scratch is None or len(scratch) < nc:  # (a table that grew has more chunks)
+            scratch = self._chunk_scratch = zeros(nc, np.dtype(np.int32))
+        at = at[:n]
         scratch[chunks] = at
         return int(np.count_nonzero(scratch[chunks] == at))
 
