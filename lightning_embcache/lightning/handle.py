@@ -418,7 +418,9 @@ class EmbeddingStoreHandle:
         the GPU trains them in place (`HostMappedTier`), if CUDA can map the table; a disk-mode
         table beyond the budget gets a cache of that budget on the GPU."""
         device = self._device()
-        if device.type != "cuda":
+        if device.type != "cuda" or getattr(store, "sharded", False):
+            # a row-sharded store's owners keep their rows on their GPUs themselves (distributed/
+            # device_rows.py); its get/update/prefetch are its collectives
             return None
         tier = self._device_tier
         if tier is not None and tier.store is store and tier.device.index == (device.index or 0):
