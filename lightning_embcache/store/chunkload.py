@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import uring
+from . import idsets, uring
 from .chunkrows import _OPEN_FLAGS, _chunk_name
 
 MAX_LOADS = 64  # chunks in flight at most (32 MiB of 512 KiB chunks)
@@ -74,7 +74,7 @@ class ChunkLoader:
         held = [*self._loads, *(ld.chunk for ld in self._ready)]
         if not held:
             return np.zeros(len(chunks), np.bool_)
-        return np.isin(chunks, np.asarray(held, np.int64))
+        return idsets.isin(chunks, np.asarray(held, np.int64))
 
     def refuse(self, chunk: int, gen: int) -> None:
         """Never read this generation of ``chunk`` ahead again (not a dense raw chunk file, or it

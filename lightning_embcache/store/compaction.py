@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import fileio, foldproc, inplace, sharing
+from . import fileio, foldproc, idsets, inplace, sharing
 from .chunkrows import ChunkRows
 from .core import StoreCore
 from .disk import Disk, Manifest, Segment
@@ -397,7 +397,7 @@ class Compaction:
             if m.chunkmap:
                 theirs = self._g.chunkmap_of(m)
                 k = cand[cand < len(theirs)]
-                cand = np.setdiff1d(cand, k[theirs[k] == cmap[k]])
+                cand = idsets.difference(cand, k[theirs[k] == cmap[k]])
         return np.asarray([c for c in cand.tolist() if inplace.is_raw(disk, c, int(cmap[c]))], np.int64)
 
     def _fold_files_in_place(
@@ -700,7 +700,7 @@ class Compaction:
             inplace.distinct_rows(c, r.segs, int(r.folded[c])) for c in r.chunks.tolist())
         written0 = disk.compaction_bytes_written
         in_place = self._fold_in_place(r.chunks, r.cmap, r.folded, r.segs, r.share, r.gen, yielding=unlocked)
-        chunks = np.setdiff1d(r.chunks, in_place)
+        chunks = idsets.difference(r.chunks, in_place)
         planned = len(chunks)
         if release:
             self._v.flush_lock.release()
@@ -712,7 +712,7 @@ class Compaction:
         new_files = self._fold_chunks(chunks, r.cmap, r.folded, r.segs, r.gen, res)
         if self._c.closed and not len(new_files) and planned and not len(in_place):
             return None
-        return _Written(new_files, in_place, np.union1d(new_files, in_place), folded_bytes, written0)
+        return _Written(new_files, in_place, idsets.union(new_files, in_place), folded_bytes, written0)
 
     def _publish_round(self, r: _Round, w: _Written) -> _Published | None:
         """Publish the layout with the round's chunks folded: new chunk map, and without the

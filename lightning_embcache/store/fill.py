@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
+from . import idsets
 from .core import StoreCore, stop_executor
 from .hot import HotTier
 from .initrows import normal_rows
@@ -89,7 +90,7 @@ class Filler:
             if (self._v.rows is not None and len(self._v.rows)) or hot.row_ok is not None \
                     or not self._c.init_in_place():
                 fresh = fresh[:0]  # rows exist below or in the pool: each chunk the usual way
-            for c in np.setdiff1d(todo, fresh, assume_unique=True).tolist():
+            for c in idsets.difference(todo, fresh).tolist():
                 self._t.load_chunk_resident(c)
             if len(fresh):
                 # Never-written chunks of a new table: their initial values straight into the

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import idsets
 from .errors import InvalidArgumentError, InvalidTypeError, StoreError
 from .limits import MAX_ROWS
 from .stats import StoreStats
@@ -104,7 +105,7 @@ def unflushed_ids(store: Any) -> np.ndarray:
             parts.append(np.flatnonzero(hot.row_ok))
     elif n % cr and versions.cmap[n // cr]:
         parts.append(np.arange(n // cr * cr, n, dtype=np.int64))
-    return np.unique(np.concatenate(parts).astype(np.int64)) if parts else np.zeros(0, np.int64)
+    return idsets.unique(np.concatenate(parts).astype(np.int64)) if parts else np.zeros(0, np.int64)
 
 
 def grow(store: Any, num_rows: int) -> None:

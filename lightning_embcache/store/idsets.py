@@ -25,6 +25,12 @@ def union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return unique(np.concatenate((np.ravel(a), np.ravel(b))))
 
 
+def difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sorted distinct values of ``a`` not in ``b`` (``np.setdiff1d``)."""
+    u = unique(np.ravel(a))
+    return u[~isin(u, b)] if len(u) and np.size(b) else u
+
+
 def isin(a: np.ndarray, b: np.ndarray, *, b_sorted_unique: bool = False) -> np.ndarray:
     """Boolean mask over ``a``: which elements occur in ``b`` (``np.isin``)."""
     a = np.asarray(a)

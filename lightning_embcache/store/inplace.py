@@ -36,7 +36,7 @@ import os
 
 import numpy as np
 
-from . import fileio
+from . import fileio, idsets
 from .blockcrc import BLOCK, first_bad_block
 from .disk import _CHUNK_HEAD, FOLDS_RECORDED, Disk, Segment, raw_directory
 from .errors import CorruptStoreError, StoreError
@@ -84,7 +84,7 @@ def distinct_rows(chunk: int, segs: list[Segment], folded: int) -> int:
             parts.append(s.ids[e[1] : e[1] + e[2]])
     if len(parts) <= 1:
         return len(parts[0]) if parts else 0
-    return len(np.unique(np.concatenate(parts)))
+    return len(idsets.unique(np.concatenate(parts)))
 
 
 # A fold in place writes runs of changed rows, one system call each; two runs a few unchanged rows
@@ -165,7 +165,7 @@ def fold_chunk(
                 raise CorruptStoreError(path, f"block {bad} of chunk {chunk} fails its checksum")
         table = data.reshape(n, rb)
         table[rows] = records
-        touched = np.unique(np.concatenate([(rows * rb) // BLOCK, (rows * rb + rb - 1) // BLOCK]))
+        touched = idsets.unique(np.concatenate([(rows * rb) // BLOCK, (rows * rb + rb - 1) // BLOCK]))
         view = memoryview(data)  # type: ignore[arg-type]
         for b in touched.tolist():
             crcs[b] = crc32(view[b * BLOCK : (b + 1) * BLOCK])

@@ -16,6 +16,7 @@ def test_matches_numpy(a, b):
     assert np.array_equal(idsets.union(a, b), np.union1d(a, b))
     assert np.array_equal(idsets.isin(a, b), np.isin(a, b))
     assert np.array_equal(idsets.isin(a, np.unique(b), b_sorted_unique=True), np.isin(a, b))
+    assert np.array_equal(idsets.difference(a, b), np.setdiff1d(a, b))
 
 
 def test_shapes_and_dtypes_are_kept():
@@ -34,3 +35,26 @@ def test_runs_are_the_bounds_of_equal_values(values):
         assert np.array_equal(got, np.flatnonzero(np.r_[True, a[1:] != a[:-1], True]))
     else:
         assert got.tolist() == [0]
+
+
+def test_flushes_and_compaction_use_no_hash_based_numpy_set_operation(tmp_path):
+    """``np.unique`` and what calls it (setdiff1d, union1d) answer with a hash table that costs
+    more than a sort at batch sizes and imports numpy.ma on first use: a fresh process that
+    writes, flushes and folds a store never reaches one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch\n"
+        "from lightning_embcache import EmbeddingStore\n"
+        f"s = EmbeddingStore.create({str(tmp_path / 's')!r}, 10000, 8, chunk_rows=256)\n"
+        "for i in range(5):\n"
+        "    s.update(torch.randint(0, 10000, (500,)), torch.randn(500, 8)); s.flush()\n"
+        "s.compact(); s.close()\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": repo}, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
