@@ -27,6 +27,9 @@ import numpy.typing as npt
 import torch
 
 HUGE_PAGE = 2 << 20
+# Calls larger than this are resolved (and, in disk mode, served) in slices of this many rows, so
+# one call's temporaries stay bounded whatever its batch (docs/store.md, "Memory").
+SLICE_ROWS = 8192
 _DONTFORK = getattr(mmap, "MADV_DONTFORK", None)
 # Private mappings of this process (weak: closing a store frees them). A forked child has holes
 # where they were, which its own new mappings may fill: it must never unmap them, so the child

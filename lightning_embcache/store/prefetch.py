@@ -26,18 +26,23 @@ from .hot import HotTier
 from .warm import WarmTier
 
 if TYPE_CHECKING:
+    from .readahead import ReadAhead
     from .tiers import Layout
+    from .writeback import WriteBack
 
 # A get waits at most this long for a prefetch that is reading its rows, then reads them itself.
 PREFETCH_WAIT_S = 1.0
 
 
 class Reads(Protocol):
-    """What the prefetch thread and the read-ahead ask of `Tiers`: the tiers, and the miss
-    path's plan, reads and installs."""
+    """What the prefetch thread and the read-ahead ask of `Tiers`: the tiers, the miss path's
+    plan and reads, the room to install rows in (`WriteBack.allocate`) and the read cost per
+    row (`ReadAhead.note_read`)."""
 
     hot: HotTier
     warm: WarmTier
+    writeback: WriteBack
+    readahead: ReadAhead
 
     def plan_below(self, ids: np.ndarray) -> tuple: ...
 
@@ -51,9 +56,6 @@ class Reads(Protocol):
 
     def chunks_read(self, plan: tuple) -> int: ...
 
-    def allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray: ...
-
-    def note_read(self, seconds: float, rows: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,7 @@ class Prefetcher:
                 self._t.will_need(f.plan)
             t0 = time.perf_counter()
             got = self._t.read_below(f.plan, mapped=False)
-            self._t.note_read(time.perf_counter() - t0, len(f.miss))
+            self._t.readahead.note_read(time.perf_counter() - t0, len(f.miss))
             return got
         finally:
             if f.pool is not None:
@@ -270,7 +272,7 @@ class Prefetcher:
         if not want.any():
             return True
         mids, records = f.miss[want], records[want]
-        room = self._t.allocate(len(mids))
+        room = self._t.writeback.allocate(len(mids))
         if len(room) < len(mids):  # no room now (rows in flight or in use): drop the hint
             hot.give_back(room)
             return True

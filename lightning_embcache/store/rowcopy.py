@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 
 #: batches below this many rows are copied on the calling thread
 PARALLEL_MIN_ROWS = 2048
@@ -22,6 +23,15 @@ MAX_THREADS = 4
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
 _pool_lock = threading.Lock()
+
+
+def np_dtype(dtype: torch.dtype) -> np.dtype:
+    # bfloat16 has no numpy dtype: move its bits as int16
+    return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def to_np(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _executor() -> tuple[ThreadPoolExecutor | None, int]:

@@ -254,7 +254,7 @@ class EmbeddingStore:
             raise
         warm = WarmTier(warm_bytes if root is not None else 0, core.chunk_rows, core.row_bytes, core.num_chunks)
         tiers = self._tiers = Tiers(core, versions, hot, warm, hot_bytes)
-        versions.attach(tiers)
+        versions.attach(tiers.writeback)
         # memory mode's per-step paths read these instead of walking the schema on every call
         self._weight_np = tiers.np_views["weight"]
         self._weight_t = torch.from_numpy(self._weight_np)

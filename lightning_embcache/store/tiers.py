@@ -1,10 +1,10 @@
-"""Tier mechanics of EmbeddingStore: filling the hot tier from warm/disk, eviction, write-back.
+"""Tier mechanics of EmbeddingStore: filling the hot tier from warm/disk (the read path).
 
 `Tiers` is the component of `EmbeddingStore` that owns the hot and warm tiers and moves rows
 between them and the files below. It sees the store's `Versions` only as a `Layout` (where rows
 live, the writer lock, the segments its write-back adds: the whole surface, checked by mypy);
-`Versions` sees it only as a `versions.WriteBack` (the write-back of a flush). Methods assume
-the caller holds ``core.lock`` where they say so.
+`Versions` sees its write-back part (writeback.py) only as a `versions.WriteBack`. Methods
+assume the caller holds ``core.lock`` where they say so.
 """
 
 from __future__ import annotations
@@ -18,34 +18,27 @@ import numpy as np
 import torch
 
 from . import idsets, rowcopy
-from .chunkload import ChunkLoader
 from .chunkrows import DENSE_ROWS, ChunkRows
 from .core import StoreCore
 from .disk import Disk
-from .errors import CorruptStoreError, StoreBusyError, StoreClosedError
+from .errors import CorruptStoreError
 from .fill import Filler
-from .hot import SLOT_OVERHEAD, HotTier
-from .memory import zeros
+from .hot import HotTier
+from .memory import SLICE_ROWS, zeros
 from .prefetch import Prefetcher
 from .readahead import ReadAhead
+from .rowcopy import np_dtype, to_np
 from .rowindex import gather_deltas
-from .snapshot import Snapshot
-from .validate import budget
 from .warm import WarmTier
+from .writeback import WriteBack
 
 if TYPE_CHECKING:
     from .disk import Segment
     from .rowindex import RowIndex
 
-# One write-back or flush patches the warm copies of at most this many bytes of chunks (the rest
-# of the warm chunks it touches are dropped): in random order a write-back touches every chunk held.
-PATCH_BYTES = 32 << 20
 #: a get that misses rows when the hot tier is full evicts others to install them (True), or
 #: serves the rows it cannot install in free slots without a slot (False: see `_resolve_rows`)
 GETS_EVICT = False
-# Calls larger than this are resolved (and, in disk mode, served) in slices of this many rows, so
-# one call's temporaries stay bounded whatever its batch (docs/store.md, "Memory").
-SLICE_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -80,15 +73,6 @@ class Gathered:
 #: what `Tiers.resolve` gives: hot slots per id; None for a write that went around the hot
 #: tier; or a read served another way
 Resolved = np.ndarray | Direct | FromSlab | Gathered | None
-
-
-def np_dtype(dtype: torch.dtype) -> np.dtype:
-    # bfloat16 has no numpy dtype: move its bits as int16
-    return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def to_np(t: torch.Tensor) -> np.ndarray:
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 #: memory mode's first touch of a never-written chunk makes only the rows read (True) or the
@@ -128,7 +112,8 @@ class Layout(Protocol):
 
 
 class Tiers:
-    """The hot and warm tiers over the store's files: reads that fill them, eviction, write-back.
+    """The hot and warm tiers over the store's files: reads that fill them; eviction and
+    write-back are its part ``writeback``.
 
     Holds the shared `StoreCore` and the store's `Versions` seen as a `Layout` (what it reads
     and appends pending segments to), never the `EmbeddingStore` itself."""
@@ -140,7 +125,9 @@ class Tiers:
         self.hot = hot
         self.warm = warm
         self.hot_budget = hot_budget
-        self.cow: dict[int, np.ndarray] | None = None  # snapshot records of a flush in progress
+        # snapshot records of a write-back in progress (`WriteBack.begin_write_back`): a write
+        # over a row still being written out keeps its record here first (`save_cow`)
+        self.cow: dict[int, np.ndarray] | None = None
         # the newest device write into the table still running (`EmbeddingStore._device_write`):
         # anything with `synchronize()`; host reads of the table wait for it first
         self.device_pending: Any = None
@@ -148,7 +135,9 @@ class Tiers:
         #: None: `ROWS_ON_FIRST_TOUCH`. A table the GPU trains in place sets it (`HostMappedTier`).
         self.rows_on_first_touch: bool | None = None
         # the prefetch thread (prefetch.py), lookahead hints and reads ahead (readahead.py), memory
-        # mode's making of never-written chunks (fill.py); each holds these tiers weakly
+        # mode's making of never-written chunks (fill.py), eviction and write-back (writeback.py);
+        # each holds these tiers weakly
+        self.writeback = WriteBack(core, layout, self)
         self.prefetch = Prefetcher(core, layout, self)
         self.readahead = ReadAhead(core, layout, self, self.prefetch)
         self.fill = Filler(core, layout, self)
@@ -173,27 +162,7 @@ class Tiers:
         assert reader is not None, "no plan made the chunk reader"
         return reader
 
-    # ------------------------------------------------------------------ what Versions asks (WriteBack)
-    def dirty_count(self) -> int:
-        """Rows written since they were last written out (caller holds the lock)."""
-        return int(np.count_nonzero(self.hot.dirty))
-
-    def dirty_slots(self) -> np.ndarray:
-        """The hot slots of those rows (caller holds the lock)."""
-        return np.flatnonzero(self.hot.dirty)
-
-    def forget_dirty(self) -> bool:
-        """A store with no files "flushes" by forgetting which rows changed; whether any had."""
-        if not self.hot.dirty.any():
-            return False
-        self.hot.dirty[:] = 0
-        return True
-
-    def resident(self) -> bool:
-        """Whether the whole table lives in the pool (memory mode)."""
-        return bool(self.hot.resident)
-
-    # ------------------------------------------------------------------ the parts (prefetch.py, readahead.py, fill.py)
+    # ------------------------------------------------------------------ what the store asks of the parts
     def prefetch_later(self, idx: np.ndarray) -> None:
         """Queue a prefetch of validated ``idx`` on the prefetch thread; returns at once."""
         self.prefetch.later(idx)
@@ -220,68 +189,23 @@ class Tiers:
         """Make a memory-mode table's never-written chunks in the background (`Filler.start_filling`)."""
         self.fill.start_filling()
 
-    # The names the read path (`_resolve_rows` and the methods it calls) uses of the parts.
-    @property
-    def _fetching(self) -> np.ndarray | None:
-        return self.prefetch.fetching
+    def evict(self, nbytes: int) -> int:
+        """`EmbeddingStore.evict` (`WriteBack.evict`)."""
+        return self.writeback.evict(nbytes)
 
-    @property
-    def _loader(self) -> ChunkLoader | None:
-        return self.readahead.loader
+    def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
+        """`EmbeddingStore.set_budget` (`WriteBack.set_budget`)."""
+        self.writeback.set_budget(hot_bytes, warm_bytes)
 
-    @property
-    def _hinted(self) -> list | None:
-        return self.readahead.hinted
-
-    def _await_prefetch(self, ids: np.ndarray) -> np.ndarray | None:
-        return self.prefetch.await_rows(ids)
-
-    def _hints_to_read(self, mids: np.ndarray) -> np.ndarray | None:
-        return self.readahead.hints_to_read(mids)
-
-    def _follow_window(self, idx: np.ndarray, slots: np.ndarray, missing: np.ndarray, for_write: bool) -> None:
-        self.readahead.follow_window(idx, slots, missing, for_write)
-
-    def _adopt_loads(self, wait_for: np.ndarray | None = None) -> None:
-        self.readahead.adopt_loads(wait_for)
-
-    def _note_read(self, seconds: float, rows: int) -> None:
-        self.readahead.note_read(seconds, rows)
-
-    # What the parts ask of the tiers (`prefetch.Reads`, `fill.Filled`): the read path's plan,
-    # reads and installs, called through the names it has.
-    def plan_below(self, ids: np.ndarray) -> tuple:
-        return self._plan_below(ids)
-
-    def read_below(self, plan: tuple, mapped: bool = True) -> tuple[np.ndarray, list]:
-        return self._read_below(plan, mapped=mapped)
-
-    def read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
-        return self._read_chunk_below(chunk, gen, delta)
-
-    def will_need(self, plan: tuple) -> None:
-        self._will_need(plan)
-
-    def moved_since(self, plan: tuple) -> np.ndarray:
-        return self._moved_since(plan)
-
-    def chunks_read(self, plan: tuple) -> int:
-        return self._chunks_read(plan)
-
-    def allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
-        return self._allocate(n, protect=protect)
-
-    def note_read(self, seconds: float, rows: int) -> None:
-        self.readahead.note_read(seconds, rows)
-
-    def load_chunk_resident(self, chunk: int) -> None:
-        self._load_chunk_resident(chunk)
+    def write_around(self, idx, mids, values, load: bool) -> None:
+        """A write too large for the hot tier (`WriteBack.write_around`); caller holds the lock."""
+        self.writeback.write_around(idx, mids, values, load)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Free the tiers (caller holds both locks, every thread stopped)."""
-        if self._loader is not None:
-            self._loader.close()
+        if self.readahead.loader is not None:
+            self.readahead.loader.close()
         self.hot.close()
         self.warm.close()
         self.np_views = {}
@@ -409,13 +333,6 @@ class Tiers:
         rowcopy.scatter(self.hot.pool_np, slots, records)
         self.hot.dirty[slots] = 1
 
-    def _snapshot_reader(self, slots: np.ndarray) -> Snapshot:
-        """Start a copy-on-write snapshot of ``slots`` (caller holds the lock and marks them
-        in flight): their records as they are now, read later in blocks (snapshot.py)."""
-        self.await_device_writes()  # rows a device is still writing are read whole
-        self.cow = {}
-        return Snapshot(self._c.lock, lambda: self.hot.pool_np, slots, self.cow)
-
     def save_cow(self, slots: np.ndarray) -> None:
         """Before overwriting rows a flush is still writing, keep their snapshot records."""
         cow = self.cow
@@ -464,7 +381,7 @@ class Tiers:
         slab = self._slab_rows(idx, missing) if reading and self.warm.slab is not None else None
         if hot.want is not None:
             # rows served from warm chunks were in memory when read: the lookahead did its work
-            self._follow_window(idx, slots, asked if slab is None else asked & ~missing, for_write)
+            self.readahead.follow_window(idx, slots, asked if slab is None else asked & ~missing, for_write)
         if slab is not None:
             return FromSlab(slots, *slab)
         if not n_miss:
@@ -472,10 +389,10 @@ class Tiers:
         mids = idsets.unique(idx[missing])
         if len(mids) > hot.limit or (for_write and len(mids) > hot.limit // 2):
             if for_write:
-                self.write_around(idx, mids, values or {}, load)
+                self.writeback.write_around(idx, mids, values or {}, load)
                 return None
         if len(mids) > hot.limit and not for_write:
-            return Direct(slots, mids, self._fetch(mids))
+            return Direct(slots, mids, self.fetch(mids))
         return self._fill_misses(idx, slots, missing, mids, load=load, for_write=for_write, values=values)
 
     def _resolve_resident(self, idx: np.ndarray) -> np.ndarray:
@@ -504,8 +421,8 @@ class Tiers:
         slots = hot.lookup(idx)
         missing = slots < 0
         asked = missing
-        if self._fetching is not None and not for_write and missing.any():
-            if self._await_prefetch(idx[missing]) is not None:
+        if self.prefetch.fetching is not None and not for_write and missing.any():
+            if self.prefetch.await_rows(idx[missing]) is not None:
                 slots = hot.lookup(idx)  # rows the prefetch brought in while we waited
                 missing = slots < 0
         n_asked = int(asked.sum())
@@ -523,8 +440,8 @@ class Tiers:
         cr = self._c.chunk_rows
         chunks = ids // cr
         rows = self.warm.rows_of(chunks, ids - chunks * cr)
-        if rows is None and self._loader is not None and len(self._loader):
-            self._adopt_loads(idsets.unique(chunks))  # chunks being read ahead: wait for them
+        if rows is None and self.readahead.loader is not None and len(self.readahead.loader):
+            self.readahead.adopt_loads(idsets.unique(chunks))  # chunks being read ahead: wait for them
             rows = self.warm.rows_of(chunks, ids - chunks * cr)
         return None if rows is None else (where, rows)
 
@@ -533,7 +450,7 @@ class Tiers:
         """Read the missing rows ``mids`` (with announced ones of coming batches) and install them
         in hot slots, evicting as needed; or serve a get without slots where that is cheaper."""
         hot = self.hot
-        ahead = self._hints_to_read(mids) if load and not for_write and self._hinted else None
+        ahead = self.readahead.hints_to_read(mids) if load and not for_write and self.readahead.hinted else None
         records, warm, ahead, ahead_records = self._fetch_misses(mids, ahead, load)
         served = None
         if not for_write and warm is not None and warm.any():
@@ -560,19 +477,19 @@ class Tiers:
                 mids, records = mids[len(got) :], records[len(got) :]
             mids, records = _with_served(mids, records, served, self._c.row_bytes)
             return Direct(hot.slot_of[idx].astype(np.int64) - 1 if len(got) else slots, mids, records)
-        got = self._allocate(len(mids), protect=slots[~missing])
+        got = self.writeback.allocate(len(mids), protect=slots[~missing])
         if len(got) < len(mids):
             # No room even after eviction (everything in flight or in use by this call).
             hot.give_back(got)
             if for_write:
-                self.write_around(idx, mids, values or {}, load)
+                self.writeback.write_around(idx, mids, values or {}, load)
                 return None
             # the rows served from warm copies join the direct read
             return Direct(slots, *_with_served(mids, records, served, self._c.row_bytes))
         hot.install(mids, got, records)
         slots = hot.slot_of[idx].astype(np.int64) - 1
         if ahead is not None and len(ahead):
-            room = self._allocate(len(ahead), protect=slots)
+            room = self.writeback.allocate(len(ahead), protect=slots)
             if len(room):
                 hot.install(ahead[: len(room)], room, ahead_records[: len(room)])
                 self._c.stats.prefetched_rows += len(room)
@@ -591,11 +508,11 @@ class Tiers:
                 if sum(f.nbytes for f in schema.fields.values()) == schema.row_bytes:  # (no padding)
                     return None, None, None, None
                 return np.zeros((len(mids), self._c.row_bytes), np.uint8), None, None, None
-            records, warm = self._fetch(mids, whole_rows=True)
+            records, warm = self.fetch(mids, whole_rows=True)
             return records, warm, None, None
         # this miss reads the announced rows of coming batches with its own
         both = idsets.union(mids, ahead)
-        records, warm = self._fetch(both, whole_rows=True)
+        records, warm = self.fetch(both, whole_rows=True)
         mine = idsets.isin(both, mids, b_sorted_unique=True)
         ahead, ahead_records, records = both[~mine], records[~mine], records[mine]
         # announced rows of warm chunks are served from those when their get comes
@@ -613,9 +530,10 @@ class Tiers:
         costs a slot's memory (the budget) and the copy in. Rows that take the general path
         (first reads of a chunk, rows in delta segments, rows on disk) are installed as before."""
         warm = self.warm
-        return (not GETS_EVICT and self.hot.want is None and self._fetching is None and not self._hinted
+        ahead = self.readahead
+        return (not GETS_EVICT and self.hot.want is None and self.prefetch.fetching is None and not ahead.hinted
                 and warm.slab is None and not warm.budget and not len(warm) and self._v.chunkrows is not None
-                and (self._loader is None or not len(self._loader)))
+                and (ahead.loader is None or not len(ahead.loader)))
 
     def _mapped_get(self, idx: np.ndarray) -> Gathered | np.ndarray | None:
         """The steady state of a get over a page-cached table (`_plain_below`): every row not
@@ -648,7 +566,7 @@ class Tiers:
         n_miss = len(idx) - n_hot
         stats = self._c.stats
         stats.stall_seconds += took
-        self._note_read(took, n_miss)
+        self.readahead.note_read(took, n_miss)
         stats.hot_misses += n_miss
         if hit is not None:
             stats.hot_hits += n_hot
@@ -674,171 +592,6 @@ class Tiers:
         scratch[chunks] = at
         return int(np.count_nonzero(scratch[chunks] == at))
 
-    def _allocate(self, n: int, protect: np.ndarray | None = None) -> np.ndarray:
-        """n free slots, evicting (and writing back) cold rows by CLOCK as needed."""
-        hot = self.hot
-        got = hot.take_free(n)
-        if len(got) < n:
-            victims = hot.victims(n - len(got), protect)
-            if len(victims):
-                try:
-                    self._evict_slots(victims)  # a failed write-back evicts nothing
-                except BaseException:
-                    hot.give_back(got)
-                    raise
-                more = hot.take_free(n - len(got))
-                got = np.concatenate([got, more])
-        return got
-
-    def _evict_slots(self, slots: np.ndarray) -> None:
-        hot = self.hot
-        d = slots[hot.dirty[slots] != 0]
-        if len(d):
-            self._write_back(hot.id_of[d], hot.pool_np[d])
-        self._c.stats.evicted_bytes += len(slots) * self._c.row_bytes
-        hot.drop(slots)
-
-    def _write_back(self, ids: np.ndarray, records: np.ndarray) -> None:
-        """Write evicted dirty rows to a pending segment (part of the next flush's version)."""
-        assert self._v.disk is not None
-        order = np.argsort(ids, kind="stable")
-        seq = self._v.take_seq()
-        self._add_pending(self._v.disk.write_segment(seq, ids[order], np.ascontiguousarray(records[order]),
-                                                   durable=False))
-
-    def _add_pending(self, seg: Any) -> None:
-        """A segment this handle just wrote without publishing it (write-back, a write around the
-        hot tier) becomes part of the rows below the hot tier: indexed, and its rows' warm chunks
-        patched (`patch_warm`). Caller holds the lock."""
-        self._v.add_pending(seg)
-        self.patch_warm(seg.ids)
-
-    def patch_warm(self, ids: np.ndarray) -> None:
-        """Rows ``ids`` (sorted) just got a new record below the hot tier, and they are hot with
-        that value (a write-back, a flush) or newer (updated since: dirty again, so they reach
-        the tier below again before they can leave the hot tier): the warm copies of their
-        chunks take the hot values and stay exact. Dropping them instead made training in
-        `ChunkShuffleSampler` order read each chunk of the window again after every write-back
-        and flush. A chunk with a row not hot (a write around the hot tier), held compressed
-        (`WarmTier.patch`), or past PATCH_BYTES of copies in one call is dropped. Caller holds the
-        lock."""
-        warm = self.warm
-        if not len(warm) or not len(ids):
-            return
-        cr = self._c.chunk_rows
-        chunks = ids // cr
-        held = idsets.isin(chunks, warm.chunks(), b_sorted_unique=True)
-        if not held.any():
-            return
-        ids, chunks = ids[held], chunks[held]
-        hot = self.hot
-        if hot.resident:
-            warm.discard_many(chunks)
-            return
-        slots = hot.slot_of[ids].astype(np.int64) - 1
-        bounds = idsets.runs(chunks)
-        room = PATCH_BYTES
-        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            c, s = int(chunks[a]), slots[a:b]
-            if room <= 0 or (s < 0).any() or not warm.patch(c, ids[a:b] - c * cr, hot.pool_np[s]):
-                warm.discard(c)
-            else:
-                room -= cr * self._c.row_bytes
-
-    def clean(self) -> None:
-        """Background write-back: turn dirty hot rows that are not recently used into clean ones.
-
-        The rows stay resident; their values go to a pending segment (part of the next flush), so
-        a later eviction of them is free. Holds the flush lock so no flush can publish a version
-        while cleaned rows are neither dirty nor in a published segment.
-        """
-        with self._v.flush_lock:
-            with self._c.lock:
-                self._v.clean_due = False
-                hot = self.hot
-                if self._c.closed or hot.resident or self._v.disk is None:
-                    return
-                slots = np.flatnonzero(hot.dirty[: hot.limit])
-                cold = slots[hot.ref[slots] == 0]
-                take = cold if len(cold) >= len(slots) // 2 else slots
-                if len(take) < max(1, hot.limit // 8):
-                    return
-                ids, take, records, seq = self.begin_write_back(take)
-            try:
-                seg = self._v.disk.write_segment(seq, ids, records, durable=False)
-            except BaseException:
-                self.end_write_back(take, seq, ok=False)
-                raise
-            with self._c.lock:
-                self.end_write_back(take, seq, ok=True)
-                self._add_pending(seg)
-                self._c.stats.cleaned_rows += len(ids)
-
-    def begin_write_back(self, slots: np.ndarray):
-        """Start writing dirty ``slots`` out (caller holds the lock): their ids sorted, a
-        copy-on-write reader of their records, a segment number. They stop being dirty and cannot
-        be evicted until `end_write_back`."""
-        hot = self.hot
-        ids = slots if hot.resident else hot.id_of[slots]
-        order = np.argsort(ids, kind="stable")
-        ids, slots = ids[order], slots[order]
-        records = self._snapshot_reader(slots)
-        hot.dirty[slots] = 0
-        hot.inflight[slots] = True
-        seq = self._v.begin_segment()  # these rows' values below the hot tier change
-        return ids, slots, records, seq
-
-    def end_write_back(self, slots: np.ndarray, seq: int, *, ok: bool) -> None:
-        """Finish `begin_write_back`; on failure the rows are dirty again (nothing is lost)."""
-        with self._c.lock:
-            if not ok:
-                self.hot.dirty[slots] = 1
-            self.hot.inflight[slots] = False
-            self.cow = None
-            self._v.end_segment(seq)
-
-    def write_around(self, idx, mids, values, load: bool) -> None:
-        """A write too large for the hot tier (or larger than one slice): staged, then applied.
-
-        Every row of the call, merged with its stored record where fields are missing, is written
-        as one pending segment (streamed in blocks: bounded temporaries); only once that file is
-        whole are resident copies updated in place. A write that fails (full disk, permissions)
-        therefore leaves no row of the call applied. Caller holds the lock.
-        """
-        hot = self.hot
-        uniq, pos = _last_of_each(idx)  # of duplicate ids the last wins
-
-        def records(a: int, b: int) -> np.ndarray:
-            ids = uniq[a:b]
-            recs = np.zeros((len(ids), self._c.row_bytes), np.uint8)
-            slots = hot.lookup(ids)
-            res = slots >= 0
-            if res.any():
-                recs[res] = hot.pool_np[slots[res]]
-            if load and not res.all():
-                recs[~res] = self._fetch(ids[~res])
-            rec_t = torch.from_numpy(recs)
-            p = torch.from_numpy(pos[a:b])
-            for n, v in values.items():
-                self._c.schema.view(rec_t, n)[:] = v[p]
-            return recs
-
-        seq = self._v.take_seq()
-        # a write that fails raises here, with nothing applied
-        self._add_pending(self._disk.write_segment(seq, uniq, records, durable=False))
-        # Resident copies take the write too (the hot tier is read first); they stay dirty. In
-        # call order, a slice at a time: of duplicate ids the last still wins, temporaries stay small.
-        for a in range(0, len(idx), SLICE_ROWS):
-            slots = hot.lookup(idx[a : a + SLICE_ROWS])
-            res = slots >= 0
-            if res.any():
-                if self.cow is not None:
-                    self.save_cow(slots[res])
-                at = torch.from_numpy(np.flatnonzero(res) + a)
-                for n, v in values.items():
-                    self.np_views[n][slots[res]] = to_np(v[at])
-                hot.dirty[slots[res]] = 1
-
     def _load_resident(self, miss: np.ndarray) -> None:
         """Bring rows ``miss`` of a memory-mode table into its pool: their chunks whole, once (with
         `ROWS_ON_FIRST_TOUCH`, rows of chunks never written anywhere are made one by one from their
@@ -863,33 +616,33 @@ class Tiers:
             self.hot.mark_rows(rows)
         self._c.stats.stall_seconds += time.perf_counter() - t0
 
-    def _load_chunk_resident(self, chunk: int) -> None:
+    def load_chunk_resident(self, chunk: int) -> None:
         t0 = time.perf_counter()
         self.hot.fill_chunk(chunk, self._below(chunk))
         self._c.stats.stall_seconds += time.perf_counter() - t0
 
     # ---- the miss path: one plan per batch, vectorised reads ----------------------------------
-    def _fetch(self, ids: np.ndarray, whole_rows: bool = False):
+    def fetch(self, ids: np.ndarray, whole_rows: bool = False):
         """Records of sorted unique ``ids`` from the warm tier or disk. Caller holds the lock.
 
         ``whole_rows``: return (records, which rows came from chunks held whole: a warm copy, or
         a chunk read whole just now and kept warm, so that a later read finds it there too)."""
         t0 = time.perf_counter()
-        if self._loader is not None and len(self._loader):
+        if self.readahead.loader is not None and len(self.readahead.loader):
             # what was read ahead is taken in (the plan finds it warm), without waiting: chunks
             # still in flight that this get needs were waited for in `resolve`; others (rows
             # read around the hot tier) are read here as usual
-            self._adopt_loads()
+            self.readahead.adopt_loads()
         self.warm.pin()  # the plan's warm copies stay put until read
         try:
-            plan = self._plan_below(ids)
-            records, whole = self._read_below(plan)
+            plan = self.plan_below(ids)
+            records, whole = self.read_below(plan)
         finally:
             self.warm.unpin()
-        self._c.stats.cold_reads += self._chunks_read(plan)
+        self._c.stats.cold_reads += self.chunks_read(plan)
         took = time.perf_counter() - t0
         self._c.stats.stall_seconds += took
-        self._note_read(took, len(ids))
+        self.readahead.note_read(took, len(ids))
         if self.warm.budget:
             for c, recs in whole:
                 self.warm.put(c, recs)
@@ -901,8 +654,8 @@ class Tiers:
                 mask[a:b] = True
         return records, mask
 
-    def _moved_since(self, plan: tuple) -> np.ndarray:
-        """For each row of a `_plan_below` plan: has its newest record below the hot tier moved
+    def moved_since(self, plan: tuple) -> np.ndarray:
+        """For each row of a `plan_below` plan: has its newest record below the hot tier moved
         since (a write-back or flush wrote a newer one)? Caller holds the lock. Every change of a
         row below the hot tier writes a new record (records are never modified in place), so a
         row whose record is where the plan found it still has the value that was read."""
@@ -930,7 +683,7 @@ class Tiers:
             moved[a:b] = True
         return moved
 
-    def _will_need(self, plan: tuple) -> None:
+    def will_need(self, plan: tuple) -> None:
         """Before a prefetch reads its base-chunk rows one run at a time, ask the kernel for all
         their blocks at once (``posix_fadvise(WILLNEED)`` starts the reads and returns): a cold
         batch then waits about one disk latency, not one per row."""
@@ -941,7 +694,7 @@ class Tiers:
             self._v.chunkrows.will_need(c, ids[base] - c * self._c.chunk_rows, gens[base])
 
     @staticmethod
-    def _chunks_read(plan: tuple) -> int:
+    def chunks_read(plan: tuple) -> int:
         """Chunks a plan reads below the hot tier (the ``cold_reads`` count): every chunk of its
         rows except those served by a warm copy."""
         chunks, whole = plan[1], plan[6]
@@ -950,7 +703,7 @@ class Tiers:
         n = 1 + int(np.count_nonzero(chunks[1:] != chunks[:-1]))
         return n - sum(1 for w in whole if w[3] is not None)
 
-    def _plan_below(self, ids: np.ndarray) -> tuple:
+    def plan_below(self, ids: np.ndarray) -> tuple:
         """Where the records of sorted unique ``ids`` live below the hot tier (caller holds the lock).
 
         One lookup in the row index finds every id's newest delta record; the rest come from base
@@ -958,7 +711,7 @@ class Tiers:
         and chunks most of whose rows are wanted when there is a warm tier to keep them in, are
         read whole. The plan names only files whose bytes it reads never change (a delta record
         it names is punched only after every read planned before its round ended: holes.py), so
-        `_read_below` runs without the lock.
+        `read_below` runs without the lock.
         """
         cr = self._c.chunk_rows
         chunks = ids // cr
@@ -1001,8 +754,8 @@ class Tiers:
         self._v.chunkrows_reader()
         return ids, chunks, seg, pos, gens, (rows.segs if rows is not None else []), whole
 
-    def _read_below(self, plan: tuple, mapped: bool = True) -> tuple[np.ndarray, list]:
-        """Run a `_plan_below` plan: (records of its ids, [(chunk, records)] read whole).
+    def read_below(self, plan: tuple, mapped: bool = True) -> tuple[np.ndarray, list]:
+        """Run a `plan_below` plan: (records of its ids, [(chunk, records)] read whole).
 
         Touches no mutable store state (the prefetch thread runs it without the lock): rows of
         base chunks are gathered from maps of their files (``mapped``; else read with io_uring,
@@ -1019,7 +772,7 @@ class Tiers:
             for c, a, b, cached, layout in whole:
                 sparse[a:b] = False
                 if cached is None:
-                    cached = self._read_chunk_below(c, *layout)
+                    cached = self.read_chunk_below(c, *layout)
                     read_whole.append((c, cached))
                 # into its place in ``out``, without a temporary
                 cached.reshape(-1, rb).take(local[a:b], axis=0, out=out[a:b])
@@ -1045,7 +798,7 @@ class Tiers:
                               self._v.chunkrows.cache_counts if self._v.chunkrows is not None else None)
         return out, read_whole
 
-    def _read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
+    def read_chunk_below(self, chunk: int, gen: int, delta: tuple | None) -> np.ndarray:
         """A whole chunk's records from a `Layout.layout_of` snapshot; touches no mutable store state."""
         rows = min(self._c.chunk_rows, self._c.num_rows - chunk * self._c.chunk_rows)
         recs = self._disk.read_chunk(chunk, gen) if gen else self._c.init_records(chunk, rows)
@@ -1060,103 +813,11 @@ class Tiers:
         cached = self.warm.get(chunk)
         if cached is not None:
             return cached.reshape(rows, self._c.row_bytes)
-        recs = self._read_chunk_below(chunk, *self._v.layout_of(chunk))
+        recs = self.read_chunk_below(chunk, *self._v.layout_of(chunk))
         self._c.stats.cold_reads += 1
         if self.warm.budget:
             self.warm.put(chunk, recs)
         return recs
-
-    def evict(self, nbytes: int) -> int:
-        """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""
-        nbytes = cast(int, budget(nbytes, "nbytes", allow_none=False))
-        freed = 0
-        with self._c.lock:
-            if self._c.closed:
-                raise StoreClosedError("this EmbeddingStore was closed during evict()")
-            freed += self.warm.shrink(max(0, self.warm.nbytes - nbytes))
-            if freed >= nbytes or self._v.disk is None:
-                return freed
-            hot = self.hot
-            if hot.resident:
-                held = hot.loaded if hot.row_count is None else hot.loaded | (hot.row_count > 0)
-                for c in np.flatnonzero(held).tolist():
-                    if freed >= nbytes:
-                        break
-                    lo, hi = hot.chunk_range(c)
-                    if hot.inflight[lo:hi].any():
-                        continue
-                    rows = hi - lo if hot.loaded[c] else int(hot.row_count[c])  # type: ignore[index]
-                    d = np.flatnonzero(hot.dirty[lo:hi]) + lo
-                    if len(d):
-                        self._write_back(d, hot.pool_np[d])
-                    hot.unload_chunk(c)
-                    freed += rows * self._c.row_bytes
-            else:
-                per = self._c.row_bytes + SLOT_OVERHEAD
-                want = min(hot.used, -(-(nbytes - freed) // per))
-                victims = hot.victims(want)
-                if len(victims) < want:  # everything was recently used: take any idle slot
-                    occ = np.flatnonzero((hot.id_of[: hot.limit] >= 0) & ~hot.inflight[: hot.limit])
-                    victims = idsets.unique(np.concatenate([victims, occ[: want]]))[:want]
-                self._evict_slots(victims)
-                freed += len(victims) * per
-        return freed
-
-    def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
-        """Change the budgets at run time (a lower budget evicts at once). None keeps a budget.
-
-        Waits for a flush or background write-back in progress (rows they write cannot move)."""
-        if warm_bytes is not None:
-            budget(warm_bytes, "warm_bytes", allow_none=False)
-        if hot_bytes is not None:
-            budget(hot_bytes, "hot_bytes", allow_none=False)
-        with self._v.flush_lock, self._c.lock:
-            if self._c.closed:
-                raise StoreClosedError("this EmbeddingStore was closed during set_budget()")
-            if warm_bytes is not None:
-                if self._loader is not None:  # reads ahead land in the slab the new budget replaces
-                    self._loader.cancel()
-                self.warm.budget = cast(int, budget(warm_bytes, "warm_bytes", allow_none=False))
-                self.warm.shrink(self.warm.budget)
-            if hot_bytes is None:
-                return
-            hot_bytes = cast(int, budget(hot_bytes, "hot_bytes", allow_none=False))
-            hot = self.hot
-            if hot.resident:
-                over = hot.nbytes() - hot_bytes
-                if over > 0:
-                    self.evict(over)
-                return
-            slots = max(1, hot_bytes // (self._c.row_bytes + SLOT_OVERHEAD))
-            if slots < hot.limit:
-                tail = np.flatnonzero(hot.id_of[slots : hot.limit] >= 0) + slots
-                if hot.inflight[tail].any():  # not while holding the writer lock; kept as a guard
-                    raise StoreBusyError(
-                        "set_budget() cannot shrink the hot tier while a flush is writing; retry after it"
-                    )
-                self._evict_slots(tail)
-                hot.set_limit(slots)
-            else:
-                hot.grow_limit(slots)
-            self.hot_budget = hot_bytes
-
-def _last_of_each(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct ids of ``idx`` and the position of each one's last occurrence.
-
-    A stable sort keeps equal ids in call order, so the last of each run is the last write. Peak
-    temporaries: about 20 bytes per id (`np.unique(..., return_index=True)` on the reversed ids,
-    which this replaces, took about 40)."""
-    if not len(idx):
-        return idx[:0].copy(), np.zeros(0, np.int64)
-    order = np.argsort(idx, kind="stable")
-    srt = idx[order]
-    last = np.empty(len(srt), bool)
-    last[-1] = True
-    np.not_equal(srt[1:], srt[:-1], out=last[:-1])
-    uniq = srt[last]
-    del srt
-    return uniq, order[last]
-
 
 def _with_served(mids: np.ndarray, records: np.ndarray, served: tuple | None,
                  row_bytes: int) -> tuple[np.ndarray, np.ndarray]:

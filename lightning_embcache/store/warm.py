@@ -328,7 +328,7 @@ class WarmTier:
         allowance) and keeping it raw instead grew it past the budget's slack, dropping the
         decompressed copies of other chunks. A reader of the store's own may be reading the copy
         meanwhile: rows read from whole chunks are always read again under the lock before use
-        (`Tiers._moved_since`). True when done or the chunk is not held; False when it is
+        (`Tiers.moved_since`). True when done or the chunk is not held; False when it is
         held compressed (the caller drops it instead)."""
         item = self._items.get(chunk)
         if item is None:

@@ -106,7 +106,7 @@ def test_kernels_queued_in_a_writing_block_mark_rows_dirty_and_keep_a_flush_snap
         slots = np.flatnonzero(store._tiers.hot.dirty)
         assert set(slots.tolist()) == {2, 4, 6}
         store._tiers.hot.inflight[slots] = True
-        read = store._tiers._snapshot_reader(slots)
+        read = store._tiers.writeback._snapshot_reader(slots)
     late = device_step(2.0)  # the next step, while the flush writes: its old rows are saved
     late.synchronize()  # the device ran it
     with store._core.lock:

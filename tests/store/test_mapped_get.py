@@ -27,8 +27,8 @@ HOT = 96 * (ROW + 11)
 def _count_general_reads(monkeypatch) -> list:
     """Calls of the general miss path (a plan below the hot tier)."""
     calls: list = []
-    real = tiers.Tiers._plan_below
-    monkeypatch.setattr(tiers.Tiers, "_plan_below", lambda self, ids: calls.append(len(ids)) or real(self, ids))
+    real = tiers.Tiers.plan_below
+    monkeypatch.setattr(tiers.Tiers, "plan_below", lambda self, ids: calls.append(len(ids)) or real(self, ids))
     return calls
 
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store.tiers import SLICE_ROWS, _last_of_each
+from lightning_embcache.store.tiers import SLICE_ROWS
+from lightning_embcache.store.writeback import _last_of_each
 
 PROBE = Path(__file__).with_name("_huge_call_probe.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ def test_prefetch_read_before_a_compaction_is_not_installed(shm_path):
     so only the chunk's new generation tells that the value read is stale."""
     table = _store(shm_path / "s")
     with EmbeddingStore.open(shm_path / "s", hot_bytes=64 * (DIM * 4 + 32)) as s:
-        read_below = s._tiers._read_below
+        read_below = s._tiers.read_below
         new = torch.full((1, DIM), 7.0)
 
         def racing_read(plan, **kw):
@@ -35,9 +35,9 @@ def test_prefetch_read_before_a_compaction_is_not_installed(shm_path):
             s.compact()  # folded into a new generation of chunk 0
             return out
 
-        s._tiers._read_below = racing_read
+        s._tiers.read_below = racing_read
         s._tiers.prefetch.prefetch_once(np.array([5]))
-        s._tiers._read_below = read_below
+        s._tiers.read_below = read_below
         assert torch.equal(s.get(torch.tensor([5])), new)
         assert not torch.equal(new, table[5:6])
 

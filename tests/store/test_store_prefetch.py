@@ -204,11 +204,11 @@ def test_a_whole_chunk_read_during_a_write_back_never_serves_stale_rows(shm_path
             return disk_write(*args, **kwargs)
 
         s._versions.disk.write_segment = slow_write
-        cleaner = threading.Thread(target=s._tiers.clean)
+        cleaner = threading.Thread(target=s._tiers.writeback.clean)
         cleaner.start()
         assert begun.wait(10)
         s._versions.disk.write_segment = disk_write
-        real_read = s._tiers._read_below
+        real_read = s._tiers.read_below
 
         def read_then_let_the_write_back_finish(plan, **kw):
             out = real_read(plan, **kw)  # the whole chunk, with the rows' values before the write-back
@@ -216,11 +216,11 @@ def test_a_whole_chunk_read_during_a_write_back_never_serves_stale_rows(shm_path
             cleaner.join(10)  # segment written and indexed before the prefetch installs
             return out
 
-        s._tiers._read_below = read_then_let_the_write_back_finish
+        s._tiers.read_below = read_then_let_the_write_back_finish
         rest = torch.arange(chunk * CHUNK + 100, (chunk + 1) * CHUNK)  # not hot: read whole
         s.prefetch(rest)
         _wait_prefetched_or_dropped(s)
-        s._tiers._read_below = real_read
+        s._tiers.read_below = real_read
         assert not cleaner.is_alive()
         s.set_budget(hot_bytes=ROW_BYTES + 11)  # the rows leave the hot tier (clean: nothing written)
         assert read_done.is_set()  # the prefetch read the chunk while the write-back ran

@@ -9,7 +9,7 @@ from _store_helpers import assert_bitwise_equal, compacted_store
 from torch.utils.data import BatchSampler
 
 from lightning_embcache import ChunkShuffleSampler, EmbeddingStore
-from lightning_embcache.store import tiers
+from lightning_embcache.store import writeback
 
 N, DIM, CHUNK = 8192, 16, 256
 ROW = DIM * 4
@@ -33,7 +33,7 @@ def test_a_flush_keeps_the_warm_copy_of_the_chunks_it_writes(shm_path):
 
 
 def test_past_the_patch_budget_warm_copies_are_dropped_and_reads_stay_right(shm_path, monkeypatch):
-    monkeypatch.setattr(tiers, "PATCH_BYTES", CHUNK * ROW)  # one chunk's copy per write
+    monkeypatch.setattr(writeback, "PATCH_BYTES", CHUNK * ROW)  # one chunk's copy per write
     table = compacted_store(shm_path / "s", N, DIM, CHUNK)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=2048 * (ROW + 11), warm_bytes=8 * CHUNK * ROW) as s:
         ids = torch.arange(0, 4 * CHUNK)

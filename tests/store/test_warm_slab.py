@@ -23,8 +23,8 @@ ROW = DIM * 4
 
 def _count_plans(monkeypatch) -> list:
     calls: list = []
-    real = tiers.Tiers._plan_below
-    monkeypatch.setattr(tiers.Tiers, "_plan_below", lambda self, ids: (calls.append(len(ids)), real(self, ids))[1])
+    real = tiers.Tiers.plan_below
+    monkeypatch.setattr(tiers.Tiers, "plan_below", lambda self, ids: (calls.append(len(ids)), real(self, ids))[1])
     return calls
 
 
