@@ -1194,9 +1194,12 @@ class Disk:
         remove_temp: bool,
         keep_files: Set[tuple[int, int]] = frozenset(),
         pool: bool = False,
+        stop: Callable[[], bool] = lambda: False,
     ) -> list[tuple[int, int]]:
         """Delete files no kept version uses (crash leftovers, compacted deltas); return the
         (chunk, gen) base files moved into `pool` for reuse instead (``pool``: while it has room).
+        ``stop()`` is asked before each file goes: once it says True nothing more is deleted (a
+        store that met damage keeps every file from that moment, even mid-collection).
 
         ``keep_segments``/``keep_gens``/``keep_files`` ((chunk, gen) pairs) protect what the live
         store uses or is writing right now; temporary files are only removed when no write of this
@@ -1210,6 +1213,8 @@ class Disk:
         pooled: list[tuple[int, int]] = []
 
         def drop(p: Path) -> None:
+            if stop():
+                return
             try:  # a symlink is removed itself, never its target
                 fileio.unlink(p.name, self._dir_fd(p), p)
             except OSError:  # deleted concurrently, or refused: garbage stays for the next collection
@@ -1238,7 +1243,8 @@ class Disk:
                         continue  # not a store file: never ours to delete
                     gen = int(m.group(2))
                     key = (int(m.group(1)), gen)
-                    if gen < new_gen and gen not in gens and key not in files and self.retire_chunk(*key, pool=pool):
+                    if (gen < new_gen and gen not in gens and key not in files and not stop()
+                            and self.retire_chunk(*key, pool=pool)):
                         pooled.append(key)
                 elif (m := CHUNKMAP_RE.match(name)) is not None:
                     gen = int(m.group(1))

@@ -244,6 +244,7 @@ class Garbage:
             remove_temp=at_open,
             keep_files=live_files,
             pool=pool,
+            stop=lambda: v.damage is not None,  # damage met while this collection runs: keep the rest
         )
         if pooled:
             self._forget(pooled)

@@ -97,3 +97,40 @@ def test_a_dropped_healthy_handle_is_released_by_the_garbage_collector(tmp_path)
     for i in range(5):
         with EmbeddingStore.open(tmp_path / f"s{i}"):
             pass
+
+
+class _DamageAtFirstUnlink(Recorder):
+    """Damage met by another thread at the moment the collection deletes its first file."""
+
+    def __init__(self, versions) -> None:
+        super().__init__()
+        self.versions = versions
+
+    def before(self, op, name) -> None:
+        if self.armed and op == "unlink":
+            self.ops.append((op, str(name)))
+            if self.versions.damage is None:
+                self.versions.damage = CorruptStoreError(str(name), "damaged (the test's)")
+
+
+def test_damage_met_during_a_collection_stops_it_at_the_next_file(tmp_path, monkeypatch):
+    s = EmbeddingStore.create(tmp_path / "s", N, DIM, chunk_rows=CHUNK, hot_bytes=HOT)
+    for k in range(12):  # twelve segments over many chunks: garbage once folded
+        ids = torch.arange(k % 3, N, 11)
+        s.update(ids, torch.full((len(ids), DIM), float(k)))
+        s.flush()
+    garbage = s._versions.garbage
+    rec = _DamageAtFirstUnlink(s._versions)
+    monkeypatch.setattr(fileio, "FAULTS", rec)
+    with monkeypatch.context() as m:  # the pass folds and leaves its garbage; this test collects it
+        m.setattr(garbage, "collect_replaced", lambda *a, **k: False)
+        m.setattr(garbage, "collect_locked", lambda *a, **k: None)
+        s.compact()
+    before = set((tmp_path / "s" / "segments").iterdir())
+    assert len(before) >= 3  # files to delete
+    rec.armed = True
+    garbage.collect_locked(s._versions.disk, at_open=False)
+    assert len(rec.ops) == 1, rec.ops  # the file being deleted when the damage was met, and no other
+    assert len(before - set((tmp_path / "s" / "segments").iterdir())) <= 1
+    s._versions.damage = None
+    s.close()
