@@ -263,7 +263,7 @@ class EmbeddingStore:
         core.closed = False
         _LIVE.add(self)
         if root is not None and not readonly:
-            versions.maybe_compact()  # many short runs must not pile up segments no flush compacts
+            versions.compaction.maybe_compact()  # many short runs must not pile up segments no flush compacts
         if not readonly:
             tiers.start_filling()
 
@@ -438,7 +438,7 @@ class EmbeddingStore:
         if self._dirty_estimate > self._tiers.hot.limit // 2:
             self._dirty_estimate = 0
             self._versions.clean_due = True
-            self._versions.submit_bg("clean")
+            self._versions.bg.submit("clean")
 
     # ------------------------------------------------------------------ whole records (trainers)
     def record_view(self, records: torch.Tensor, name: str) -> torch.Tensor:
@@ -818,7 +818,7 @@ class EmbeddingStore:
         t0 = time.perf_counter()
         self._check_usable(write=True)
         n = growth.check_rows(self, num_rows)
-        self._versions.raise_bg_error()
+        self._versions.bg.raise_error()
         if n == self._core.num_rows:
             return
         growth.grow(self, n)
@@ -827,7 +827,7 @@ class EmbeddingStore:
     def _wait_bg(self) -> None:
         """Wait for the background jobs queued so far (write-back, compaction, garbage collection):
         for tools and tests that report what stays once they are done."""
-        self._versions.wait_bg()
+        self._versions.bg.wait()
 
     def _reopen_settings(self) -> dict:
         """The constructor's arguments that reopen this store as it is (`grow`)."""
@@ -850,7 +850,7 @@ class EmbeddingStore:
             s.table_bytes = c.num_rows * c.row_bytes
             s.io_wait_seconds = self._io_wait
             disk = versions.disk if not c.closed else None
-            fold = versions.fold_proc
+            fold = versions.compaction.fold_proc
         if fold is not None and fold.base_rss:  # /proc reads: outside the lock
             s.compaction_process_rss_bytes = max(0, fold.peak_rss() - fold.base_rss)
         # a scan of the store's folders: outside the lock, which get/update need every step
@@ -888,7 +888,7 @@ class EmbeddingStore:
             return
         self._await_device_writes()  # a device still writing the table finishes before it is freed
         self._tiers.stop_prefetch()
-        self._versions.stop_threads()
+        self._versions.bg.stop()
         self._tiers.stop_fill()
 
     def _close_files(self) -> None:
