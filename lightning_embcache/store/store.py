@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,6 +24,7 @@ import torch
 from . import creation, foldproc, growth, rowcopy
 from .core import InitFn, StoreCore
 from .creation import StridedNormal, strided_normal_spec
+from .device_access import DeviceAccess, Guarded
 from .disk import Disk
 from .errors import (
     CorruptStoreError,
@@ -255,6 +256,7 @@ class EmbeddingStore:
         warm = WarmTier(warm_bytes if root is not None else 0, core.chunk_rows, core.row_bytes, core.num_chunks)
         tiers = self._tiers = Tiers(core, versions, hot, warm, hot_bytes)
         versions.attach(tiers)
+        self._device_access = DeviceAccess(core, tiers, cast(Guarded, weakref.proxy(self)))  # device_access.py
         # memory mode's per-step paths read these instead of walking the schema on every call
         self._weight_np = tiers.np_views["weight"]
         self._weight_t = torch.from_numpy(self._weight_np)
@@ -415,20 +417,6 @@ class EmbeddingStore:
         self._core.stats.updates += 1
         self._waited(t0)
 
-    def _resident_rows(self, idx: np.ndarray) -> bool:
-        """Memory mode: make sure rows ``idx`` (validated) are in the pool, whose slots are the
-        ids, making those not made yet; False in disk mode. Caller holds the lock. O(batch): a
-        table touched only in part keeps the one-gather paths."""
-        hot = self._tiers.hot
-        if not hot.resident:
-            return False
-        if not hot.all_loaded:  # checked a slice at a time: a huge batch's temporaries stay bounded
-            for a in range(0, len(idx), SLICE_ROWS):
-                part = idx[a : a + SLICE_ROWS]
-                if hot.lookup(part) is not part:
-                    self._tiers.resolve(part, load=True)
-        return True
-
     def _note_dirty(self, n: int) -> None:
         """Keep evictions cheap for the training thread: once about half the hot slots may be
         dirty, write the cold ones back in the background (disk mode; caller holds the lock)."""
@@ -497,7 +485,7 @@ class EmbeddingStore:
         if self._tiers.hot.resident:  # memory mode: the rows' pool slots are their ids, once made
             with self._core.lock:
                 self._core.check_open()
-                self._resident_rows(idx)
+                self._device_access.resident_rows(idx)
                 rowcopy.gather(self._tiers.hot.pool_np, idx, dest)
         else:  # rows to bring in first: whole records through the tiers, in slices (bounded memory)
             step = len(idx) if self._tiers.hot.resident else SLICE_ROWS
@@ -539,7 +527,7 @@ class EmbeddingStore:
         else:
             with self._core.lock:
                 self._core.check_open()
-                if self._tiers.cow is None and self._resident_rows(idx):
+                if self._tiers.cow is None and self._device_access.resident_rows(idx):
                     rowcopy.scatter(self._tiers.hot.pool_np, idx, records.numpy())
                     self._tiers.hot.dirty[idx] = 1
                 else:  # whole records through the tiers: no field-by-field path
@@ -548,86 +536,25 @@ class EmbeddingStore:
         self._core.stats.updates += 1
         self._waited(t0)
 
-    # Trusted record copies for the device tier's own rows (ids it validated, unique; weights it
-    # checked with one sum). Each is one copy that releases the GIL once: a background thread beside
-    # a busy training thread waits for the GIL after every release. False: not in memory mode's
-    # steady state; nothing was done, use read_records/write_records.
+    # The resident table used in place (device_access.py): the trusted record copies of the device
+    # tier's own rows and a device's reads and writes. The layers over the store call these names.
     def _read_records_trusted(self, idx: torch.Tensor, out: torch.Tensor) -> bool:
-        t0 = time.perf_counter()
-        self._check_usable()
-        with self._core.lock:
-            if self._core.closed or not self._resident_rows(idx.numpy()):
-                return False
-            torch.index_select(self._tiers.hot.pool, 0, idx, out=out)  # bounds-checked, intra-op threads
-        self._core.stats.gets += 1
-        self._waited(t0)
-        return True
+        return self._device_access.read_trusted(idx, out)
 
     def _write_records_trusted(self, idx: torch.Tensor, records: torch.Tensor) -> bool:
-        t0 = time.perf_counter()
-        self._check_usable(write=True)
-        with self._core.lock:
-            i = idx.numpy()
-            if self._core.closed or self._tiers.cow is not None or not self._resident_rows(i):
-                return False
-            self._tiers.hot.pool_np[i] = records.numpy()
-            self._tiers.hot.dirty[i] = 1
-        self._core.stats.updates += 1
-        self._waited(t0)
-        return True
+        return self._device_access.write_trusted(idx, records)
 
-    # ------------------------------------------------------------------ a device writing the table
     def _resident_table(self) -> torch.Tensor | None:
-        """Memory mode: the ``(num_rows, row_bytes)`` host tensor holding every record at its id,
-        which a device may read and write in place (`mapped_host`); None in disk mode."""
-        if self._core.closed or self._core.readonly or not self._tiers.hot.resident:
-            return None
-        return self._tiers.hot.pool
+        return self._device_access.table()
 
     def _device_write(self, idx: np.ndarray, enqueue: Callable[[], Any]) -> bool:
-        """Let a device write the records of validated ``idx`` into `_resident_table` in place.
+        return self._device_access.write(idx, enqueue)
 
-        Under the lock: refuses (False, nothing done) while a flush is copying rows out (its
-        snapshot must not change under it) or in disk mode; else makes the rows if needed, marks
-        them dirty and calls ``enqueue()``, which queues the device's write and returns an object
-        whose ``synchronize()`` waits for it. Host reads of the table wait for it first
-        (`_await_device_writes`), so no reader sees a row half written.
-        """
-        self._check_state(write=True)  # no wait: the device orders its own writes
-        with self._core.lock:
-            if self._core.closed or self._tiers.cow is not None or not self._tiers.hot.resident:
-                return False
-            with self._device_writing(idx) as queued:
-                queued(enqueue())
-        return True
-
-    @contextlib.contextmanager
-    def _device_writing(self, idx: np.ndarray) -> Iterator[Callable[[Any], None]]:
-        """Queue device kernels that write the records of validated ``idx`` in `_resident_table`
-        inside this block; pass the object whose ``synchronize()`` waits for them to the callable
-        it yields. Under the lock: rows a flush is still copying out are saved first (its snapshot
-        stays one moment), the rows are dirty afterwards, and host reads wait for the kernels."""
-        self._check_state(write=True)
-        with self._core.lock:
-            if self._core.closed:
-                raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
-            self._resident_rows(idx)  # made first: making them later would overwrite the device's rows
-            if self._tiers.cow is not None:
-                self._tiers.save_cow(idx)
-            queued: list[Any] = []
-            yield queued.append
-            if queued:
-                self._tiers.device_pending = queued[-1]
-            self._tiers.hot.dirty[idx] = 1
-        self._core.stats.updates += 1
+    def _device_writing(self, idx: np.ndarray) -> contextlib.AbstractContextManager[Callable[[Any], None]]:
+        return self._device_access.writing(idx)
 
     def _device_read(self, idx: np.ndarray) -> bool:
-        """Whether a device may read the records of validated ``idx`` from `_resident_table` now
-        (memory mode; rows not made yet are made first). The device orders its reads after its
-        own writes; the host writes nothing to these rows meanwhile but `update` calls."""
-        self._check_state()
-        with self._core.lock:
-            return not self._core.closed and self._resident_rows(idx)
+        return self._device_access.read(idx)
 
     def _await_device_writes(self) -> None:
         """Wait for the device writes queued into the table so far (`_device_write`)."""
