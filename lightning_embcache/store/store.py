@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import creation, foldproc, growth, rowcopy
+from . import creation, foldproc, growth
 from .core import InitFn, StoreCore
 from .creation import StridedNormal, strided_normal_spec
 from .device_access import DeviceAccess, Guarded
@@ -35,8 +35,9 @@ from .errors import (
     StoreClosedError,
 )
 from .hot import SLOT_OVERHEAD, HotTier
+from .records import Records, Trainer
 from .schema import DTYPES, Schema
-from .stats import StoreStats
+from .stats import StoreStats, snapshot
 from .tiers import SLICE_ROWS, Direct, FromSlab, Gathered, Tiers, to_np
 from .validate import (
     MAX_CHUNK_ROWS,
@@ -256,7 +257,9 @@ class EmbeddingStore:
         warm = WarmTier(warm_bytes if root is not None else 0, core.chunk_rows, core.row_bytes, core.num_chunks)
         tiers = self._tiers = Tiers(core, versions, hot, warm, hot_bytes)
         versions.attach(tiers)
-        self._device_access = DeviceAccess(core, tiers, cast(Guarded, weakref.proxy(self)))  # device_access.py
+        me = weakref.proxy(self)  # the parts hold the store weakly: it holds them
+        self._device_access = DeviceAccess(core, tiers, cast(Guarded, me))  # device_access.py
+        self._records = Records(core, tiers, self._device_access, cast(Trainer, me))  # records.py
         # memory mode's per-step paths read these instead of walking the schema on every call
         self._weight_np = tiers.np_views["weight"]
         self._weight_t = torch.from_numpy(self._weight_np)
@@ -455,86 +458,14 @@ class EmbeddingStore:
         fields are read through `record_view`. ``out``: a contiguous CPU uint8 tensor of that
         shape to fill (e.g. pinned memory on its way to a GPU); default: a new one.
         """
-        t0 = time.perf_counter()
-        self._check_usable()
-        idx = self._valid_ids(ids)
-        shape = (len(idx), self._core.row_bytes)
-        if out is not None and (
-            type(out) is not torch.Tensor
-            or out.dtype != torch.uint8
-            or out.is_cuda
-            or tuple(out.shape) != shape
-            or not out.is_contiguous()
-        ):
-            raise InvalidArgumentError(
-                f"out must be a contiguous CPU uint8 tensor of shape {shape}; got "
-                f"{getattr(out, 'dtype', type(out).__name__)} of shape "
-                f"{tuple(getattr(out, 'shape', ()))}"
-            )
-        if out is None and not self._tiers.hot.resident and len(idx) <= SLICE_ROWS:
-            # disk mode, one slice: the tiers' gather of whole records is the result (no copy)
-            with self._core.lock:
-                self._core.check_open()
-                out = torch.from_numpy(self._tiers.records_into(idx))
-            self._core.stats.gets += 1
-            self._waited(t0)
-            return out
-        if out is None:
-            out = torch.empty(shape, dtype=torch.uint8)
-        dest = out.numpy()
-        if self._tiers.hot.resident:  # memory mode: the rows' pool slots are their ids, once made
-            with self._core.lock:
-                self._core.check_open()
-                self._device_access.resident_rows(idx)
-                rowcopy.gather(self._tiers.hot.pool_np, idx, dest)
-        else:  # rows to bring in first: whole records through the tiers, in slices (bounded memory)
-            step = len(idx) if self._tiers.hot.resident else SLICE_ROWS
-            for a in range(0, len(idx), max(step, 1)):
-                with self._core.lock:
-                    self._core.check_open()
-                    self._tiers.records_into(idx[a : a + step], dest[a : a + step])
-        self._core.stats.gets += 1
-        self._waited(t0)
-        return out
+        return self._records.read(ids, out)
 
     def write_records(self, ids: Any, records: torch.Tensor) -> None:
         """Write whole records (from `read_records`, changed in place) back; each id at most once.
 
         The weights are checked for NaN/Inf as `update` checks them (``check_finite``).
         """
-        t0 = time.perf_counter()
-        self._check_usable(write=True)
-        idx = self._valid_ids(ids)
-        if (
-            type(records) is not torch.Tensor
-            or records.dtype != torch.uint8
-            or records.is_cuda
-            or tuple(records.shape) != (len(idx), self._core.row_bytes)
-        ):
-            raise InvalidArgumentError(
-                f"records must be a CPU uint8 tensor of shape ({len(idx)}, {self._core.row_bytes}) from "
-                f"read_records(); got {getattr(records, 'dtype', type(records).__name__)} of shape "
-                f"{tuple(getattr(records, 'shape', ()))}"
-            )
-        w = self._core.schema.view(records, "weight")
-        if self._core.check_finite and len(idx):
-            as_values(w.contiguous(), len(idx), self._core.dim, self._core.dtype, arg="records (weight)",
-                      check_finite=True)
-        big = not self._tiers.hot.resident and len(idx) > SLICE_ROWS
-        if big:  # staged as one pending segment, all or nothing (see update_fields)
-            self.update_fields(idx, {n: self._core.schema.view(records, n) for n in self._core.schema.names})
-            self._core.stats.updates -= 1  # counted once, below
-        else:
-            with self._core.lock:
-                self._core.check_open()
-                if self._tiers.cow is None and self._device_access.resident_rows(idx):
-                    rowcopy.scatter(self._tiers.hot.pool_np, idx, records.numpy())
-                    self._tiers.hot.dirty[idx] = 1
-                else:  # whole records through the tiers: no field-by-field path
-                    self._tiers.write_records_into(idx, records.numpy())
-                    self._note_dirty(len(idx))
-        self._core.stats.updates += 1
-        self._waited(t0)
+        self._records.write(ids, records)
 
     # The resident table used in place (device_access.py): the trusted record copies of the device
     # tier's own rows and a device's reads and writes. The layers over the store call these names.
@@ -581,18 +512,8 @@ class EmbeddingStore:
         self._check_usable()
         path = export.check_out(out, overwrite)
         self._check_names((field,))
-        if version is not None:
-            version = version_arg(version, "version")
-            if self._core.root is None or self._core.ephemeral:
-                raise InvalidArgumentError(
-                    f"version={version}: an in-memory store keeps no versions; "
-                    "pass version=None to export its rows as they are"
-                )
-            with EmbeddingStore.open(
-                self._core.root, version=version, readonly=True, hot_bytes=export.EXPORT_BLOCK_BYTES,
-                init=self._core.init_fn,
-            ) as old:
-                return old.export(path, field, overwrite=overwrite)
+        if version is not None:  # that version's rows, through a read-only handle of it
+            return export.export_version(self._core, version_arg(version, "version"), path, field, overwrite)
         dtype, cols = self.field_spec(field)
         return export.write_npy(
             path, (self._core.num_rows, cols), export.numpy_dtype(dtype), export.store_blocks(self, field)
@@ -645,8 +566,6 @@ class EmbeddingStore:
     def _valid_ids(self, ids: Any) -> np.ndarray:
         """``as_ids`` for this store: the store's own checked copy (no cache: see as_ids)."""
         return as_ids(ids, self._core.num_rows)
-
-    # ------------------------------------------------------------------ growing
 
     # ------------------------------------------------------------------ flush and versions (Versions)
     def flush(self) -> int:
@@ -769,23 +688,7 @@ class EmbeddingStore:
     def stats(self) -> StoreStats:
         """A snapshot of tier sizes, hit/miss counts, dirty rows and I/O totals."""
         self._check_owner()  # (a closed store still reports: no _check_usable)
-        c, versions = self._core, self._versions
-        with c.lock:
-            s = StoreStats(**{k: getattr(c.stats, k) for k in StoreStats.counter_fields()})
-            self._tiers.fill_stats(s)
-            versions.fill_stats(s)
-            s.table_bytes = c.num_rows * c.row_bytes
-            s.io_wait_seconds = self._io_wait
-            disk = versions.disk if not c.closed else None
-            fold = versions.compaction.fold_proc
-        if fold is not None and fold.base_rss:  # /proc reads: outside the lock
-            s.compaction_process_rss_bytes = max(0, fold.peak_rss() - fold.base_rss)
-        # a scan of the store's folders: outside the lock, which get/update need every step
-        try:
-            s.disk_bytes = disk.disk_bytes() if disk is not None else 0
-        except FileNotFoundError:  # closed meanwhile, and the folder of an ephemeral store removed
-            s.disk_bytes = 0
-        return s
+        return snapshot(self._core, self._tiers, self._versions, self._io_wait)
 
     def close(self) -> None:
         """Release memory, threads, descriptors and the writer lock. Unflushed updates are discarded.

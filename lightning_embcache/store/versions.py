@@ -1,8 +1,8 @@
 """Durability of EmbeddingStore: flush, versions and pins.
 
 `Versions` is the component of `EmbeddingStore` that owns what is on disk: the writer lock (and
-the LOCK file), the `Disk`, and the live layout (committed and pending segments, chunk map, the
-row index over the segments, segment and generation numbers). It composes `Compaction`
+the LOCK file, lockfile.py), the `Disk`, and the live layout (committed and pending segments,
+chunk map, the row index over the segments, segment and generation numbers). It composes `Compaction`
 (compaction.py: folding segments into base chunks) and `Garbage` (garbage.py: the other versions
 on disk, dead records, garbage collection), which see it as a `compaction.Writer`, and
 `Background` (background.py: the background I/O thread those jobs run on). The hot and warm
@@ -32,24 +32,22 @@ go of it (`Segment.__del__`); `close()` closes the rest after every thread stopp
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
-from . import fileio, inplace
+from . import fileio, inplace, lockfile
 from .background import Background
 from .chunkrows import ChunkRows
 from .compaction import COMPACT_SEGMENTS, Compaction, Writer
 from .core import StoreCore
 from .disk import Disk, Manifest, Segment
-from .errors import CorruptStoreError, StoreError, StoreLockedError
+from .errors import CorruptStoreError, StoreError
 from .garbage import Garbage
 from .holes import dead_rows
 from .memory import trim_heap
@@ -266,32 +264,10 @@ class Versions:
         descriptors) at once, not at the next garbage collection."""
         self._t = cast(WriteBack, weakref.proxy(tiers))
 
-    def take_lock(self, root: Path) -> None:
-        """Hold the LOCK file of ``root`` (one writer per path), or raise StoreLockedError."""
-        root.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise fileio.io_error(exc, "opening", root / "LOCK") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreLockedError(
-                f"the store at {str(root)!r} is open for writing elsewhere (one writer per path); "
-                f"close it there or open this one with readonly=True"
-            ) from None
-        self._lock_fd = fd
-
     def release_lock(self) -> None:
         """Let go of the LOCK file (`close`, a failed open)."""
         if self._lock_fd is not None:
-            try:
-                if self._c.pid == os.getpid():
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                os.close(self._lock_fd)
-            except OSError:
-                pass
+            lockfile.release(self._lock_fd, self._c.pid)
             self._lock_fd = None
 
     # ------------------------------------------------------------------ flush and versions
@@ -671,7 +647,7 @@ class Versions:
             self.cmap = np.zeros(c.num_chunks, np.int32)
             return
         if not c.readonly and self._lock_fd is None:
-            self.take_lock(root)
+            self._lock_fd = lockfile.take(root)  # one writer per path
         if create:
             Disk.write_meta(root, c.meta)
         self.disk = Disk(
@@ -749,13 +725,7 @@ class Versions:
     def after_fork(self) -> None:
         """In a forked child: no thread survived the fork, and a lock may have been held."""
         if self._lock_fd is not None:
-            # The child's copy of the writer lock's descriptor would hold the flock after the
-            # parent died (a DataLoader worker outliving a killed trainer): close it, without
-            # unlocking (the open file is the parent's too), so the lock lives as long as the parent.
-            try:
-                os.close(self._lock_fd)
-            except OSError:
-                pass
+            lockfile.drop_in_child(self._lock_fd)  # the lock lives as long as the parent
             self._lock_fd = None
         self._no_flush_waiting = threading.Condition(self._c.lock)
         self.flush_lock = threading.RLock()
