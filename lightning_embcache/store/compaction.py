@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from .foldproc import FoldProcess
 from .garbage import Garbage
 from .rowindex import RowIndex
 from .sharing import Sharing
+
+if TYPE_CHECKING:
+    from .background import Background
 
 # Compaction folds delta segments into base chunks once they hold this share of the table's
 # bytes, or once there are this many. Updates spread over the table put rows of every chunk in
@@ -74,6 +77,7 @@ class Writer(Protocol):
     own_gens_from: int
     writing_seqs: set[int]
     writing_gens: set[int]
+    bg: Background
 
     @property
     def cmap_gen(self) -> int: ...
@@ -105,10 +109,6 @@ class Writer(Protocol):
     def wait_for_flushes(self, all_of_them: bool) -> None: ...
 
     def clean_if_due(self) -> None: ...
-
-    def submit_bg(self, key: str) -> None: ...
-
-    def wait_bg(self) -> None: ...
 
     def saw_damage(self, exc: CorruptStoreError) -> None: ...
 
@@ -209,7 +209,7 @@ class Compaction:
             if self.needs(COMPACT_RATIO / 2, COMPACT_SEGMENTS // 2):
                 self.fold_process()
         if self.needs():
-            self._v.submit_bg("_compact")
+            self._v.bg.submit("_compact")
 
     def compact(self) -> None:
         """Fold every committed delta segment into base chunks now (normally automatic, in the
@@ -224,7 +224,7 @@ class Compaction:
             raise
 
     def _compact_now(self) -> None:
-        self._v.wait_bg()
+        self._v.bg.wait()
         with self._v.flush_lock:
             self._v.await_round()
             while self._v.committed and self.compact_round(everything=True):
@@ -254,7 +254,7 @@ class Compaction:
         (the newest segment when the sweep began, the superseded count then), or None when the
         pass is over. ``state=None`` begins a pass. The background runner calls it one round at a
         time through a weak reference, so a store dropped without close() is released between two
-        rounds (`versions._run_bg_weakly`)."""
+        rounds (`background._run_weakly`)."""
         if state is None:
             self._await_fold_process()
             state = (-1, self._c.stats.superseded_segments)

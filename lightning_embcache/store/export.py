@@ -142,6 +142,21 @@ def sharded_blocks(shards: list[Any], field: str, num_rows: int) -> Iterator[np.
         yield out
 
 
+def export_version(core: Any, version: int, path: Path, field: str, overwrite: bool) -> Path:
+    """`EmbeddingStore.export` of retained ``version`` of ``core``'s store (a `StoreCore`), through a
+    read-only handle of it; an in-memory store keeps no versions."""
+    from .store import EmbeddingStore
+
+    if core.root is None or core.ephemeral:
+        raise InvalidArgumentError(
+            f"version={version}: an in-memory store keeps no versions; "
+            "pass version=None to export its rows as they are"
+        )
+    with EmbeddingStore.open(core.root, version=version, readonly=True, hot_bytes=EXPORT_BLOCK_BYTES,
+                             init=core.init_fn) as old:
+        return old.export(path, field, overwrite=overwrite)
+
+
 def export_path(
     path: Any,
     out: Any,

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .core import StoreCore
+    from .tiers import Tiers
+    from .versions import Versions
 
 
 @dataclass
@@ -115,3 +121,24 @@ class StoreStats:
     def as_dict(self) -> dict[str, float]:
         """Every figure by field name (what loggers take)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def snapshot(core: StoreCore, tiers: Tiers, versions: Versions, io_wait: float) -> StoreStats:
+    """`EmbeddingStore.stats`: the counters and the parts' figures taken under the lock; the
+    compaction process's memory and the folder's size read outside it (get/update need it every step)."""
+    with core.lock:
+        s = StoreStats(**{k: getattr(core.stats, k) for k in StoreStats.counter_fields()})
+        tiers.fill_stats(s)
+        versions.fill_stats(s)
+        s.table_bytes = core.num_rows * core.row_bytes
+        s.io_wait_seconds = io_wait
+        disk = versions.disk if not core.closed else None
+        fold = versions.compaction.fold_proc
+    if fold is not None and fold.base_rss:  # /proc reads: outside the lock
+        s.compaction_process_rss_bytes = max(0, fold.peak_rss() - fold.base_rss)
+    # a scan of the store's folders: outside the lock, which get/update need every step
+    try:
+        s.disk_bytes = disk.disk_bytes() if disk is not None else 0
+    except FileNotFoundError:  # closed meanwhile, and the folder of an ephemeral store removed
+        s.disk_bytes = 0
+    return s

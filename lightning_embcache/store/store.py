@@ -14,16 +14,17 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from . import creation, foldproc, growth, rowcopy
+from . import creation, foldproc, growth
 from .core import InitFn, StoreCore
 from .creation import StridedNormal, strided_normal_spec
+from .device_access import DeviceAccess, Guarded
 from .disk import Disk
 from .errors import (
     CorruptStoreError,
@@ -34,8 +35,9 @@ from .errors import (
     StoreClosedError,
 )
 from .hot import SLOT_OVERHEAD, HotTier
+from .records import Records, Trainer
 from .schema import DTYPES, Schema
-from .stats import StoreStats
+from .stats import StoreStats, snapshot
 from .tiers import SLICE_ROWS, Direct, FromSlab, Gathered, Tiers, to_np
 from .validate import (
     MAX_CHUNK_ROWS,
@@ -255,6 +257,9 @@ class EmbeddingStore:
         warm = WarmTier(warm_bytes if root is not None else 0, core.chunk_rows, core.row_bytes, core.num_chunks)
         tiers = self._tiers = Tiers(core, versions, hot, warm, hot_bytes)
         versions.attach(tiers.writeback)
+        me = weakref.proxy(self)  # the parts hold the store weakly: it holds them
+        self._device_access = DeviceAccess(core, tiers, cast(Guarded, me))  # device_access.py
+        self._records = Records(core, tiers, self._device_access, cast(Trainer, me))  # records.py
         # memory mode's per-step paths read these instead of walking the schema on every call
         self._weight_np = tiers.np_views["weight"]
         self._weight_t = torch.from_numpy(self._weight_np)
@@ -263,7 +268,7 @@ class EmbeddingStore:
         core.closed = False
         _LIVE.add(self)
         if root is not None and not readonly:
-            versions.maybe_compact()  # many short runs must not pile up segments no flush compacts
+            versions.compaction.maybe_compact()  # many short runs must not pile up segments no flush compacts
         if not readonly:
             tiers.start_filling()
 
@@ -415,20 +420,6 @@ class EmbeddingStore:
         self._core.stats.updates += 1
         self._waited(t0)
 
-    def _resident_rows(self, idx: np.ndarray) -> bool:
-        """Memory mode: make sure rows ``idx`` (validated) are in the pool, whose slots are the
-        ids, making those not made yet; False in disk mode. Caller holds the lock. O(batch): a
-        table touched only in part keeps the one-gather paths."""
-        hot = self._tiers.hot
-        if not hot.resident:
-            return False
-        if not hot.all_loaded:  # checked a slice at a time: a huge batch's temporaries stay bounded
-            for a in range(0, len(idx), SLICE_ROWS):
-                part = idx[a : a + SLICE_ROWS]
-                if hot.lookup(part) is not part:
-                    self._tiers.resolve(part, load=True)
-        return True
-
     def _note_dirty(self, n: int) -> None:
         """Keep evictions cheap for the training thread: once about half the hot slots may be
         dirty, write the cold ones back in the background (disk mode; caller holds the lock)."""
@@ -438,7 +429,7 @@ class EmbeddingStore:
         if self._dirty_estimate > self._tiers.hot.limit // 2:
             self._dirty_estimate = 0
             self._versions.clean_due = True
-            self._versions.submit_bg("clean")
+            self._versions.bg.submit("clean")
 
     # ------------------------------------------------------------------ whole records (trainers)
     def record_view(self, records: torch.Tensor, name: str) -> torch.Tensor:
@@ -467,167 +458,34 @@ class EmbeddingStore:
         fields are read through `record_view`. ``out``: a contiguous CPU uint8 tensor of that
         shape to fill (e.g. pinned memory on its way to a GPU); default: a new one.
         """
-        t0 = time.perf_counter()
-        self._check_usable()
-        idx = self._valid_ids(ids)
-        shape = (len(idx), self._core.row_bytes)
-        if out is not None and (
-            type(out) is not torch.Tensor
-            or out.dtype != torch.uint8
-            or out.is_cuda
-            or tuple(out.shape) != shape
-            or not out.is_contiguous()
-        ):
-            raise InvalidArgumentError(
-                f"out must be a contiguous CPU uint8 tensor of shape {shape}; got "
-                f"{getattr(out, 'dtype', type(out).__name__)} of shape "
-                f"{tuple(getattr(out, 'shape', ()))}"
-            )
-        if out is None and not self._tiers.hot.resident and len(idx) <= SLICE_ROWS:
-            # disk mode, one slice: the tiers' gather of whole records is the result (no copy)
-            with self._core.lock:
-                self._core.check_open()
-                out = torch.from_numpy(self._tiers.records_into(idx))
-            self._core.stats.gets += 1
-            self._waited(t0)
-            return out
-        if out is None:
-            out = torch.empty(shape, dtype=torch.uint8)
-        dest = out.numpy()
-        if self._tiers.hot.resident:  # memory mode: the rows' pool slots are their ids, once made
-            with self._core.lock:
-                self._core.check_open()
-                self._resident_rows(idx)
-                rowcopy.gather(self._tiers.hot.pool_np, idx, dest)
-        else:  # rows to bring in first: whole records through the tiers, in slices (bounded memory)
-            step = len(idx) if self._tiers.hot.resident else SLICE_ROWS
-            for a in range(0, len(idx), max(step, 1)):
-                with self._core.lock:
-                    self._core.check_open()
-                    self._tiers.records_into(idx[a : a + step], dest[a : a + step])
-        self._core.stats.gets += 1
-        self._waited(t0)
-        return out
+        return self._records.read(ids, out)
 
     def write_records(self, ids: Any, records: torch.Tensor) -> None:
         """Write whole records (from `read_records`, changed in place) back; each id at most once.
 
         The weights are checked for NaN/Inf as `update` checks them (``check_finite``).
         """
-        t0 = time.perf_counter()
-        self._check_usable(write=True)
-        idx = self._valid_ids(ids)
-        if (
-            type(records) is not torch.Tensor
-            or records.dtype != torch.uint8
-            or records.is_cuda
-            or tuple(records.shape) != (len(idx), self._core.row_bytes)
-        ):
-            raise InvalidArgumentError(
-                f"records must be a CPU uint8 tensor of shape ({len(idx)}, {self._core.row_bytes}) from "
-                f"read_records(); got {getattr(records, 'dtype', type(records).__name__)} of shape "
-                f"{tuple(getattr(records, 'shape', ()))}"
-            )
-        w = self._core.schema.view(records, "weight")
-        if self._core.check_finite and len(idx):
-            as_values(w.contiguous(), len(idx), self._core.dim, self._core.dtype, arg="records (weight)",
-                      check_finite=True)
-        big = not self._tiers.hot.resident and len(idx) > SLICE_ROWS
-        if big:  # staged as one pending segment, all or nothing (see update_fields)
-            self.update_fields(idx, {n: self._core.schema.view(records, n) for n in self._core.schema.names})
-            self._core.stats.updates -= 1  # counted once, below
-        else:
-            with self._core.lock:
-                self._core.check_open()
-                if self._tiers.cow is None and self._resident_rows(idx):
-                    rowcopy.scatter(self._tiers.hot.pool_np, idx, records.numpy())
-                    self._tiers.hot.dirty[idx] = 1
-                else:  # whole records through the tiers: no field-by-field path
-                    self._tiers.write_records_into(idx, records.numpy())
-                    self._note_dirty(len(idx))
-        self._core.stats.updates += 1
-        self._waited(t0)
+        self._records.write(ids, records)
 
-    # Trusted record copies for the device tier's own rows (ids it validated, unique; weights it
-    # checked with one sum). Each is one copy that releases the GIL once: a background thread beside
-    # a busy training thread waits for the GIL after every release. False: not in memory mode's
-    # steady state; nothing was done, use read_records/write_records.
+    # The resident table used in place (device_access.py): the trusted record copies of the device
+    # tier's own rows and a device's reads and writes. The layers over the store call these names.
     def _read_records_trusted(self, idx: torch.Tensor, out: torch.Tensor) -> bool:
-        t0 = time.perf_counter()
-        self._check_usable()
-        with self._core.lock:
-            if self._core.closed or not self._resident_rows(idx.numpy()):
-                return False
-            torch.index_select(self._tiers.hot.pool, 0, idx, out=out)  # bounds-checked, intra-op threads
-        self._core.stats.gets += 1
-        self._waited(t0)
-        return True
+        return self._device_access.read_trusted(idx, out)
 
     def _write_records_trusted(self, idx: torch.Tensor, records: torch.Tensor) -> bool:
-        t0 = time.perf_counter()
-        self._check_usable(write=True)
-        with self._core.lock:
-            i = idx.numpy()
-            if self._core.closed or self._tiers.cow is not None or not self._resident_rows(i):
-                return False
-            self._tiers.hot.pool_np[i] = records.numpy()
-            self._tiers.hot.dirty[i] = 1
-        self._core.stats.updates += 1
-        self._waited(t0)
-        return True
+        return self._device_access.write_trusted(idx, records)
 
-    # ------------------------------------------------------------------ a device writing the table
     def _resident_table(self) -> torch.Tensor | None:
-        """Memory mode: the ``(num_rows, row_bytes)`` host tensor holding every record at its id,
-        which a device may read and write in place (`mapped_host`); None in disk mode."""
-        if self._core.closed or self._core.readonly or not self._tiers.hot.resident:
-            return None
-        return self._tiers.hot.pool
+        return self._device_access.table()
 
     def _device_write(self, idx: np.ndarray, enqueue: Callable[[], Any]) -> bool:
-        """Let a device write the records of validated ``idx`` into `_resident_table` in place.
+        return self._device_access.write(idx, enqueue)
 
-        Under the lock: refuses (False, nothing done) while a flush is copying rows out (its
-        snapshot must not change under it) or in disk mode; else makes the rows if needed, marks
-        them dirty and calls ``enqueue()``, which queues the device's write and returns an object
-        whose ``synchronize()`` waits for it. Host reads of the table wait for it first
-        (`_await_device_writes`), so no reader sees a row half written.
-        """
-        self._check_state(write=True)  # no wait: the device orders its own writes
-        with self._core.lock:
-            if self._core.closed or self._tiers.cow is not None or not self._tiers.hot.resident:
-                return False
-            with self._device_writing(idx) as queued:
-                queued(enqueue())
-        return True
-
-    @contextlib.contextmanager
-    def _device_writing(self, idx: np.ndarray) -> Iterator[Callable[[Any], None]]:
-        """Queue device kernels that write the records of validated ``idx`` in `_resident_table`
-        inside this block; pass the object whose ``synchronize()`` waits for them to the callable
-        it yields. Under the lock: rows a flush is still copying out are saved first (its snapshot
-        stays one moment), the rows are dirty afterwards, and host reads wait for the kernels."""
-        self._check_state(write=True)
-        with self._core.lock:
-            if self._core.closed:
-                raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
-            self._resident_rows(idx)  # made first: making them later would overwrite the device's rows
-            if self._tiers.cow is not None:
-                self._tiers.save_cow(idx)
-            queued: list[Any] = []
-            yield queued.append
-            if queued:
-                self._tiers.device_pending = queued[-1]
-            self._tiers.hot.dirty[idx] = 1
-        self._core.stats.updates += 1
+    def _device_writing(self, idx: np.ndarray) -> contextlib.AbstractContextManager[Callable[[Any], None]]:
+        return self._device_access.writing(idx)
 
     def _device_read(self, idx: np.ndarray) -> bool:
-        """Whether a device may read the records of validated ``idx`` from `_resident_table` now
-        (memory mode; rows not made yet are made first). The device orders its reads after its
-        own writes; the host writes nothing to these rows meanwhile but `update` calls."""
-        self._check_state()
-        with self._core.lock:
-            return not self._core.closed and self._resident_rows(idx)
+        return self._device_access.read(idx)
 
     def _await_device_writes(self) -> None:
         """Wait for the device writes queued into the table so far (`_device_write`)."""
@@ -654,18 +512,8 @@ class EmbeddingStore:
         self._check_usable()
         path = export.check_out(out, overwrite)
         self._check_names((field,))
-        if version is not None:
-            version = version_arg(version, "version")
-            if self._core.root is None or self._core.ephemeral:
-                raise InvalidArgumentError(
-                    f"version={version}: an in-memory store keeps no versions; "
-                    "pass version=None to export its rows as they are"
-                )
-            with EmbeddingStore.open(
-                self._core.root, version=version, readonly=True, hot_bytes=export.EXPORT_BLOCK_BYTES,
-                init=self._core.init_fn,
-            ) as old:
-                return old.export(path, field, overwrite=overwrite)
+        if version is not None:  # that version's rows, through a read-only handle of it
+            return export.export_version(self._core, version_arg(version, "version"), path, field, overwrite)
         dtype, cols = self.field_spec(field)
         return export.write_npy(
             path, (self._core.num_rows, cols), export.numpy_dtype(dtype), export.store_blocks(self, field)
@@ -718,8 +566,6 @@ class EmbeddingStore:
     def _valid_ids(self, ids: Any) -> np.ndarray:
         """``as_ids`` for this store: the store's own checked copy (no cache: see as_ids)."""
         return as_ids(ids, self._core.num_rows)
-
-    # ------------------------------------------------------------------ growing
 
     # ------------------------------------------------------------------ flush and versions (Versions)
     def flush(self) -> int:
@@ -818,7 +664,7 @@ class EmbeddingStore:
         t0 = time.perf_counter()
         self._check_usable(write=True)
         n = growth.check_rows(self, num_rows)
-        self._versions.raise_bg_error()
+        self._versions.bg.raise_error()
         if n == self._core.num_rows:
             return
         growth.grow(self, n)
@@ -827,7 +673,7 @@ class EmbeddingStore:
     def _wait_bg(self) -> None:
         """Wait for the background jobs queued so far (write-back, compaction, garbage collection):
         for tools and tests that report what stays once they are done."""
-        self._versions.wait_bg()
+        self._versions.bg.wait()
 
     def _reopen_settings(self) -> dict:
         """The constructor's arguments that reopen this store as it is (`grow`)."""
@@ -842,23 +688,7 @@ class EmbeddingStore:
     def stats(self) -> StoreStats:
         """A snapshot of tier sizes, hit/miss counts, dirty rows and I/O totals."""
         self._check_owner()  # (a closed store still reports: no _check_usable)
-        c, versions = self._core, self._versions
-        with c.lock:
-            s = StoreStats(**{k: getattr(c.stats, k) for k in StoreStats.counter_fields()})
-            self._tiers.fill_stats(s)
-            versions.fill_stats(s)
-            s.table_bytes = c.num_rows * c.row_bytes
-            s.io_wait_seconds = self._io_wait
-            disk = versions.disk if not c.closed else None
-            fold = versions.fold_proc
-        if fold is not None and fold.base_rss:  # /proc reads: outside the lock
-            s.compaction_process_rss_bytes = max(0, fold.peak_rss() - fold.base_rss)
-        # a scan of the store's folders: outside the lock, which get/update need every step
-        try:
-            s.disk_bytes = disk.disk_bytes() if disk is not None else 0
-        except FileNotFoundError:  # closed meanwhile, and the folder of an ephemeral store removed
-            s.disk_bytes = 0
-        return s
+        return snapshot(self._core, self._tiers, self._versions, self._io_wait)
 
     def close(self) -> None:
         """Release memory, threads, descriptors and the writer lock. Unflushed updates are discarded.
@@ -888,7 +718,7 @@ class EmbeddingStore:
             return
         self._await_device_writes()  # a device still writing the table finishes before it is freed
         self._tiers.stop_prefetch()
-        self._versions.stop_threads()
+        self._versions.bg.stop()
         self._tiers.stop_fill()
 
     def _close_files(self) -> None:

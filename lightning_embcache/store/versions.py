@@ -1,13 +1,14 @@
-"""Durability of EmbeddingStore: flush, versions and pins, and the background jobs.
+"""Durability of EmbeddingStore: flush, versions and pins.
 
 `Versions` is the component of `EmbeddingStore` that owns what is on disk: the writer lock (and
-the LOCK file), the `Disk`, and the live layout (committed and pending segments, chunk map, the
-row index over the segments, segment and generation numbers). It composes `Compaction`
+the LOCK file, lockfile.py), the `Disk`, and the live layout (committed and pending segments,
+chunk map, the row index over the segments, segment and generation numbers). It composes `Compaction`
 (compaction.py: folding segments into base chunks) and `Garbage` (garbage.py: the other versions
-on disk, dead records, garbage collection), which see it as a `compaction.Writer`. The hot and warm tiers (`Tiers`,
-tiers.py) read through it (`layout_of`, `find_below`, `rows`, `cmap`) and add the segments their
-write-back writes (`take_seq`, `add_pending`); it drives their write-back through a few named
-methods (`WriteBack`). See docs/store-format.md for the protocol.
+on disk, dead records, garbage collection), which see it as a `compaction.Writer`, and
+`Background` (background.py: the background I/O thread those jobs run on). The hot and warm
+tiers (`Tiers`, tiers.py) read through it (`layout_of`, `find_below`, `rows`, `cmap`) and add
+the segments their write-back writes (`take_seq`, `add_pending`); it drives their write-back
+through a few named methods (`WriteBack`). See docs/store-format.md for the protocol.
 
 Concurrency design (docs/store.md, "Threads"): two locks, always taken in this order.
 
@@ -31,30 +32,26 @@ go of it (`Segment.__del__`); `close()` closes the rest after every thread stopp
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
-from . import fileio, inplace
+from . import fileio, inplace, lockfile
+from .background import Background
 from .chunkrows import ChunkRows
 from .compaction import COMPACT_SEGMENTS, Compaction, Writer
-from .core import StoreCore, stop_executor
+from .core import StoreCore
 from .disk import Disk, Manifest, Segment
-from .errors import CorruptStoreError, StoreError, StoreLockedError
-from .foldproc import FoldProcess
+from .errors import CorruptStoreError, StoreError
 from .garbage import Garbage
-from .holes import DeadRecords, dead_rows
+from .holes import dead_rows
 from .memory import trim_heap
 from .rowindex import RowIndex, trust
-from .sharing import Sharing
 from .validate import version_arg
 
 if TYPE_CHECKING:
@@ -68,31 +65,6 @@ HARD_FLOOR = 256 << 10  # below this many bytes of segments no flush waits for c
 # as a safety net, should a store be dropped without its close running.
 WAKE_S = 1.0
 KEEP_VERSIONS = 1  # unpinned versions kept: the latest only (pins and read-only handles keep theirs)
-
-
-def _run_bg_weakly(ref: weakref.ReferenceType[Versions], name: str) -> None:
-    """A background job of the store whose `Versions` ``ref`` names. The compaction pass goes a
-    round at a time, holding the store's parts only during a round: a store dropped without close()
-    is closed by its finalizer between two rounds, instead of living on as long as its background work."""
-    versions = ref()
-    if versions is None or versions._c.closed or versions.damage is not None:
-        return
-    if name != "_compact":
-        versions._run_bg(versions._job(name))
-        return
-    try:
-        state = versions.compaction.step(None)
-        while state is not None:
-            del versions
-            versions = ref()
-            if versions is None or versions._c.closed or versions.damage is not None:
-                return
-            state = versions.compaction.step(state)
-    except BaseException as exc:  # surfaced on the next flush()
-        if versions is not None:
-            versions._bg_error = exc
-            if isinstance(exc, CorruptStoreError):
-                versions.saw_damage(exc)
 
 
 class WriteBack(Protocol):
@@ -146,9 +118,6 @@ class Versions:
         self.own_gens_from = 1  # chunk files of these generations are this handle's own
         self._published: tuple = (0, [], 0)
         self.below_token = 0  # moves whenever rows below the hot tier change (see `Prefetcher.prefetch`)
-        self._bg: ThreadPoolExecutor | None = None
-        self._bg_futures: dict[str, Future] = {}
-        self._bg_error: BaseException | None = None
         self._round_thread: int | None = None  # a background round folding without the writer lock
         self._round_done = threading.Event()
         self._flush_waiting = 0  # flushes waiting for the writer lock (compaction yields to them)
@@ -163,6 +132,7 @@ class Versions:
         # manifests record it); the published version's, to flush a change of it alone
         self.table_rows = self._table_published = 0
         me = cast(Writer, weakref.proxy(self))  # held weakly: no cycle keeps a dropped store
+        self.bg = Background(core, self)  # the background I/O thread (background.py)
         # other versions on disk, dead records and garbage (garbage.py); compaction (compaction.py)
         self.garbage = Garbage(core, me)
         self.compaction = Compaction(core, me, self.garbage)
@@ -171,35 +141,6 @@ class Versions:
             self._flush_waiting, self._lock_fd = kept.flush_waiting, kept.lock_fd
             self.compaction.proc_failed, self.compaction.proc_restarts = kept.fold_proc_failed, kept.fold_proc_restarts
             self.version = kept.version
-
-    # The names the flush path (`flush`, `_flush_writing`) uses of compaction and garbage
-    # collection, which live in compaction.py and garbage.py.
-    @property
-    def _sharing(self) -> Sharing:
-        return self.garbage.sharing
-
-    @property
-    def _dead(self) -> DeadRecords | None:
-        return self.garbage.dead
-
-    @property
-    def fold_proc(self) -> FoldProcess | None:
-        """The compaction process (foldproc.py), where one runs."""
-        return self.compaction.fold_proc
-
-    def _needs_compaction(self, ratio: float | None = None, segments: int = COMPACT_SEGMENTS,
-                          floor: int = 0, held: bool = True, adding: int = 0) -> bool:
-        return self.compaction.needs(ratio, segments, floor, held, adding)
-
-    def _compact_round(self, everything: bool = False, unlocked: bool = False) -> bool:
-        return self.compaction.compact_round(everything, unlocked)
-
-    def _refresh_sharing(self, listed: list[int] | None = None) -> None:
-        self.garbage.refresh_sharing(listed)
-
-    def maybe_compact(self) -> None:
-        """Compact in the background once segments pass the thresholds (`Compaction.maybe_compact`)."""
-        self.compaction.maybe_compact()
 
     def compact(self) -> None:
         """Fold every committed delta segment into base chunks now (`Compaction.compact`)."""
@@ -293,7 +234,11 @@ class Versions:
     def clean_if_due(self) -> None:
         """Run the tiers' background write-back where one was asked for (between two rounds)."""
         if self.clean_due:
-            self._t.clean()
+            self.clean_now()
+
+    def clean_now(self) -> None:
+        """Run the tiers' write-back (the background job ``"clean"``, background.py)."""
+        self._t.clean()
 
     def trim_heap(self) -> None:
         """Return freed heap pages to the OS after big background work, in disk mode only.
@@ -305,8 +250,6 @@ class Versions:
         """
         if not self._t.resident():
             trim_heap()
-
-    _trim_heap = trim_heap  # (the flush path's name)
 
     @property
     def _disk(self) -> Disk:
@@ -321,32 +264,10 @@ class Versions:
         descriptors) at once, not at the next garbage collection."""
         self._t = cast(WriteBack, weakref.proxy(tiers))
 
-    def take_lock(self, root: Path) -> None:
-        """Hold the LOCK file of ``root`` (one writer per path), or raise StoreLockedError."""
-        root.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise fileio.io_error(exc, "opening", root / "LOCK") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreLockedError(
-                f"the store at {str(root)!r} is open for writing elsewhere (one writer per path); "
-                f"close it there or open this one with readonly=True"
-            ) from None
-        self._lock_fd = fd
-
     def release_lock(self) -> None:
         """Let go of the LOCK file (`close`, a failed open)."""
         if self._lock_fd is not None:
-            try:
-                if self._c.pid == os.getpid():
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                os.close(self._lock_fd)
-            except OSError:
-                pass
+            lockfile.release(self._lock_fd, self._c.pid)
             self._lock_fd = None
 
     # ------------------------------------------------------------------ flush and versions
@@ -356,7 +277,7 @@ class Versions:
         Thread-safe: may run in a background thread while another thread calls get/update;
         rows updated during the flush go into the next version.
         """
-        self.raise_bg_error()
+        self.bg.raise_error()
         if self.disk is None:  # ephemeral memory store: nothing to make durable
             with self._c.lock:
                 self._c.check_open()
@@ -378,13 +299,13 @@ class Versions:
             adding = min(adding, int(HARD_RATIO * self._c.num_rows * self._c.row_bytes / 2))
 
             def over() -> bool:
-                return self._needs_compaction(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding)
+                return self.compaction.needs(HARD_RATIO, 2 * COMPACT_SEGMENTS, HARD_FLOOR, held=True, adding=adding)
 
-            if self._dead is not None and over():
-                self._dead.run()  # dead records not given back yet go first (holes.py)
+            if self.garbage.dead is not None and over():
+                self.garbage.dead.run()  # dead records not given back yet go first (holes.py)
             if over():
                 self.await_round()
-            while over() and self._compact_round():
+            while over() and self.compaction.compact_round():
                 # Flushes come faster than background compaction folds their rows: this flush
                 # folds rounds itself first, so disk use stays bounded whatever the flush rate
                 # (backpressure). Before its own writes: a round that fails publishes nothing.
@@ -396,8 +317,8 @@ class Versions:
             version = self._flush_locked()
         finally:
             self.flush_lock.release()
-        self._trim_heap()
-        self.maybe_compact()
+        self.trim_heap()
+        self.compaction.maybe_compact()
         return version
 
     def _flush_locked(self) -> int:
@@ -426,7 +347,7 @@ class Versions:
             gone = rows.superseded(self.committed + pending, ids) if rows is not None else set()
             # A segment a kept version lists stays (its file stays anyway): that version then
             # keeps sharing the chunk files compaction writes (sharing.py).
-            gone = set() if self.version in self._pins else gone - self._sharing.segments
+            gone = set() if self.version in self._pins else gone - self.garbage.sharing.segments
             kept = [g for g in self.committed + pending if g.seq not in gone]
             version = self._max_version + 1
             segs = [g.seq for g in kept]
@@ -464,8 +385,8 @@ class Versions:
             self._t.patch_warm(ids)  # the flushed rows are hot: their chunks' warm copies take them
             self._c.stats.flushes += 1
             self._c.stats.flushed_rows += len(ids)
-        self._apply_retention()
-        self._refresh_sharing()
+        self.apply_retention()
+        self.garbage.refresh_sharing()
         return version
 
     def versions(self) -> list[int]:
@@ -486,7 +407,7 @@ class Versions:
             except BaseException:
                 self._pins.discard(version)
                 raise
-            self._refresh_sharing()
+            self.garbage.refresh_sharing()
 
     def unpin(self, version: int) -> None:
         """Release a version kept by `pin`; retention may then reclaim it (not a reader's)."""
@@ -501,8 +422,8 @@ class Versions:
                 if was:
                     self._pins.add(version)
                 raise
-            self._apply_retention()
-            self._refresh_sharing()
+            self.apply_retention()
+            self.garbage.refresh_sharing()
 
     def pinned(self) -> list[int]:
         """The pinned versions, oldest first."""
@@ -532,9 +453,7 @@ class Versions:
                 dropped = True
         if dropped and collect:
             self.garbage.collect_due = True
-            self.submit_bg("_collect_garbage")
-
-    _apply_retention = apply_retention  # (the flush path's name)
+            self.bg.submit("_collect_garbage")
 
     def _load_version(self, version: int | None) -> None:
         disk = self.disk
@@ -609,35 +528,6 @@ class Versions:
             self.garbage.kill_dead(disk.pool.seal())
             self.garbage.refresh_sharing()
 
-    # ------------------------------------------------------------------ compaction and GC
-    def submit_bg(self, key: str) -> None:
-        """Run the job ``key`` names (`_job`) on the background I/O thread; a job of the same kind
-        already queued absorbs it."""
-        with self._c.lock:
-            if self._c.closed:
-                return
-            if self._bg is None:
-                self._bg = ThreadPoolExecutor(1, thread_name_prefix="embcache-bg")
-            if self.damage is not None:
-                return  # fail-stop: a store that met a damaged file writes nothing more in its folder
-            fut = self._bg_futures.get(key)
-            if fut is not None and not fut.done():
-                return
-            self._bg_futures[key] = self._bg.submit(_run_bg_weakly, weakref.ref(self), key)
-
-    def _job(self, key: str) -> Callable[[], None]:
-        """The background job ``key`` names: the tiers' write-back (``"clean"``) or garbage
-        collection (``"_collect_garbage"``; ``"_compact"`` runs a round at a time, `_run_bg_weakly`)."""
-        return self._t.clean if key == "clean" else self.garbage.collect
-
-    def _run_bg(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # surfaced on the next flush()
-            self._bg_error = exc
-            if isinstance(exc, CorruptStoreError):
-                self.saw_damage(exc)
-
     def saw_damage(self, exc: CorruptStoreError) -> None:
         """Fail-stop: from the first damaged file met, no background work writes in this folder
         (compaction, write-back, garbage collection); `stats().damaged` says so. The handle still
@@ -648,13 +538,6 @@ class Versions:
             if proc is not None and self._c.pid == os.getpid():
                 proc.close()
                 self.compaction.fold_proc = None
-
-    def raise_bg_error(self) -> None:
-        exc, self._bg_error = self._bg_error, None
-        if exc is not None:
-            raise StoreError(
-                f"background store work (write-back, compaction or garbage collection) failed: {exc}"
-            ) from exc
 
     def await_round(self) -> None:
         """Wait until no background round is folding without the writer lock (caller holds the
@@ -696,10 +579,6 @@ class Versions:
         with self._c.lock:
             self._no_flush_waiting.notify_all()
         self.compaction.wake()
-
-    def wait_bg(self) -> None:
-        for fut in list(self._bg_futures.values()):
-            fut.result()
 
     def find_below(self, rows: RowIndex, ids: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(segment number, row position) of each id's newest delta record in ``rows``, -1 where it
@@ -768,7 +647,7 @@ class Versions:
             self.cmap = np.zeros(c.num_chunks, np.int32)
             return
         if not c.readonly and self._lock_fd is None:
-            self.take_lock(root)
+            self._lock_fd = lockfile.take(root)  # one writer per path
         if create:
             Disk.write_meta(root, c.meta)
         self.disk = Disk(
@@ -823,16 +702,13 @@ class Versions:
         self.cmap, self.folded = cmap, folded
         self.index_rebuild()
         self._grown_unflushed = True
-        self._refresh_sharing()
-
-    def stop_threads(self, wait: bool = True) -> None:
-        """Stop the background I/O thread (`EmbeddingStore.close`; its job ends at its next look)."""
-        stop_executor(self._bg, wait)
+        self.garbage.refresh_sharing()
 
     def close_files(self) -> None:
         """Close the compaction process, the segments and the disk (caller holds both locks)."""
-        if self.fold_proc is not None and self._c.pid == os.getpid():
-            self.fold_proc.close()
+        proc = self.compaction.fold_proc
+        if proc is not None and self._c.pid == os.getpid():
+            proc.close()
         for s in self.committed + self.pending:
             s.close()
         if self.chunkrows is not None:
@@ -849,20 +725,13 @@ class Versions:
     def after_fork(self) -> None:
         """In a forked child: no thread survived the fork, and a lock may have been held."""
         if self._lock_fd is not None:
-            # The child's copy of the writer lock's descriptor would hold the flock after the
-            # parent died (a DataLoader worker outliving a killed trainer): close it, without
-            # unlocking (the open file is the parent's too), so the lock lives as long as the parent.
-            try:
-                os.close(self._lock_fd)
-            except OSError:
-                pass
+            lockfile.drop_in_child(self._lock_fd)  # the lock lives as long as the parent
             self._lock_fd = None
         self._no_flush_waiting = threading.Condition(self._c.lock)
         self.flush_lock = threading.RLock()
         self._round_thread, self._round_done = None, threading.Event()
         self.compaction.fold_proc = None  # the parent's; its handle refuses to serve another process anyway
-        self._bg = None
-        self._bg_futures = {}
+        self.bg.after_fork()
 
     def kept(self) -> dict:
         """What a grown store keeps of these (growth.py): the writer lock and its waiters, the LOCK

@@ -99,7 +99,7 @@ def main() -> None:
         mapped_end = _mapped(s)
         # the compaction process's memory beyond its own interpreter's (it holds no rows of the
         # budget, only a round's buffers): counted on top of this process's
-        fp = s._versions.fold_proc
+        fp = s._versions.compaction.fold_proc
         process_grew = fp.peak_rss() - fp.base_rss if fp is not None and fp.base_rss else 0
     maxrss = _vm_hwm()
     print(json.dumps({"base": base, "peak": max(peak, maxrss - mapped_end) + process_grew, "peak_sampled": peak,

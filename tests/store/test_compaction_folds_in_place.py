@@ -387,7 +387,7 @@ def test_a_background_round_lets_a_waiting_flush_in_between_two_chunks(tmp_path,
         fileio.FAULTS = oracle
         try:
             with s._versions.flush_lock:  # as the background pass calls it: the writer lock held once
-                s._versions._compact_round(everything=True, unlocked=True)
+                s._versions.compaction.compact_round(everything=True, unlocked=True)
         finally:
             fileio.FAULTS = None
         state["thread"].join(10)

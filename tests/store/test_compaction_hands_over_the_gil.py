@@ -42,7 +42,7 @@ def test_a_round_on_the_training_thread_does_not_sleep(tmp_path, monkeypatch):
     s = _store_with_segments(tmp_path, monkeypatch)
     s.get(torch.arange(10))  # this thread reads rows: it is the training thread
     sleeps = _count_sleeps(monkeypatch)
-    assert s._versions._compact_round(everything=True)
+    assert s._versions.compaction.compact_round(everything=True)
     assert sleeps[0] == 0
     s.close()
 
@@ -52,7 +52,7 @@ def test_a_round_beside_the_training_thread_hands_over_per_chunk(tmp_path, monke
     s.get(torch.arange(10))
     sleeps = _count_sleeps(monkeypatch)
     done = []
-    t = threading.Thread(target=lambda: done.append(s._versions._compact_round(everything=True)))
+    t = threading.Thread(target=lambda: done.append(s._versions.compaction.compact_round(everything=True)))
     t.start()
     t.join()
     assert done == [True]

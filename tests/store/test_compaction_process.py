@@ -44,7 +44,7 @@ def process_mode(monkeypatch):
 def _ready(store: EmbeddingStore) -> int:
     """Wait until the store's compaction process serves; its pid."""
     wait_for(lambda: store._versions.compaction.fold_process() is not None, 30, "the compaction process to start")
-    return store._versions.fold_proc.pid
+    return store._versions.compaction.fold_proc.pid
 
 
 def _before_each_fold(monkeypatch, hook) -> None:
@@ -183,7 +183,7 @@ path, n, dim, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.a
 s = EmbeddingStore.open(path)
 while s._versions.compaction.fold_process() is None:
     pass
-print(s._versions.fold_proc.pid, flush=True)
+print(s._versions.compaction.fold_proc.pid, flush=True)
 step = 0
 while True:
     step += 1

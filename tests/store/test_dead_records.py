@@ -115,7 +115,7 @@ def _start(tmp_path, seed: int):
 def _rounds(store: EmbeddingStore, k: int) -> None:
     with store._versions.flush_lock:
         for _ in range(k):
-            store._versions._compact_round()
+            store._versions.compaction.compact_round()
 
 
 def _segment_files(path) -> list[os.stat_result]:
@@ -217,8 +217,8 @@ def test_a_flush_waits_for_the_bytes_held_not_for_a_whole_sweep(tmp_path, no_bac
         monkeypatch.setattr(versions, "HARD_RATIO", limit)
         monkeypatch.setattr(versions, "HARD_FLOOR", 0)
         rounds = []
-        real = type(s._versions)._compact_round
-        monkeypatch.setattr(type(s._versions), "_compact_round", lambda self, *a, **k: rounds.append(1) or real(self, *a, **k))
+        real = type(s._versions.compaction).compact_round
+        monkeypatch.setattr(type(s._versions.compaction), "compact_round", lambda self, *a, **k: rounds.append(1) or real(self, *a, **k))
         ids = torch.arange(8)
         s.update(ids, torch.ones(8, DIM))
         model[ids] = 1.0

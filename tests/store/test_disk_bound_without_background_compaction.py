@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from lightning_embcache import EmbeddingStore
-from lightning_embcache.store import versions
+from lightning_embcache.store import compaction, versions
 
 N, DIM, CHUNK = 16384, 32, 256  # 2 MiB table, 64 chunks
 TABLE = N * DIM * 4
@@ -26,7 +26,7 @@ def _disk_bytes(path: Path) -> int:
 
 
 def test_forty_flushes_of_a_tenth_stay_within_one_and_a_half_tables(tmp_path, monkeypatch):
-    monkeypatch.setattr(versions.Versions, "maybe_compact", lambda self: None)  # no background pass
+    monkeypatch.setattr(compaction.Compaction, "maybe_compact", lambda self: None)  # no background pass
     path = tmp_path / "s"
     rng = np.random.default_rng(3)
     model = torch.zeros(N, DIM)

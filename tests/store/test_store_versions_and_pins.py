@@ -319,7 +319,7 @@ def test_a_round_folds_the_oldest_segments_chunks_before_a_newer_segments(shm_pa
         index = store._versions.rows
         with store._versions.flush_lock:
             for _ in range(15):  # 60 of its 62 chunks folded
-                assert store._versions._compact_round()
+                assert store._versions.compaction.compact_round()
         assert store.stats().segments == 1
         assert store._versions.rows is index, "rounds that dropped no segment rebuilt the row index"
         # The newer segment: two rows in each of chunks 0..59 and 62..63, one in chunks 60..61.
@@ -330,7 +330,7 @@ def test_a_round_folds_the_oldest_segments_chunks_before_a_newer_segments(shm_pa
         store.flush()
         assert store.stats().segments == 2
         with store._versions.flush_lock:
-            assert store._versions._compact_round()
+            assert store._versions.compaction.compact_round()
         assert store.stats().segments == 1, _breakdown(store)
         assert torch.equal(store.get(torch.arange(n)), model)
         store.compact()

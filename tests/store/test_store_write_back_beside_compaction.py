@@ -46,5 +46,5 @@ def test_a_write_back_asked_for_during_a_compaction_pass_runs_before_the_pass_en
         while store.stats().cleaned_rows == cleaned:
             assert time.monotonic() < deadline, "the write-back did not run"
             time.sleep(0.002)
-        assert not store._versions._bg_futures["_compact"].done(), "the write-back waited for the whole pass"
+        assert not store._versions.bg.futures["_compact"].done(), "the write-back waited for the whole pass"
         assert torch.equal(store.get(torch.arange(N)), model)
