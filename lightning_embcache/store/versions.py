@@ -605,7 +605,7 @@ class Versions:
 
         Rows below the hot tier change here too: a prefetch that read a whole chunk before this
         segment existed must not keep that copy (warm tier), even when the write began before
-        the prefetch planned its reads (`Tiers.begin_write_back` moved the token then)."""
+        the prefetch planned its reads (`WriteBack.begin_write_back` moved the token then)."""
         self.below_token += 1
         trust(seg)  # written by us a moment ago: the page cache holds what was checksummed
         if self.rows is None:
