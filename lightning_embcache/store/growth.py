@@ -152,8 +152,8 @@ def _reopen(store: Any, kept: Kept, settings: dict, num_rows: int, ids: np.ndarr
     except BaseException:
         store._core.closed = True  # its threads stop at their next look (the caller holds the locks they take)
         store._versions.wake()
-        store._tiers.stop_prefetch(wait=False)
+        store._tiers.prefetch.stop(wait=False)
         store._versions.bg.stop(wait=False)
-        store._tiers.stop_fill(wait=False)
+        store._tiers.fill.stop(wait=False)
         store._close_files()
         raise

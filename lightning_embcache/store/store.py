@@ -143,7 +143,7 @@ class EmbeddingStore:
             )
             if materialize:
                 try:
-                    store._tiers.materialize()
+                    store._tiers.fill.materialize()
                 except BaseException:
                     store.close()
                     raise
@@ -270,7 +270,7 @@ class EmbeddingStore:
         if root is not None and not readonly:
             versions.compaction.maybe_compact()  # many short runs must not pile up segments no flush compacts
         if not readonly:
-            tiers.start_filling()
+            tiers.fill.start_filling()
 
     # ------------------------------------------------------------------ properties
     path = property(lambda self: None if self._core.ephemeral else self._core.root,
@@ -405,7 +405,7 @@ class EmbeddingStore:
             # that fails on a full disk leaves none of its rows applied.
             with self._core.lock:
                 self._core.check_open()
-                self._tiers.write_around(idx, None, vals, load=not full)
+                self._tiers.writeback.write_around(idx, None, vals, load=not full)
             self._core.stats.updates += 1
             self._waited(t0)
             return
@@ -525,7 +525,7 @@ class EmbeddingStore:
         idx = as_ids(ids, self._core.num_rows)
         if self._versions.disk is None:
             return
-        self._tiers.prefetch_later(idx)
+        self._tiers.prefetch.later(idx)
 
     def _read_rows(self, idx: np.ndarray, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Fields of ``idx``, filling misses; caller holds the lock."""
@@ -616,14 +616,14 @@ class EmbeddingStore:
     def evict(self, nbytes: int) -> int:
         """Free at least ``nbytes`` of hot and warm memory (dirty rows written back first)."""
         self._check_usable()
-        return self._tiers.evict(nbytes)
+        return self._tiers.writeback.evict(nbytes)
 
     def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
         """Change the budgets at run time (a lower budget evicts at once). None keeps a budget.
 
         Waits for a flush or background write-back in progress (rows they write cannot move)."""
         self._check_usable()
-        self._tiers.set_budget(hot_bytes, warm_bytes)
+        self._tiers.writeback.set_budget(hot_bytes, warm_bytes)
 
     def upcoming(self, ids: Any) -> None:
         """Hint: a coming get will read these rows (`LookaheadSampler` calls this for each batch
@@ -635,14 +635,14 @@ class EmbeddingStore:
         cache (rows of chunks held warm are served from there, not the hot tier). In memory
         mode, or for a store without a path, this is `prefetch`."""
         self._check_usable()
-        self._tiers.upcoming(self._valid_ids(ids))
+        self._tiers.readahead.upcoming(self._valid_ids(ids))
 
     def read_seconds_per_row(self) -> float:
         """Recent wall time per row that `get` or the prefetch thread read below the hot tier
         (from the warm tier, the page cache or the disk); NaN before any such read.
         `LookaheadSampler` sizes its window from it: batches announced ahead cover the time a
         batch's rows take to arrive."""
-        return self._tiers.read_seconds_per_row()
+        return self._tiers.readahead.read_seconds_per_row()
     # ------------------------------------------------------------------ growing
     def grow(self, num_rows: int) -> None:
         """Raise the table to ``num_rows`` rows; ids ``[old num_rows, num_rows)`` hold their initial
@@ -717,9 +717,9 @@ class EmbeddingStore:
         if self._core.pid != os.getpid():
             return
         self._await_device_writes()  # a device still writing the table finishes before it is freed
-        self._tiers.stop_prefetch()
+        self._tiers.prefetch.stop()
         self._versions.bg.stop()
-        self._tiers.stop_fill()
+        self._tiers.fill.stop()
 
     def _close_files(self) -> None:
         """Free the tiers and close every file but the writer lock (caller holds both locks)."""

@@ -162,45 +162,6 @@ class Tiers:
         assert reader is not None, "no plan made the chunk reader"
         return reader
 
-    # ------------------------------------------------------------------ what the store asks of the parts
-    def prefetch_later(self, idx: np.ndarray) -> None:
-        """Queue a prefetch of validated ``idx`` on the prefetch thread; returns at once."""
-        self.prefetch.later(idx)
-
-    def stop_prefetch(self, wait: bool = True) -> None:
-        self.prefetch.stop(wait)
-
-    def stop_fill(self, wait: bool = True) -> None:
-        self.fill.stop(wait)
-
-    def upcoming(self, idx: np.ndarray) -> None:
-        """`EmbeddingStore.upcoming` of validated ids (`ReadAhead.upcoming`)."""
-        self.readahead.upcoming(idx)
-
-    def read_seconds_per_row(self) -> float:
-        """Recent wall time per row read below the hot tier (`ReadAhead.read_seconds_per_row`)."""
-        return self.readahead.read_seconds_per_row()
-
-    def materialize(self) -> None:
-        """Bring every chunk of a memory-mode table into its pool now (`Filler.materialize`)."""
-        self.fill.materialize()
-
-    def start_filling(self) -> None:
-        """Make a memory-mode table's never-written chunks in the background (`Filler.start_filling`)."""
-        self.fill.start_filling()
-
-    def evict(self, nbytes: int) -> int:
-        """`EmbeddingStore.evict` (`WriteBack.evict`)."""
-        return self.writeback.evict(nbytes)
-
-    def set_budget(self, hot_bytes: int | None = None, warm_bytes: int | None = None) -> None:
-        """`EmbeddingStore.set_budget` (`WriteBack.set_budget`)."""
-        self.writeback.set_budget(hot_bytes, warm_bytes)
-
-    def write_around(self, idx, mids, values, load: bool) -> None:
-        """A write too large for the hot tier (`WriteBack.write_around`); caller holds the lock."""
-        self.writeback.write_around(idx, mids, values, load)
-
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Free the tiers (caller holds both locks, every thread stopped)."""
