@@ -188,10 +188,6 @@ class DeviceTier:
         #: each; NaN/Inf checked by one sum); False: the checked public calls in `store_spans`
         #: (the distributed benchmark's ``store=checked``)
         self.trusted_store_calls = True
-        #: a prefetch over the mapped table plans its swap on the prefetch thread and the reading
-        #: thread queues the kernel (`_plan_swap`); False: the prefetch thread does both (the
-        #: benchmark's comparison)
-        self.plan_swaps = True
         # I/O accounting for the profiler's store_io: wall time the calling (training) thread spent
         # in the tier's entry points, and the time of every store call the tier made (any thread),
         # which the store also counts in its own io_wait_seconds
@@ -333,7 +329,7 @@ class DeviceTier:
         if len(ids) > self.capacity // 2:
             ids = ids[: self.capacity // 2]
         with self._lock:
-            if self.plan_swaps and self._plan_swap(ids, keep):
+            if self._plan_swap(ids, keep):
                 return
             self._slots(ids, keep, ahead=True)  # on the tier's device and stream (`_enter_prefetch_thread`)
 
@@ -395,13 +391,13 @@ class DeviceTier:
             enqueue()
         elif self._timed_store(self.store._device_write, written, enqueue):
             self.written_down_rows += len(written)
+            self.down_bytes += len(written) * self.pool.shape[1]
         else:  # a flush is copying the host table: the dirty victims go down staged, queued before
             # the swap overwrites their slots, and the swap only loads
             self._send_down(p.victims[p.dirty], evicted=True, ids=written)
-            p.idx[k : 2 * k] = -1
+            p.idx[k : 2 * k] = -1  # (`_send_down` counted their bytes)
             enqueue()
         self.evicted_rows += nv
-        self.down_bytes += len(written) * self.pool.shape[1]
         self.up_bytes += k * self.pool.shape[1]
         self.loaded_rows += k
 
