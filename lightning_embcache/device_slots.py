@@ -78,6 +78,8 @@ class SlotMap:
         self._free = private_zeros(capacity, np.int64)
         self._free[:] = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self.nfree = capacity
+        #: bumped whenever a row gets or leaves a slot: slots worked out ahead are valid while it stays
+        self.moves = 0
         self._hand = 0
         self._stamp = private_zeros(capacity, np.int64)  # == _stamp_id: kept by the current call
         self._stamp_id = 0
@@ -119,6 +121,7 @@ class SlotMap:
         leave), and return their slots: the same as `release`, `take` and `assign` with fewer
         passes over the batch (the victims never pass through the free list)."""
         got = self.slots_for(victims, len(ids))
+        self.moves += 1
         if self._c is not None:
             victims, ids = _ids(victims), _ids(ids)
             if self._c.em_replace(self._p_slot_of, self.num_rows, self._p_id_of, self._p_ref, self.capacity,
@@ -145,6 +148,7 @@ class SlotMap:
         `replace` in a row, in one C call where the loops are built. Raises `TooFewSlots`
         (only the hand, reference bits and stamps changed)."""
         keep = _NONE if keep is None else keep
+        self.moves += 1
         if self._c is None:
             return self._plan_numpy(ids, keep, dirty)
         ids, keep = _ids(ids), _ids(keep)
@@ -187,12 +191,14 @@ class SlotMap:
         return Plan(idx, victims, vids, vdirty)
 
     def assign(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        self.moves += 1
         self.id_of[slots] = ids
         self.slot_of[ids] = (slots + 1).astype(np.int32)
         self.ref[slots] = 1
 
     def release(self, slots: np.ndarray) -> None:
         """Give ``slots`` back (their rows leave the device)."""
+        self.moves += 1
         self.slot_of[self.id_of[slots]] = 0
         self.id_of[slots] = -1
         self.ref[slots] = 0
@@ -229,6 +235,10 @@ class SlotMap:
             return False
         self._forget()
         return True
+
+    def oldest_announced(self) -> np.ndarray | None:
+        """The ids (as announced) of the batch looked up next, if any is announced."""
+        return self._raw[0] if self._raw else None
 
     def announced(self, batch: np.ndarray) -> bool:
         """Whether ``batch`` (an array `announce` returned) is still in the window."""

@@ -25,9 +25,8 @@ import math
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -36,10 +35,11 @@ import torch
 from torch import Tensor
 
 import lightning_embcache.mapped_swap as mapped_swap
-from lightning_embcache.device_slots import Plan, SlotMap, TooFewSlots
+from lightning_embcache.device_ahead import Staging
+from lightning_embcache.device_slots import SlotMap, TooFewSlots
 from lightning_embcache.mapped_host import MappedHost, store_table
 from lightning_embcache.pinned import PinnedRing
-from lightning_embcache.store import EmbeddingStore, StoreError, idsets, rowcopy
+from lightning_embcache.store import EmbeddingStore, StoreError, rowcopy
 from lightning_embcache.store.errors import InvalidArgumentError, OutOfMemoryError
 from lightning_embcache.store.memory import private_zeros
 
@@ -150,8 +150,6 @@ class DeviceTier:
         self._step_lock = threading.Lock()
         self._ring_lock = threading.Lock()
         self._stream = torch.cuda.current_stream(device)
-        self._prefetcher: ThreadPoolExecutor | None = None
-        self._prefetching: Future | None = None
         try:
             self.pool = self._make_pool(capacity, rb)
         except torch.cuda.OutOfMemoryError as exc:
@@ -195,16 +193,12 @@ class DeviceTier:
         self.store_seconds = 0.0
         self._depth = threading.local()
         self._own_thread = threading.local()  # on_stream: a thread of the tier's own, on its device and stream
-        self._staging: list[np.ndarray] = []  # announced batches (`upcoming`) whose rows no job staged yet
-        #: a swap the prefetch thread planned (map already updated) whose transfer the next `_join`
-        #: queues on the joining thread (under `_lock`)
-        self._pending: Plan | None = None
+        self._staging = Staging(self)  # rows brought up ahead of their lookup
         if self.resident:
             self._load_all()
         else:
             self._map = SlotMap(n, capacity)
             self._down_seq = private_zeros(n, np.int32)  # seq of the newest `_Down` holding the id; 0 = none
-            self._window_warned = False
             self._mapped = MappedHost.try_register(store_table(store), device)
             if self._mapped is not None:
                 self._nonfinite = torch.zeros((), dtype=torch.int32, device=device)
@@ -251,7 +245,7 @@ class DeviceTier:
 
     def to_device(self, arr: np.ndarray) -> Tensor:
         """A small host array on the device through a pinned buffer, without waiting."""
-        if getattr(self._own_thread, "on_stream", False):  # the prefetch thread: device and stream set once
+        if getattr(self._own_thread, "on_stream", False):  # device and stream set already (`streamed`)
             with self._ring_lock:
                 return self._idx.to_device(arr, self.device, self._stream)
         with self._ring_lock, torch.cuda.stream(self._stream):  # the training and prefetch threads
@@ -275,151 +269,43 @@ class DeviceTier:
         """Start bringing validated ``ids`` to the device in a background thread; returns at once.
 
         ``protect``: slots the training thread still uses until the next lookup (this step's
-        rows): they are never chosen for eviction. The thread's reads of the host tiers overlap
-        the rest of the training step; its copies are queued on the training stream, so the next
-        lookup (which waits for the thread first) sees the rows without waiting for the device.
+        rows): they are never chosen for eviction. The thread does the host half (`Staging`);
+        the next lookup, which waits for it first, queues the copies on its own stream and finds
+        its slots worked out already where it looks up these ``ids``.
         """
         if self.resident:
             return
-        self._join()
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="embcache-device-prefetch",
-                                                  initializer=self._enter_prefetch_thread)
-        keep = None if protect is None else protect.copy()
-        # the rows of this step (protect) stay until the next lookup, which waits for this job
-        self._prefetching = self._prefetcher.submit(self._prefetch_job, ids.copy(), keep)
+        raw = ids.copy()
+        self._staging.submit(raw, [], None if protect is None else protect.copy(), raw)
 
     @_entry
     def upcoming(self, ids: np.ndarray, protect: np.ndarray | None = None) -> None:
         """A coming batch reads validated ``ids`` (`LookaheadSampler`'s window): bring them up
         in the background and keep them until that batch is looked up; eviction meanwhile takes
-        rows no announced batch reads. The rows are staged by a background job started right
-        after the next lookup (`_stage_announced`), so the job overlaps a whole training step and
+        rows no announced batch reads. The batch is announced and its rows staged by a background
+        job started right after the next lookup, so the job overlaps a whole training step and
         that lookup never waits for it. A window of more rows than half the tier is not announced
         past that point (a warning names both sizes); its rows load when looked up."""
-        if self.resident:
-            return
-        u = idsets.unique(ids)
-        with self._lock:
-            if self._map.window_rows + len(u) > self.capacity // 2:
-                if not self._window_warned:
-                    self._window_warned = True
-                    warnings.warn(
-                        f"the lookahead window holds {self._map.window_rows + len(u)} rows but the device tier "
-                        f"keeps at most {self.capacity // 2} of them ({self.capacity} slots, device_bytes="
-                        f"{self.budget_bytes}); batches past that load their rows when looked up: raise "
-                        f"device_bytes or lower the lookahead", stacklevel=3)
-                return
-            self._map.announce(ids, unique=u)
-            self._staging.append(u)
-
-    def _stage_announced(self, keep: np.ndarray) -> None:
-        """Start staging the announced batches not staged yet, as one background job; ``keep``:
-        the slots the training step uses until its next lookup (never evicted by the job)."""
-        if not self._staging:
-            return
-        with self._lock:
-            todo = [u for u in self._staging if self._map.announced(u)]  # looked up already: nothing to stage
-            self._staging = []
-        if todo:
-            self.prefetch(todo[0] if len(todo) == 1 else idsets.unique(np.concatenate(todo)), keep)
-
-    def _prefetch_job(self, ids: np.ndarray, keep: np.ndarray | None) -> None:
-        ids = idsets.unique(ids)
-        if len(ids) > self.capacity // 2:
-            ids = ids[: self.capacity // 2]
-        with self._lock:
-            if self._plan_swap(ids, keep):
-                return
-            self._slots(ids, keep, ahead=True)  # on the tier's device and stream (`_enter_prefetch_thread`)
-
-    def _plan_swap(self, ids: np.ndarray, keep: np.ndarray | None) -> bool:
-        """The host half of bringing unique ``ids`` up by one `mapped_swap` (caller holds `_lock`):
-        choose their slots and the victims and re-map them now; the kernel is queued by the next
-        `_join`, on the thread that is about to read the rows. So the prefetch thread makes no
-        CUDA call: CUDA calls from two threads at once contend inside the driver and cost both
-        threads CPU time. False (nothing changed) where the rows must move another way."""
-        if self._mapped is None or self._down or self._swap_check is False or self._pending is not None:
-            return False
-        # rows not made yet are made first (memory mode); the hits were made when they came up
-        if not self._timed_store(self.store._device_read, ids):
-            return False
-        try:
-            plan = self._map.plan(ids, keep, self.dirty)
-        except TooFewSlots as exc:
-            raise self._too_few(exc) from None
-        if plan is not None:
-            self._pending = plan
-            self.staged_ahead_rows += len(plan.idx) // 3
-        return True
-
-    def _launch_swap(self) -> None:
-        """Queue the transfer of the planned swap (`_plan_swap`) on this thread; if queuing fails
-        before the kernel is, the map is put back as it was (no slot claims a row it lacks)."""
-        with self._lock:
-            p, self._pending = self._pending, None
-            if p is None:
-                return
-            launched = [False]
-            try:
-                if getattr(self._own_thread, "on_stream", False):
-                    self._queue_swap(p, launched)
-                else:
-                    with torch.cuda.stream(self._stream):
-                        self._queue_swap(p, launched)
-            except BaseException:
-                if not launched[0]:
-                    self._unplan(p)
-                raise
-
-    def _queue_swap(self, p: Plan, launched: list[bool]) -> None:
-        k, nv = len(p.idx) // 3, len(p.victims)
-        written = p.victim_ids[p.dirty]
-        check = self._swap_check if getattr(self.store, "_check_finite", True) else None
-        assert check is None or isinstance(check, tuple)
-        mapped, flag = self._mapped, self._nonfinite
-        assert mapped is not None
-
-        def enqueue() -> torch.cuda.Event:
-            mapped_swap.swap_rows(self.pool, mapped.dev, self.to_device(p.idx), flag, check)
-            launched[0] = True
-            done = torch.cuda.Event()
-            done.record(self._stream)
-            return done
-
-        if not len(written):
-            enqueue()
-        elif self._timed_store(self.store._device_write, written, enqueue):
-            self.written_down_rows += len(written)
-            self.down_bytes += len(written) * self.pool.shape[1]
-        else:  # a flush is copying the host table: the dirty victims go down staged, queued before
-            # the swap overwrites their slots, and the swap only loads
-            self._send_down(p.victims[p.dirty], evicted=True, ids=written)
-            p.idx[k : 2 * k] = -1  # (`_send_down` counted their bytes)
-            enqueue()
-        self.evicted_rows += nv
-        self.up_bytes += k * self.pool.shape[1]
-        self.loaded_rows += k
-
-    def _unplan(self, p: Plan) -> None:
-        """Undo `_plan_swap`'s re-mapping (its kernel was never queued)."""
-        k, nv = len(p.idx) // 3, len(p.victims)
-        self._map.release(p.idx[: k - nv])
-        self._map.replace(p.victims, p.victim_ids)
-        self.dirty[p.victims] = p.dirty
-        self.staged_ahead_rows -= k
+        if not self.resident:
+            self._staging.upcoming(ids)
 
     def _join(self) -> None:
-        """Wait for the prefetch in flight (and raise its error, if any).
+        """Wait for the prefetch in flight (and raise its error, if any); queue its swap."""
+        self._staging.join()
 
-        Any thread may wait (a flush thread does); the future stays until the training thread
-        submits the next prefetch, so a wait in one thread never lets another go on without it.
-        """
-        fut = self._prefetching
-        if fut is not None:
-            fut.result()
-            if self._pending is not None:
-                self._launch_swap()
+    @contextmanager
+    def streamed(self) -> Iterator[None]:
+        """This thread on the tier's device and stream inside the block (entered once for the
+        block's calls: `to_device` then skips its own)."""
+        if getattr(self._own_thread, "on_stream", False):
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            self._own_thread.on_stream = True
+            try:
+                yield
+            finally:
+                self._own_thread.on_stream = False
 
     @_entry
     def positions(self, ids: np.ndarray, protect: np.ndarray | None = None) -> np.ndarray:
@@ -430,21 +316,29 @@ class DeviceTier:
             return ids
         self._join()
         with self._lock:
-            s = self._map.find(ids)
-            hits = int(np.count_nonzero(s >= 0))
+            out = self._staging.next_positions(ids)  # worked out by the prefetch job
+            s = self._map.find(ids) if out is None else out
+            hits = len(ids) if out is not None else int(np.count_nonzero(s >= 0))
             self.lookup_rows += len(ids)
             self.lookup_hit_rows += hits
             if hits == len(ids):  # every row already on the device (the prefetched case): no unique()
-                self._map.consume(ids)
+                self._staging.consume(ids)
                 out = s
         if hits != len(ids):
             uniq, inv = np.unique(ids, return_inverse=True)
             out = self._slots(uniq, protect)[inv]
             with self._lock:
-                self._map.consume(ids)
-        if self._staging:  # the window's next batches, staged while this step runs
-            self._stage_announced(out if protect is None or not len(protect) else np.concatenate([protect, out]))
+                self._staging.consume(ids)
+        assert out is not None
+        if self._staging.queued:  # the window's next batches, staged while this step runs
+            self._staging.stage(out if protect is None or not len(protect) else np.concatenate([protect, out]))
         return out
+
+    def device_positions(self, pos: np.ndarray) -> Tensor:
+        """``pos`` (what `positions` returned) on the device: the copy the prefetch job's
+        upload carried where there is one, else uploaded now."""
+        dev = self._staging.device_positions(pos)
+        return dev if dev is not None else self.to_device(pos)
 
     @_entry
     def gather(self, ids: np.ndarray, name: str = "weight", protect: np.ndarray | None = None) -> Tensor:
@@ -498,8 +392,8 @@ class DeviceTier:
     def _slots(self, ids: np.ndarray, protect: np.ndarray | None, ahead: bool = False) -> np.ndarray:
         """``ahead``: a prefetch brings the rows before their lookup (counted as staged ahead)."""
         with self._lock:
-            if self._pending is not None:  # the planned rows' kernel first: this call may evict them
-                self._launch_swap()
+            if self._staging.pending is not None:  # the planned rows' kernel first: this call may evict them
+                self._staging.launch()
             s = self._map.find(ids)
             miss = s < 0
             if not miss.any():
@@ -819,14 +713,10 @@ class DeviceTier:
 
     def close(self) -> None:
         """Free the device memory (after `write_down()`: unwritten rows are discarded)."""
-        try:
-            self._join()
-        except Exception:  # closing: a failed hint does not matter any more
-            pass
-        for pool in (self._prefetcher, self._writer):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._prefetcher = self._writer = None
+        self._staging.close()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        self._writer = None
         with self._lock, self._down_cv:
             self._down.clear()
             if self._mapped is not None:

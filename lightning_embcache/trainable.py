@@ -188,7 +188,7 @@ class TrainableRows:
             pos_d = device_ids if same and device_ids is not None else tier.to_device(pos)
         else:
             pos = self._device_slots(idx)
-            pos_d = tier.to_device(pos)
+            pos_d = tier.device_positions(pos)
         weight = tier.view("weight")
         rows = weight.index_select(0, pos_d)
         if self.max_norm is not None:

@@ -149,7 +149,7 @@ class ShardedDeviceRows:
             with self.store._clock:
                 served = route.served.numpy()
                 slots = tier.positions(served, self.held_slots()) if len(served) else np.empty(0, np.int64)
-                slots_d = tier.to_device(slots)
+                slots_d = tier.device_positions(slots)
                 weight = tier.view("weight")
                 rows_out = weight.index_select(0, slots_d)
                 if self.max_norm is not None and torch.is_grad_enabled() and len(slots):

@@ -2,7 +2,8 @@
 only) and the kernel is queued by the thread that next reads the rows: rows and moments still
 equal nn.Embedding + SparseAdam's, the prefetch thread makes no CUDA call, a flush copying the
 table meanwhile sends the dirty victims down another way, and a swap that fails to queue leaves
-the map as it was."""
+the map as it was. The prefetch thread also works out the next lookup's slots: that lookup
+neither searches the map nor uploads its slots, unless a row moved in between."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from lightning_embcache import EmbeddingStore, TrainableRows, make_row_optimizer, trainable_fields
 from lightning_embcache import device_tier as device_tier_module
+from lightning_embcache.device_slots import SlotMap
 from lightning_embcache.device_tier import SLOT_OVERHEAD, DeviceTier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -119,5 +121,33 @@ def test_a_swap_that_fails_to_queue_puts_the_map_back(tmp_path, monkeypatch):
     monkeypatch.setattr(device_tier_module.mapped_swap, "swap_rows", fails_once_armed)
     _train(store, tier, rows, emb, ref, fail_at=10, arm=lambda: armed.__setitem__(0, True))
     assert not armed[0]  # the lookup did queue (and fail) a swap
+    tier.close()
+    store.close()
+
+
+def test_a_prefetched_lookup_takes_the_slots_the_job_worked_out_and_one_upload(tmp_path, monkeypatch):
+    store, tier, rows, emb, ref = _setup(tmp_path)
+    finds = _threads_calling(monkeypatch, SlotMap, "find")
+    uploads = _threads_calling(monkeypatch, DeviceTier, "to_device")
+    _train(store, tier, rows, emb, ref)  # rows and moments as SparseAdam's
+    training = threading.current_thread().name
+    # one lookup without a prefetch (the first) searches the map on this thread; no other does
+    assert finds.count(training) <= 1 + STEPS // 40, finds.count(training)
+    # the job's upload carries the swap's index array and the next lookup's slots: one a step,
+    # where a lookup uploading its own slots makes two (a few more: write-downs, the final check)
+    assert uploads.count(training) < 1.5 * STEPS, uploads.count(training)
+    tier.close()
+    store.close()
+
+
+def test_slots_worked_out_ahead_are_not_used_once_a_row_moved(tmp_path):
+    store, tier, rows, emb, ref = _setup(tmp_path)
+    cap = tier.capacity
+    a = np.arange(0, cap // 2, dtype=np.int64)
+    tier.prefetch(a)
+    tier._join()  # the swap queued; a's slots went up with its index array
+    tier.slots(np.arange(cap // 2, cap // 2 + 3 * cap // 4, dtype=np.int64))  # evicts some of a's rows
+    got = tier.view("weight").index_select(0, tier.device_positions(tier.positions(a.copy())))
+    torch.testing.assert_close(got.cpu(), store.get(torch.from_numpy(a)))
     tier.close()
     store.close()
