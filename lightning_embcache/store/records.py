@@ -21,7 +21,7 @@ from .core import StoreCore
 from .device_access import DeviceAccess, Guarded
 from .errors import InvalidArgumentError
 from .tiers import SLICE_ROWS, Tiers
-from .validate import as_values
+from .validate import check_finite
 
 
 class Trainer(Guarded, Protocol):
@@ -105,8 +105,7 @@ class Records:
             )
         w = self._c.schema.view(records, "weight")
         if self._c.check_finite and len(idx):
-            as_values(w.contiguous(), len(idx), self._c.dim, self._c.dtype, arg="records (weight)",
-                      check_finite=True)
+            check_finite(w, arg="records (weight)")
         big = not self._t.hot.resident and len(idx) > SLICE_ROWS
         if big:  # staged as one pending segment, all or nothing (see update_fields)
             self._s.update_fields(idx, {n: self._c.schema.view(records, n) for n in self._c.schema.names})

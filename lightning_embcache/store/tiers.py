@@ -248,15 +248,16 @@ class Tiers:
         slots, the others from ``records``."""
         return self.fields_of(self._direct_records(idx, slots, mids, records), names)
 
-    def _direct_records(self, idx, slots, mids, records) -> np.ndarray:
-        """Whole records of ``idx``: hot rows from their slots, the others from ``records`` of ``mids``."""
+    def _direct_records(self, idx, slots, mids, records, out=None) -> np.ndarray:
+        """Whole records of ``idx``: hot rows from their slots, the others from ``records`` of
+        ``mids``; into ``out`` where given (the caller's buffer: no second copy)."""
         hit = np.flatnonzero(slots >= 0)
         # One gather into a new array, then the (few) hot rows over it: filling an empty array
         # through a mask pages in a fresh buffer each call.
         at = np.searchsorted(mids, idx)
         if len(hit):
             at[hit] = 0
-        rec = records.take(at, axis=0)
+        rec = records.take(at, axis=0, out=out, mode="clip")  # (valid positions: "clip" is unbuffered)
         if len(hit):
             rec[hit] = self.hot.pool_np.take(slots[hit], axis=0)
         return rec
@@ -271,7 +272,7 @@ class Tiers:
         elif isinstance(got, FromSlab):
             rec = self._warm_records(idx, got.slots, got.missing, got.rows)
         elif isinstance(got, Direct):
-            rec = self._direct_records(idx, got.slots, got.mids, got.records)
+            return self._direct_records(idx, got.slots, got.mids, got.records, out)
         else:
             if out is None:
                 return self.hot.pool_np.take(cast(np.ndarray, got), axis=0)  # (contiguous pool)

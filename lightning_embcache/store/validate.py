@@ -102,6 +102,12 @@ def as_values(
     return values if values.is_contiguous() else values.contiguous()
 
 
+def check_finite(values: torch.Tensor, arg: str) -> None:
+    """Raise naming ``arg`` where a CPU float tensor (strided views welcome) holds NaN or Inf."""
+    if values.dtype.is_floating_point and values.numel() and not _all_finite(values):
+        _raise_not_finite(values, arg, values.dtype, values.dtype)
+
+
 def _check_int_range(values: torch.Tensor, arg: str, dtype: torch.dtype) -> None:
     """An integer field must hold the value written, not its low bits (2**40 + 7 as int32 is 7)."""
     info = torch.iinfo(dtype)
@@ -123,9 +129,9 @@ def _all_finite(values: torch.Tensor) -> bool:
     # numpy's isfinite: no thread-pool start-up, which dominates torch's on small CPU batches.
     if values.dtype == torch.bfloat16:
         return math.isfinite(float(values.float().sum())) or bool(torch.isfinite(values).all())
-    if not values.is_contiguous():
-        values = values.contiguous()
-    arr = values.numpy()
+    # a strided view (one field of whole records): numpy's copy, several times torch's for a
+    # (rows, cols) view whose rows lie apart
+    arr = values.numpy() if values.is_contiguous() else np.ascontiguousarray(values.numpy())
     # NaN and Inf always reach a sum of squares; a finite one proves every value finite without
     # allocating a mask. For float32/64 it is BLAS's dot (2.4x numpy's pairwise sum here); a sum
     # that overflows from finite values only sends us to the exact check.
