@@ -106,25 +106,39 @@ class Staging:
             self.pending = self._next = None
             if p is None and nxt is None:
                 return
-            up = p.idx if p is not None else np.empty(0, np.int64)
-            if nxt is not None and nxt.moves == t._map.moves:
-                up = np.concatenate([up, nxt.pos])
-            else:
-                nxt = None
-            launched = [False]
-            try:
-                with t.streamed():
-                    dev = t.to_device(up)
-                    if nxt is not None:
-                        self._next_dev = (nxt.pos, dev[len(up) - len(nxt.pos):])
-                        self._next = nxt
-                    if p is not None:
-                        self._queue_swap(p, dev[: len(p.idx)], launched)
-            except BaseException:
-                self._next = self._next_dev = None
-                if p is not None and not launched[0]:
-                    self._unplan(p)
-                raise
+            self._queue(p, nxt if nxt is not None and nxt.moves == t._map.moves else None)
+
+    def plan_now(self, ids: np.ndarray, keep: np.ndarray | None) -> bool:
+        """A lookup's missing rows by the same swap, planned and queued on this thread (caller
+        holds the tier's lock); False (nothing changed) where they must move another way."""
+        if not self._plan(ids, keep, ahead=False):
+            return False
+        p, self.pending = self.pending, None
+        if p is not None:
+            self._queue(p, None, ahead=False)
+        return True
+
+    def _queue(self, p: Plan | None, nxt: _Next | None, ahead: bool = True) -> None:
+        """Upload swap ``p``'s index array (and ``nxt``'s slots, in the same copy) and queue its
+        kernel on this thread; a kernel that fails to queue puts the map back."""
+        t = self._t
+        up = p.idx if p is not None else np.empty(0, np.int64)
+        if nxt is not None:
+            up = np.concatenate([up, nxt.pos])
+        launched = [False]
+        try:
+            with t.streamed():
+                dev = t.to_device(up)
+                if nxt is not None:
+                    self._next_dev = (nxt.pos, dev[len(up) - len(nxt.pos):])
+                    self._next = nxt
+                if p is not None:
+                    self._queue_swap(p, dev[: len(p.idx)], launched)
+        except BaseException:
+            self._next = self._next_dev = None
+            if p is not None and not launched[0]:
+                self._unplan(p, ahead)
+            raise
 
     def next_positions(self, ids: np.ndarray) -> np.ndarray | None:
         """The job's slots of ``ids`` if it worked them out for exactly this batch and no row
@@ -189,10 +203,10 @@ class Staging:
         t._map.announce(ids, unique=u)
         return u
 
-    def _plan(self, ids: np.ndarray, keep: np.ndarray | None) -> bool:
+    def _plan(self, ids: np.ndarray, keep: np.ndarray | None, ahead: bool = True) -> bool:
         """Choose slots and victims for unique ``ids`` and re-map them now, leaving the kernel
         to `launch` (caller holds the lock). False (nothing changed) where the rows must move
-        another way."""
+        another way. ``ahead``: rows brought before their lookup (counted as staged ahead)."""
         t = self._t
         if t._mapped is None or t._down or t._swap_check is False or self.pending is not None:
             return False
@@ -205,7 +219,8 @@ class Staging:
             raise t._too_few(exc) from None
         if plan is not None:
             self.pending = plan
-            t.staged_ahead_rows += len(plan.idx) // 3
+            if ahead:
+                t.staged_ahead_rows += len(plan.idx) // 3
         return True
 
     # ------------------------------------------------------------------ the swap kernel
@@ -239,11 +254,12 @@ class Staging:
         t.up_bytes += k * t.pool.shape[1]
         t.loaded_rows += k
 
-    def _unplan(self, p: Plan) -> None:
+    def _unplan(self, p: Plan, ahead: bool) -> None:
         """Undo `_plan`'s re-mapping (its kernel was never queued)."""
         t = self._t
         k, nv = len(p.idx) // 3, len(p.victims)
         t._map.release(p.idx[: k - nv])
         t._map.replace(p.victims, p.victim_ids)
         t.dirty[p.victims] = p.dirty
-        t.staged_ahead_rows -= k
+        if ahead:
+            t.staged_ahead_rows -= k

@@ -401,14 +401,15 @@ class DeviceTier:
             mids = ids[miss]
             if ahead:
                 self.staged_ahead_rows += len(mids)
+            if self._staging.plan_now(ids, protect):  # one swap kernel over the mapped table
+                return self._map.find(ids)
+            # rows move by separate copies: the evicted ones down first
             keep = np.concatenate([s[~miss], protect]) if protect is not None and len(protect) else s[~miss]
             k = len(mids)
             victims = self._victims(k - self._map.nfree, keep) if k > self._map.nfree else _NO_SLOTS
-            got = self._swap_mapped(mids, victims)
-            if got is None:  # rows move by separate copies: the evicted ones down first
-                self._drop(victims)
-                got = self._map.take(k)
-                self._upload(mids, got)
+            self._drop(victims)
+            got = self._map.take(k)
+            self._upload(mids, got)
             s[miss] = got
             return s
 
@@ -435,46 +436,6 @@ class DeviceTier:
         self._map.release(slots)
         self.dirty[slots] = False
         self.evicted_rows += len(slots)
-
-    def _swap_mapped(self, ids: np.ndarray, victims: np.ndarray) -> np.ndarray | None:
-        """Bring rows ``ids`` into the free slots and ``victims`` by one kernel that first writes
-        the dirty victims' records into the mapped host table (`mapped_swap`); returns the slots
-        of ``ids``, or None (nothing done) where the table is not mapped, rows of an earlier
-        staged write-down are still on their way, the kernel cannot run, or the store declines
-        (a flush is copying the table, or the rows cannot be read there)."""
-        if self._mapped is None or self._down or self._swap_check is False:
-            return None
-        k, nv = len(ids), len(victims)
-        dirty = self.dirty[victims]
-        out = np.where(dirty, self._map.id_of[victims], -1)
-        written = out[dirty]
-        if not self._timed_store(self.store._device_read, ids):
-            return None
-        got = self._map.slots_for(victims, k)
-        idx = np.concatenate([got, np.full(k - nv, -1, np.int64), out, ids]).astype(np.int64, copy=False)
-        check = self._swap_check if getattr(self.store, "_check_finite", True) else None
-        assert check is None or isinstance(check, tuple)
-        mapped, flag = self._mapped, self._nonfinite
-
-        def enqueue() -> torch.cuda.Event:
-            mapped_swap.swap_rows(self.pool, mapped.dev, self.to_device(idx), flag, check)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-            return done
-
-        if len(written):
-            if not self._timed_store(self.store._device_write, written, enqueue):
-                return None
-        else:
-            enqueue()
-        self._map.replace(victims, ids)
-        self.dirty[victims] = False
-        self.evicted_rows += nv
-        self.written_down_rows += len(written)
-        self.down_bytes += len(written) * self.pool.shape[1]
-        self.up_bytes += k * self.pool.shape[1]
-        self.loaded_rows += k
-        return got
 
     def _upload(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Bring rows ``ids`` from the host store into device ``slots`` (non-blocking)."""
