@@ -342,27 +342,29 @@ class TrainableRows:
         keys_d = None  # 16-bit rows round stochastically keyed by id, not by slot
         if self.stochastic_rounding and self.max_grad_norm is None:
             keys_d = tier.to_device(np.concatenate(part_ids))
+        meta = (tier.view("last_step"), tier.view("updates"))
         with tier.writing(pos):  # a background write_down sees the whole step or none of it
             done = self.max_grad_norm is None and fused_adam_step_rows(
                 self.optimizer, weight, state, pos_d, grads, step=step, lr=lr_now,
-                stochastic_rounding=self.stochastic_rounding, seed=self._rounding_seed, keys=keys_d)
-            if not done:
-                uniq, first, inv = np.unique(pos, return_index=True, return_inverse=True)
-                u_d, inv_d = tier.to_device(uniq), tier.to_device(inv)
-                g = torch.zeros((len(uniq), grads.shape[1]), dtype=torch.float32, device=grads.device)
-                g.index_add_(0, inv_d, grads.float())
-                if self.max_grad_norm is not None:
-                    clip_rows_by_norm_(g, self.max_grad_norm)
-                w = weight.index_select(0, u_d)
-                st = {n: v.index_select(0, u_d) for n, v in state.items()}
-                keys = None
-                if self.stochastic_rounding:  # the rounding is keyed by id, not by slot
-                    keys = tier.to_device(np.concatenate(part_ids)[first])
-                self.optimizer.step(w, st, g, step=step, lr=lr, ids=keys,
-                                    stochastic_rounding=self.stochastic_rounding, seed=self._rounding_seed)
-                weight.index_copy_(0, u_d, w)
-                for n, v in state.items():
-                    v.index_copy_(0, u_d, st[n])
+                stochastic_rounding=self.stochastic_rounding, seed=self._rounding_seed, keys=keys_d, meta=meta)
+            if done:  # the kernel counted the rows' updates itself
+                return
+            uniq, first, inv = np.unique(pos, return_index=True, return_inverse=True)
+            u_d, inv_d = tier.to_device(uniq), tier.to_device(inv)
+            g = torch.zeros((len(uniq), grads.shape[1]), dtype=torch.float32, device=grads.device)
+            g.index_add_(0, inv_d, grads.float())
+            if self.max_grad_norm is not None:
+                clip_rows_by_norm_(g, self.max_grad_norm)
+            w = weight.index_select(0, u_d)
+            st = {n: v.index_select(0, u_d) for n, v in state.items()}
+            keys = None
+            if self.stochastic_rounding:  # the rounding is keyed by id, not by slot
+                keys = tier.to_device(np.concatenate(part_ids)[first])
+            self.optimizer.step(w, st, g, step=step, lr=lr, ids=keys,
+                                stochastic_rounding=self.stochastic_rounding, seed=self._rounding_seed)
+            weight.index_copy_(0, u_d, w)
+            for n, v in state.items():
+                v.index_copy_(0, u_d, st[n])
             # per-row metadata: duplicates write the same value, so each row counts one update
             tier.view("last_step").index_fill_(0, pos_d, step)
             updates = tier.view("updates")

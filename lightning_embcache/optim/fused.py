@@ -102,10 +102,11 @@ if triton is not None:
         tl.store(V + row * stride_v + cols, v, mask=mask)
 
     @triton.jit
-    def _adam_rows_scan_kernel(W, M, V, G, IDS, KEYS, n, num_rows, dim,
-                               stride_w, stride_m, stride_v, stride_g,
+    def _adam_rows_scan_kernel(W, M, V, G, IDS, KEYS, LAST, UPD, n, num_rows, dim,
+                               stride_w, stride_m, stride_v, stride_g, stride_last, stride_upd, step_no,
                                step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay, offset,
-                               BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, ROUND: tl.constexpr):
+                               BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, ROUND: tl.constexpr,
+                               META: tl.constexpr):
         p = tl.program_id(0)
         rid = tl.load(IDS + p)
         cols = tl.arange(0, BLOCK_D)
@@ -132,12 +133,22 @@ if triton is not None:
         _adam_update(W, M, V, rid.to(tl.int64), cols, (cmask & valid) != 0, g, stride_w, stride_m, stride_v,
                      step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay,
                      key, dim, offset, ROUND)
+        if META:
+            _count_update(LAST, UPD, rid.to(tl.int64), valid, stride_last, stride_upd, step_no)
 
     @triton.jit
-    def _adam_rows_sort_kernel(W, M, V, G, SORTED, ORDER, KEYS, n, num_rows, dim,
-                               stride_w, stride_m, stride_v, stride_g,
+    def _count_update(LAST, UPD, row, valid, stride_last, stride_upd, step_no):
+        """The row's metadata (`TrainableRows.row_meta`): the step of its last update, and one
+        more update, written once per row by the program that updated it."""
+        if valid:
+            tl.store(LAST + row * stride_last, step_no)
+            tl.store(UPD + row * stride_upd, tl.load(UPD + row * stride_upd) + 1)
+
+    @triton.jit
+    def _adam_rows_sort_kernel(W, M, V, G, SORTED, ORDER, KEYS, LAST, UPD, n, num_rows, dim,
+                               stride_w, stride_m, stride_v, stride_g, stride_last, stride_upd, step_no,
                                step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay, offset,
-                               BLOCK_D: tl.constexpr, ROUND: tl.constexpr):
+                               BLOCK_D: tl.constexpr, ROUND: tl.constexpr, META: tl.constexpr):
         p = tl.program_id(0)
         rid = tl.load(SORTED + p)
         prev = tl.load(SORTED + p - 1, mask=p > 0, other=-1)
@@ -161,6 +172,8 @@ if triton is not None:
         _adam_update(W, M, V, rid.to(tl.int64), cols, (cmask & valid) != 0, g, stride_w, stride_m, stride_v,
                      step_size, one_minus_beta1, one_minus_beta2, eps, l2, decay,
                      key, dim, offset, ROUND)
+        if META:
+            _count_update(LAST, UPD, rid.to(tl.int64), valid, stride_last, stride_upd, step_no)
 
 
 #: row dtypes the kernels update (moments are float32 in every case)
@@ -169,14 +182,17 @@ ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def fused_adam_step_rows(optimizer, weight: Tensor, state: dict[str, Tensor], ids: Tensor,
                          grads: Tensor, *, step: int, lr: float, stochastic_rounding: bool = False,
-                         seed: int = 0, keys: Tensor | None = None) -> bool:
+                         seed: int = 0, keys: Tensor | None = None,
+                         meta: tuple[Tensor, Tensor] | None = None) -> bool:
     """Run the fused step if this case is covered; return False (doing nothing) otherwise.
 
     16-bit rows (bfloat16/float16; float32 moments) are computed in float32 and rounded back once
     inside the kernel: to nearest, or with ``stochastic_rounding`` exactly as
     `rounding.stochastic_round` rounds them with `rounding.uniform_noise` of ``(seed, step, key)``.
     ``keys``: the id each position's noise is keyed by (default ``ids``; a device tier passes the
-    rows' ids where ``ids`` are its slots)."""
+    rows' ids where ``ids`` are its slots). ``meta``: int32 ``(rows, 1)`` views of the rows'
+    ``last_step`` and ``updates``, set to ``step`` and counted up once per updated row by the same
+    kernel (a device tier's rows: four launches fewer a step)."""
     from lightning_embcache.optim.adam import Adam
     from lightning_embcache.optim.rounding import noise_offset
 
@@ -204,13 +220,17 @@ def fused_adam_step_rows(optimizer, weight: Tensor, state: dict[str, Tensor], id
     rounding = 0 if weight.dtype == torch.float32 else 2 if stochastic_rounding else 1
     key_ids = ids if keys is None else keys.to(device=ids.device, dtype=torch.int64)
     offset = noise_offset(step, seed)
+    if meta is not None and not all(t.is_cuda and t.dtype == torch.int32 and t.shape[0] == num_rows for t in meta):
+        return False
+    last, upd = meta if meta is not None else (ids, ids)  # (unused without META)
+    counts = (*strides, last.stride(0) if meta is not None else 0, upd.stride(0) if meta is not None else 0, step)
     if n <= SCAN_MAX_IDS:
-        _adam_rows_scan_kernel[(n,)](weight, m, v, grads, ids, key_ids, n, num_rows, dim, *strides, *scalars,
-                                     offset, BLOCK_D=block, BLOCK_Q=32, ROUND=rounding,
-                                     num_warps=2 if block <= 128 else 4)
+        _adam_rows_scan_kernel[(n,)](weight, m, v, grads, ids, key_ids, last, upd, n, num_rows, dim, *counts,
+                                     *scalars, offset, BLOCK_D=block, BLOCK_Q=32, ROUND=rounding,
+                                     META=meta is not None, num_warps=2 if block <= 128 else 4)
     else:
         sorted_ids, order = torch.sort(ids, stable=True)
-        _adam_rows_sort_kernel[(n,)](weight, m, v, grads, sorted_ids, order, key_ids, n, num_rows, dim,
-                                     *strides, *scalars, offset,
-                                     BLOCK_D=block, ROUND=rounding, num_warps=1 if block <= 128 else 4)
+        _adam_rows_sort_kernel[(n,)](weight, m, v, grads, sorted_ids, order, key_ids, last, upd, n, num_rows, dim,
+                                     *counts, *scalars, offset, BLOCK_D=block, ROUND=rounding,
+                                     META=meta is not None, num_warps=1 if block <= 128 else 4)
     return True

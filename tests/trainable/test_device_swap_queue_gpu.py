@@ -42,6 +42,7 @@ def _train(store, tier, rows, emb, ref, fail_at=None, arm=None):
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, N, (BATCH,), generator=g) for _ in range(STEPS + 1)]
     applied = 0  # Adam's step count (SparseAdam counts the steps it took)
+    last, updates = torch.zeros(N, dtype=torch.int32), torch.zeros(N, dtype=torch.int32)
     for step in range(1, STEPS + 1):
         ids, tgt = batches[step - 1], torch.randn(BATCH, DIM, generator=g).cuda()
         if step == fail_at:
@@ -59,6 +60,8 @@ def _train(store, tier, rows, emb, ref, fail_at=None, arm=None):
         ref.step()
         applied += 1
         rows.apply(step=applied)
+        last[ids] = applied
+        updates[ids.unique()] += 1
         if step % 40 == 0:
             rows.write_down()
             store.flush()
@@ -68,6 +71,8 @@ def _train(store, tier, rows, emb, ref, fail_at=None, arm=None):
         torch.testing.assert_close(tier.gather(np.arange(N), name), want, rtol=1e-5, atol=1e-6, msg=name)
     rows.write_down()
     torch.testing.assert_close(store.get(torch.arange(N)).cuda(), emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    meta = store.get_fields(torch.arange(N), ("last_step", "updates"))  # each updated row counted once a step
+    assert torch.equal(meta["last_step"][:, 0], last) and torch.equal(meta["updates"][:, 0], updates)
 
 
 def _threads_calling(monkeypatch, obj, name):
