@@ -127,7 +127,7 @@ class Staging:
             up = np.concatenate([up, nxt.pos])
         launched = [False]
         try:
-            with t.streamed():
+            with t._streamed():
                 dev = t.to_device(up)
                 if nxt is not None:
                     self._next_dev = (nxt.pos, dev[len(up) - len(nxt.pos):])

@@ -245,7 +245,7 @@ class DeviceTier:
 
     def to_device(self, arr: np.ndarray) -> Tensor:
         """A small host array on the device through a pinned buffer, without waiting."""
-        if getattr(self._own_thread, "on_stream", False):  # device and stream set already (`streamed`)
+        if getattr(self._own_thread, "on_stream", False):  # device and stream set already (`_streamed`)
             with self._ring_lock:
                 return self._idx.to_device(arr, self.device, self._stream)
         with self._ring_lock, torch.cuda.stream(self._stream):  # the training and prefetch threads
@@ -294,7 +294,7 @@ class DeviceTier:
         self._staging.join()
 
     @contextmanager
-    def streamed(self) -> Iterator[None]:
+    def _streamed(self) -> Iterator[None]:
         """This thread on the tier's device and stream inside the block (entered once for the
         block's calls: `to_device` then skips its own)."""
         if getattr(self._own_thread, "on_stream", False):
