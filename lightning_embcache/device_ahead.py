@@ -51,7 +51,8 @@ class Staging:
         self._fut: Future | None = None
         self.queued: list[np.ndarray] = []  # announced batches (`upcoming`) no job took up yet
         self.pending: Plan | None = None  # a planned swap whose kernel `join` queues
-        self._next: _Next | None = None  # the job's slots for the next lookup (host)
+        self._ahead: _Next | None = None  # the job's slots for the next lookup, to upload
+        self._next: _Next | None = None  # ... once uploaded (what `next_positions` gives)
         self._next_dev: tuple[np.ndarray, Tensor] | None = None  # ... and their device copy
         self._warned = False
 
@@ -94,7 +95,7 @@ class Staging:
         fut = self._fut
         if fut is not None:
             fut.result()
-            if self.pending is not None or self._next is not None:
+            if self.pending is not None or self._ahead is not None:
                 self.launch()
 
     def launch(self) -> None:
@@ -102,8 +103,8 @@ class Staging:
         lookup's slots with its index array; a kernel that fails to queue puts the map back."""
         t = self._t
         with t._lock:
-            p, nxt = self.pending, self._next
-            self.pending = self._next = None
+            p, nxt = self.pending, self._ahead
+            self.pending = self._ahead = None
             if p is None and nxt is None:
                 return
             self._queue(p, nxt if nxt is not None and nxt.moves == t._map.moves else None)
@@ -183,7 +184,7 @@ class Staging:
                 if expect is not None:
                     pos = t._map.find(expect)
                     if bool((pos >= 0).all()):
-                        self._next = _Next(expect, pos, t._map.moves)
+                        self._ahead = _Next(expect, pos, t._map.moves)
                 return
             t._slots(want, keep, ahead=True)  # on the tier's device and stream (`_enter_prefetch_thread`)
 

@@ -55,7 +55,8 @@ def _run(tier: _Tier, staging: Staging, announced: list[np.ndarray], prefetch: n
     """A job as the prefetch thread runs it, its planned swap then taken as queued."""
     staging.job(None if prefetch is None else prefetch.copy(), announced, None,
                 None if prefetch is None else prefetch)
-    staging.pending = None  # (`launch` would queue it on the device)
+    staging.pending = None  # (`launch` would queue it on the device and upload the slots:)
+    staging._next, staging._ahead = staging._ahead, None
 
 
 def test_the_jobs_slots_for_the_next_lookup_are_the_maps_until_a_row_moves(backend):
