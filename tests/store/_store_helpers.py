@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future
 
@@ -113,3 +114,44 @@ def wait_for(pred, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+def model_step(s, table: torch.Tensor, op: str, idx: torch.Tensor, k: int) -> bool:
+    """One operation of a sequence checked against a tensor model, on store ``s`` and on ``table``
+    (the model, changed in place): ``get``, ``records`` and ``fields`` assert that the store reads
+    the model's rows exactly; ``update`` writes new random rows (seeded by ``k``) to both; ``flush``,
+    ``compact`` (after a flush) and ``evict`` (everything) act on the store alone. Returns whether
+    the store flushed, so a caller can keep what a reopened store must return."""
+    if op == "get":
+        assert torch.equal(s.get(idx), table[idx])
+    elif op == "records":
+        assert torch.equal(s.read_records(idx).view(torch.float32), table[idx])
+    elif op == "fields":
+        assert torch.equal(s.get_fields(idx)["weight"], table[idx])
+    elif op == "update":
+        u = torch.unique(idx)
+        table[u] = torch.randn(len(u), table.shape[1], generator=torch.Generator().manual_seed(k))
+        s.update(u, table[u])
+    elif op in ("flush", "compact"):
+        s.flush()
+        if op == "compact":
+            s.compact()
+        return True
+    elif op == "evict":
+        s.evict(1 << 30)
+    else:
+        raise ValueError(f"unknown operation {op!r}")
+    return False
+
+
+def repeat_until(stop: threading.Event, fn, errors: list[BaseException], pause: float = 0.0) -> None:
+    """Call ``fn`` until ``stop`` is set (a background thread's body in the race tests); the first
+    exception goes to ``errors``, for the test to report, and ends the loop."""
+    while not stop.is_set():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+            return
+        if pause:
+            time.sleep(pause)

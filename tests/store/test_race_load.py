@@ -8,12 +8,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _store_helpers import repeat_until
 
 from lightning_embcache import EmbeddingStore
 
@@ -40,16 +40,7 @@ def _run(path, steps: int, readers: int, seconds: float):
     stop = threading.Event()
     errors: list[BaseException] = []
 
-    def loop(fn):
-        while not stop.is_set():
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-                return
-            time.sleep(0.005)
-
-    threads = [threading.Thread(target=loop, args=(f,)) for f in (store.compact, store.stats)]
+    threads = [threading.Thread(target=repeat_until, args=(stop, f, errors, 0.005)) for f in (store.compact, store.stats)]
     for t in threads:
         t.start()
     rng = np.random.default_rng(7)

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from _store_helpers import repeat_until
 
 from lightning_embcache import EmbeddingStore, StoreClosedError
 
@@ -23,15 +24,7 @@ def _writer_against_compactors(path, n_compactors: int, seconds_steps: int, hot_
     stop = threading.Event()
     errors: list[BaseException] = []
 
-    def compactor():
-        while not stop.is_set():
-            try:
-                store.compact()
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-                return
-
-    threads = [threading.Thread(target=compactor) for _ in range(n_compactors)]
+    threads = [threading.Thread(target=repeat_until, args=(stop, store.compact, errors)) for _ in range(n_compactors)]
     for t in threads:
         t.start()
     rng = np.random.default_rng(1)
@@ -124,15 +117,7 @@ def test_stats_and_flush_threads_with_a_training_thread_in_disk_mode(shm_path, s
     stop = threading.Event()
     errors: list[BaseException] = []
 
-    def loop(fn):
-        while not stop.is_set():
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-                return
-
-    threads = [threading.Thread(target=loop, args=(f,)) for f in (store.flush, store.stats)]
+    threads = [threading.Thread(target=repeat_until, args=(stop, f, errors)) for f in (store.flush, store.stats)]
     for t in threads:
         t.start()
     rng = np.random.default_rng(3)
