@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -144,14 +145,31 @@ def model_step(s, table: torch.Tensor, op: str, idx: torch.Tensor, k: int) -> bo
     return False
 
 
-def repeat_until(stop: threading.Event, fn, errors: list[BaseException], pause: float = 0.0) -> None:
-    """Call ``fn`` until ``stop`` is set (a background thread's body in the race tests); the first
-    exception goes to ``errors``, for the test to report, and ends the loop."""
-    while not stop.is_set():
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-            return
-        if pause:
-            time.sleep(pause)
+
+@contextlib.contextmanager
+def looping(fns, pause: float = 0.0):
+    """Call each of ``fns`` over and over, each in its own thread, while the block runs (the race
+    tests' background work); yields the list that gets each thread's first exception, which also
+    ends that thread's loop. The threads are stopped and joined when the block exits."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop(fn) -> None:
+        while not stop.is_set():
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+                return
+            if pause:
+                time.sleep(pause)
+
+    threads = [threading.Thread(target=loop, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
