@@ -23,8 +23,9 @@ get+update of every row in batches of --full-pass-rows, default 4,096, then flus
 
 Every (system, mode) runs in its own subprocess, so peak RSS (``VmHWM``) is per system; the
 processes of all systems are interleaved within each repetition (system order rotated per
-repetition) and figures are medians over repetitions of per-process medians. Ratios are against
-the fastest in-memory baseline (torch / numpy / torch_thp) of the same mode and workload. Workers
+repetition) and figures are medians over repetitions of per-process medians. Ratios are the median
+of per-repetition paired ratios (with their range) against the fastest in-memory baseline (torch /
+numpy / torch_thp, by median) of the same mode and workload. Workers
 import only ``lightning_embcache.store`` (not the Lightning facade); the facade's import cost is
 measured once and reported. Results, the command and the host go to ``docs/benchmarks.md``.
 
@@ -46,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .harness import paired_ratios
 from .store_systems import ALL_SYSTEMS, IN_MEMORY
 
 MiB = 1 << 20
@@ -323,6 +325,9 @@ def aggregate(cfg: dict, runs: dict) -> dict:
                         "median_ms": med,
                         "rows_per_s": cfg["batch"] / (med / 1e3) if med else None,
                         "rep_medians_ms": [w["phases"][ph].get("median_ms") for w in wls],
+                        # repetition -> this process's median (runs[mode][system] is in repetition order)
+                        "by_rep_ms": {i: r["workloads"][wl]["phases"][ph].get("median_ms")
+                                      for i, r in enumerate(reps) if r.get("ok") and wl in r.get("workloads", {})},
                         "p90_ms": _med([w["phases"][ph].get("p90_ms") for w in wls]),
                         "batches": sum(w["phases"][ph].get("n", 0) for w in wls),
                     }
@@ -380,10 +385,19 @@ def aggregate(cfg: dict, runs: dict) -> dict:
                 if not base:
                     continue
                 ref_ms, ref_sys = min(base)
+                ref_by_rep = cell[ref_sys][ph]["by_rep_ms"]
                 for s, e in cell.items():
-                    if ph in e and e[ph]["median_ms"]:
-                        e[ph]["ratio_vs_fastest_in_memory"] = e[ph]["median_ms"] / ref_ms
-                        e[ph]["fastest_in_memory"] = ref_sys
+                    if ph not in e or not e[ph]["median_ms"]:
+                        continue
+                    e[ph]["fastest_in_memory"] = ref_sys
+                    # the median of per-repetition paired ratios (the same repetition's runs), never a
+                    # ratio of two medians; a system run in one repetition only (naive) gets one pair
+                    reps_both = [i for i, v in e[ph]["by_rep_ms"].items() if v and ref_by_rep.get(i)]
+                    if reps_both:
+                        pr = paired_ratios({"s": [e[ph]["by_rep_ms"][i] for i in reps_both],
+                                            "ref": [ref_by_rep[i] for i in reps_both]}, "s", "ref")
+                        e[ph]["ratio_vs_fastest_in_memory"] = pr.median
+                        e[ph]["paired_vs_fastest_in_memory"] = pr.as_dict()
             out[mode][wl] = cell
     return out
 
@@ -459,6 +473,13 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _paired(phase: dict) -> str:
+    pr = phase.get("paired_vs_fastest_in_memory")
+    if not pr:
+        return "n/a"
+    return f"{pr['median']:.2f}x ({pr['low']:.2f}-{pr['high']:.2f}, {pr['reps']} reps)"
+
+
 def table_lines(cfg: dict, results: dict) -> list[str]:
     lines = []
     for mode in cfg["modes"]:
@@ -493,8 +514,8 @@ def table_lines(cfg: dict, results: dict) -> list[str]:
                 lines.append(
                     f"| {s} | {_f(e['get']['median_ms'])} | {_f(e['update']['median_ms'])} | "
                     f"{_f(e['get_update']['median_ms'])} | {_f(e['get_update']['rows_per_s'], '{:,.0f}')} | "
-                    f"{_f(e['get_update'].get('ratio_vs_fastest_in_memory'), '{:.2f}x')} | "
-                    f"{_f(e['update'].get('ratio_vs_fastest_in_memory'), '{:.2f}x')} | {fs} | {fw} | {fp} | "
+                    f"{_paired(e['get_update'])} | "
+                    f"{_paired(e['update'])} | {fs} | {fw} | {fp} | "
                     f"{_f(e.get('peak_rss_mib_max'), '{:.0f}')} |")
             ferr = cell.get("store", {}).get("flush_errors")
             if ferr:

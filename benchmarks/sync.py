@@ -13,6 +13,9 @@ changed. Systems:
   fsynced version after every step, written by the worker thread (coalesced when it falls behind).
 * ``deferred_fg``: ``DeferredSync(every_n_steps=1, background=False)``: the step waits for its flush.
 
+Systems run in a rotating order within each of ``--reps`` repetitions; "vs naive" is the median of
+per-repetition paired ratios (naive's step over the system's), with their range.
+
 Figure: median and mean wall time of a training step, batch start to next batch start after 5
 warm-up steps (Lightning's own per-step overhead included for the store systems, so the
 comparison is conservative; the mean carries what a background flush takes from the training
@@ -22,7 +25,7 @@ with a path) by default, so the sync cost is not mixed with cold reads; ``--hot-
 budget (disk mode).
 
     embcache bench sync [--rows 1000000] [--dim 64] [--batch 512] [--steps 200] [--naive-steps 5]
-                        [--hot-mib MiB] [--json PATH] [--quick]
+                        [--hot-mib MiB] [--reps 5] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import MIN_REPS, paired_ratios, rotating_order
+
 MiB = 1 << 20
 
 
@@ -54,13 +59,15 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--steps", type=int, default=200, help="training steps per store system")
     p.add_argument("--naive-steps", type=int, default=5, help="steps of the naive design (about 1 s each)")
+    p.add_argument("--reps", type=int, default=MIN_REPS,
+                   help=f"repetitions, the systems in a rotating order in each (default {MIN_REPS})")
     p.add_argument("--hot-mib", type=float, default=None, help="store hot budget (default: whole table resident)")
     p.add_argument("--json", "--out", dest="json", default=None, help="write the JSON results here (default: print only)")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one, removed)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     args = p.parse_args(list(argv))
     if args.quick:
-        args.rows, args.steps, args.naive_steps = 20_000, 20, 2
+        args.rows, args.steps, args.naive_steps, args.reps = 20_000, 20, 2, 1
     return args
 
 
@@ -194,23 +201,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"embcache bench sync: {args.rows:,} rows x {args.dim} float32 ({args.rows * args.dim * 4 / MiB:.0f} MiB), "
           f"batch {args.batch}, {args.steps} steps; store "
           f"{'memory mode' if args.hot_mib is None else f'disk mode, hot {args.hot_mib} MiB'}", flush=True)
-    results: dict[str, Any] = {}
+    systems: dict[str, Any] = {
+        "no_sync": None,
+        "deferred_bg": {"every_n_steps": 1, "every_n_epochs": None, "background": True},
+        "deferred_fg": {"every_n_steps": 1, "every_n_epochs": None, "background": False},
+        "naive": "naive",
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     try:
-        for name, kwargs in (("no_sync", None),
-                             ("deferred_bg", {"every_n_steps": 1, "every_n_epochs": None, "background": True}),
-                             ("deferred_fg", {"every_n_steps": 1, "every_n_epochs": None, "background": False})):
-            results[name] = run_lightning(workdir, args, batches, name, kwargs)
-            print(f"  {name:12s} {results[name]['median_step_ms']:9.2f} ms/step", flush=True)
-        results["naive"] = run_naive(workdir, args, batches)
-        print(f"  {'naive':12s} {results['naive']['median_step_ms']:9.2f} ms/step", flush=True)
+        for rep in range(args.reps):
+            for name in rotating_order(list(systems), rep):  # no system always first
+                where = workdir / f"rep{rep}"
+                r = (run_naive(where, args, batches) if name == "naive"
+                     else run_lightning(where, args, batches, name, systems[name]))
+                runs[name].append(r)
+                print(f"  rep {rep} {name:12s} {r['median_step_ms']:9.2f} ms/step", flush=True)
+            shutil.rmtree(workdir / f"rep{rep}", ignore_errors=True)
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
-    naive = results["naive"]["median_step_ms"]
-    naive_mean = results["naive"]["mean_step_ms"]
-    for name in ("no_sync", "deferred_bg", "deferred_fg"):
-        results[name]["speedup_vs_naive"] = naive / results[name]["median_step_ms"]
-        results[name]["mean_speedup_vs_naive"] = naive_mean / results[name]["mean_step_ms"]
+    results = {name: _summary(rs) for name, rs in runs.items()}
+    medians = {name: [r["median_step_ms"] for r in rs] for name, rs in runs.items()}
+    means = {name: [r["mean_step_ms"] for r in rs] for name, rs in runs.items()}
+    for name in ("no_sync", "deferred_bg", "deferred_fg"):  # > 1: faster than naive, paired by repetition
+        results[name]["vs_naive"] = paired_ratios(medians, "naive", name).as_dict()
+        results[name]["mean_vs_naive"] = paired_ratios(means, "naive", name).as_dict()
     out = {"benchmark": "sync", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "embcache bench sync " + " ".join(argv if argv is not None else sys.argv[1:]),
            "config": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
@@ -224,19 +239,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's repetitions: the median of each figure over them, and every repetition."""
+    out: dict[str, Any] = {"reps": rs, "durable_per_step": rs[0]["durable_per_step"]}
+    for key in ("median_step_ms", "mean_step_ms", "p90_step_ms", "flushes", "coalesced", "median_flush_ms"):
+        vals = [r[key] for r in rs if r.get(key) is not None]
+        if vals:
+            out[key] = statistics.median(vals)
+    return out
+
+
 def _table(results: dict[str, Any]) -> str:
     lines = ["| system | sync | ms per step: median | mean | p90 | flushes | coalesced | flush ms (median) "
-             "| vs naive (median / mean) |",
+             "| vs naive: median step, mean step (paired by repetition; range) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in ("naive", "no_sync", "deferred_bg", "deferred_fg"):
         r = results[name]
         p90 = f"{r['p90_step_ms']:.2f}" if "p90_step_ms" in r else "-"
         fl = f"{r['median_flush_ms']:.2f}" if r.get("median_flush_ms") else "-"
-        sp = (f"{r['speedup_vs_naive']:.0f}x / {r['mean_speedup_vs_naive']:.0f}x"
-              if "speedup_vs_naive" in r else "1x")
+        n = f"{r['flushes']:.0f}" if "flushes" in r else "-"
+        c = f"{r['coalesced']:.0f}" if "coalesced" in r else "-"
+        sp = (f"{_ratio(r['vs_naive'])}, {_ratio(r['mean_vs_naive'])}" if "vs_naive" in r else "1x")
         lines.append(f"| {name} | {r['durable_per_step']} | {r['median_step_ms']:.2f} | {r['mean_step_ms']:.2f} | {p90} | "
-                     f"{r.get('flushes', '-')} | {r.get('coalesced', '-')} | {fl} | {sp} |")
+                     f"{n} | {c} | {fl} | {sp} |")
     return "\n".join(lines)
+
+
+def _ratio(pr: dict[str, Any]) -> str:
+    return f"{pr['median']:.0f}x ({pr['low']:.0f}-{pr['high']:.0f}, {pr['reps']} reps)"
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 One table of `--rows` x `--dim` float32 rows on disk, every row written once and flushed, then for
 each setting a fresh `open` and `--steps` steps of {get of `--batch` ids, update of the same ids}
 with ids in random order (an epoch of a shuffled DataLoader) or Zipf-distributed (a few hot ids),
-and one flush at the end. Figures are medians per step in this process; the page cache is not
-dropped, so disk reads are served from the OS cache as on a machine with spare RAM.
+and one flush at the end, each run on its own copy of the table. Figures are medians per step in
+this process; the page cache is not dropped, so disk reads are served from the OS cache as on a
+machine with spare RAM.
 
     embcache bench tuning                   # ~2 minutes on 2 cores
     embcache bench tuning --rows 200000 --steps 100 --out tuning.json
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -87,10 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         def measure(label: str, chunk_rows: int, hot: int | None, warm: int = 0, compression: str | None = None,
                     init: str = "normal", workloads: Sequence[str] = ("epoch", "zipf")) -> None:
-            path = Path(tmp) / f"c{chunk_rows}-{compression}-{init}"
-            if not path.exists():
-                _build(path, args.rows, args.dim, chunk_rows, compression, init)
+            template = Path(tmp) / f"c{chunk_rows}-{compression}-{init}"
+            if not template.exists():
+                _build(template, args.rows, args.dim, chunk_rows, compression, init)
             for kind in workloads:
+                # each run on its own copy: none starts with another's flushed segments or compaction
+                path = Path(tmp) / "run"
+                shutil.rmtree(path, ignore_errors=True)
+                shutil.copytree(template, path)
                 r = _run(path, hot, warm, _ids(kind, args.rows, args.batch, args.steps, seed=1))
                 r.update(setting=label, workload=kind, chunk_rows=chunk_rows, hot_mib=None if hot is None else hot / MiB,
                          warm_mib=warm / MiB, compression=compression, rows=init)

@@ -1,4 +1,5 @@
-"""Suite-wide settings: the cores are shared fairly between pytest-xdist workers.
+"""Suite-wide settings and fixtures: the cores are shared fairly between pytest-xdist workers;
+`shm_path`, a fresh folder on tmpfs, for the tests of every package.
 
 `make test` runs the default suite on one xdist worker per core. Each worker (and every process a
 test starts: docs pages, DDP ranks, crash children) gets its share of the cores for torch's
@@ -9,6 +10,11 @@ their time in spinning barrier waits, and a test's tiny ops compute the same on 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
 
 
 def _workers() -> int:
@@ -24,3 +30,12 @@ def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture
+def shm_path():
+    """A fresh folder on tmpfs where there is one (fsync is free there), else under /tmp."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = Path(tempfile.mkdtemp(prefix="embcache-test-", dir=base))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -21,18 +21,15 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import creation, foldproc, growth
+from . import creation, foldproc, growth, guards
 from .core import InitFn, StoreCore
 from .creation import StridedNormal, strided_normal_spec
 from .device_access import DeviceAccess, Guarded
 from .disk import Disk
 from .errors import (
     CorruptStoreError,
-    ForkedWriterError,
     InvalidArgumentError,
     InvalidTypeError,
-    ReadOnlyError,
-    StoreClosedError,
 )
 from .hot import SLOT_OVERHEAD, HotTier
 from .records import Records, Trainer
@@ -374,7 +371,7 @@ class EmbeddingStore:
         """Several per-row fields of ``ids`` at once (e.g. weights and optimizer moments)."""
         t0 = time.perf_counter()
         self._check_usable()
-        names = self._check_names(names)
+        names = guards.check_names(self._core.schema, names)
         idx = as_ids(ids, self._core.num_rows)
         if not self._tiers.hot.resident and len(idx) > SLICE_ROWS:
             out = self._sliced_get(idx, names)
@@ -391,7 +388,7 @@ class EmbeddingStore:
         self._check_usable(write=True)
         if not isinstance(values, Mapping) or not values:
             raise InvalidTypeError("values must be a non-empty mapping of field name -> tensor")
-        names = self._check_names(tuple(values))
+        names = guards.check_names(self._core.schema, tuple(values))
         idx = as_ids(ids, self._core.num_rows)
         vals = {}
         for n in names:
@@ -434,7 +431,7 @@ class EmbeddingStore:
     # ------------------------------------------------------------------ whole records (trainers)
     def record_view(self, records: torch.Tensor, name: str) -> torch.Tensor:
         """Typed ``(n, cols)`` view of field ``name`` inside uint8 records from `read_records`."""
-        self._check_names((name,))
+        guards.check_names(self._core.schema, (name,))
         return self._core.schema.view(records, name)
 
     @property
@@ -511,7 +508,7 @@ class EmbeddingStore:
 
         self._check_usable()
         path = export.check_out(out, overwrite)
-        self._check_names((field,))
+        guards.check_names(self._core.schema, (field,))
         if version is not None:  # that version's rows, through a read-only handle of it
             return export.export_version(self._core, version_arg(version, "version"), path, field, overwrite)
         dtype, cols = self.field_spec(field)
@@ -759,32 +756,10 @@ class EmbeddingStore:
         self._check_state(write)
 
     def _check_state(self, write: bool = False) -> None:
-        if self._core.closed:
-            raise StoreClosedError("this EmbeddingStore is closed; open it again with EmbeddingStore.open(path)")
-        if write and self._core.readonly:
-            raise ReadOnlyError("this store was opened with readonly=True; open it with readonly=False to write")
-        self._check_owner()
+        guards.check_state(self._core, write)
 
     def _check_owner(self) -> None:
-        """A writable store's memory is not mapped in a forked child (memory.PageBuffer): refuse there."""
-        if not self._core.readonly and os.getpid() != self._core.pid:
-            raise ForkedWriterError(
-                "a writable EmbeddingStore cannot be used in a forked child process (e.g. a DataLoader "
-                "worker); open a readonly handle there: EmbeddingStore.open(path, readonly=True)"
-            )
-
-    def _check_names(self, names: Sequence[str]) -> tuple[str, ...]:
-        if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) and not hasattr(names, "__iter__"):
-            raise InvalidTypeError(f"names must be a sequence of field names; got {type(names).__name__} {names!r}")
-        try:
-            names = tuple(names)
-        except TypeError:
-            raise InvalidTypeError(f"names must be a sequence of field names; got {type(names).__name__}") from None
-        for n in names:
-            if not isinstance(n, str) or n not in self._core.schema.fields:
-                raise InvalidArgumentError(
-                    f"field {n!r} does not exist; this store has {list(self._core.schema.names)}")
-        return names
+        guards.check_owner(self._core)
 
     def _after_fork_in_child(self) -> None:
         # Threads do not survive fork and a lock may have been held: start clean in the child.

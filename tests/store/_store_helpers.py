@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from concurrent.futures import Future
 
@@ -113,3 +115,61 @@ def wait_for(pred, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+def model_step(s, table: torch.Tensor, op: str, idx: torch.Tensor, k: int) -> bool:
+    """One operation of a sequence checked against a tensor model, on store ``s`` and on ``table``
+    (the model, changed in place): ``get``, ``records`` and ``fields`` assert that the store reads
+    the model's rows exactly; ``update`` writes new random rows (seeded by ``k``) to both; ``flush``,
+    ``compact`` (after a flush) and ``evict`` (everything) act on the store alone. Returns whether
+    the store flushed, so a caller can keep what a reopened store must return."""
+    if op == "get":
+        assert torch.equal(s.get(idx), table[idx])
+    elif op == "records":
+        assert torch.equal(s.read_records(idx).view(torch.float32), table[idx])
+    elif op == "fields":
+        assert torch.equal(s.get_fields(idx)["weight"], table[idx])
+    elif op == "update":
+        u = torch.unique(idx)
+        table[u] = torch.randn(len(u), table.shape[1], generator=torch.Generator().manual_seed(k))
+        s.update(u, table[u])
+    elif op in ("flush", "compact"):
+        s.flush()
+        if op == "compact":
+            s.compact()
+        return True
+    elif op == "evict":
+        s.evict(1 << 30)
+    else:
+        raise ValueError(f"unknown operation {op!r}")
+    return False
+
+
+
+@contextlib.contextmanager
+def looping(fns, pause: float = 0.0):
+    """Call each of ``fns`` over and over, each in its own thread, while the block runs (the race
+    tests' background work); yields the list that gets each thread's first exception, which also
+    ends that thread's loop. The threads are stopped and joined when the block exits."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop(fn) -> None:
+        while not stop.is_set():
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+                return
+            if pause:
+                time.sleep(pause)
+
+    threads = [threading.Thread(target=loop, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from _store_helpers import compacted_store
+from _store_helpers import compacted_store, model_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -98,31 +98,13 @@ def test_reads_match_a_tensor_model_across_writes_compaction_and_reopening(shm_p
     try:
         _verify_all(s)
         for k, (op, ids) in enumerate(ops):
-            idx = torch.tensor(ids)
-            if op == "get":
-                assert torch.equal(s.get(idx), table[idx])
-            elif op == "records":
-                assert torch.equal(s.read_records(idx).view(torch.float32), table[idx])
-            elif op == "fields":
-                assert torch.equal(s.get_fields(idx)["weight"], table[idx])
-            elif op == "update":
-                u = torch.unique(idx)
-                table[u] = torch.randn(len(u), DIM, generator=torch.Generator().manual_seed(k))
-                s.update(u, table[u])
-            elif op == "flush":
-                s.flush()
-                flushed = table.clone()
-            elif op == "compact":
-                s.flush()
-                flushed = table.clone()
-                s.compact()
-            elif op == "evict":
-                s.evict(1 << 30)
-            else:
+            if op == "reopen":
                 s.close()
                 table = flushed.clone()
                 s = EmbeddingStore.open(path, hot_bytes=HOT)
                 _verify_all(s)
+            elif model_step(s, table, op, torch.tensor(ids), k):
+                flushed = table.clone()
         assert torch.equal(s.get(torch.arange(N)), table)
     finally:
         s.close()

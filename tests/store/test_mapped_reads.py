@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from _store_helpers import compacted_store
+from _store_helpers import compacted_store, model_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -141,20 +141,7 @@ def test_reads_through_maps_match_a_tensor_model(shm_path, ops):
     table = compacted_store(path, N, DIM, CHUNK, seed=1)
     with EmbeddingStore.open(path, hot_bytes=HOT) as s:
         for k, (op, ids) in enumerate(ops):
-            idx = torch.tensor(ids)
-            if op == "get":
-                assert torch.equal(s.get(idx), table[idx])
-            elif op == "update":
-                u = torch.unique(idx)
-                table[u] = torch.randn(len(u), DIM, generator=torch.Generator().manual_seed(k))
-                s.update(u, table[u])
-            elif op == "flush":
-                s.flush()
-            elif op == "compact":
-                s.flush()
-                s.compact()
-            else:
-                s.evict(1 << 30)
+            model_step(s, table, op, torch.tensor(ids), k)
         s.evict(1 << 30)
         every = torch.arange(N)
         assert torch.equal(s.get(every), table)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _store_helpers import looping
 
 from lightning_embcache import EmbeddingStore
 
@@ -37,24 +36,9 @@ def _run(path, steps: int, readers: int, seconds: float):
     procs = [subprocess.Popen([sys.executable, str(READER), str(path), str(seconds), str(N), str(DIM)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(readers)]
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def loop(fn):
-        while not stop.is_set():
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-                return
-            time.sleep(0.005)
-
-    threads = [threading.Thread(target=loop, args=(f,)) for f in (store.compact, store.stats)]
-    for t in threads:
-        t.start()
     rng = np.random.default_rng(7)
     wrong = ops = 0
-    try:
+    with looping([store.compact, store.stats], pause=0.005) as errors:
         for step in range(steps):
             ids = torch.from_numpy(rng.choice(N, 256, replace=False))
             wrong += int((store.get(ids) != model[ids]).any(dim=1).sum())
@@ -64,10 +48,6 @@ def _run(path, steps: int, readers: int, seconds: float):
             ops += 512
             if step % 20 == 19:
                 digests[store.flush()] = _digest(model)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
     v = store.flush()
     digests[v] = _digest(model)
     store.close()

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from _store_helpers import looping
 
 from lightning_embcache import EmbeddingStore, StoreClosedError
 
@@ -20,23 +21,9 @@ def _writer_against_compactors(path, n_compactors: int, seconds_steps: int, hot_
     hot = None if hot_rows is None else hot_rows * (ROW_BYTES + 11)
     store = EmbeddingStore.create(path, N, DIM, chunk_rows=CHUNK, hot_bytes=hot)
     model = torch.zeros(N, DIM)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def compactor():
-        while not stop.is_set():
-            try:
-                store.compact()
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-                return
-
-    threads = [threading.Thread(target=compactor) for _ in range(n_compactors)]
-    for t in threads:
-        t.start()
     rng = np.random.default_rng(1)
     wrong = 0
-    try:
+    with looping([store.compact] * n_compactors) as errors:
         for step in range(seconds_steps):
             ids = torch.from_numpy(rng.choice(N, 256, replace=False))
             vals = torch.randn(256, DIM)
@@ -47,10 +34,6 @@ def _writer_against_compactors(path, n_compactors: int, seconds_steps: int, hot_
             probe = torch.from_numpy(rng.choice(N, 512, replace=False))
             wrong += int((store.get(probe) != model[probe]).any(dim=1).sum())
         store.flush()
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
     assert not errors, f"compact() in another thread raised: {errors[0]!r}"
     assert wrong == 0, f"{wrong} rows read back differed from the reference during the run"
     store.close()
@@ -121,33 +104,15 @@ def test_stats_and_flush_threads_with_a_training_thread_in_disk_mode(shm_path, s
     hot = 512 * (ROW_BYTES + 11)
     store = EmbeddingStore.create(shm_path / "store", N, DIM, chunk_rows=CHUNK, hot_bytes=hot)
     model = torch.zeros(N, DIM)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def loop(fn):
-        while not stop.is_set():
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-                return
-
-    threads = [threading.Thread(target=loop, args=(f,)) for f in (store.flush, store.stats)]
-    for t in threads:
-        t.start()
     rng = np.random.default_rng(3)
     wrong = 0
-    try:
+    with looping([store.flush, store.stats]) as errors:
         for _ in range(steps):
             ids = torch.from_numpy(rng.choice(N, 300, replace=False))
             vals = torch.randn(300, DIM)
             wrong += int((store.get(ids) != model[ids]).any(dim=1).sum())
             store.update(ids, vals)
             model[ids] = vals
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
     assert not errors, repr(errors[0])
     assert wrong == 0
     v = store.flush()
