@@ -24,6 +24,7 @@ from .disk import Disk
 from .errors import CorruptStoreError
 from .fill import Filler
 from .hot import HotTier
+from .mappedget import NativeGet
 from .memory import SLICE_ROWS, zeros
 from .prefetch import Prefetcher
 from .readahead import ReadAhead
@@ -141,6 +142,7 @@ class Tiers:
         self.prefetch = Prefetcher(core, layout, self)
         self.readahead = ReadAhead(core, layout, self, self.prefetch)
         self.fill = Filler(core, layout, self)
+        self.native_get = NativeGet(self)  # `_mapped_get`'s work in one C loop, where it is built
         self._chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
         self._positions = np.arange(1024, dtype=np.int32)  # 0, 1, ...: `_distinct`'s positions, reused
         if core.root is None and core.init_kind == "zeros" and not any(f.fill for f in core.schema.fields.values()):
@@ -502,7 +504,11 @@ class Tiers:
         in the call's order, hot rows then copied over theirs: no plan, no sort, no slot. Hot
         slots if every row is hot; None (nothing done, nothing counted) if any row needs the
         general path. A handful of array operations a batch, whatever the table: this is what a
-        get costs over memmap."""
+        get costs over memmap. With the C helpers (mappedget.py) one loop does it, and verifies
+        blocks read for the first time itself; this numpy code is its reference."""
+        if self.native_get.ready():
+            recs = self.native_get(idx)
+            return None if recs is None else Gathered(recs)
         hot = self.hot
         raw = hot.slot_of[idx]  # slot + 1; 0: not hot
         n_hot = np.count_nonzero(raw)  # (a C call: ndarray.any() costs three times as much)

@@ -1,0 +1,112 @@
+/* A disk-mode get over page-cached chunk files (store/mappedget.py) as one loop: per id, its hot
+ * slot or its row in the read-only maps of the chunk files (store/mapped.py), the 4 KiB blocks
+ * that row lies in checked against their stored CRC-32 the first time any row of them is read,
+ * and the row copied into the output. numpy needs some 20 calls of 1-3 us each for the same work
+ * (store/tiers.py `_mapped_get`, the reference), and a first read of a block went through the
+ * general miss path. Called through ctypes, which lets go of the interpreter lock for the call.
+ *
+ * Every array comes through the context `cx` (int64 slots, layout in mappedget.py) so a call
+ * converts four arguments, not thirty. Nothing is changed on a return other than 0 except block
+ * flags of blocks that did pass their check and reference bits of hot rows (both true). */
+#include <stdint.h>
+#include <string.h>
+
+typedef uint32_t (*em_crc32_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
+
+enum {
+    CX_NUM_ROWS, CX_CHUNK_ROWS, CX_ROW_BYTES, CX_BLOCK, CX_BPC, CX_STRIDE,
+    CX_SLOT_OF, CX_POOL, CX_REF, CX_BITS, CX_CMAP,
+    CX_FAST_GEN, CX_FAST_BASE, CX_MAP_GEN, CX_FILE_GEN, CX_OK_GEN, CX_SPARSE, CX_OFF, CX_LEN,
+    CX_OK, CX_CRC, CX_MAPS, CX_CRC_FN, CX_STAMP, CX_CALL,
+    /* results */
+    CX_HOT, CX_CHUNKS, CX_BLOCKS, CX_AT, CX_BAD_CHUNK, CX_BAD_BLOCK,
+    CX_SIZE
+};
+
+enum { EM_DONE = 0, EM_GENERAL = 1, EM_DELTA = 2, EM_BAD_BLOCK = 3, EM_BAD_ID = 4 };
+
+#define PTR(type, k) ((type)(uintptr_t)cx[k])
+
+/* Rows of ids[0..n) into out (n x row_bytes). Returns EM_DONE (cx[CX_HOT] rows were hot,
+ * cx[CX_CHUNKS] distinct chunks read, cx[CX_BLOCKS] blocks checked), or stops at position
+ * cx[CX_AT] with EM_GENERAL (a row this loop cannot serve: its file not mapped here, a sparse
+ * file, no checksum function, a chunk never written), EM_DELTA (a row that may have a record in
+ * a delta segment: the caller asks the row index), EM_BAD_ID (an id out of range), or
+ * EM_BAD_BLOCK (block cx[CX_BAD_BLOCK] of chunk cx[CX_BAD_CHUNK] does not match the checksum
+ * held: the caller checks it again through the general path, which names the file). */
+int64_t em_gather_mapped(int64_t *cx, const int64_t *ids, int64_t n, uint8_t *out) {
+    const uint64_t num_rows = (uint64_t)cx[CX_NUM_ROWS];
+    const int64_t cr = cx[CX_CHUNK_ROWS], rb = cx[CX_ROW_BYTES], block = cx[CX_BLOCK], bpc = cx[CX_BPC];
+    const int64_t stride = cx[CX_STRIDE];
+    const int32_t *slot_of = PTR(const int32_t *, CX_SLOT_OF);
+    const uint8_t *pool = PTR(const uint8_t *, CX_POOL);
+    uint8_t *ref = PTR(uint8_t *, CX_REF);
+    const uint8_t *bits = PTR(const uint8_t *, CX_BITS);
+    const int32_t *cmap = PTR(const int32_t *, CX_CMAP);
+    const int64_t *fast_gen = PTR(const int64_t *, CX_FAST_GEN);
+    const int64_t *fast_base = PTR(const int64_t *, CX_FAST_BASE);
+    const int64_t *map_gen = PTR(const int64_t *, CX_MAP_GEN);
+    const int64_t *file_gen = PTR(const int64_t *, CX_FILE_GEN);
+    const int32_t *ok_gen = PTR(const int32_t *, CX_OK_GEN);
+    const uint8_t *sparse = PTR(const uint8_t *, CX_SPARSE);
+    const int64_t *off = PTR(const int64_t *, CX_OFF);
+    const int64_t *len = PTR(const int64_t *, CX_LEN);
+    uint8_t *ok = PTR(uint8_t *, CX_OK);
+    const uint32_t *crc = PTR(const uint32_t *, CX_CRC);
+    const uint8_t *maps = PTR(const uint8_t *, CX_MAPS);
+    em_crc32_fn crc32 = PTR(em_crc32_fn, CX_CRC_FN);
+    int64_t *stamp = PTR(int64_t *, CX_STAMP);
+    const int64_t call = ++cx[CX_CALL];
+    int64_t hot = 0, chunks = 0, blocks = 0, status = EM_DONE, i = 0;
+    for (; i < n; i++) {
+        const int64_t id = ids[i];
+        uint8_t *dst = out + i * rb;
+        if ((uint64_t)id >= num_rows) { status = EM_BAD_ID; break; }
+        const int32_t s = slot_of[id];
+        if (s > 0) {
+            memcpy(dst, pool + (int64_t)(s - 1) * rb, (size_t)rb);
+            ref[s - 1] = 1;
+            hot++;
+            continue;
+        }
+        if (bits && ((bits[id >> 3] >> (id & 7)) & 1)) { status = EM_DELTA; break; }
+        const int64_t c = id / cr;
+        const int64_t g = cmap[c];
+        const uint8_t *src;
+        if (fast_gen[c] == g) {
+            src = maps + fast_base[c] + id * rb;
+        } else {
+            if (g <= 0 || map_gen[c] != g || file_gen[c] != g || ok_gen[c] != g || sparse[c] || !crc32) {
+                status = EM_GENERAL;
+                break;
+            }
+            const int64_t o = (id - c * cr) * rb, nbytes = len[c];
+            if (o + rb > nbytes) { status = EM_GENERAL; break; }
+            const uint8_t *rec = maps + c * stride + off[c];
+            int64_t b = o / block;
+            const int64_t last = (o + rb - 1) / block;
+            for (; b <= last; b++) {
+                const int64_t k = c * bpc + b;
+                if (ok[k]) continue;
+                const int64_t lo = b * block, hi = lo + block < nbytes ? lo + block : nbytes;
+                if (crc32(0, rec + lo, (uint64_t)(hi - lo)) != crc[k]) break;
+                ok[k] = 1;
+                blocks++;
+            }
+            if (b <= last) {
+                status = EM_BAD_BLOCK;
+                cx[CX_BAD_CHUNK] = c;
+                cx[CX_BAD_BLOCK] = b;
+                break;
+            }
+            src = rec + o;
+        }
+        memcpy(dst, src, (size_t)rb);
+        if (stamp[c] != call) { stamp[c] = call; chunks++; }
+    }
+    cx[CX_HOT] = hot;
+    cx[CX_CHUNKS] = chunks;
+    cx[CX_BLOCKS] = blocks;
+    cx[CX_AT] = i;
+    return status;
+}
