@@ -39,7 +39,7 @@ _SIGNATURES = {
     "em_replace": (_P, _I, _P, _P, _I, _P, _I, _P, _P, _I),
     "em_want": (_P, _I, _P, _I, ctypes.c_int32),
     "em_plan": (_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
-    "em_gather_mapped": (_P, _P, _I, _P),
+    "em_gather_mapped": (_P, _P, _I, _P, _I),
 }
 _SOURCES = ("slotmap.c", "gather.c")
 

@@ -7,9 +7,13 @@
  *
  * Every array comes through the context `cx` (int64 slots, layout in mappedget.py) so a call
  * converts four arguments, not thirty. Nothing is changed on a return other than 0 except block
- * flags of blocks that did pass their check and reference bits of hot rows (both true). */
+ * flags of blocks that did pass their check and reference bits of hot rows (both true).
+ * any_hot 0 says the hot tier holds no row (its lookups are skipped). */
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 typedef uint32_t (*em_crc32_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
 
@@ -18,14 +22,82 @@ enum {
     CX_SLOT_OF, CX_POOL, CX_REF, CX_BITS, CX_CMAP,
     CX_FAST_GEN, CX_FAST_BASE, CX_MAP_GEN, CX_FILE_GEN, CX_OK_GEN, CX_SPARSE, CX_OFF, CX_LEN,
     CX_OK, CX_CRC, CX_MAPS, CX_CRC_FN, CX_STAMP, CX_CALL,
+    CX_PAGE, CX_REGION, CX_RPC, CX_SEEN_GEN, CX_COLD, CX_ASKED,
     /* results */
-    CX_HOT, CX_CHUNKS, CX_BLOCKS, CX_AT, CX_BAD_CHUNK, CX_BAD_BLOCK,
+    CX_HOT, CX_CHUNKS, CX_BLOCKS, CX_AT, CX_BAD_CHUNK, CX_BAD_BLOCK, CX_ASKS,
     CX_SIZE
 };
 
 enum { EM_DONE = 0, EM_GENERAL = 1, EM_DELTA = 2, EM_BAD_BLOCK = 3, EM_BAD_ID = 4 };
 
 #define PTR(type, k) ((type)(uintptr_t)cx[k])
+#define EM_AHEAD 8
+
+/* 1 if every page of [a, a + nbytes) (a page-aligned) is in the page cache, else 0. */
+static uint8_t em_resident(const uint8_t *a, int64_t nbytes, int64_t page) {
+#ifdef __linux__
+    unsigned char vec[1024];
+    for (int64_t done = 0; done < nbytes; done += 1024 * page) {
+        int64_t part = nbytes - done < 1024 * page ? nbytes - done : 1024 * page;
+        int64_t pages = (part + page - 1) / page;
+        if (mincore((void *)(a + done), (size_t)part, vec) != 0) return 1; /* cannot tell: no hints */
+        for (int64_t p = 0; p < pages; p++)
+            if (!(vec[p] & 1)) return 0;
+    }
+#endif
+    (void)a; (void)nbytes; (void)page;
+    return 1;
+}
+
+/* Before the gather: rows of chunks whose files were not all in the page cache when first seen
+ * at their generation, in blocks not verified yet, get the region of cx[CX_REGION] bytes around
+ * them asked from the kernel (MADV_WILLNEED: read-ahead, not waited for), each region once per
+ * (chunk, generation). The gather's page faults then wait for reads already running together,
+ * not one at a time as a memmap's do. A file found in the page cache is asked nothing. Returns
+ * the regions asked. */
+static int64_t em_ask_cold(int64_t *cx, const int64_t *ids, int64_t n) {
+    int64_t asks = 0;
+#ifdef __linux__
+    const uint64_t num_rows = (uint64_t)cx[CX_NUM_ROWS];
+    const int64_t cr = cx[CX_CHUNK_ROWS], rb = cx[CX_ROW_BYTES], block = cx[CX_BLOCK], bpc = cx[CX_BPC];
+    const int64_t stride = cx[CX_STRIDE], page = cx[CX_PAGE], region = cx[CX_REGION], rpc = cx[CX_RPC];
+    const int32_t *slot_of = PTR(const int32_t *, CX_SLOT_OF);
+    const int32_t *cmap = PTR(const int32_t *, CX_CMAP);
+    const int64_t *fast_gen = PTR(const int64_t *, CX_FAST_GEN);
+    const int64_t *map_gen = PTR(const int64_t *, CX_MAP_GEN);
+    const int64_t *off = PTR(const int64_t *, CX_OFF);
+    const int64_t *len = PTR(const int64_t *, CX_LEN);
+    const uint8_t *ok = PTR(const uint8_t *, CX_OK);
+    const uint8_t *maps = PTR(const uint8_t *, CX_MAPS);
+    int64_t *seen_gen = PTR(int64_t *, CX_SEEN_GEN);
+    uint8_t *cold = PTR(uint8_t *, CX_COLD);
+    uint8_t *asked = PTR(uint8_t *, CX_ASKED);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        if ((uint64_t)id >= num_rows || slot_of[id] > 0) continue;
+        const int64_t c = id / cr, g = cmap[c];
+        if (g <= 0 || fast_gen[c] == g || map_gen[c] != g) continue;
+        const uint8_t *file = maps + c * stride;
+        const int64_t o = (id - c * cr) * rb;
+        if (o + rb > len[c]) continue;
+        if (seen_gen[c] != g) {
+            seen_gen[c] = g;
+            memset(asked + c * rpc, 0, (size_t)rpc);
+            cold[c] = !em_resident(file, off[c] + len[c], page);
+        }
+        if (!cold[c] || ok[c * bpc + o / block]) continue;
+        const int64_t r = (off[c] + o) / region;
+        if (r >= rpc || asked[c * rpc + r]) continue;
+        asked[c * rpc + r] = 1;
+        const int64_t lo = r * region, end = off[c] + len[c];
+        const int64_t hi = lo + region < end ? lo + region : end;
+        madvise((void *)(file + lo), (size_t)(hi - lo), MADV_WILLNEED);
+        asks++;
+    }
+#endif
+    (void)cx; (void)ids; (void)n;
+    return asks;
+}
 
 /* Rows of ids[0..n) into out (n x row_bytes). Returns EM_DONE (cx[CX_HOT] rows were hot,
  * cx[CX_CHUNKS] distinct chunks read, cx[CX_BLOCKS] blocks checked), or stops at position
@@ -34,11 +106,12 @@ enum { EM_DONE = 0, EM_GENERAL = 1, EM_DELTA = 2, EM_BAD_BLOCK = 3, EM_BAD_ID = 
  * a delta segment: the caller asks the row index), EM_BAD_ID (an id out of range), or
  * EM_BAD_BLOCK (block cx[CX_BAD_BLOCK] of chunk cx[CX_BAD_CHUNK] does not match the checksum
  * held: the caller checks it again through the general path, which names the file). */
-int64_t em_gather_mapped(int64_t *cx, const int64_t *ids, int64_t n, uint8_t *out) {
+int64_t em_gather_mapped(int64_t *cx, const int64_t *ids, int64_t n, uint8_t *out, int64_t any_hot) {
     const uint64_t num_rows = (uint64_t)cx[CX_NUM_ROWS];
     const int64_t cr = cx[CX_CHUNK_ROWS], rb = cx[CX_ROW_BYTES], block = cx[CX_BLOCK], bpc = cx[CX_BPC];
     const int64_t stride = cx[CX_STRIDE];
-    const int32_t *slot_of = PTR(const int32_t *, CX_SLOT_OF);
+    /* (an empty hot tier, as in an evaluation pass, skips the lookups: one cache miss a row) */
+    const int32_t *slot_of = any_hot ? PTR(const int32_t *, CX_SLOT_OF) : 0;
     const uint8_t *pool = PTR(const uint8_t *, CX_POOL);
     uint8_t *ref = PTR(uint8_t *, CX_REF);
     const uint8_t *bits = PTR(const uint8_t *, CX_BITS);
@@ -57,12 +130,27 @@ int64_t em_gather_mapped(int64_t *cx, const int64_t *ids, int64_t n, uint8_t *ou
     em_crc32_fn crc32 = PTR(em_crc32_fn, CX_CRC_FN);
     int64_t *stamp = PTR(int64_t *, CX_STAMP);
     const int64_t call = ++cx[CX_CALL];
+    cx[CX_ASKS] = cx[CX_COLD] ? em_ask_cold(cx, ids, n) : 0;
     int64_t hot = 0, chunks = 0, blocks = 0, status = EM_DONE, i = 0;
     for (; i < n; i++) {
+        /* rows lie at random in a table larger than the caches: start the loads of rows a few
+         * positions ahead (their slot entries further ahead), so that several misses overlap */
+        if (slot_of && i + 2 * EM_AHEAD < n && (uint64_t)ids[i + 2 * EM_AHEAD] < num_rows)
+            __builtin_prefetch(slot_of + ids[i + 2 * EM_AHEAD]);
+        if (i + EM_AHEAD < n) {
+            const int64_t ahead = ids[i + EM_AHEAD];
+            if ((uint64_t)ahead < num_rows && (!slot_of || slot_of[ahead] == 0)) {
+                const int64_t ca = ahead / cr;
+                if (fast_gen[ca] == cmap[ca]) {
+                    const uint8_t *p = maps + fast_base[ca] + ahead * rb;
+                    for (int64_t line = 0; line < rb; line += 64) __builtin_prefetch(p + line);
+                }
+            }
+        }
         const int64_t id = ids[i];
         uint8_t *dst = out + i * rb;
         if ((uint64_t)id >= num_rows) { status = EM_BAD_ID; break; }
-        const int32_t s = slot_of[id];
+        const int32_t s = slot_of ? slot_of[id] : 0;
         if (s > 0) {
             memcpy(dst, pool + (int64_t)(s - 1) * rb, (size_t)rb);
             ref[s - 1] = 1;

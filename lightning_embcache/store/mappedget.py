@@ -28,16 +28,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import native
+from ..native import library as native_library
 from . import chunkrows as chunkrows_mod
 from . import idsets
 from .blockcrc import BLOCK
+from .mapped import PAGE
 
 # context slots, in native/gather.c's order
 (CX_NUM_ROWS, CX_CHUNK_ROWS, CX_ROW_BYTES, CX_BLOCK, CX_BPC, CX_STRIDE, CX_SLOT_OF, CX_POOL, CX_REF, CX_BITS,
  CX_CMAP, CX_FAST_GEN, CX_FAST_BASE, CX_MAP_GEN, CX_FILE_GEN, CX_OK_GEN, CX_SPARSE, CX_OFF, CX_LEN, CX_OK,
- CX_CRC, CX_MAPS, CX_CRC_FN, CX_STAMP, CX_CALL, CX_HOT, CX_CHUNKS, CX_BLOCKS, CX_AT, CX_BAD_CHUNK,
- CX_BAD_BLOCK, CX_SIZE) = range(32)
+ CX_CRC, CX_MAPS, CX_CRC_FN, CX_STAMP, CX_CALL, CX_PAGE, CX_REGION, CX_RPC, CX_SEEN_GEN, CX_COLD, CX_ASKED,
+ CX_HOT, CX_CHUNKS, CX_BLOCKS, CX_AT, CX_BAD_CHUNK, CX_BAD_BLOCK, CX_ASKS, CX_SIZE) = range(39)
+#: bytes asked around a row of a file not in the page cache (as the kernel's read-around of a
+#: memmap's page fault, 128 KiB by default; here asked for a whole batch at once)
+ASK_BYTES = 128 << 10
 DONE, GENERAL, DELTA = 0, 1, 2
 
 _crc_fn: int | None = None
@@ -75,12 +79,17 @@ class NativeGet:
 
     def __init__(self, tiers: Any) -> None:
         self._t = weakref.proxy(tiers)  # (the tiers hold this)
-        lib = native.library()
+        lib = native_library()
         self._fn = lib.em_gather_mapped if lib is not None else None
         self._key: tuple = ()
         self._cx: np.ndarray | None = None
         self._cx_ptr = 0
         self._stamp: np.ndarray | None = None
+        # per chunk: the generation last seen, whether its file was then not all in the page
+        # cache, and which ASK_BYTES regions of it were asked for (gather.c `em_ask_cold`)
+        self._seen: tuple | None = None
+        #: regions asked for so far (what tests count)
+        self.asks = 0
 
     def ready(self) -> bool:
         """Whether a get may go through `__call__` (caller holds the store's lock)."""
@@ -130,6 +139,13 @@ class NativeGet:
             cx[CX_SPARSE], cx[CX_OFF], cx[CX_LEN] = _ptr(reader._sparse), _ptr(reader._off), _ptr(reader._len)
             cx[CX_OK], cx[CX_CRC], cx[CX_MAPS] = _ptr(reader._ok), _ptr(reader._crc_flat), maps._base
             cx[CX_CRC_FN], cx[CX_STAMP] = crc32_function() or 0, _ptr(self._stamp)
+            if self._seen is None or len(self._seen[0]) < nc or self._seen[2] != maps.stride:
+                rpc = -(-maps.stride // ASK_BYTES)
+                self._seen = (np.zeros(nc, np.int64), np.zeros(nc, np.uint8), maps.stride,
+                              np.zeros(nc * rpc, np.uint8), rpc)
+            seen_gen, cold, _, asked, rpc = self._seen
+            cx[CX_PAGE], cx[CX_REGION], cx[CX_RPC] = PAGE, ASK_BYTES, rpc
+            cx[CX_SEEN_GEN], cx[CX_COLD], cx[CX_ASKED] = _ptr(seen_gen), _ptr(cold), _ptr(asked)
         # else: no map yet (a fresh handle); CX_MAPS 0 makes the first call map its chunks
         self._cx = cx
         self._cx_ptr = _ptr(cx)
@@ -149,8 +165,9 @@ class NativeGet:
             assert cx is not None
             if cx[CX_MAPS]:
                 status = self._run(reader, ids_ptr, n, out_ptr, skip_bits=bits_checked)
-                hot, chunks, blocks = cx[CX_HOT : CX_BLOCKS + 1].tolist()
+                hot, chunks, blocks, _, _, _, asks = cx[CX_HOT : CX_ASKS + 1].tolist()
                 reader.map_counts[1] += blocks
+                self.asks += asks
             else:
                 status = GENERAL
             if status == DONE:
@@ -189,7 +206,7 @@ class NativeGet:
         try:
             if skip_bits:
                 cx[CX_BITS] = 0
-            return int(self._fn(self._cx_ptr, ids_ptr, n, out_ptr))
+            return int(self._fn(self._cx_ptr, ids_ptr, n, out_ptr, self._t.hot.used))
         finally:
             cx[CX_BITS] = bits
             reader._leave()

@@ -495,7 +495,7 @@ class Tiers:
         warm = self.warm
         ahead = self.readahead
         return (not GETS_EVICT and self.hot.want is None and self.prefetch.fetching is None and not ahead.hinted
-                and warm.slab is None and not warm.budget and not len(warm) and self._v.chunkrows is not None
+                and warm.slab is None and not warm.budget and not len(warm) and self._v.chunkrows_reader() is not None
                 and (ahead.loader is None or not len(ahead.loader)))
 
     def _mapped_get(self, idx: np.ndarray) -> Gathered | np.ndarray | None:

@@ -82,21 +82,115 @@ def test_damage_in_a_chunk_not_verified_is_found_before_any_row_is_returned(shm_
         assert s._versions.chunkrows.map_counts[0] == served
 
 
+def _blocks(ids) -> set:
+    """(chunk, block) of every 4 KiB block the rows ``ids`` lie in (rows of ROW bytes from the
+    records' start: a row never spans two blocks here)."""
+    return {(i // CHUNK, i % CHUNK * ROW // 4096) for i in ids}
+
+
+def test_a_fresh_handle_reads_in_one_loop_checking_each_block_once(shm_path, native_gets, monkeypatch):
+    """A fresh handle's gets (no chunk verified yet) are served by the C loop without the general
+    path: each 4 KiB block checked the first time a row in it is read and never again, the files
+    mapped as the gets meet them, no row installed in the hot tier; the values are the table's."""
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    rng = np.random.default_rng(3)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        plans = _count_general_reads(monkeypatch)
+        reader = None
+        seen: set = set()
+        for _ in range(6):
+            ids = torch.from_numpy(rng.choice(N, 150))
+            assert torch.equal(s.get(ids), table[ids])
+            reader = s._versions.chunkrows
+            seen |= _blocks(ids.tolist())
+            assert reader.map_counts[1] == len(seen)  # each block checked once, when first read
+        assert plans == []
+        assert s._tiers.hot.used == 0
+        assert s.stats().hot_misses == 6 * 150
+
+
+def test_damage_met_by_the_loop_is_named_and_no_row_is_returned(shm_path, native_gets):
+    """Rows of a chunk read block by block by the C loop, then a call with a row in a damaged block
+    of it: CorruptStoreError naming the block and the file, nothing returned, nothing counted as
+    served; the blocks read before stay served."""
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    f = sorted((shm_path / "s" / "chunks").glob("c00000009-*"))[-1]
+    raw = bytearray(f.read_bytes())
+    raw[-CHUNK * ROW + 2 * 4096 + 7] ^= 0x10  # block 2 of chunk 9's records
+    f.write_bytes(bytes(raw))
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        good = torch.tensor([9 * CHUNK + 1, 9 * CHUNK + 40, 3])  # blocks 0 and 1 of chunk 9
+        assert torch.equal(s.get(good), table[good])
+        reader = s._versions.chunkrows
+        served = reader.map_counts[0]
+        with pytest.raises(CorruptStoreError, match="block 2 of chunk 9") as info:
+            s.get(torch.tensor([5, 9 * CHUNK + 2 * 32 + 4, 9 * CHUNK + 1]))
+        assert f.name in str(info.value)
+        assert reader.map_counts[0] == served
+
+
+def _uncached(path) -> bool:
+    """Drop ``path``'s pages from the page cache; whether its middle page is then not cached."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(4096)], os.fstat(fd).st_size // 2 // 4096 * 4096, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="Linux only")
+def test_rows_of_files_not_in_the_page_cache_are_asked_for_together_once(tmp_path, native_gets):
+    """Chunk files not in the page cache when a handle first meets them: before the gather, the
+    128 KiB region around each row of a block not checked yet is asked from the kernel, once per
+    region (reads that then run together, not one page fault at a time); files in the page cache
+    are asked nothing. Values are the table's either way."""
+    from lightning_embcache.store.mappedget import ASK_BYTES
+
+    n, dim, chunk = 8192, 128, 1024  # 512-byte rows: 512 KiB chunks, 4+ regions each
+    table = compacted_store(tmp_path / "s", n, dim, chunk)
+    files = sorted((tmp_path / "s" / "chunks").glob("c*"))
+    if not all([_uncached(f) for f in files]):
+        pytest.skip("the page cache here keeps these files (tmpfs?)")
+    ids = torch.tensor([5, 300, 301, 700, 3 * chunk + 900, 3 * chunk + 17])
+    with EmbeddingStore.open(tmp_path / "s", hot_bytes=64 * 600) as s:
+        assert torch.equal(s.get(ids), table[ids])
+        reader, native = s._versions.chunkrows, s._tiers.native_get
+        regions = {(i // chunk, (int(reader._off[i // chunk]) + i % chunk * dim * 4) // ASK_BYTES) for i in ids.tolist()}
+        assert native.asks == len(regions) < len(ids)
+        assert torch.equal(s.get(ids), table[ids])
+        assert native.asks == len(regions)  # blocks checked: nothing asked again
+    for f in files:
+        f.read_bytes()  # in the page cache now
+    with EmbeddingStore.open(tmp_path / "s", hot_bytes=64 * 600) as s:
+        assert torch.equal(s.get(ids), table[ids])
+        assert s._tiers.native_get.asks == 0
+
+
+@pytest.mark.parametrize("gets", ["native", "numpy"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(["get", "records", "fields", "update", "flush", "compact", "evict",
                                            "reopen"]),
                           st.lists(st.integers(0, N - 1), min_size=1, max_size=200)), min_size=1, max_size=14))
-def test_reads_match_a_tensor_model_across_writes_compaction_and_reopening(shm_path, ops):
+def test_reads_match_a_tensor_model_across_writes_compaction_and_reopening(shm_path, request, gets, ops):
     """Gets (and whole records, and named fields), updates, flushes, compaction, evictions and
-    reopening in any order, after every chunk was verified: every read returns the model's rows
-    exactly, whether from the hot tier, a delta segment or the maps; a reopened store returns
-    exactly what its last flush held."""
+    reopening in any order: every read returns the model's rows exactly, whether from the hot
+    tier, a delta segment or the maps; a reopened store returns exactly what its last flush held.
+    Through the C loop (mappedget.py) from a fresh handle (its first reads check blocks in the
+    loop); through the numpy path once every chunk was verified whole (its `gather_verified`)."""
+    request.getfixturevalue(f"{gets}_gets")
     path = shm_path / f"m{os.getpid()}-{np.random.default_rng().integers(1 << 40)}"
     table = compacted_store(path, N, DIM, CHUNK, seed=1)
     flushed = table.clone()
+    verify = _verify_all if gets == "numpy" else (lambda s: None)
     s = EmbeddingStore.open(path, hot_bytes=HOT)
     try:
-        _verify_all(s)
+        verify(s)
         for k, (op, ids) in enumerate(ops):
             idx = torch.tensor(ids)
             if op == "get":
@@ -122,7 +216,7 @@ def test_reads_match_a_tensor_model_across_writes_compaction_and_reopening(shm_p
                 s.close()
                 table = flushed.clone()
                 s = EmbeddingStore.open(path, hot_bytes=HOT)
-                _verify_all(s)
+                verify(s)
         assert torch.equal(s.get(torch.arange(N)), table)
     finally:
         s.close()
