@@ -20,6 +20,7 @@ store's lock held, a read begun with ``_enter``), as `Tiers._mapped_get` does th
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 import weakref
 import zlib
@@ -32,6 +33,8 @@ from ..native import library as native_library
 from . import chunkrows as chunkrows_mod
 from . import idsets
 from .blockcrc import BLOCK
+from .disk import _CHUNK_HEAD
+from .fileio import HEADER_SIZE
 from .mapped import PAGE
 
 # context slots, in native/gather.c's order
@@ -43,6 +46,8 @@ from .mapped import PAGE
 #: memmap's page fault, 128 KiB by default; here asked for a whole batch at once)
 ASK_BYTES = 128 << 10
 DONE, GENERAL, DELTA = 0, 1, 2
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 _crc_fn: int | None = None
 _crc_tried = False
@@ -227,6 +232,8 @@ class NativeGet:
             return False
         c = idsets.unique(chunks[need])  # (one generation per chunk: the chunk map's)
         g = cmap[c].astype(np.int64)
+        if len(c) > 1:
+            _ask_heads(reader, c, g)
         pool = reader.disk.pool
         epoch = pool.begin_read()
         reader._enter()
@@ -243,3 +250,29 @@ class NativeGet:
             reader._leave()
             pool.end_read(epoch)
         return True
+
+
+def _ask_heads(reader: Any, chunks: np.ndarray, gens: np.ndarray) -> None:
+    """Files about to be opened (``chunks`` at ``gens``) whose first one's head is not in the page
+    cache: ask the kernel for every head at once (header and checksum directory), so the opens
+    that follow wait for reads running together, not for one read each. A hint: a file that
+    cannot be opened here is left to the open, which names it."""
+    head = HEADER_SIZE + _CHUNK_HEAD.size + 4 * reader.bpc
+    dir_fd = reader.disk._chunks_fd
+    for k, (c, g) in enumerate(zip(chunks.tolist(), gens.tolist())):
+        try:
+            fd = os.open(chunkrows_mod._chunk_name(c, g), _OPEN_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            if k == 0:
+                try:
+                    os.preadv(fd, [bytearray(head)], 0, _RWF_NOWAIT)
+                    return  # cached: the opens read it from memory
+                except BlockingIOError:
+                    pass
+            os.posix_fadvise(fd, 0, head, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return  # (RWF_NOWAIT or fadvise not supported here)
+        finally:
+            os.close(fd)
