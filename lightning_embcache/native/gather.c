@@ -22,7 +22,7 @@ enum {
     CX_SLOT_OF, CX_POOL, CX_REF, CX_BITS, CX_CMAP,
     CX_FAST_GEN, CX_FAST_BASE, CX_MAP_GEN, CX_FILE_GEN, CX_OK_GEN, CX_SPARSE, CX_OFF, CX_LEN,
     CX_OK, CX_CRC, CX_MAPS, CX_CRC_FN, CX_STAMP, CX_CALL,
-    CX_PAGE, CX_REGION, CX_RPC, CX_SEEN_GEN, CX_COLD, CX_ASKED,
+    CX_PAGE, CX_REGION, CX_RPC, CX_SEEN_GEN, CX_COLD, CX_ASKED, CX_FIRST_READS, CX_FIRST_STAMP, CX_WHOLE_AFTER,
     /* results */
     CX_HOT, CX_CHUNKS, CX_BLOCKS, CX_AT, CX_BAD_CHUNK, CX_BAD_BLOCK, CX_ASKS,
     CX_SIZE
@@ -129,6 +129,8 @@ int64_t em_gather_mapped(int64_t *cx, const int64_t *ids, int64_t n, uint8_t *ou
     const uint8_t *maps = PTR(const uint8_t *, CX_MAPS);
     em_crc32_fn crc32 = PTR(em_crc32_fn, CX_CRC_FN);
     int64_t *stamp = PTR(int64_t *, CX_STAMP);
+    int64_t *first_reads = PTR(int64_t *, CX_FIRST_READS), *first_stamp = PTR(int64_t *, CX_FIRST_STAMP);
+    const int64_t whole_after = cx[CX_WHOLE_AFTER];
     const int64_t call = ++cx[CX_CALL];
     cx[CX_ASKS] = cx[CX_COLD] ? em_ask_cold(cx, ids, n) : 0;
     int64_t hot = 0, chunks = 0, blocks = 0, status = EM_DONE, i = 0;
@@ -172,7 +174,20 @@ int64_t em_gather_mapped(int64_t *cx, const int64_t *ids, int64_t n, uint8_t *ou
             if (o + rb > nbytes) { status = EM_GENERAL; break; }
             const uint8_t *rec = maps + c * stride + off[c];
             int64_t b = o / block;
-            const int64_t last = (o + rb - 1) / block;
+            int64_t last = (o + rb - 1) / block;
+            if (!ok[c * bpc + b] || !ok[c * bpc + last]) {
+                /* a chunk that keeps needing first reads (an epoch over the table) is checked
+                 * whole, in file order: one streaming pass, its page table filled in one call */
+                if (first_stamp[c] != call) { first_stamp[c] = call; first_reads[c]++; }
+                if (first_reads[c] > whole_after) {
+                    b = 0;
+                    last = (nbytes + block - 1) / block - 1;
+#if defined(__linux__) && defined(MADV_POPULATE_READ)
+                    const uint8_t *file = maps + c * stride;
+                    madvise((void *)file, (size_t)(off[c] + nbytes), MADV_POPULATE_READ);
+#endif
+                }
+            }
             for (; b <= last; b++) {
                 const int64_t k = c * bpc + b;
                 if (ok[k]) continue;

@@ -41,7 +41,8 @@ from .mapped import PAGE
 (CX_NUM_ROWS, CX_CHUNK_ROWS, CX_ROW_BYTES, CX_BLOCK, CX_BPC, CX_STRIDE, CX_SLOT_OF, CX_POOL, CX_REF, CX_BITS,
  CX_CMAP, CX_FAST_GEN, CX_FAST_BASE, CX_MAP_GEN, CX_FILE_GEN, CX_OK_GEN, CX_SPARSE, CX_OFF, CX_LEN, CX_OK,
  CX_CRC, CX_MAPS, CX_CRC_FN, CX_STAMP, CX_CALL, CX_PAGE, CX_REGION, CX_RPC, CX_SEEN_GEN, CX_COLD, CX_ASKED,
- CX_HOT, CX_CHUNKS, CX_BLOCKS, CX_AT, CX_BAD_CHUNK, CX_BAD_BLOCK, CX_ASKS, CX_SIZE) = range(39)
+ CX_FIRST_READS, CX_FIRST_STAMP, CX_WHOLE_AFTER,
+ CX_HOT, CX_CHUNKS, CX_BLOCKS, CX_AT, CX_BAD_CHUNK, CX_BAD_BLOCK, CX_ASKS, CX_SIZE) = range(42)
 #: bytes asked around a row of a file not in the page cache (as the kernel's read-around of a
 #: memmap's page fault, 128 KiB by default; here asked for a whole batch at once)
 ASK_BYTES = 128 << 10
@@ -90,6 +91,7 @@ class NativeGet:
         self._cx: np.ndarray | None = None
         self._cx_ptr = 0
         self._stamp: np.ndarray | None = None
+        self._first_stamp = np.zeros(0, np.int64)
         # per chunk: the generation last seen, whether its file was then not all in the page
         # cache, and which ASK_BYTES regions of it were asked for (gather.c `em_ask_cold`)
         self._seen: tuple | None = None
@@ -126,13 +128,14 @@ class NativeGet:
             and pool.flags.c_contiguous and pool.ndim == 2 and pool.shape[1] == c.row_bytes
             and reader.rb == c.row_bytes and reader.cr == c.chunk_rows and crc32_function() is not None
         )
-        if not usable:
+        if not usable or maps is not None and not maps.usable:
             return False
         cx = np.zeros(CX_SIZE, np.int64)
-        if maps is not None and maps.usable:
+        if maps is not None:
             nc = len(reader._fd)
             if self._stamp is None or len(self._stamp) < nc:
                 self._stamp = np.zeros(nc, np.int64)
+                self._first_stamp = np.zeros(nc, np.int64)
             cx[CX_NUM_ROWS], cx[CX_CHUNK_ROWS], cx[CX_ROW_BYTES] = c.num_rows, reader.cr, reader.rb
             cx[CX_BLOCK], cx[CX_BPC], cx[CX_STRIDE] = BLOCK, reader.bpc, maps.stride
             cx[CX_SLOT_OF], cx[CX_POOL], cx[CX_REF] = _ptr(hot.slot_of), _ptr(pool), _ptr(hot.ref)
@@ -151,6 +154,10 @@ class NativeGet:
             seen_gen, cold, _, asked, rpc = self._seen
             cx[CX_PAGE], cx[CX_REGION], cx[CX_RPC] = PAGE, ASK_BYTES, rpc
             cx[CX_SEEN_GEN], cx[CX_COLD], cx[CX_ASKED] = _ptr(seen_gen), _ptr(cold), _ptr(asked)
+            # (`ChunkRows`' count of calls with first reads per chunk: after WHOLE_AFTER the
+            # chunk is checked whole, as the general path does)
+            cx[CX_FIRST_READS], cx[CX_FIRST_STAMP] = _ptr(reader._first_reads), _ptr(self._first_stamp)
+            cx[CX_WHOLE_AFTER] = chunkrows_mod.WHOLE_AFTER
         # else: no map yet (a fresh handle); CX_MAPS 0 makes the first call map its chunks
         self._cx = cx
         self._cx_ptr = _ptr(cx)

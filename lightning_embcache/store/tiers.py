@@ -490,8 +490,8 @@ class Tiers:
 
         Rows it serves are not installed in the hot tier, free slots or not: reading one again
         costs a gather from the page cache, about what a hot hit costs, while installing it
-        costs a slot's memory (the budget) and the copy in. Rows that take the general path
-        (first reads of a chunk, rows in delta segments, rows on disk) are installed as before."""
+        costs a slot's memory (the budget) and the copy in. Rows that take the general path (rows
+        in delta segments; without the C loop first reads of a chunk) are installed as before."""
         warm = self.warm
         ahead = self.readahead
         return (not GETS_EVICT and self.hot.want is None and self.prefetch.fetching is None and not ahead.hinted

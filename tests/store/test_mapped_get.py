@@ -82,31 +82,32 @@ def test_damage_in_a_chunk_not_verified_is_found_before_any_row_is_returned(shm_
         assert s._versions.chunkrows.map_counts[0] == served
 
 
-def _blocks(ids) -> set:
-    """(chunk, block) of every 4 KiB block the rows ``ids`` lie in (rows of ROW bytes from the
-    records' start: a row never spans two blocks here)."""
-    return {(i // CHUNK, i % CHUNK * ROW // 4096) for i in ids}
-
-
 def test_a_fresh_handle_reads_in_one_loop_checking_each_block_once(shm_path, native_gets, monkeypatch):
     """A fresh handle's gets (no chunk verified yet) are served by the C loop without the general
     path: each 4 KiB block checked the first time a row in it is read and never again, the files
-    mapped as the gets meet them, no row installed in the hot tier; the values are the table's."""
-    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
-    rng = np.random.default_rng(3)
+    mapped as the gets meet them, no row installed in the hot tier; a chunk with first reads in
+    `WHOLE_AFTER` calls is checked whole at its next (as the general path does); the values are
+    the table's."""
+    from lightning_embcache.store.chunkrows import WHOLE_AFTER
+
+    chunk = 512  # 16 blocks a chunk
+    table = compacted_store(shm_path / "s", N, DIM, chunk)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
         plans = _count_general_reads(monkeypatch)
-        reader = None
-        seen: set = set()
-        for _ in range(6):
-            ids = torch.from_numpy(rng.choice(N, 150))
+        for k in range(WHOLE_AFTER):  # a new block of chunks 1 and 3 each call, and block 0 again
+            ids = torch.tensor([chunk + 32 * k, 3 * chunk + 32 * k + 5, 3 * chunk + 1])
             assert torch.equal(s.get(ids), table[ids])
-            reader = s._versions.chunkrows
-            seen |= _blocks(ids.tolist())
-            assert reader.map_counts[1] == len(seen)  # each block checked once, when first read
+            assert s._versions.chunkrows.map_counts[1] == 2 * (k + 1)
+        one = torch.tensor([chunk + 32 * 9])
+        assert torch.equal(s.get(one), table[one])  # chunk 1's next call of first reads: checked whole
+        reader = s._versions.chunkrows
+        assert reader.map_counts[1] == 2 * WHOLE_AFTER + 16 - WHOLE_AFTER
+        rest = torch.arange(chunk, 2 * chunk)
+        assert torch.equal(s.get(rest), table[rest])
+        assert reader.map_counts[1] == 2 * WHOLE_AFTER + 16 - WHOLE_AFTER
         assert plans == []
         assert s._tiers.hot.used == 0
-        assert s.stats().hot_misses == 6 * 150
+        assert s.stats().hot_misses == 3 * WHOLE_AFTER + 1 + chunk
 
 
 def test_damage_met_by_the_loop_is_named_and_no_row_is_returned(shm_path, native_gets):
