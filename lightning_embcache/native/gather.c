@@ -72,6 +72,9 @@ static int64_t em_ask_cold(int64_t *cx, const int64_t *ids, int64_t n) {
     int64_t *seen_gen = PTR(int64_t *, CX_SEEN_GEN);
     uint8_t *cold = PTR(uint8_t *, CX_COLD);
     uint8_t *asked = PTR(uint8_t *, CX_ASKED);
+    const int64_t *first_reads = PTR(const int64_t *, CX_FIRST_READS);
+    const int64_t *first_stamp = PTR(const int64_t *, CX_FIRST_STAMP);
+    const int64_t whole_after = cx[CX_WHOLE_AFTER], call = cx[CX_CALL];
     for (int64_t i = 0; i < n; i++) {
         const int64_t id = ids[i];
         if ((uint64_t)id >= num_rows || slot_of[id] > 0) continue;
@@ -86,6 +89,18 @@ static int64_t em_ask_cold(int64_t *cx, const int64_t *ids, int64_t n) {
             cold[c] = !em_resident(file, off[c] + len[c], page);
         }
         if (!cold[c] || ok[c * bpc + o / block]) continue;
+        if (first_reads[c] + (first_stamp[c] != call) > whole_after) {
+            /* the loop checks this chunk whole in this call: ask for all of it now, with the
+             * call's other such chunks, not one synchronous read each */
+            int64_t r = 0;
+            while (r < rpc && asked[c * rpc + r]) r++;
+            if (r < rpc) {
+                memset(asked + c * rpc, 1, (size_t)rpc);
+                madvise((void *)file, (size_t)(off[c] + len[c]), MADV_WILLNEED);
+                asks++;
+            }
+            continue;
+        }
         const int64_t r = (off[c] + o) / region;
         if (r >= rpc || asked[c * rpc + r]) continue;
         asked[c * rpc + r] = 1;
