@@ -85,8 +85,8 @@ class NativeGet:
 
     def __init__(self, tiers: Any) -> None:
         self._t = weakref.proxy(tiers)  # (the tiers hold this)
-        lib = native_library()
-        self._fn = lib.em_gather_mapped if lib is not None else None
+        self._fn: Any = None  # the C function, looked up at the first disk-mode get (a build)
+        self._looked_up = False
         self._key: tuple = ()
         self._cx: np.ndarray | None = None
         self._cx_ptr = 0
@@ -100,6 +100,10 @@ class NativeGet:
 
     def ready(self) -> bool:
         """Whether a get may go through `__call__` (caller holds the store's lock)."""
+        if not self._looked_up:
+            self._looked_up = True
+            lib = native_library()  # (built by the system's C compiler the first time in a process)
+            self._fn = lib.em_gather_mapped if lib is not None else None
         if self._fn is None or not chunkrows_mod.MAPPED_READS:
             return False
         t = self._t
