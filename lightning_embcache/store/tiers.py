@@ -506,7 +506,7 @@ class Tiers:
         general path. A handful of array operations a batch, whatever the table: this is what a
         get costs over memmap. With the C helpers (mappedget.py) one loop does it, and verifies
         blocks read for the first time itself; this numpy code is its reference."""
-        if self.native_get.ready():
+        if len(idx) and self.native_get.ready():  # (an empty call: the numpy path)
             recs = self.native_get(idx)
             return None if recs is None else Gathered(recs)
         hot = self.hot

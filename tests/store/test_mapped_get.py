@@ -274,3 +274,19 @@ def test_row_index_any_of_agrees_with_find(segments, query):
                 index.add(seg)
         want = bool((index.find(q)[0] >= 0).any()) if len(q) else False
         assert index.any_of(q) == want
+
+
+def test_an_empty_call_returns_empty_fields(shm_path, native_gets):
+    """A get of no ids over mapped chunk files (one field, and several) returns empty rows of the
+    fields' shapes and types, as every other path does."""
+    with EmbeddingStore.create(shm_path / "s", N, DIM, chunk_rows=CHUNK, fields={"m": (torch.float32, DIM)}) as s:
+        s.update_fields(torch.arange(N), {"weight": torch.ones(N, DIM), "m": torch.zeros(N, DIM)})
+        s.flush()
+        s.compact()
+        s.flush()
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT * 2) as s:
+        s.get(torch.arange(0, N, 7))  # chunk files mapped and checked
+        none = torch.zeros(0, dtype=torch.int64)
+        assert s.get(none).shape == (0, DIM)
+        got = s.get_fields(none, ("weight", "m"))
+        assert got["weight"].shape == got["m"].shape == (0, DIM) and got["m"].dtype == torch.float32
