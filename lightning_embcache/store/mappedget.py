@@ -218,13 +218,14 @@ class NativeGet:
         pool = reader.disk.pool
         epoch = pool.begin_read()  # no file this read may reach is reused meanwhile
         reader._enter()  # no map goes away meanwhile
-        bits = int(cx[CX_BITS])
+        bits = int(cx[CX_BITS]) if skip_bits else 0
         try:
             if skip_bits:
                 cx[CX_BITS] = 0
             return int(self._fn(self._cx_ptr, ids_ptr, n, out_ptr, self._t.hot.used))
         finally:
-            cx[CX_BITS] = bits
+            if skip_bits:
+                cx[CX_BITS] = bits
             reader._leave()
             pool.end_read(epoch)
 

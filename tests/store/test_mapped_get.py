@@ -290,3 +290,27 @@ def test_an_empty_call_returns_empty_fields(shm_path, native_gets):
         assert s.get(none).shape == (0, DIM)
         got = s.get_fields(none, ("weight", "m"))
         assert got["weight"].shape == got["m"].shape == (0, DIM) and got["m"].dtype == torch.float32
+
+
+def test_a_row_whose_index_bit_is_set_without_a_record_stays_in_the_loop(shm_path, native_gets, monkeypatch):
+    """The row index's bitmap may mark an id with no delta record (a bit is a hint: the index
+    answers exactly): the C loop asks the index, and serves the call itself when no row of it has
+    a record, without the general path; a row with a record goes to the general path, newest
+    value returned."""
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        ids = torch.arange(0, 40)
+        table[ids] += 1
+        s.update(ids, table[ids])
+        s.flush()
+        s.evict(1 << 30)  # rows 0..39 now live in a delta segment only
+        s.get(torch.tensor([700]))  # chunk files mapped
+        rows = s._versions.rows
+        rows._bits[900 >> 3] |= 1 << (900 & 7)  # a hint with no record behind it
+        plans = _count_general_reads(monkeypatch)
+        q = torch.tensor([900, 1500])
+        assert torch.equal(s.get(q), table[q])
+        assert plans == []
+        q = torch.tensor([900, 5])
+        assert torch.equal(s.get(q), table[q])
+        assert plans == [2]  # (the call goes to the general path whole)
