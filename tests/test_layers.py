@@ -12,8 +12,8 @@ PKG = Path(lightning_embcache.__file__).parent
 
 # lowest first; a module may import its own layer and those before it
 LAYERS = [
-    ("store",),
-    ("native", "optim", "pinned", "mapped_host", "mapped_swap", "device_slots", "device_ahead", "device_tier", "host_mapped_tier", "trainable", "data"),
+    ("store", "native"),
+    ("optim", "pinned", "mapped_host", "mapped_swap", "device_slots", "device_ahead", "device_tier", "host_mapped_tier", "trainable", "data"),
     ("distributed",),
     ("lightning", "profiling"),
     ("cli", "demo", "tools", "__init__", "__main__"),

@@ -1,4 +1,5 @@
-"""Small C loops for bookkeeping that numpy can only do in many short calls, built with the
+"""Small C loops for work that numpy can only do in many short calls (the device tier's slot
+bookkeeping, slotmap.c; a disk-mode get over page-cached chunk files, gather.c), built with the
 system's C compiler the first time a process needs them.
 
 Why C: the device tier's slot bookkeeping runs in a prefetch thread beside the training thread;
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from contextlib import ExitStack
 from importlib import resources
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,9 @@ _SIGNATURES = {
     "em_replace": (_P, _I, _P, _P, _I, _P, _I, _P, _P, _I),
     "em_want": (_P, _I, _P, _I, ctypes.c_int32),
     "em_plan": (_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
+    "em_gather_mapped": (_P, _P, _I, _P, _I),
 }
+_SOURCES = ("slotmap.c", "gather.c")
 
 
 class NativeUnavailable(RuntimeError):
@@ -48,12 +52,13 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise NativeUnavailable("no C compiler found (set CC, or install gcc or clang)")
-    src = resources.files(__package__).joinpath("slotmap.c")
     tmp = tempfile.mkdtemp(prefix="embcache-native-")  # 0700: only this user can write there
     try:
-        so = os.path.join(tmp, "slotmap.so")
-        with resources.as_file(src) as path:
-            proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", so, str(path)],
+        so = os.path.join(tmp, "embcache.so")
+        with ExitStack() as stack:
+            paths = [str(stack.enter_context(resources.as_file(resources.files(__package__).joinpath(name))))
+                     for name in _SOURCES]
+            proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", so, *paths],
                                   capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise NativeUnavailable(f"{cc} failed: {proc.stderr.strip()[:500]}")
@@ -82,7 +87,7 @@ def library() -> ctypes.CDLL | None:
             except (NativeUnavailable, OSError, subprocess.SubprocessError) as exc:
                 if mode == "1":
                     raise NativeUnavailable(f"EMBCACHE_NATIVE=1 but the C helpers did not build: {exc}") from exc
-                log.warning("lightning_embcache: the C bookkeeping helpers did not build (%s); the device "
-                            "tier uses its numpy bookkeeping, which holds the interpreter lock longer", exc)
+                log.warning("lightning_embcache: the C helpers did not build (%s); the device tier and disk-mode "
+                            "gets use their numpy paths, which hold the interpreter lock longer", exc)
         _tried = True
         return _lib

@@ -24,6 +24,7 @@ from .disk import Disk
 from .errors import CorruptStoreError
 from .fill import Filler
 from .hot import HotTier
+from .mappedget import NativeGet
 from .memory import SLICE_ROWS, zeros
 from .prefetch import Prefetcher
 from .readahead import ReadAhead
@@ -141,6 +142,7 @@ class Tiers:
         self.prefetch = Prefetcher(core, layout, self)
         self.readahead = ReadAhead(core, layout, self, self.prefetch)
         self.fill = Filler(core, layout, self)
+        self.native_get = NativeGet(self)  # `_mapped_get`'s work in one C loop, where it is built
         self._chunk_scratch: np.ndarray | None = None  # `_distinct`'s per-chunk scratch (4 bytes a chunk)
         self._positions = np.arange(1024, dtype=np.int32)  # 0, 1, ...: `_distinct`'s positions, reused
         if core.root is None and core.init_kind == "zeros" and not any(f.fill for f in core.schema.fields.values()):
@@ -489,12 +491,12 @@ class Tiers:
 
         Rows it serves are not installed in the hot tier, free slots or not: reading one again
         costs a gather from the page cache, about what a hot hit costs, while installing it
-        costs a slot's memory (the budget) and the copy in. Rows that take the general path
-        (first reads of a chunk, rows in delta segments, rows on disk) are installed as before."""
+        costs a slot's memory (the budget) and the copy in. Rows that take the general path (rows
+        in delta segments; without the C loop first reads of a chunk) are installed as before."""
         warm = self.warm
         ahead = self.readahead
         return (not GETS_EVICT and self.hot.want is None and self.prefetch.fetching is None and not ahead.hinted
-                and warm.slab is None and not warm.budget and not len(warm) and self._v.chunkrows is not None
+                and warm.slab is None and not warm.budget and not len(warm) and self._v.chunkrows_reader() is not None
                 and (ahead.loader is None or not len(ahead.loader)))
 
     def _mapped_get(self, idx: np.ndarray) -> Gathered | np.ndarray | None:
@@ -503,7 +505,11 @@ class Tiers:
         in the call's order, hot rows then copied over theirs: no plan, no sort, no slot. Hot
         slots if every row is hot; None (nothing done, nothing counted) if any row needs the
         general path. A handful of array operations a batch, whatever the table: this is what a
-        get costs over memmap."""
+        get costs over memmap. With the C helpers (mappedget.py) one loop does it, and verifies
+        blocks read for the first time itself; this numpy code is its reference."""
+        if len(idx) and self.native_get.ready():  # (an empty call: the numpy path)
+            recs = self.native_get(idx)
+            return None if recs is None else Gathered(recs)
         hot = self.hot
         raw = hot.slot_of[idx]  # slot + 1; 0: not hot
         n_hot = np.count_nonzero(raw)  # (a C call: ndarray.any() costs three times as much)

@@ -82,27 +82,122 @@ def test_damage_in_a_chunk_not_verified_is_found_before_any_row_is_returned(shm_
         assert s._versions.chunkrows.map_counts[0] == served
 
 
+def test_a_fresh_handle_reads_in_one_loop_checking_each_block_once(shm_path, native_gets, monkeypatch):
+    """A fresh handle's gets (no chunk verified yet) are served by the C loop without the general
+    path: each 4 KiB block checked the first time a row in it is read and never again, the files
+    mapped as the gets meet them, no row installed in the hot tier; a chunk with first reads in
+    `WHOLE_AFTER` calls is checked whole at its next (as the general path does); the values are
+    the table's."""
+    from lightning_embcache.store.chunkrows import WHOLE_AFTER
+
+    chunk = 512  # 16 blocks a chunk
+    table = compacted_store(shm_path / "s", N, DIM, chunk)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        plans = _count_general_reads(monkeypatch)
+        for k in range(WHOLE_AFTER):  # a new block of chunks 1 and 3 each call, and block 0 again
+            ids = torch.tensor([chunk + 32 * k, 3 * chunk + 32 * k + 5, 3 * chunk + 1])
+            assert torch.equal(s.get(ids), table[ids])
+            assert s._versions.chunkrows.map_counts[1] == 2 * (k + 1)
+        one = torch.tensor([chunk + 32 * 9])
+        assert torch.equal(s.get(one), table[one])  # chunk 1's next call of first reads: checked whole
+        reader = s._versions.chunkrows
+        assert reader.map_counts[1] == 2 * WHOLE_AFTER + 16 - WHOLE_AFTER
+        rest = torch.arange(chunk, 2 * chunk)
+        assert torch.equal(s.get(rest), table[rest])
+        assert reader.map_counts[1] == 2 * WHOLE_AFTER + 16 - WHOLE_AFTER
+        assert plans == []
+        assert s._tiers.hot.used == 0
+        assert s.stats().hot_misses == 3 * WHOLE_AFTER + 1 + chunk
+
+
+def test_damage_met_by_the_loop_is_named_and_no_row_is_returned(shm_path, native_gets):
+    """Rows of a chunk read block by block by the C loop, then a call with a row in a damaged block
+    of it: CorruptStoreError naming the block and the file, nothing returned, nothing counted as
+    served; the blocks read before stay served."""
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    f = sorted((shm_path / "s" / "chunks").glob("c00000009-*"))[-1]
+    raw = bytearray(f.read_bytes())
+    raw[-CHUNK * ROW + 2 * 4096 + 7] ^= 0x10  # block 2 of chunk 9's records
+    f.write_bytes(bytes(raw))
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        good = torch.tensor([9 * CHUNK + 1, 9 * CHUNK + 40, 3])  # blocks 0 and 1 of chunk 9
+        assert torch.equal(s.get(good), table[good])
+        reader = s._versions.chunkrows
+        served = reader.map_counts[0]
+        with pytest.raises(CorruptStoreError, match="block 2 of chunk 9") as info:
+            s.get(torch.tensor([5, 9 * CHUNK + 2 * 32 + 4, 9 * CHUNK + 1]))
+        assert f.name in str(info.value)
+        assert reader.map_counts[0] == served
+
+
+def _uncached(path) -> bool:
+    """Drop ``path``'s pages from the page cache; whether its middle page is then not cached."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(4096)], os.fstat(fd).st_size // 2 // 4096 * 4096, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="Linux only")
+def test_rows_of_files_not_in_the_page_cache_are_asked_for_together_once(tmp_path, native_gets):
+    """Chunk files not in the page cache when a handle first meets them: before the gather, the
+    128 KiB region around each row of a block not checked yet is asked from the kernel, once per
+    region (reads that then run together, not one page fault at a time); files in the page cache
+    are asked nothing. Values are the table's either way."""
+    from lightning_embcache.store.mappedget import ASK_BYTES
+
+    n, dim, chunk = 8192, 128, 1024  # 512-byte rows: 512 KiB chunks, 4+ regions each
+    table = compacted_store(tmp_path / "s", n, dim, chunk)
+    files = sorted((tmp_path / "s" / "chunks").glob("c*"))
+    if not all([_uncached(f) for f in files]):
+        pytest.skip("the page cache here keeps these files (tmpfs?)")
+    ids = torch.tensor([5, 300, 301, 700, 3 * chunk + 900, 3 * chunk + 17])
+    with EmbeddingStore.open(tmp_path / "s", hot_bytes=64 * 600) as s:
+        assert torch.equal(s.get(ids), table[ids])
+        reader, native = s._versions.chunkrows, s._tiers.native_get
+        regions = {(i // chunk, (int(reader._off[i // chunk]) + i % chunk * dim * 4) // ASK_BYTES) for i in ids.tolist()}
+        assert native.asks == len(regions) < len(ids)
+        assert torch.equal(s.get(ids), table[ids])
+        assert native.asks == len(regions)  # blocks checked: nothing asked again
+    for f in files:
+        f.read_bytes()  # in the page cache now
+    with EmbeddingStore.open(tmp_path / "s", hot_bytes=64 * 600) as s:
+        assert torch.equal(s.get(ids), table[ids])
+        assert s._tiers.native_get.asks == 0
+
+
+@pytest.mark.parametrize("gets", ["native", "numpy"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(["get", "records", "fields", "update", "flush", "compact", "evict",
                                            "reopen"]),
                           st.lists(st.integers(0, N - 1), min_size=1, max_size=200)), min_size=1, max_size=14))
-def test_reads_match_a_tensor_model_across_writes_compaction_and_reopening(shm_path, ops):
+def test_reads_match_a_tensor_model_across_writes_compaction_and_reopening(shm_path, request, gets, ops):
     """Gets (and whole records, and named fields), updates, flushes, compaction, evictions and
-    reopening in any order, after every chunk was verified: every read returns the model's rows
-    exactly, whether from the hot tier, a delta segment or the maps; a reopened store returns
-    exactly what its last flush held."""
+    reopening in any order: every read returns the model's rows exactly, whether from the hot
+    tier, a delta segment or the maps; a reopened store returns exactly what its last flush held.
+    Through the C loop (mappedget.py) from a fresh handle (its first reads check blocks in the
+    loop); through the numpy path once every chunk was verified whole (its `gather_verified`)."""
+    request.getfixturevalue(f"{gets}_gets")
     path = shm_path / f"m{os.getpid()}-{np.random.default_rng().integers(1 << 40)}"
     table = compacted_store(path, N, DIM, CHUNK, seed=1)
     flushed = table.clone()
+    verify = _verify_all if gets == "numpy" else (lambda s: None)
     s = EmbeddingStore.open(path, hot_bytes=HOT)
     try:
-        _verify_all(s)
+        verify(s)
         for k, (op, ids) in enumerate(ops):
             if op == "reopen":
                 s.close()
                 table = flushed.clone()
                 s = EmbeddingStore.open(path, hot_bytes=HOT)
-                _verify_all(s)
+                verify(s)
             elif model_step(s, table, op, torch.tensor(ids), k):
                 flushed = table.clone()
         assert torch.equal(s.get(torch.arange(N)), table)
@@ -161,3 +256,43 @@ def test_row_index_any_of_agrees_with_find(segments, query):
                 index.add(seg)
         want = bool((index.find(q)[0] >= 0).any()) if len(q) else False
         assert index.any_of(q) == want
+
+
+def test_an_empty_call_returns_empty_fields(shm_path, native_gets):
+    """A get of no ids over mapped chunk files (one field, and several) returns empty rows of the
+    fields' shapes and types, as every other path does."""
+    with EmbeddingStore.create(shm_path / "s", N, DIM, chunk_rows=CHUNK, fields={"m": (torch.float32, DIM)}) as s:
+        s.update_fields(torch.arange(N), {"weight": torch.ones(N, DIM), "m": torch.zeros(N, DIM)})
+        s.flush()
+        s.compact()
+        s.flush()
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT * 2) as s:
+        s.get(torch.arange(0, N, 7))  # chunk files mapped and checked
+        none = torch.zeros(0, dtype=torch.int64)
+        assert s.get(none).shape == (0, DIM)
+        got = s.get_fields(none, ("weight", "m"))
+        assert got["weight"].shape == got["m"].shape == (0, DIM) and got["m"].dtype == torch.float32
+
+
+def test_a_row_whose_index_bit_is_set_without_a_record_stays_in_the_loop(shm_path, native_gets, monkeypatch):
+    """The row index's bitmap may mark an id with no delta record (a bit is a hint: the index
+    answers exactly): the C loop asks the index, and serves the call itself when no row of it has
+    a record, without the general path; a row with a record goes to the general path, newest
+    value returned."""
+    table = compacted_store(shm_path / "s", N, DIM, CHUNK)
+    with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
+        ids = torch.arange(0, 40)
+        table[ids] += 1
+        s.update(ids, table[ids])
+        s.flush()
+        s.evict(1 << 30)  # rows 0..39 now live in a delta segment only
+        s.get(torch.tensor([700]))  # chunk files mapped
+        rows = s._versions.rows
+        rows._bits[900 >> 3] |= 1 << (900 & 7)  # a hint with no record behind it
+        plans = _count_general_reads(monkeypatch)
+        q = torch.tensor([900, 1500])
+        assert torch.equal(s.get(q), table[q])
+        assert plans == []
+        q = torch.tensor([900, 5])
+        assert torch.equal(s.get(q), table[q])
+        assert plans == [2]  # (the call goes to the general path whole)

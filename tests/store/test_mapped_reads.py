@@ -70,9 +70,10 @@ def test_each_block_is_verified_once_per_map_until_invalidated(shm_path, monkeyp
         assert reader.map_counts[1] == 6 and dirs == [3, 3]
 
 
-def test_a_chunk_keeping_needing_first_reads_is_verified_whole(shm_path):
+def test_a_chunk_keeping_needing_first_reads_is_verified_whole(shm_path, numpy_gets):
     """After `WHOLE_AFTER` calls that verify blocks of a chunk one by one, the next checks the
-    whole chunk in one pass; then no block of it is checked again."""
+    whole chunk in one pass; then no block of it is checked again. (The general path's rule: the
+    C loop checks blocks one by one at no Python cost each, test_mapped_get.py.)"""
     table = compacted_store(shm_path / "s", N, DIM, CHUNK)
     with EmbeddingStore.open(shm_path / "s", hot_bytes=HOT) as s:
         reader = None
@@ -169,10 +170,11 @@ def test_rows_of_never_written_chunks_are_computed_beside_mapped_ones(shm_path):
         assert torch.equal(s.get(mixed[2:]), model[mixed[2:]])
 
 
-def test_while_reads_wait_for_the_disk_block_checks_ask_for_their_blocks_first(shm_path, monkeypatch):
+def test_while_reads_wait_for_the_disk_block_checks_ask_for_their_blocks_first(shm_path, monkeypatch, numpy_gets):
     """When reads lately missed the page cache, the blocks a call checks in the maps are asked
     from the kernel first (one hint per block, or per chunk checked whole), so their reads run
-    together rather than one page fault at a time; over the page cache nothing is asked."""
+    together rather than one page fault at a time; over the page cache nothing is asked. (The
+    general path's rule; the C loop's: test_mapped_get.py.)"""
     table = compacted_store(shm_path / "s", N, DIM, CHUNK)
     asked = []
     real = os.posix_fadvise
