@@ -354,7 +354,7 @@ class Versions:
         try:
             # one no manifest will list need not be durable
             self._disk.sync_segments([p for p in pending if p.seq not in gone])
-            new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
+            new = [self._disk.write_segment(seq, ids, records, reuse=True)] if len(ids) else []
             m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self.version,
                          num_rows=self._c.num_rows, table_rows=self.table_rows)
             self._parent = self.version
