@@ -52,10 +52,12 @@ class SegmentPool:
         return len(self._free)
 
     def put(self, name: str) -> bool:
-        """Move dropped segment file ``name`` into the pool (False: not moved, delete it instead).
-        The caller has published a layout that does not list it, and dropped its descriptors of the
-        chunk files it pooled (`recycle.FilePool`) before calling: this seals a read epoch."""
-        if self._dir_fd < 0 or self._pid != os.getpid() or len(self._free) >= self.limit:
+        """Move dropped segment file ``name`` into the pool (False: not moved, delete it instead);
+        a full pool deletes its oldest file for it (the newest drop is the likeliest size of the
+        next flush). The caller has published a layout that does not list it, and dropped its
+        descriptors of the chunk files it pooled (`recycle.FilePool`) before calling: this seals
+        a read epoch."""
+        if self._dir_fd < 0 or self._pid != os.getpid() or self.limit < 1:
             return False
         try:
             st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
@@ -73,25 +75,25 @@ class SegmentPool:
         with self._lock:
             self._free.append((pooled, st.st_size, ready))
             self.pooled += 1
+            old = [self._free.pop(0)[0] for _ in range(len(self._free) - self.limit)]
+        for n in old:
+            self._delete(n)
         return True
 
     def take(self, size: int) -> str | None:
         """A pooled file no read can reach any more for a segment of ``size`` bytes, or None. A
-        file more than twice that size is deleted instead (cutting it to length would free most of
-        it: a delete's cost with none of reuse's gain)."""
+        file more than twice that size stays (cutting it to length would free most of it on the
+        flush's time: a delete's cost, none of reuse's gain); the next drop replaces it."""
         if self._pid != os.getpid():
             return None
         with self._lock:
             if not self._free:
                 return None
             name, held, ready = self._free[0]
-            if self._epochs.reads_before(ready):
+            if held > 2 * size or self._epochs.reads_before(ready):
                 return None
             del self._free[0]
-        if held > 2 * size:
-            self._delete(name)
-            return None
-        self.reused += 1
+            self.reused += 1
         return name
 
     def drain(self) -> None:

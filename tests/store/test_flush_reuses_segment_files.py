@@ -120,9 +120,10 @@ def test_explicit_compact_gives_the_pooled_file_back(tmp_path):
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows")
 
 
-def test_a_pooled_file_far_larger_than_the_flush_is_deleted_not_cut(tmp_path):
+def test_a_pooled_file_far_larger_than_the_flush_is_left_for_the_next_drop(tmp_path):
     """A flush much smaller than the pooled file writes a new file (cutting the pooled one to
-    length would free most of it: the cost of a delete, none of the gain of reuse)."""
+    length would free most of it: the cost of a delete on the flush's time, none of the gain of
+    reuse); the next segment dropped takes its place, and the large file is deleted then."""
     path = tmp_path / "s"
     table = torch.zeros(N, DIM)
     rng = np.random.default_rng(3)
@@ -132,9 +133,15 @@ def test_a_pooled_file_far_larger_than_the_flush_is_deleted_not_cut(tmp_path):
         s.flush()
         s._wait_bg()
         assert len(disk.segment_pool) == 1
+        big = _pooled(path)
         _update(s, table, rng, 0.05)
         s.flush()
-        assert disk.segment_pool.reused == 0 and not _pooled(path)
+        assert disk.segment_pool.reused == 0 and _pooled(path) == big
+        s._wait_bg()
+        _update(s, table, rng, 0.5)
+        s.flush()
+        s._wait_bg()
+        assert len(_pooled(path)) == 1 and _pooled(path) != big  # reused or replaced by a newer drop
         assert_bitwise_equal(s.get(torch.arange(N)), table, "rows")
 
 
