@@ -12,7 +12,9 @@ waited for before the next repetition, so each flush is timed alone.
 
 Figures: per repetition, ``msync``'s time over the flush's (> 1: the store's flush is faster) and
 the flush's throughput as a share of the sequential write's; medians and ranges over
-repetitions (this machine is shared: single repetitions vary).
+repetitions (this machine is shared: single repetitions vary). As a diagnosis, the CPU time
+this process spent in each (user + system, every thread): where CPU is short (other work on
+the machine), a flush that needs more of it than ``msync`` does waits for it.
 
     embcache bench flush [--rows 500000] [--dim 128] [--frac 0.5] [--reps 5] [--dir DIR] [--out PATH]
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -60,10 +63,17 @@ def _sequential(path: Path, nbytes: int) -> float:
     return took
 
 
-def _timed(fn) -> float:
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of ``fn()``."""
+    c0 = _cpu()
     t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, _cpu() - c0
 
 
 def run(rows: int, dim: int, frac: float, reps: int, where: Path) -> dict:
@@ -89,27 +99,29 @@ def run(rows: int, dim: int, frac: float, reps: int, where: Path) -> dict:
             ids = np.sort(rng.choice(rows, k, replace=False))
             values = torch.randn(k, dim)
             s._wait_bg()  # a compaction the previous flush started: not part of this one
-            took = {}
+            took, cpu = {}, {}
             # Rotating order; each system's rows are written just before its own flush, so that
             # neither sync finds the other's dirty pages (a sync of the file system, or a journal
             # commit that orders data, would write and time them too).
             for name in (("flush", "msync") if rep % 2 == 0 else ("msync", "flush")):
                 if name == "flush":
                     s.update(torch.from_numpy(ids), values)
-                    took[name] = _timed(s.flush)
+                    took[name], cpu[name] = _timed(s.flush)
                 else:
                     mm[ids] = values.numpy()
-                    took[name] = _timed(mm.flush)
+                    took[name], cpu[name] = _timed(mm.flush)
                 s._wait_bg()
             flush_s, msync_s = took["flush"], took["msync"]
             nbytes = k * dim * 4
             seq_s = _sequential(where / "sequential", nbytes)
             runs.append({"rep": rep, "bytes": nbytes, "flush_s": flush_s, "msync_s": msync_s, "sequential_s": seq_s,
                          "flush_mib_s": nbytes / flush_s / MiB, "sequential_mib_s": nbytes / seq_s / MiB,
-                         "ratio": seq_s / flush_s, "vs_msync": msync_s / flush_s})
+                         "ratio": seq_s / flush_s, "vs_msync": msync_s / flush_s,
+                         "flush_cpu_s": cpu["flush"], "msync_cpu_s": cpu["msync"]})
             print(f"  rep {rep}: flush {nbytes / MiB:.0f} MiB in {flush_s:.3f} s ({nbytes / flush_s / MiB:.0f} MiB/s); "
                   f"memmap msync {msync_s:.3f} s: {msync_s / flush_s:.2f}x; sequential write + fsync {seq_s:.3f} s "
-                  f"({nbytes / seq_s / MiB:.0f} MiB/s): {seq_s / flush_s:.2f}x its throughput", flush=True)
+                  f"({nbytes / seq_s / MiB:.0f} MiB/s): {seq_s / flush_s:.2f}x its throughput; CPU flush "
+                  f"{cpu['flush']:.3f} s, msync {cpu['msync']:.3f} s", flush=True)
     finally:
         s.close()
         del mm
@@ -117,7 +129,9 @@ def run(rows: int, dim: int, frac: float, reps: int, where: Path) -> dict:
     return {"runs": runs, "median_ratio": statistics.median(r["ratio"] for r in runs),
             "median_vs_msync": statistics.median(vs), "range_vs_msync": [min(vs), max(vs)],
             "median_flush_mib_s": statistics.median(r["flush_mib_s"] for r in runs),
-            "median_sequential_mib_s": statistics.median(r["sequential_mib_s"] for r in runs)}
+            "median_sequential_mib_s": statistics.median(r["sequential_mib_s"] for r in runs),
+            "median_flush_cpu_s": statistics.median(r["flush_cpu_s"] for r in runs),
+            "median_msync_cpu_s": statistics.median(r["msync_cpu_s"] for r in runs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     lo, hi = res["range_vs_msync"]
     print(f"median: flush {res['median_flush_mib_s']:.0f} MiB/s = {res['median_ratio']:.2f}x the sequential "
           f"write's {res['median_sequential_mib_s']:.0f} MiB/s; {res['median_vs_msync']:.2f}x ({lo:.2f}-{hi:.2f}) "
-          f"the speed of memmap's msync of the same rows")
+          f"the speed of memmap's msync of the same rows; CPU: flush {res['median_flush_cpu_s']:.3f} s, msync "
+          f"{res['median_msync_cpu_s']:.3f} s")
     if args.out:
         write_json(args.out, res)
     return 0
