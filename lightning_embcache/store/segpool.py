@@ -108,6 +108,12 @@ class SegmentPool:
                 name = self._free.pop()[0]
             self._delete(name)
 
+    def forget(self) -> None:
+        """Keep nothing pooled and delete nothing (a store that met damage touches no file; the
+        next writable open deletes the file with the other temporary ones)."""
+        with self._lock:
+            self._free.clear()
+
     def close(self) -> None:
         """Delete the pooled files; nothing is pooled after this (the folder's descriptor closes)."""
         self.drain()

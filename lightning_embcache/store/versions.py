@@ -714,6 +714,8 @@ class Versions:
         if self.chunkrows is not None:
             self.chunkrows.close()
         if self.disk is not None:
+            if self.damage is not None:  # fail-stop: nothing deleted (a writable open removes it)
+                self._disk.segment_pool.forget()
             self._disk.close()
 
     def release(self) -> None:
