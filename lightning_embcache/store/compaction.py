@@ -230,6 +230,7 @@ class Compaction:
             while self._v.committed and self.compact_round(everything=True):
                 pass
             self._disk.pool.drain()
+            self._disk.segment_pool.drain()  # asked for by the user: disk use drops to what versions hold
 
     def _compact(self) -> None:
         """Background compaction: passes of bounded rounds. A pass goes on until every segment

@@ -39,6 +39,7 @@ from .errors import CorruptStoreError, StoreError, VersionNotFoundError, io_erro
 from .fileio import ANY_STORE, HEADER_SIZE, crc32, open_dir, pack, parse_header, read_file, write_file, write_parts
 from .limits import MAX_ROWS
 from .recycle import FilePool
+from .segpool import SegmentPool
 from .warm import MIN_RATIO
 
 _SEG_HEAD = struct.Struct("<QQQI")  # rows, row_bytes, index entries, chunk_rows
@@ -304,6 +305,8 @@ class Disk:
         # replaced chunk files a compaction round overwrites instead of creating new ones; every
         # read of a chunk file registers with it (see recycle.py)
         self.pool = FilePool(self._chunks_fd)
+        # a dropped segment file the next flush overwrites instead of creating one (segpool.py)
+        self.segment_pool = SegmentPool(self._segments_fd, self.pool)
         # Records of never-written rows: the store's `_init_rows` (see `set_init_rows`)
         self._init_rows: Callable[[], Callable[[np.ndarray], np.ndarray] | None] = lambda: None
         # (generation, newest segment folded) per chunk of the chunk map this handle reads
@@ -336,7 +339,8 @@ class Disk:
 
     def close(self) -> None:
         if getattr(self, "pool", None) is not None:
-            self.pool.close()  # before the folder's descriptor goes
+            self.pool.close()  # before the folders' descriptors go
+            self.segment_pool.close()
         for name in ("_root_fd", "_segments_fd", "_chunks_fd"):
             fd = getattr(self, name, None)
             if fd is not None:
@@ -995,6 +999,7 @@ class Disk:
         *,
         durable: bool = True,
         block_bytes: int | None = None,
+        reuse: bool = False,
     ) -> Segment:
         """Write sorted unique ``ids`` and their records as segment ``seq``.
 
@@ -1004,7 +1009,8 @@ class Disk:
         snapshot) gathers each block into one of two buffers used in turn (`fileio._write_stream`
         has written block k before block k + 2 is made). ``durable=False`` (write-back of evicted
         rows) skips the fsync; the flush that first lists the segment in a manifest syncs it
-        before publishing.
+        before publishing. ``reuse``: overwrite a dropped segment file kept for it (segpool.py;
+        a flush, which holds the writer lock) if there is one, instead of creating a file.
         """
         rb = self.row_bytes
         n = len(ids)
@@ -1042,9 +1048,9 @@ class Disk:
 
         path = self.segment_path(seq)
         t0 = time.perf_counter()
-        size = write_parts(
-            path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size, dir_fd=self._segments_fd
-        )
+        pooled = self.segment_pool.take(HEADER_SIZE + directory_size + n * rb) if reuse else None
+        size = write_parts(path, body(), durable=durable, head=head, head_size=HEADER_SIZE + directory_size,
+                           dir_fd=self._segments_fd, reuse=pooled)
         if not durable:
             self.write_back_seconds += time.perf_counter() - t0
         self.bytes_written += size
@@ -1235,8 +1241,8 @@ class Disk:
                         drop(d / name)
                 elif d.name == "segments":
                     m = SEGMENT_RE.match(name)
-                    if m and int(m.group(1)) < new_seq and int(m.group(1)) not in segs:
-                        drop(d / name)
+                    if m and int(m.group(1)) < new_seq and int(m.group(1)) not in segs and not stop():
+                        self.retire_segment(d / name)
                 elif d.name == "chunks":
                     m = CHUNK_RE.match(name)
                     if m is None:
@@ -1251,6 +1257,12 @@ class Disk:
                     if gen < new_gen and gen not in gens:
                         drop(d / name)
         return pooled
+
+    def retire_segment(self, path: Path) -> None:
+        """Dropped segment file ``path`` goes: into `segment_pool` for the next flush to
+        overwrite, where it has room, else deleted. Caller has published a layout without it."""
+        if not self.segment_pool.put(path.name):
+            self.delete_file(path)
 
     def retire_chunk(self, chunk: int, gen: int, *, pool: bool) -> bool:
         """Garbage chunk file ``(chunk, gen)`` goes: into `pool` for reuse (``pool``: while it has

@@ -200,12 +200,12 @@ class Garbage:
         if listed != [version]:
             return False
         pooled = [(c, g) for c, g in replaced if disk.retire_chunk(c, g, pool=True)]
-        for seg in dropped:
-            disk.delete_file(seg.path)
         if old_gen:
             disk.delete_file(disk.chunkmap_path(old_gen))
         if pooled:
             self._forget(pooled)
+        for seg in dropped:  # (after `_forget`: pooling one seals a read epoch)
+            disk.retire_segment(seg.path)
         return True
 
     def collect(self, at_open: bool = False) -> None:

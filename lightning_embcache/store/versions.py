@@ -354,7 +354,7 @@ class Versions:
         try:
             # one no manifest will list need not be durable
             self._disk.sync_segments([p for p in pending if p.seq not in gone])
-            new = [self._disk.write_segment(seq, ids, records)] if len(ids) else []
+            new = [self._disk.write_segment(seq, ids, records, reuse=True)] if len(ids) else []
             m = Manifest(version, self._cmap_gen, segs + [s.seq for s in new], parent=self.version,
                          num_rows=self._c.num_rows, table_rows=self.table_rows)
             self._parent = self.version
@@ -714,6 +714,8 @@ class Versions:
         if self.chunkrows is not None:
             self.chunkrows.close()
         if self.disk is not None:
+            if self.damage is not None:  # fail-stop: nothing deleted (a writable open removes it)
+                self._disk.segment_pool.forget()
             self._disk.close()
 
     def release(self) -> None:

@@ -21,5 +21,6 @@ def test_bench_flush_quick_run_reports_the_flush_against_msync_and_a_sequential_
         assert r["flush_s"] > 0 and r["sequential_s"] > 0
         assert abs(r["ratio"] - r["sequential_s"] / r["flush_s"]) < 1e-9
         assert r["msync_s"] > 0 and abs(r["vs_msync"] - r["msync_s"] / r["flush_s"]) < 1e-9
+        assert r["flush_cpu_s"] >= 0 and r["msync_cpu_s"] >= 0
     assert res["range_vs_msync"][0] <= res["median_vs_msync"] <= res["range_vs_msync"][1]
     assert not (tmp_path / "w" / "sequential").exists()

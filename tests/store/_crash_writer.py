@@ -2,12 +2,15 @@
 
     python _crash_writer.py      # a zygote: imports torch once, then forks one writer per request
 
-The zygote reads requests "PATH SEED MODE LOG" on stdin (MODE: "flush", or "compact" to call
-``compact()`` after every flush) and answers each with the pid of a forked writer process, which
+The zygote reads requests "PATH SEED MODE LOG" on stdin (MODE: "flush", "compact" to call
+``compact()`` after every flush, or "recycle": a memory-mode store, half the table updated each
+step, background compaction awaited after each flush, so each flush overwrites the segment file
+the previous one's compaction dropped, segpool.py) and answers each with the pid of a forked writer process, which
 the test kills with a real SIGKILL. Forking from a zygote keeps each trial from paying torch's
 import time. A writer appends to LOG, one write() per line: "ready" once the store is open,
 "ack STEP VERSION" after each flush returns (the test rebuilds the rows of STEP with
-``expected_rows``) and "compacted STEP" after each compaction. A line is written only after the
+``expected_rows``), "compacted STEP" after each compaction and, in mode "recycle", "reused N"
+(segment files overwritten so far) before each flush. A line is written only after the
 call it reports has returned, so the log holds exactly what the writer had acknowledged when
 it died.
 """
@@ -27,9 +30,13 @@ HOT_BYTES = 200 * (ROW_BYTES + 11)  # 200 of 3000 rows: evictions write dirty ro
 WARM_BYTES = 4 * CHUNK * ROW_BYTES
 
 
-def step_batches(seed: int, step: int):
-    """The update calls of ``step``: a few batches of random ids (with duplicates) and rows."""
+def step_batches(seed: int, step: int, mode: str = "flush"):
+    """The update calls of ``step``: a few batches of random ids (with duplicates) and rows; in
+    mode "recycle", half the table's rows (sorted) in one batch."""
     rng = np.random.default_rng([seed, step])
+    if mode == "recycle":
+        yield np.sort(rng.choice(N, N // 2, replace=False)), rng.standard_normal((N // 2, DIM)).astype(np.float32)
+        return
     for _ in range(int(rng.integers(1, 5))):
         n = int(rng.integers(1, 300))
         ids = rng.integers(0, N, n)
@@ -39,11 +46,11 @@ def step_batches(seed: int, step: int):
         yield ids, rng.standard_normal((n, DIM)).astype(np.float32)
 
 
-def expected_rows(seed: int, step: int) -> np.ndarray:
+def expected_rows(seed: int, step: int, mode: str = "flush") -> np.ndarray:
     """The table after the updates of steps 1..step, from a zero table; duplicates: last wins."""
     table = np.zeros((N, DIM), np.float32)
     for s in range(1, step + 1):
-        for ids, values in step_batches(seed, s):
+        for ids, values in step_batches(seed, s, mode):
             for i, row in enumerate(ids.tolist()):
                 table[row] = values[i]
     return table
@@ -56,15 +63,23 @@ def write_loop(path: str, seed: int, mode: str, log: str) -> None:
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        store = EmbeddingStore.open(path, hot_bytes=HOT_BYTES, warm_bytes=WARM_BYTES)
+        if mode == "recycle":
+            os.environ["EMBCACHE_COMPACTION_PROCESS"] = "never"  # rounds in this process: more flushes a second
+            store = EmbeddingStore.open(path)
+        else:
+            store = EmbeddingStore.open(path, hot_bytes=HOT_BYTES, warm_bytes=WARM_BYTES)
         os.write(fd, b"ready\n")
         step = 0
         while True:
             step += 1
-            for ids, values in step_batches(seed, step):
+            for ids, values in step_batches(seed, step, mode):
                 store.update(torch.from_numpy(ids), torch.from_numpy(values))
+            if mode == "recycle":
+                os.write(fd, f"reused {store._versions.disk.segment_pool.reused}\n".encode())
             version = store.flush()
             os.write(fd, f"ack {step} {version}\n".encode())
+            if mode == "recycle":
+                store._wait_bg()  # the segment is folded and dropped into the pool
             if mode == "compact":
                 store.compact()
                 os.write(fd, f"compacted {step}\n".encode())

@@ -259,3 +259,75 @@ def test_the_oracle_catches_a_fold_in_place_that_is_not_redone(tmp_path, monkeyp
         except CorruptStoreError:
             failed += 1
     assert failed > 0
+
+
+
+def _half_table_flushes(tmp_path, monkeypatch, every: int, flushes: int = 6):
+    """Flushes of half the table, each overwriting the segment file the previous one's background
+    compaction dropped (segpool.py), a power cut every ``every``-th file operation; returns
+    (oracle, models by version, rows, segment files reused)."""
+    import numpy as np
+    import torch
+
+    from lightning_embcache import EmbeddingStore
+
+    n, dim, chunk = 2048, 8, 64
+    path = tmp_path / "s"
+    oracle = _Cuts(path, tmp_path / "cuts", every=every)
+    oracle.patch(monkeypatch)
+    fileio.FAULTS = oracle
+    rng = np.random.default_rng(9)
+    model = torch.zeros(n, dim)
+    models = {0: model.clone()}
+    try:
+        store = EmbeddingStore.create(path, n, dim, chunk_rows=chunk, init="zeros")
+        oracle.acked = 0
+        for _ in range(flushes):
+            ids = torch.from_numpy(np.sort(rng.choice(n, n // 2, replace=False)))
+            vals = torch.from_numpy(rng.standard_normal((n // 2, dim)).astype(np.float32))
+            store.update(ids, vals)
+            model[ids] = vals
+            v = store.flush()
+            models[v] = model.clone()
+            oracle.acked = v
+            store._wait_bg()  # the segment is folded and dropped into the pool
+        reused = store._versions.disk.segment_pool.reused
+        store.close()
+    finally:
+        fileio.FAULTS = None
+    return oracle, models, n, reused
+
+
+def test_power_cuts_inside_flushes_into_reused_segment_files(tmp_path, monkeypatch):
+    """Every folder a cut leaves reopens to a version at least as new as the last acknowledged
+    flush, with exactly its rows, and every commit names only durable files: a reused segment
+    file is fsynced before its rename, like a new one."""
+    import torch
+
+    from lightning_embcache import EmbeddingStore
+
+    oracle, models, n, reused = _half_table_flushes(tmp_path, monkeypatch, every=7)
+    assert reused >= 4 and len(oracle.cuts) >= 30
+    assert oracle.violations == [], "\n".join(oracle.violations[:10])
+    for dst, acked in oracle.cuts:
+        if acked is None:
+            continue
+        with EmbeddingStore.open(dst) as again:
+            v = again.version
+            assert v >= acked, f"{dst.name}: reopened version {v}, but {acked} was acknowledged"
+            assert torch.equal(again.get(torch.arange(n)), models[v]), f"{dst.name}: version {v} has wrong rows"
+
+
+def test_a_reused_segment_file_not_fsynced_is_caught(tmp_path, monkeypatch):
+    """The oracle sees reused files: a reuse that skips the fsync before the rename is flagged."""
+    real = fileio.write_parts
+
+    def no_sync_on_reuse(path, parts, **kw):
+        if kw.get("reuse") is not None:
+            kw["durable"] = False
+        return real(path, parts, **kw)
+
+    monkeypatch.setattr(disk_mod, "write_parts", no_sync_on_reuse)
+    oracle, _, _, reused = _half_table_flushes(tmp_path, monkeypatch, every=10**9, flushes=3)
+    assert reused >= 1
+    assert any("were not fsynced" in v for v in oracle.violations), oracle.violations[:5]

@@ -50,7 +50,7 @@ def _start(zygote, path: Path, seed: int, mode: str) -> tuple[int, Path]:
     return pid, log
 
 
-def _check_after_kill(path: Path, seed: int, output: str) -> tuple[int, int]:
+def _check_after_kill(path: Path, seed: int, output: str, mode: str = "flush") -> tuple[int, int]:
     assert "error" not in output, f"writer failed before it was killed:\n{output}"
     acks = [tuple(map(int, ln.split()[1:])) for ln in output.splitlines() if ln.startswith("ack ")]
     step, version = acks[-1] if acks else (0, 0)
@@ -62,7 +62,7 @@ def _check_after_kill(path: Path, seed: int, output: str) -> tuple[int, int]:
         store.update([0], torch.ones(1, writer.DIM))
         assert store.flush() > opened
     # files a compaction pass kept for reuse (or was overwriting) when killed are gone
-    leftovers = [n for n in os.listdir(path / "chunks") if n.startswith(".")]
+    leftovers = [n for n in os.listdir(path / "chunks") + os.listdir(path / "segments") if n.startswith(".")]
     assert not leftovers, f"reopening left temporary or pooled files: {leftovers}"
     # Compaction may publish its layout under a new version number (same rows), so the number
     # only has to be at least the acknowledged one; the rows must be exactly those of the
@@ -70,7 +70,7 @@ def _check_after_kill(path: Path, seed: int, output: str) -> tuple[int, int]:
     assert opened >= version, f"reopened at version {opened}, older than the acknowledged version {version}"
     mismatches = {}
     for s in (step, step + 1):
-        want = writer.expected_rows(seed, s)
+        want = writer.expected_rows(seed, s, mode)
         bad = np.flatnonzero((got.view(np.int32) != want.view(np.int32)).any(axis=1))
         if not len(bad):
             if s == step and version in retained and version != opened:  # the acknowledged number opens too
@@ -95,7 +95,7 @@ def _run_trials(zygote, base: Path, mode: str, trials: int, max_delay: float = 1
         time.sleep(rng.uniform(0.0, max_delay))
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not alive(pid), 30, f"writer {pid} to die")
-        results.append(_check_after_kill(path, seed, log.read_text()))
+        results.append(_check_after_kill(path, seed, log.read_text(), mode))
     return results
 
 
@@ -112,6 +112,26 @@ def test_flush_survives_sigkill(zygote, tmp_path):
 def test_compaction_survives_sigkill(zygote, tmp_path):
     results = _run_trials(zygote, tmp_path, "compact", 5)
     assert any(step > 0 for step, _ in results), f"no trial got past its first flush: {results}"
+
+
+@pytest.mark.timeout(240)
+def test_flush_into_a_reused_segment_file_survives_sigkill(zygote, tmp_path):
+    """Flushes of half the table, each overwriting the segment file the previous flush's
+    compaction dropped (segpool.py): a kill inside the overwrite leaves the last flush."""
+    rng = random.Random()
+    reused_before_kill = 0
+    for t in range(6):
+        seed = rng.randrange(2**31)
+        path = tmp_path / f"recycle-{t}"
+        pid, log = _start(zygote, path, seed, "recycle")
+        time.sleep(rng.uniform(1.0, 3.0))
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not alive(pid), 30, f"writer {pid} to die")
+        output = log.read_text()
+        _check_after_kill(path, seed, output, "recycle")
+        counts = [int(ln.split()[1]) for ln in output.splitlines() if ln.startswith("reused ")]
+        reused_before_kill += bool(counts) and counts[-1] > 0
+    assert reused_before_kill >= 2, "too few trials were killed after flushes had begun reusing files"
 
 
 @pytest.mark.slow
