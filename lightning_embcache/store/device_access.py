@@ -80,7 +80,7 @@ class DeviceAccess:
             if self._c.closed or self._t.cow is not None or not self.resident_rows(i):
                 return False
             self._t.hot.pool_np[i] = records.numpy()
-            self._t.hot.dirty[i] = 1
+            self._t.hot.mark_dirty(i)
         self._c.stats.updates += 1
         self._s._waited(t0)
         return True
@@ -127,7 +127,7 @@ class DeviceAccess:
             yield queued.append
             if queued:
                 self._t.device_pending = queued[-1]
-            self._t.hot.dirty[idx] = 1
+            self._t.hot.mark_dirty(idx)
         self._c.stats.updates += 1
 
     def read(self, idx: np.ndarray) -> bool:

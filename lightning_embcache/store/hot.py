@@ -36,6 +36,12 @@ class HotTier:
         self.pool = self.buffer.tensor(self.capacity, row_bytes)  # uint8 (capacity, row_bytes)
         self.pool_np = self.pool.numpy()
         self.dirty = zeros(self.capacity, np.uint8)
+        # Slots marked dirty since the last `dirty_slots` (copies, duplicates and rows cleaned
+        # since included: a superset), so that a flush finds its rows at the cost of the rows
+        # written, not of a scan of every slot; None past `_log_cap` entries (then a scan).
+        self._dirty_log: list[np.ndarray] | None = []
+        self._log_rows = 0
+        self._log_cap = max(1 << 16, self.capacity // 8)
         self.inflight = zeros(self.capacity, np.bool_)
         # memory mode's steady state (every chunk loaded): lookups and the store's get/update skip
         # all residency checks. Never true for a cache of slots.
@@ -62,6 +68,41 @@ class HotTier:
             self._nfree = self.capacity
             self.hand = 0
         self.used = 0
+
+    # ---- dirty rows --------------------------------------------------------------------------
+    def mark_dirty(self, slots: np.ndarray) -> None:
+        """Rows in ``slots`` changed since they were last written out."""
+        self.dirty[slots] = 1
+        log = self._dirty_log
+        if log is not None:
+            n = np.size(slots)
+            if self._log_rows + n > self._log_cap:
+                self._dirty_log = None
+            else:
+                log.append(np.array(slots, dtype=np.int64, copy=True).reshape(-1))  # (the caller's array may change)
+                self._log_rows += n
+
+    def dirty_slots(self) -> np.ndarray:
+        """The dirty slots, sorted: from the log where it holds, else a scan of every slot."""
+        log = self._dirty_log
+        if log is None:
+            got = np.flatnonzero(self.dirty)
+        elif not log:
+            got = np.empty(0, np.int64)
+        else:
+            cand = idsets.unique(log[0] if len(log) == 1 else np.concatenate(log))
+            got = cand[self.dirty[cand] != 0]
+        self.forget_log(got)
+        return got
+
+    def forget_log(self, dirty: np.ndarray | None = None) -> None:
+        """Start the log again from ``dirty``, every slot dirty now (None: nothing is dirty)."""
+        if dirty is None or not len(dirty):
+            self._dirty_log, self._log_rows = [], 0
+        else:
+            self._dirty_log, self._log_rows = [dirty], len(dirty)
+            if self._log_rows > self._log_cap:
+                self._dirty_log = None
 
     # ---- lookup ------------------------------------------------------------------------------
     def lookup(self, ids: np.ndarray) -> np.ndarray:

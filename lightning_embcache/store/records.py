@@ -115,7 +115,7 @@ class Records:
                 self._c.check_open()
                 if self._t.cow is None and self._access.resident_rows(idx):
                     rowcopy.scatter(self._t.hot.pool_np, idx, records.numpy())
-                    self._t.hot.dirty[idx] = 1
+                    self._t.hot.mark_dirty(idx)
                 else:  # whole records through the tiers: no field-by-field path
                     self._t.write_records_into(idx, records.numpy())
                     self._s._note_dirty(len(idx))

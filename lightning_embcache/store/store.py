@@ -361,7 +361,7 @@ class EmbeddingStore:
             self._core.check_open()
             if self._tiers.hot.all_loaded and self._tiers.cow is None:  # steady state: one scatter + dirty marks
                 self._weight_np[idx] = to_np(v)
-                self._tiers.hot.dirty[idx] = 1
+                self._tiers.hot.mark_dirty(idx)
             else:
                 self._tiers.scatter(cast(np.ndarray, self._tiers.resolve(idx, load=True)), {"weight": v})
         self._core.stats.updates += 1

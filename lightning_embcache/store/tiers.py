@@ -295,7 +295,7 @@ class Tiers:
         if self.cow is not None:
             self.save_cow(slots)
         rowcopy.scatter(self.hot.pool_np, slots, records)
-        self.hot.dirty[slots] = 1
+        self.hot.mark_dirty(slots)
 
     def save_cow(self, slots: np.ndarray) -> None:
         """Before overwriting rows a flush is still writing, keep their snapshot records."""
@@ -313,7 +313,7 @@ class Tiers:
             self.save_cow(slots)
         for n, v in vals.items():
             self.np_views[n][slots] = to_np(v)
-        self.hot.dirty[slots] = 1
+        self.hot.mark_dirty(slots)
 
     def resolve(self, idx: np.ndarray, *, load: bool, for_write: bool = False,
                  values: dict[str, torch.Tensor] | None = None) -> Resolved:

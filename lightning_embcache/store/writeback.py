@@ -65,11 +65,11 @@ class WriteBack:
     # ------------------------------------------------------------------ what Versions asks
     def dirty_count(self) -> int:
         """Rows written since they were last written out (caller holds the lock)."""
-        return int(np.count_nonzero(self._t.hot.dirty))
+        return len(self._t.hot.dirty_slots())
 
     def dirty_slots(self) -> np.ndarray:
         """The hot slots of those rows (caller holds the lock)."""
-        return np.flatnonzero(self._t.hot.dirty)
+        return self._t.hot.dirty_slots()
 
     def forget_dirty(self) -> bool:
         """A store with no files "flushes" by forgetting which rows changed; whether any had."""
@@ -77,6 +77,7 @@ class WriteBack:
         if not hot.dirty.any():
             return False
         hot.dirty[:] = 0
+        hot.forget_log()
         return True
 
     def resident(self) -> bool:
@@ -283,7 +284,7 @@ class WriteBack:
         with self._c.lock:
             hot = self._t.hot
             if not ok:
-                hot.dirty[slots] = 1
+                hot.mark_dirty(slots)
             hot.inflight[slots] = False
             self._t.cow = None
             self._v.end_segment(seq)
@@ -341,7 +342,7 @@ class WriteBack:
                 at = torch.from_numpy(np.flatnonzero(res) + a)
                 for n, v in values.items():
                     tiers.np_views[n][slots[res]] = to_np(v[at])
-                hot.dirty[slots[res]] = 1
+                hot.mark_dirty(slots[res])
 
 
 def _last_of_each(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
