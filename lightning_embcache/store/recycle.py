@@ -35,6 +35,17 @@ FOLD_LOG = 4096  # files folded in place remembered (`unchanged_since`): more th
 POOL_PREFIX = ".pool-"  # with the ".tmp" suffix a writable open deletes leftovers of a crash
 
 
+def rename_into_pool(name: str, prefix: str, number: int, dir_fd: int) -> str | None:
+    """Rename file ``name`` to this process's pool name ``<prefix><pid>-<number>.tmp`` (a name no
+    manifest lists, which a writable open deletes); None where the rename failed."""
+    pooled = f"{prefix}{os.getpid()}-{number}.tmp"
+    try:
+        fileio.rename(name, pooled, dir_fd)
+    except OSError:
+        return None
+    return pooled
+
+
 class FilePool:
     """Garbage chunk files awaiting reuse in one folder, and the epochs of the reads in flight."""
 
@@ -167,10 +178,8 @@ class FilePool:
         if not self.room() or self._dir_fd < 0 or self._pid != os.getpid():
             return False
         self._names += 1
-        pooled = f"{POOL_PREFIX}{os.getpid()}-{self._names}.tmp"
-        try:
-            fileio.rename(name, pooled, self._dir_fd)
-        except OSError:
+        pooled = rename_into_pool(name, POOL_PREFIX, self._names, self._dir_fd)
+        if pooled is None:
             return False
         with self._lock:
             self._free.append((pooled, self._epoch + 1))

@@ -29,7 +29,7 @@ import stat
 import threading
 
 from . import fileio
-from .recycle import FilePool
+from .recycle import FilePool, rename_into_pool
 
 SEGMENT_POOL_PREFIX = ".segpool-"  # with the ".tmp" suffix a writable open deletes leftovers of a crash
 
@@ -66,10 +66,8 @@ class SegmentPool:
         if not stat.S_ISREG(st.st_mode):  # a symlink planted there is deleted, never reused
             return False
         self._names += 1
-        pooled = f"{SEGMENT_POOL_PREFIX}{os.getpid()}-{self._names}.tmp"
-        try:
-            fileio.rename(name, pooled, self._dir_fd)
-        except OSError:
+        pooled = rename_into_pool(name, SEGMENT_POOL_PREFIX, self._names, self._dir_fd)
+        if pooled is None:
             return False
         ready = self._epochs.seal()
         with self._lock:
