@@ -1,5 +1,6 @@
 """Memory mode's making of never-written chunks: all at once (`materialize`) or in a background
-thread (`start_filling`), so no training step pays a chunk's first touch.
+thread in the pauses of the work on rows (`start_filling`); beside a training loop each step
+makes its own new rows.
 
 `Filler` belongs to `Tiers`: it makes rows from their initial values (`StoreCore.init_records`)
 and installs them in the hot tier's pool under the store lock, keeping rows made or changed
@@ -29,11 +30,10 @@ if TYPE_CHECKING:
 #: tests that count first touches turn it off
 BACKGROUND_FILL = True
 FILL_BYTES = 4 << 20  # rows made per step of the background fill (the store lock is held to install them)
-#: while rows are read or written (a training loop: a get, update or lookup within the last
-#: FILL_IDLE_S), the background fill takes at most this share of its thread's time: at full speed
-#: its numpy calls and installs contend with the steps for the GIL, the store lock and the cores
-#: (docs/benchmarks.md, "First touch"); idle, it runs flat out
-FILL_SHARE = 0.5
+#: the fill makes rows only while no rows were read or written for this long: beside a training
+#: loop its numpy calls, page faults and installs contend with the steps for the GIL, the store
+#: lock and the cores, and even a small share of its thread's time slowed the steps more than the
+#: first touches it saves (docs/benchmarks.md, "First touch"); a step makes its own new rows
 FILL_IDLE_S = 0.05
 
 
@@ -47,23 +47,23 @@ class Filled(Protocol):
 
 
 def _fill_weakly(ref: weakref.ReferenceType[Filler]) -> None:
-    """The background fill, holding the tiers only during a step (a dropped store is collected)."""
+    """The background fill, holding the tiers only during a step (a dropped store is collected),
+    in the pauses of the work on rows (`FILL_IDLE_S`)."""
     start: int | None = 0
     while start is not None:
         filler = ref()
         if filler is None:
             return
         try:
-            t0 = time.perf_counter()
-            start = filler._fill_step(start)
-            t1 = time.perf_counter()
-            training = t1 - filler._c.rows_used_at < FILL_IDLE_S
+            busy = time.perf_counter() - filler._c.rows_used_at < FILL_IDLE_S
+            if not busy:
+                start = filler._fill_step(start)
         except Exception:  # the fill is an optimisation: a first touch still makes any row
             return
         finally:
             del filler
-        if training and start is not None:
-            time.sleep((t1 - t0) * (1 - FILL_SHARE) / FILL_SHARE)
+        if busy:
+            time.sleep(FILL_IDLE_S)  # rows are being read or written: wait for a pause
 
 
 class Filler:
@@ -104,9 +104,10 @@ class Filler:
 
     def start_filling(self) -> None:
         """Memory mode over never-written chunks: make them in a background thread, a few MiB
-        of rows at a time, so a table whose first batch made only its own rows reaches the
-        one-gather steady state soon (and faults its pages in off the training thread), instead
-        of after a whole epoch of first touches. Chunks with rows on disk load on demand."""
+        of rows at a time, whenever no rows were read or written for `FILL_IDLE_S` (evaluation,
+        a pause between epochs, a step's long compute), so a table whose batches made only their
+        own rows reaches the one-gather steady state without slowing the steps. Chunks with rows
+        on disk load on demand."""
         hot = self._t.hot
         if not BACKGROUND_FILL or not hot.resident or hot.all_loaded or self._c.init_kind == "callable":
             return
