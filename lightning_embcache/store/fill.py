@@ -11,6 +11,7 @@ load on demand through the tiers (`Filled.load_chunk_resident`).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -46,11 +47,11 @@ class Filled(Protocol):
     def load_chunk_resident(self, chunk: int) -> None: ...
 
 
-def _fill_weakly(ref: weakref.ReferenceType[Filler]) -> None:
+def _fill_weakly(ref: weakref.ReferenceType[Filler], stopping: threading.Event) -> None:
     """The background fill, holding the tiers only during a step (a dropped store is collected),
-    in the pauses of the work on rows (`FILL_IDLE_S`)."""
+    in the pauses of the work on rows (`FILL_IDLE_S`); ``stopping`` ends a wait for a pause."""
     start: int | None = 0
-    while start is not None:
+    while start is not None and not stopping.is_set():
         filler = ref()
         if filler is None:
             return
@@ -63,7 +64,7 @@ def _fill_weakly(ref: weakref.ReferenceType[Filler]) -> None:
         finally:
             del filler
         if busy:
-            time.sleep(FILL_IDLE_S)  # rows are being read or written: wait for a pause
+            stopping.wait(FILL_IDLE_S)  # rows are being read or written: wait for a pause
 
 
 class Filler:
@@ -75,8 +76,10 @@ class Filler:
         self._v = layout
         self._t = cast(Filled, weakref.proxy(tiers))
         self.executor: ThreadPoolExecutor | None = None  # the background fill (`start_filling`)
+        self._stopping = threading.Event()
 
     def stop(self, wait: bool = True) -> None:
+        self._stopping.set()
         stop_executor(self.executor, wait)
 
     def materialize(self) -> None:
@@ -112,7 +115,7 @@ class Filler:
         if not BACKGROUND_FILL or not hot.resident or hot.all_loaded or self._c.init_kind == "callable":
             return
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="embcache-fill")
-        self.executor.submit(_fill_weakly, weakref.ref(self))
+        self.executor.submit(_fill_weakly, weakref.ref(self), self._stopping)
 
     def _fill_step(self, start: int) -> int | None:
         """Make the next few never-written, not yet loaded chunks from ``start``; returns where

@@ -76,6 +76,7 @@ class FoldProcess:
         self._pid = os.getpid()
         self._broken = False
         self._ready = False
+        self._hello_lock = threading.Lock()
         self.base_rss = 0
         mine, theirs = socketpair()
         cfg = {"root": str(root), "num_rows": num_rows, "chunk_rows": chunk_rows, "row_bytes": row_bytes,
@@ -131,18 +132,23 @@ class FoldProcess:
         if self._broken or self._pid != os.getpid():
             return False
         if not self._ready:
-            try:
-                if not self._conn.poll():
-                    self._broken = self._proc.poll() is not None  # died before it was ready
+            # one reader of the child's hello: a second thread that polled too would block on a
+            # message already taken, or take the next one for it (and call the child broken)
+            with self._hello_lock:
+                if self._ready or self._broken:
+                    return self._ready
+                try:
+                    if not self._conn.poll():
+                        self._broken = self._proc.poll() is not None  # died before it was ready
+                        return False
+                    msg = self._conn.recv()
+                except (OSError, EOFError, TypeError):  # (TypeError: closed by another thread meanwhile)
+                    self._broken = True
                     return False
-                msg = self._conn.recv()
-            except (OSError, EOFError):
-                self._broken = True
-                return False
-            self._ready = isinstance(msg, tuple) and msg[0] == "ready"
-            self._broken = not self._ready
-            if self._ready:
-                self.base_rss = msg[1]
+                self._ready = isinstance(msg, tuple) and msg[0] == "ready"
+                self._broken = not self._ready
+                if self._ready:
+                    self.base_rss = msg[1]
         return self._ready
 
     def wait_ready(self, timeout: float) -> bool:

@@ -52,7 +52,8 @@ class CheckpointPins:
             raise CorruptStoreError(self.file, "checkpoint registry has no 'versions' table")
         out: dict[int, list[str]] = {}
         for v, files in table.items():
-            if not (isinstance(v, str) and v.isdigit() and len(v) < 19) or not isinstance(files, list) \
+            # (isdigit() holds for digits int() refuses, such as '²': ASCII digits only)
+            if not (isinstance(v, str) and v.isascii() and v.isdigit() and len(v) < 19) or not isinstance(files, list) \
                     or not all(isinstance(f, str) for f in files):
                 raise CorruptStoreError(self.file, f"checkpoint registry entry {v!r} is not version -> [file, ...]")
             out[int(v)] = list(files)

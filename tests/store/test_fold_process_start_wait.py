@@ -41,10 +41,10 @@ def _kill(proc: foldproc.FoldProcess) -> None:
         pass
 
 
-def _returns(fn, *args) -> list:
+def _returns(fn, *args, name: str | None = None) -> list:
     """Run ``fn(*args)`` in a thread; its result once it returned (a hang fails the test)."""
     out: list = []
-    t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
+    t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True, name=name)
     t.start()
     t.join(120)  # a bound on a hang only: every call here returns on an event the test makes
     assert not t.is_alive(), f"{fn.__name__} did not return"
@@ -93,12 +93,19 @@ def test_a_pass_waits_for_the_process_without_polling(tmp_path, monkeypatch):
         c.fold_process()  # starting
         assert c.fold_proc is not None
 
+        real_sleep, slept = compaction.time.sleep, []
+
         def no_sleep(seconds: float) -> None:
-            raise AssertionError(f"the wait for the compaction process polled (sleep({seconds}))")
+            # (time.sleep is one function for every thread: the store's own threads sleep on)
+            if threading.current_thread().name == "await-fold-process":
+                slept.append(seconds)
+                raise AssertionError(f"the wait for the compaction process polled (sleep({seconds}))")
+            real_sleep(seconds)
 
         monkeypatch.setattr(compaction.time, "sleep", no_sleep)
-        _returns(c._await_fold_process)
+        _returns(c._await_fold_process, name="await-fold-process")
         monkeypatch.undo()
+        assert not slept
         assert c.fold_process() is not None, "the pass went on before the process was up"
 
 
@@ -132,3 +139,4 @@ def test_close_ends_a_wait_for_a_process_that_never_comes_up(tmp_path, monkeypat
     finally:
         s.close()
         _kill(child)
+
