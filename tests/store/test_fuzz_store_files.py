@@ -238,6 +238,19 @@ def test_a_damaged_checkpoint_registry_is_a_named_error(raw):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_checkpoint_registry_version_of_digits_int_refuses_is_a_named_error():
+    """Found by the fuzz above: '²' passes str.isdigit() but not int()."""
+    from lightning_embcache.lightning.checkpoint_pins import CheckpointPins, registry_path
+
+    root = Path(tempfile.mkdtemp(prefix="embcache-reg-"))
+    try:
+        registry_path(root / "store").write_bytes(json.dumps({"format": 1, "versions": {"\u00b2": []}}).encode())
+        with pytest.raises(CorruptStoreError, match="is not version"):
+            CheckpointPins(root / "store")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_fuzz_figures():
     """Prints the figures docs/reliability.md reports (run after the fuzz tests, -s to see them)."""
     print(f"\nFUZZ {json.dumps(STATS)}")
