@@ -1,6 +1,5 @@
 """Memory mode's making of never-written chunks: all at once (`materialize`) or in a background
-thread in the pauses of the work on rows (`start_filling`); beside a training loop each step
-makes its own new rows.
+thread (`start_filling`), so no training step pays a chunk's first touch.
 
 `Filler` belongs to `Tiers`: it makes rows from their initial values (`StoreCore.init_records`)
 and installs them in the hot tier's pool under the store lock, keeping rows made or changed
@@ -31,10 +30,11 @@ if TYPE_CHECKING:
 #: tests that count first touches turn it off
 BACKGROUND_FILL = True
 FILL_BYTES = 4 << 20  # rows made per step of the background fill (the store lock is held to install them)
-#: the fill makes rows only while no rows were read or written for this long: beside a training
-#: loop its numpy calls, page faults and installs contend with the steps for the GIL, the store
-#: lock and the cores, and even a small share of its thread's time slowed the steps more than the
-#: first touches it saves (docs/benchmarks.md, "First touch"); a step makes its own new rows
+#: while rows are read or written (a training loop: a get, update or lookup within the last
+#: FILL_IDLE_S), the background fill takes at most this share of its thread's time: at full speed
+#: its numpy calls and installs contend with the steps for the GIL, the store lock and the cores
+#: (docs/benchmarks.md, "First touch"); idle, it runs flat out
+FILL_SHARE = 0.5
 FILL_IDLE_S = 0.05
 
 
@@ -48,23 +48,24 @@ class Filled(Protocol):
 
 
 def _fill_weakly(ref: weakref.ReferenceType[Filler], stopping: threading.Event) -> None:
-    """The background fill, holding the tiers only during a step (a dropped store is collected),
-    in the pauses of the work on rows (`FILL_IDLE_S`); ``stopping`` ends a wait for a pause."""
+    """The background fill, holding the tiers only during a step (a dropped store is collected);
+    ``stopping`` ends its pauses."""
     start: int | None = 0
     while start is not None and not stopping.is_set():
         filler = ref()
         if filler is None:
             return
         try:
-            busy = time.perf_counter() - filler._c.rows_used_at < FILL_IDLE_S
-            if not busy:
-                start = filler._fill_step(start)
+            t0 = time.perf_counter()
+            start = filler._fill_step(start)
+            t1 = time.perf_counter()
+            training = t1 - filler._c.rows_used_at < FILL_IDLE_S
         except Exception:  # the fill is an optimisation: a first touch still makes any row
             return
         finally:
             del filler
-        if busy:
-            stopping.wait(FILL_IDLE_S)  # rows are being read or written: wait for a pause
+        if training and start is not None:
+            stopping.wait((t1 - t0) * (1 - FILL_SHARE) / FILL_SHARE)
 
 
 class Filler:
@@ -107,10 +108,9 @@ class Filler:
 
     def start_filling(self) -> None:
         """Memory mode over never-written chunks: make them in a background thread, a few MiB
-        of rows at a time, whenever no rows were read or written for `FILL_IDLE_S` (evaluation,
-        a pause between epochs, a step's long compute), so a table whose batches made only their
-        own rows reaches the one-gather steady state without slowing the steps. Chunks with rows
-        on disk load on demand."""
+        of rows at a time, so a table whose first batch made only its own rows reaches the
+        one-gather steady state soon (and faults its pages in off the training thread), instead
+        of after a whole epoch of first touches. Chunks with rows on disk load on demand."""
         hot = self._t.hot
         if not BACKGROUND_FILL or not hot.resident or hot.all_loaded or self._c.init_kind == "callable":
             return

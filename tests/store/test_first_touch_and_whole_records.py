@@ -5,8 +5,6 @@ documented formula, bit for bit."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -150,11 +148,9 @@ def test_whole_records_match_a_model_in_every_mode_without_a_field_by_field_path
 
 
 @pytest.mark.parametrize("with_fields", [False, True])
-def test_the_background_fill_makes_every_row_and_keeps_rows_changed_meanwhile(tmp_path, with_fields, monkeypatch):
-    """The fill runs beside updates and flushes of the same rows (here without waiting for a
-    pause): at the end every row is either its initial value or the value written last, and the
-    table reaches the one-gather state."""
-    monkeypatch.setattr(fill, "FILL_IDLE_S", 0.0)
+def test_the_background_fill_makes_every_row_and_keeps_rows_changed_meanwhile(tmp_path, with_fields):
+    """The fill runs beside updates and flushes of the same rows: at the end every row is either
+    its initial value or the value written last, and the table reaches the one-gather state."""
     n = 40 * CHUNK + 3
     fields = FIELDS if with_fields else None
     s = EmbeddingStore.create(tmp_path / "s", n, 4, chunk_rows=CHUNK, init="normal", seed=11, fields=fields)
@@ -176,27 +172,3 @@ def test_the_background_fill_makes_every_row_and_keeps_rows_changed_meanwhile(tm
         s.close()
     with EmbeddingStore.open(tmp_path / "s", readonly=True) as r:
         assert torch.equal(r.get(torch.arange(n)), want)
-
-
-def test_the_background_fill_waits_while_rows_are_read_or_written(tmp_path, monkeypatch):
-    """Beside a training loop the fill makes nothing (each step makes its own new rows); it
-    makes the rest in the pauses. A long pause threshold: the updates below all fall inside it."""
-    monkeypatch.setattr(fill, "FILL_IDLE_S", 30.0)
-    steps: list[int] = []
-    real = fill.Filler._fill_step
-    monkeypatch.setattr(fill.Filler, "_fill_step", lambda self, start: (steps.append(start), real(self, start))[1])
-    n, dim = 2000 * CHUNK, 64  # 32 MiB of rows: several of the fill's steps
-    s = EmbeddingStore.create(tmp_path / "s", n, dim, chunk_rows=CHUNK, init="normal", seed=3)
-    try:
-        s.update(torch.tensor([0]), torch.ones(1, dim))
-        before = len(steps)  # (at most one step ran before the first update)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(20):
-            ids = torch.unique(torch.randint(0, n, (30,), generator=g))
-            s.update(ids, torch.full((len(ids), dim), 2.0))
-            assert torch.equal(s.get(ids), torch.full((len(ids), dim), 2.0))
-            time.sleep(0.02)  # a step's compute: room for a fill that does not wait to run
-        assert len(steps) == before and before <= 1
-        assert not s._tiers.hot.all_loaded
-    finally:
-        s.close()
