@@ -203,7 +203,9 @@ def fused_adam_step_rows(optimizer, weight: Tensor, state: dict[str, Tensor], id
             or not all(t.is_cuda and t.dim() == 2 and t.stride(1) == 1 for t in (weight, m, v))
             or m.dtype != torch.float32 or v.dtype != torch.float32
             or grads.shape[1] != weight.shape[1] or ids.numel() == 0
-            or isinstance(step, bool) or not isinstance(step, int) or step < 1):
+            or isinstance(step, bool) or not isinstance(step, int) or step < 1
+            or (meta is not None and not all(t.is_cuda and t.dtype == torch.int32 and t.shape[0] == weight.shape[0]
+                                             for t in meta))):
         return False
     beta1, beta2 = optimizer.betas
     wd = optimizer.weight_decay
@@ -220,10 +222,8 @@ def fused_adam_step_rows(optimizer, weight: Tensor, state: dict[str, Tensor], id
     rounding = 0 if weight.dtype == torch.float32 else 2 if stochastic_rounding else 1
     key_ids = ids if keys is None else keys.to(device=ids.device, dtype=torch.int64)
     offset = noise_offset(step, seed)
-    if meta is not None and not all(t.is_cuda and t.dtype == torch.int32 and t.shape[0] == num_rows for t in meta):
-        return False
-    last, upd = meta if meta is not None else (ids, ids)  # (unused without META)
-    counts = (*strides, last.stride(0) if meta is not None else 0, upd.stride(0) if meta is not None else 0, step)
+    last, upd = meta if meta is not None else (ids, ids)  # (not read without META)
+    counts = (*strides, last.stride(0), upd.stride(0), step)
     if n <= SCAN_MAX_IDS:
         _adam_rows_scan_kernel[(n,)](weight, m, v, grads, ids, key_ids, last, upd, n, num_rows, dim, *counts,
                                      *scalars, offset, BLOCK_D=block, BLOCK_Q=32, ROUND=rounding,
